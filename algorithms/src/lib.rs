@@ -1,0 +1,319 @@
+//! eccl's collectives as pure schedules: which primitive each rank runs in each step,
+//! the choice among ring, direct and tree, and the reduction kernels.
+//!
+//! Nothing here does I/O. [`build`] turns a [`Descriptor`] into one rank's [`Schedule`];
+//! the peer runs it over links, and [`mem`] runs every rank's at once in memory, which
+//! is how every algorithm is tested at every world size.
+//!
+//! Buffer lengths follow NCCL's count convention (see [`buffer_lens`]); in a world of one
+//! every collective is a local copy.
+
+pub mod element;
+pub mod kernels;
+pub mod mem;
+pub mod schedule;
+pub mod tuner;
+
+mod collectives;
+
+pub use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
+pub use element::Element;
+pub use schedule::*;
+pub use tuner::{available_algos, choose_algo, Choice};
+
+use collectives::{Body, Ctx};
+
+/// Why [`build`] refused a descriptor.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The call itself is wrong (operator invalid for the dtype, root or rank outside the
+    /// world, an empty world, send/recv, a count whose buffers do not fit in memory).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The algorithm exists but not for this collective; [`choose_algo`] never picks it.
+    #[error("{algo} is not available for {kind} (available: {})", names(available_algos(*kind)))]
+    Unsupported { kind: CollectiveKind, algo: Algo },
+}
+
+fn names(algos: &[Algo]) -> String {
+    algos
+        .iter()
+        .map(|a| a.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Buffer lengths in elements, `(input_len, output_len)`, that rank `rank`'s schedule
+/// uses for a collective of `kind` with `count` elements (NCCL's convention) in a world
+/// of `world` ranks:
+///
+/// | kind | input | output |
+/// |---|---|---|
+/// | broadcast | `count` on the root, 0 elsewhere | `count` |
+/// | reduce | `count` | `count` on the root, 0 elsewhere |
+/// | all_reduce | `count` | `count` |
+/// | scatter | `count * world` on the root, 0 elsewhere | `count` |
+/// | gather | `count` | `count * world` on the root, 0 elsewhere |
+/// | all_gather | `count` | `count * world` |
+/// | reduce_scatter | `count * world` | `count` |
+/// | all_to_all | `count * world` | `count * world` |
+/// | barrier | 0 | 0 |
+/// | send/recv | `count` | `count` (not a schedule; for the caller's convenience) |
+///
+/// Products saturate rather than overflow; [`build`] rejects such counts.
+pub fn buffer_lens(
+    kind: CollectiveKind,
+    count: usize,
+    world: u32,
+    rank: u32,
+    root: u32,
+) -> (usize, usize) {
+    use CollectiveKind::*;
+    let all = count.saturating_mul(world as usize);
+    let on_root = |len: usize| if rank == root { len } else { 0 };
+    match kind {
+        Broadcast => (on_root(count), count),
+        Reduce => (count, on_root(count)),
+        AllReduce => (count, count),
+        Scatter => (on_root(all), count),
+        Gather => (count, on_root(all)),
+        AllGather => (count, all),
+        ReduceScatter => (all, count),
+        AllToAll => (all, all),
+        Barrier => (0, 0),
+        SendRecv => (count, count),
+    }
+}
+
+/// Builds rank `rank`'s schedule for `desc` (its `algo` already chosen, see
+/// [`choose_algo`]) in a world of `world` ranks.
+///
+/// The operator is checked against the dtype only for collectives that reduce, and the
+/// root against the world only for rooted ones; the other fields are ignored there, as
+/// in NCCL.
+pub fn build(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, BuildError> {
+    use CollectiveKind::*;
+    let kind = desc.kind;
+    let invalid = |m: String| Err(BuildError::InvalidArgument(m));
+    if kind == SendRecv {
+        return invalid("send/recv is point-to-point, not a collective schedule".into());
+    }
+    if world == 0 || world as usize > eccl_protocol::MAX_WORLD_SIZE {
+        return invalid(format!(
+            "world of {world} ranks (must be 1..={})",
+            eccl_protocol::MAX_WORLD_SIZE
+        ));
+    }
+    if rank >= world {
+        return invalid(format!("rank {rank} is not in a world of {world}"));
+    }
+    if kind.is_rooted() && desc.root >= world {
+        return invalid(format!("root {} is not in a world of {world}", desc.root));
+    }
+    if kind.reduces() && !desc.op.valid_for(desc.dtype) {
+        return invalid(format!("{} is not defined for {}", desc.op, desc.dtype));
+    }
+    if !available_algos(kind).contains(&desc.algo) {
+        return Err(BuildError::Unsupported {
+            kind,
+            algo: desc.algo,
+        });
+    }
+    // Every buffer and scratch area of every algorithm is at most `count * world`
+    // elements, so bounding that bounds them all.
+    let count = usize::try_from(desc.count).ok().filter(|c| {
+        c.checked_mul(world as usize)
+            .and_then(|e| e.checked_mul(desc.dtype.size()))
+            .is_some_and(|b| b <= isize::MAX as usize)
+    });
+    let Some(count) = count else {
+        return invalid(format!(
+            "count {} of {} in a world of {world} does not fit in memory",
+            desc.count, desc.dtype
+        ));
+    };
+
+    let cx = Ctx {
+        rank: rank as usize,
+        world: world as usize,
+        root: desc.root as usize,
+        count,
+        finalize: kind.reduces() && desc.op == ReduceOp::Avg,
+    };
+    let body: Body = if world == 1 {
+        collectives::local(&cx, kind == Barrier)
+    } else {
+        use collectives::*;
+        match (kind, desc.algo) {
+            (AllReduce, Algo::Ring) => all_reduce::ring(&cx),
+            (AllReduce, Algo::Direct) => all_reduce::direct(&cx),
+            (AllReduce, Algo::Tree) => all_reduce::tree(&cx),
+            (ReduceScatter, Algo::Ring) => reduce_scatter::ring(&cx),
+            (ReduceScatter, Algo::Direct) => reduce_scatter::direct(&cx),
+            (AllGather, Algo::Ring) => all_gather::ring(&cx),
+            (AllGather, Algo::Direct) => all_gather::direct(&cx),
+            (Broadcast, Algo::Ring) => broadcast::ring(&cx),
+            (Broadcast, Algo::Direct) => broadcast::direct(&cx),
+            (Broadcast, Algo::Tree) => broadcast::tree(&cx),
+            (Reduce, Algo::Ring) => reduce::ring(&cx),
+            (Reduce, Algo::Direct) => reduce::direct(&cx),
+            (Reduce, Algo::Tree) => reduce::tree(&cx),
+            (Scatter, Algo::Direct) => scatter::direct(&cx),
+            (Gather, Algo::Direct) => gather::direct(&cx),
+            (AllToAll, Algo::Direct) => all_to_all::direct(&cx),
+            (Barrier, Algo::Direct) => barrier::direct(&cx),
+            (Barrier, Algo::Tree) => barrier::tree(&cx),
+            // Checked against `available_algos` above; kept as an error, not a panic, in
+            // case the two tables drift apart.
+            (kind, algo) => return Err(BuildError::Unsupported { kind, algo }),
+        }
+    };
+    let (input_len, output_len) = buffer_lens(kind, count, world, rank, desc.root);
+    Ok(Schedule {
+        algo: desc.algo,
+        steps: body.steps,
+        input_len,
+        output_len,
+        scratch_len: body.scratch_len,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(
+        kind: CollectiveKind,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algo,
+        root: u32,
+        count: u64,
+    ) -> Descriptor {
+        Descriptor {
+            kind,
+            dtype,
+            op,
+            algo,
+            root,
+            count,
+        }
+    }
+
+    #[test]
+    fn rejects_invalid_calls() {
+        use CollectiveKind::*;
+        let bad = |d: Descriptor, rank, world| match build(&d, rank, world) {
+            Err(BuildError::InvalidArgument(m)) => m,
+            other => panic!("{d} rank {rank}/{world}: {other:?}"),
+        };
+        let ok = desc(AllReduce, DType::F32, ReduceOp::Sum, Algo::Ring, 0, 10);
+        assert!(build(&ok, 0, 4).is_ok());
+        bad(
+            desc(AllReduce, DType::I32, ReduceOp::Avg, Algo::Ring, 0, 10),
+            0,
+            4,
+        );
+        bad(
+            desc(ReduceScatter, DType::F32, ReduceOp::BXor, Algo::Ring, 0, 10),
+            0,
+            4,
+        );
+        bad(
+            desc(Reduce, DType::BF16, ReduceOp::BAnd, Algo::Tree, 0, 10),
+            0,
+            4,
+        );
+        bad(
+            desc(Broadcast, DType::F32, ReduceOp::Sum, Algo::Tree, 4, 10),
+            0,
+            4,
+        );
+        bad(
+            desc(Gather, DType::F32, ReduceOp::Sum, Algo::Direct, 9, 10),
+            0,
+            4,
+        );
+        bad(
+            desc(SendRecv, DType::F32, ReduceOp::Sum, Algo::Direct, 0, 10),
+            0,
+            4,
+        );
+        bad(ok, 0, 0);
+        bad(ok, 4, 4);
+        bad(ok, 0, eccl_protocol::MAX_WORLD_SIZE as u32 + 1);
+        bad(
+            desc(
+                AllReduce,
+                DType::F32,
+                ReduceOp::Sum,
+                Algo::Ring,
+                0,
+                u64::MAX,
+            ),
+            0,
+            4,
+        );
+        bad(
+            desc(
+                AllGather,
+                DType::F64,
+                ReduceOp::Sum,
+                Algo::Ring,
+                0,
+                (isize::MAX as u64) / 16,
+            ),
+            0,
+            4,
+        );
+        // The op of a non-reducing kind and the root of a non-rooted kind are ignored.
+        assert!(build(
+            &desc(Broadcast, DType::F32, ReduceOp::BXor, Algo::Ring, 0, 10),
+            0,
+            4
+        )
+        .is_ok());
+        assert!(build(
+            &desc(AllGather, DType::F32, ReduceOp::Sum, Algo::Ring, 99, 10),
+            0,
+            4
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn rejects_algorithms_a_kind_lacks() {
+        use CollectiveKind::*;
+        for kind in CollectiveKind::ALL.into_iter().filter(|k| *k != SendRecv) {
+            for algo in Algo::ALL {
+                let r = build(&desc(kind, DType::F32, ReduceOp::Sum, algo, 0, 3), 0, 2);
+                if available_algos(kind).contains(&algo) {
+                    assert!(r.is_ok(), "{kind} {algo}: {r:?}");
+                } else {
+                    assert!(
+                        matches!(r, Err(BuildError::Unsupported { .. })),
+                        "{kind} {algo}: {r:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn buffer_lens_follow_nccl() {
+        use CollectiveKind::*;
+        assert_eq!(buffer_lens(Broadcast, 5, 4, 1, 1), (5, 5));
+        assert_eq!(buffer_lens(Broadcast, 5, 4, 0, 1), (0, 5));
+        assert_eq!(buffer_lens(Reduce, 5, 4, 0, 1), (5, 0));
+        assert_eq!(buffer_lens(Scatter, 5, 4, 1, 1), (20, 5));
+        assert_eq!(buffer_lens(Gather, 5, 4, 1, 1), (5, 20));
+        assert_eq!(buffer_lens(AllGather, 5, 4, 0, 0), (5, 20));
+        assert_eq!(buffer_lens(ReduceScatter, 5, 4, 0, 0), (20, 5));
+        assert_eq!(buffer_lens(AllToAll, 5, 4, 0, 0), (20, 20));
+        assert_eq!(buffer_lens(Barrier, 5, 4, 0, 0), (0, 0));
+        assert_eq!(
+            buffer_lens(AllGather, usize::MAX, 4, 0, 0),
+            (usize::MAX, usize::MAX)
+        );
+    }
+}

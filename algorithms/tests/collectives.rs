@@ -1,0 +1,321 @@
+//! Every collective × every algorithm it has × worlds 1..=8 × awkward counts, run on
+//! the in-memory executor and compared byte for byte with the naive reference.
+//!
+//! Float inputs hold small integers so that every association order gives the same
+//! sum exactly; integer inputs are arbitrary bits, since wrapping arithmetic and
+//! bitwise operators are associative and commutative anyway. The G3 test below uses
+//! real fractions and checks what must hold regardless: all ranks agree bit for bit.
+
+use eccl_algorithms::{
+    available_algos, buffer_lens, build, mem, Algo, CollectiveKind, DType, Descriptor, ReduceOp,
+};
+use half::{bf16, f16};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+const COUNTS: [usize; 10] = [0, 1, 2, 3, 5, 7, 8, 13, 64, 257];
+
+const REDUCING: [(DType, ReduceOp); 17] = [
+    (DType::F32, ReduceOp::Sum),
+    (DType::F32, ReduceOp::Avg),
+    (DType::F32, ReduceOp::Min),
+    (DType::F32, ReduceOp::Max),
+    (DType::F32, ReduceOp::Prod),
+    (DType::F64, ReduceOp::Sum),
+    (DType::F64, ReduceOp::Avg),
+    (DType::F16, ReduceOp::Sum),
+    (DType::F16, ReduceOp::Avg),
+    (DType::BF16, ReduceOp::Max),
+    (DType::BF16, ReduceOp::Sum),
+    (DType::I8, ReduceOp::Sum),
+    (DType::U8, ReduceOp::BXor),
+    (DType::I32, ReduceOp::Prod),
+    (DType::I32, ReduceOp::Min),
+    (DType::I64, ReduceOp::BAnd),
+    (DType::I64, ReduceOp::BOr),
+];
+
+/// Moving data does not depend on the operator; these cover every element size.
+const MOVING: [(DType, ReduceOp); 4] = [
+    (DType::F32, ReduceOp::Sum),
+    (DType::U8, ReduceOp::Sum),
+    (DType::F16, ReduceOp::Sum),
+    (DType::I64, ReduceOp::Sum),
+];
+
+/// One element's bytes: a small integer for floats (exact under any association),
+/// arbitrary bits for integers.
+fn element(rng: &mut StdRng, dtype: DType, op: ReduceOp) -> Vec<u8> {
+    let v: f32 = match op {
+        // Products of at most 8 factors in {±1, ±2} stay exact even in bf16.
+        ReduceOp::Prod => [-2.0, -1.0, 1.0, 2.0][rng.gen_range(0..4)],
+        // Sums of at most 8 values in -8..=7 stay exact even in bf16.
+        _ => rng.gen_range(-8..=7) as f32,
+    };
+    match dtype {
+        DType::F32 => v.to_le_bytes().to_vec(),
+        DType::F64 => (v as f64).to_le_bytes().to_vec(),
+        DType::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+        DType::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
+        _ => (0..dtype.size()).map(|_| rng.gen()).collect(),
+    }
+}
+
+fn inputs(rng: &mut StdRng, desc: &Descriptor, world: u32) -> Vec<Vec<u8>> {
+    (0..world)
+        .map(|r| {
+            let (len, _) = buffer_lens(desc.kind, desc.count as usize, world, r, desc.root);
+            (0..len)
+                .flat_map(|_| element(rng, desc.dtype, desc.op))
+                .collect()
+        })
+        .collect()
+}
+
+fn check_kind(kind: CollectiveKind, combos: &[(DType, ReduceOp)]) -> usize {
+    let mut rng = StdRng::seed_from_u64(0xecc1 + kind as u64);
+    let mut runs = 0;
+    for &algo in available_algos(kind) {
+        for world in 1..=8u32 {
+            let roots: Vec<u32> = if kind.is_rooted() && world > 1 {
+                vec![0, world - 1]
+            } else {
+                vec![0]
+            };
+            for &root in &roots {
+                for count in COUNTS {
+                    for &(dtype, op) in combos {
+                        let desc = Descriptor {
+                            kind,
+                            dtype,
+                            op,
+                            algo,
+                            root,
+                            count: count as u64,
+                        };
+                        let ins = inputs(&mut rng, &desc, world);
+                        let got = mem::run_all(&desc, world, &ins)
+                            .unwrap_or_else(|e| panic!("{desc} world {world}: {e}"));
+                        let want = mem::reference(&desc, world, &ins);
+                        for r in 0..world as usize {
+                            let (_, out_len) = buffer_lens(kind, count, world, r as u32, root);
+                            assert_eq!(
+                                got[r].len(),
+                                out_len * dtype.size(),
+                                "{desc} world {world} rank {r}: output length"
+                            );
+                            assert_eq!(got[r], want[r], "{desc} world {world} rank {r}");
+                        }
+                        runs += 1;
+                    }
+                }
+            }
+        }
+    }
+    runs
+}
+
+#[test]
+fn all_reduce_matches_reference() {
+    assert!(check_kind(CollectiveKind::AllReduce, &REDUCING) > 0);
+}
+
+#[test]
+fn reduce_scatter_matches_reference() {
+    assert!(check_kind(CollectiveKind::ReduceScatter, &REDUCING) > 0);
+}
+
+#[test]
+fn reduce_matches_reference() {
+    assert!(check_kind(CollectiveKind::Reduce, &REDUCING) > 0);
+}
+
+#[test]
+fn broadcast_matches_reference() {
+    check_kind(CollectiveKind::Broadcast, &MOVING);
+}
+
+#[test]
+fn all_gather_matches_reference() {
+    check_kind(CollectiveKind::AllGather, &MOVING);
+}
+
+#[test]
+fn scatter_gather_all_to_all_match_reference() {
+    check_kind(CollectiveKind::Scatter, &MOVING);
+    check_kind(CollectiveKind::Gather, &MOVING);
+    check_kind(CollectiveKind::AllToAll, &MOVING);
+}
+
+#[test]
+fn barrier_exchanges_frames_and_completes() {
+    check_kind(CollectiveKind::Barrier, &MOVING[..1]);
+    for algo in available_algos(CollectiveKind::Barrier) {
+        for world in 2..=8u32 {
+            let desc = Descriptor {
+                kind: CollectiveKind::Barrier,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                algo: *algo,
+                root: 0,
+                count: 0,
+            };
+            for r in 0..world {
+                let s = build(&desc, r, world).unwrap();
+                // Every rank must hear from someone, or the barrier would not wait.
+                assert!(s
+                    .steps
+                    .iter()
+                    .flat_map(|st| &st.prims)
+                    .any(|p| p.recvs_from().is_some()));
+            }
+        }
+    }
+}
+
+/// Guarantee G3: with fractional inputs, where association order changes the bits, every
+/// rank still ends with the same bits.
+#[test]
+fn all_reduce_results_are_bitwise_identical_across_ranks() {
+    let mut rng = StdRng::seed_from_u64(3);
+    for algo in [Algo::Ring, Algo::Tree, Algo::Direct] {
+        for world in 2..=8u32 {
+            for count in [1usize, 7, 64, 1000] {
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod] {
+                    let desc = Descriptor {
+                        kind: CollectiveKind::AllReduce,
+                        dtype: DType::F32,
+                        op,
+                        algo,
+                        root: 0,
+                        count: count as u64,
+                    };
+                    let ins: Vec<Vec<u8>> = (0..world)
+                        .map(|_| {
+                            (0..count)
+                                .flat_map(|_| (rng.gen::<f32>() * 2.0 - 1.0).to_le_bytes())
+                                .collect()
+                        })
+                        .collect();
+                    let out = mem::run_all(&desc, world, &ins).unwrap();
+                    for r in 1..world as usize {
+                        assert_eq!(
+                            out[r], out[0],
+                            "{desc} world {world}: rank {r} differs from rank 0"
+                        );
+                    }
+                    // And the result is the sum, up to rounding.
+                    if op == ReduceOp::Sum {
+                        let f = |b: &[u8], i: usize| {
+                            f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap())
+                        };
+                        for i in 0..count {
+                            let exact: f64 = ins.iter().map(|x| f(x, i) as f64).sum();
+                            assert!(
+                                (f(&out[0], i) as f64 - exact).abs() < 1e-5,
+                                "{desc} world {world}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The same schedule run twice gives the same bits (no hidden nondeterminism).
+#[test]
+fn reduce_scatter_and_reduce_are_deterministic_with_fractions() {
+    let mut rng = StdRng::seed_from_u64(4);
+    for kind in [CollectiveKind::ReduceScatter, CollectiveKind::Reduce] {
+        for &algo in available_algos(kind) {
+            for world in 2..=6u32 {
+                let desc = Descriptor {
+                    kind,
+                    dtype: DType::F16,
+                    op: ReduceOp::Avg,
+                    algo,
+                    root: world - 1,
+                    count: 33,
+                };
+                let ins: Vec<Vec<u8>> = (0..world)
+                    .map(|r| {
+                        let (len, _) = buffer_lens(kind, 33, world, r, desc.root);
+                        (0..len)
+                            .flat_map(|_| f16::from_f32(rng.gen::<f32>()).to_le_bytes())
+                            .collect()
+                    })
+                    .collect();
+                assert_eq!(
+                    mem::run_all(&desc, world, &ins).unwrap(),
+                    mem::run_all(&desc, world, &ins).unwrap()
+                );
+            }
+        }
+    }
+}
+
+/// Structural properties the peer relies on, beyond what the executor checks.
+#[test]
+fn schedules_have_aligned_steps_and_finalize_once() {
+    for kind in CollectiveKind::ALL
+        .into_iter()
+        .filter(|k| *k != CollectiveKind::SendRecv)
+    {
+        for &algo in available_algos(kind) {
+            for world in 1..=9u32 {
+                for count in [0u64, 5, 17] {
+                    let desc = Descriptor {
+                        kind,
+                        dtype: DType::F32,
+                        op: ReduceOp::Avg,
+                        algo,
+                        root: world / 2,
+                        count,
+                    };
+                    let scheds: Vec<_> = (0..world)
+                        .map(|r| build(&desc, r, world).unwrap())
+                        .collect();
+                    for (r, s) in scheds.iter().enumerate() {
+                        s.validate_for(r as u32, world).unwrap();
+                        assert_eq!(
+                            s.steps.len(),
+                            scheds[0].steps.len(),
+                            "{desc} world {world} rank {r}"
+                        );
+                        assert_eq!(s.algo, algo);
+                    }
+                    // Each output element of a reduction is finalized exactly once in
+                    // the world (by one rank) or once on every rank (identically).
+                    if kind.reduces() && count > 0 {
+                        let fin = |s: &eccl_algorithms::Schedule| -> Vec<usize> {
+                            let mut hits = vec![0; s.output_len];
+                            for p in s.steps.iter().flat_map(|st| &st.prims) {
+                                if let eccl_algorithms::Prim::Finalize { region } = p {
+                                    for h in &mut hits[region.offset..region.end()] {
+                                        *h += 1;
+                                    }
+                                }
+                            }
+                            hits
+                        };
+                        for s in &scheds {
+                            assert!(fin(s).iter().all(|&h| h <= 1), "{desc} world {world}");
+                        }
+                        let total: usize =
+                            scheds.iter().map(|s| fin(s).iter().sum::<usize>()).sum();
+                        let per_element = match kind {
+                            CollectiveKind::AllReduce if algo == Algo::Direct => world as usize,
+                            _ => 1,
+                        };
+                        let elements = if kind == CollectiveKind::ReduceScatter {
+                            count as usize * world as usize
+                        } else {
+                            count as usize
+                        };
+                        assert_eq!(total, elements * per_element, "{desc} world {world}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! What the leader keeps in memory: the control connections of peers, the votes of an
+//! `update_topology()` round, the `are_peers_pending()` queries, and the leases.
+//! Decisions (register, commit an epoch, evict) go through raft; the rest is soft state
+//! that a new leader rebuilds as peers reconnect.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
+use tokio::sync::{mpsc, Mutex};
+
+use crate::raft::{ProposeError, RaftRegistry};
+use crate::registry::{Command, Outcome, PeerState};
+
+/// Where the answer to one request goes.
+#[derive(Clone)]
+pub struct ReplyTo {
+    pub conn: mpsc::UnboundedSender<MasterMessage>,
+    pub id: u64,
+}
+
+impl ReplyTo {
+    pub fn send(&self, body: MasterReply) {
+        let _ = self.conn.send(MasterMessage::Reply { id: self.id, body });
+    }
+}
+
+struct Vote {
+    reply: ReplyTo,
+    epoch: u64,
+    min_world: u32,
+    aborted: bool,
+}
+
+#[derive(Default)]
+struct State {
+    conns: HashMap<PeerId, mpsc::UnboundedSender<MasterMessage>>,
+    votes: HashMap<PeerId, Vote>,
+    queries: HashMap<PeerId, (ReplyTo, u64)>,
+    leases: HashMap<PeerId, Instant>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Timing {
+    /// A peer whose lease lapses is evicted.
+    pub lease: Duration,
+    /// How often peers should renew it.
+    pub heartbeat: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            lease: Duration::from_millis(2000),
+            heartbeat: Duration::from_millis(250),
+        }
+    }
+}
+
+pub struct Coordinator {
+    pub raft: Arc<RaftRegistry>,
+    pub timing: Timing,
+    state: Mutex<State>,
+}
+
+fn propose_error(e: ProposeError) -> MasterReply {
+    match e {
+        ProposeError::NotLeader { leader_addr, .. } => MasterReply::NotLeader {
+            leader: leader_addr,
+        },
+        ProposeError::Fatal(m) => MasterReply::Error {
+            code: ErrorCode::Internal,
+            message: m,
+        },
+    }
+}
+
+impl Coordinator {
+    pub fn new(raft: Arc<RaftRegistry>, timing: Timing) -> Arc<Coordinator> {
+        Arc::new(Coordinator {
+            raft,
+            timing,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// Registers a peer and remembers its connection for later events.
+    pub async fn register(
+        &self,
+        addr: String,
+        host: String,
+        rank_hint: Option<u32>,
+        conn: mpsc::UnboundedSender<MasterMessage>,
+    ) -> Result<PeerId, MasterReply> {
+        let mut st = self.state.lock().await;
+        match self
+            .raft
+            .propose(Command::Register {
+                addr: addr.clone(),
+                host,
+                rank_hint,
+            })
+            .await
+        {
+            Ok(Outcome::Registered(id)) => {
+                tracing::info!(target: "eccl::master", "peer {id} registered from {addr}");
+                st.conns.insert(id, conn);
+                st.leases.insert(id, Instant::now());
+                Ok(id)
+            }
+            Ok(o) => Err(MasterReply::Error {
+                code: ErrorCode::Internal,
+                message: format!("register: {o:?}"),
+            }),
+            Err(e) => Err(propose_error(e)),
+        }
+    }
+
+    pub async fn heartbeat(&self, peer: PeerId) {
+        self.state.lock().await.leases.insert(peer, Instant::now());
+    }
+
+    fn known(&self, peer: PeerId) -> Option<PeerState> {
+        self.raft.read(|r| r.peer(peer).map(|p| p.state.clone()))
+    }
+
+    /// A vote of `update_topology()`. The answer comes once the round completes.
+    pub async fn vote(
+        &self,
+        peer: PeerId,
+        epoch: u64,
+        min_world: u32,
+        aborted: bool,
+        reply: ReplyTo,
+    ) {
+        match self.known(peer) {
+            None => {
+                return reply.send(MasterReply::Error {
+                    code: ErrorCode::UnknownPeer,
+                    message: format!("peer {peer} is not registered"),
+                })
+            }
+            Some(PeerState::Gone { reason }) => {
+                return reply.send(MasterReply::Error {
+                    code: ErrorCode::Evicted,
+                    message: reason,
+                })
+            }
+            _ => {}
+        }
+        let mut st = self.state.lock().await;
+        st.leases.insert(peer, Instant::now());
+        st.votes.insert(
+            peer,
+            Vote {
+                reply,
+                epoch,
+                min_world,
+                aborted,
+            },
+        );
+        self.try_commit(&mut st).await;
+    }
+
+    /// Completes the vote round if every live member has voted.
+    async fn try_commit(&self, st: &mut State) {
+        let (epoch, members, world) = self
+            .raft
+            .read(|r| (r.epoch(), r.live_members(), r.world().cloned()));
+        // A member still in an older epoch catches up at once; it missed a commit.
+        if let Some(w) = &world {
+            let behind: Vec<PeerId> = members
+                .iter()
+                .copied()
+                .filter(|m| st.votes.get(m).is_some_and(|v| v.epoch != epoch))
+                .collect();
+            for m in behind {
+                if let Some(v) = st.votes.remove(&m) {
+                    v.reply.send(MasterReply::Topology {
+                        world: w.clone(),
+                        changed: true,
+                    });
+                }
+            }
+        }
+        if !members.iter().all(|m| st.votes.contains_key(m)) {
+            return;
+        }
+        let pending: Vec<PeerId> = st
+            .votes
+            .keys()
+            .copied()
+            .filter(|p| self.known(*p) == Some(PeerState::Pending))
+            .collect();
+        // Votes of peers that are gone are answered and dropped.
+        let gone: Vec<PeerId> = st
+            .votes
+            .keys()
+            .copied()
+            .filter(|p| matches!(self.known(*p), Some(PeerState::Gone { .. }) | None))
+            .collect();
+        for p in gone {
+            if let Some(v) = st.votes.remove(&p) {
+                v.reply.send(MasterReply::Error {
+                    code: ErrorCode::Evicted,
+                    message: format!("peer {p} was removed"),
+                });
+            }
+        }
+        let lost_members = world.as_ref().map_or(0, |w| w.size()) != members.len();
+        let aborted = members
+            .iter()
+            .any(|m| st.votes.get(m).is_some_and(|v| v.aborted));
+        if members.is_empty() {
+            // The first world: wait until as many peers as anyone asked for are here.
+            let need = pending
+                .iter()
+                .filter_map(|p| st.votes.get(p))
+                .map(|v| v.min_world)
+                .max()
+                .unwrap_or(1)
+                .max(1);
+            if pending.len() < need as usize {
+                return;
+            }
+        }
+        if pending.is_empty() && !lost_members && !aborted {
+            if let Some(w) = world {
+                for m in &members {
+                    if let Some(v) = st.votes.remove(m) {
+                        v.reply.send(MasterReply::Topology {
+                            world: w.clone(),
+                            changed: false,
+                        });
+                    }
+                }
+            }
+            return;
+        }
+        let cmd = Command::CommitEpoch {
+            expected_epoch: epoch,
+            admit: pending.clone(),
+            remove: vec![],
+        };
+        match self.raft.propose(cmd).await {
+            Ok(Outcome::Epoch(w)) => {
+                tracing::info!(
+                    target: "eccl::master",
+                    "epoch {} committed: {} members {:?} (admitted {:?}{}{})",
+                    w.epoch,
+                    w.size(),
+                    w.peer_ids(),
+                    pending,
+                    if lost_members { ", after losing members" } else { "" },
+                    if aborted { ", after an abort" } else { "" }
+                );
+                for m in w.peer_ids() {
+                    if let Some(v) = st.votes.remove(&m) {
+                        v.reply.send(MasterReply::Topology {
+                            world: w.clone(),
+                            changed: true,
+                        });
+                    }
+                }
+                // Members of the new world may have queries pending for the old epoch.
+                self.answer_queries(st);
+            }
+            Ok(other) => tracing::warn!(target: "eccl::master", "epoch commit refused: {other:?}"),
+            Err(e) => {
+                let reply = propose_error(e);
+                for (_, v) in st.votes.drain() {
+                    v.reply.send(reply.clone());
+                }
+            }
+        }
+    }
+
+    /// An `are_peers_pending()` query; answered to all members at once.
+    pub async fn pending_query(&self, peer: PeerId, epoch: u64, reply: ReplyTo) {
+        let mut st = self.state.lock().await;
+        st.queries.insert(peer, (reply, epoch));
+        self.answer_queries(&mut st);
+    }
+
+    fn answer_queries(&self, st: &mut State) {
+        let (epoch, members) = self.raft.read(|r| (r.epoch(), r.live_members()));
+        // Someone outside the current epoch must call update_topology() to catch up.
+        let stale: Vec<PeerId> = st
+            .queries
+            .iter()
+            .filter(|(p, (_, e))| *e != epoch || !members.contains(p))
+            .map(|(p, _)| *p)
+            .collect();
+        for p in stale {
+            if let Some((r, _)) = st.queries.remove(&p) {
+                r.send(MasterReply::PeersPending(true));
+            }
+        }
+        if members.is_empty() || !members.iter().all(|m| st.queries.contains_key(m)) {
+            return;
+        }
+        let waiting = st
+            .votes
+            .keys()
+            .any(|p| self.known(*p) == Some(PeerState::Pending));
+        for m in &members {
+            if let Some((r, _)) = st.queries.remove(m) {
+                r.send(MasterReply::PeersPending(waiting));
+            }
+        }
+    }
+
+    /// Removes a peer for good (it left, its connection closed, its lease lapsed). If it
+    /// was a member, the epoch is aborted on every other member.
+    pub async fn remove(&self, peer: PeerId, reason: &str, leave: bool) {
+        let mut st = self.state.lock().await;
+        if matches!(self.known(peer), Some(PeerState::Gone { .. }) | None) {
+            st.conns.remove(&peer);
+            return;
+        }
+        let cmd = if leave {
+            Command::Leave { peer }
+        } else {
+            Command::Evict {
+                peer,
+                reason: reason.to_string(),
+            }
+        };
+        match self.raft.propose(cmd).await {
+            Ok(Outcome::Removed {
+                was_member, epoch, ..
+            }) => {
+                tracing::info!(target: "eccl::master", "peer {peer} removed ({reason}); member of epoch {epoch}: {was_member}");
+                if let Some(c) = st.conns.remove(&peer) {
+                    if !leave {
+                        let _ = c.send(MasterMessage::Event(MasterEvent::Evicted {
+                            reason: reason.to_string(),
+                        }));
+                    }
+                }
+                st.leases.remove(&peer);
+                st.queries.remove(&peer);
+                if let Some(v) = st.votes.remove(&peer) {
+                    v.reply.send(MasterReply::Error {
+                        code: ErrorCode::Evicted,
+                        message: reason.to_string(),
+                    });
+                }
+                if was_member {
+                    let ev = MasterEvent::AbortEpoch {
+                        epoch,
+                        cause: format!("peer {peer} {reason}"),
+                    };
+                    for c in st.conns.values() {
+                        let _ = c.send(MasterMessage::Event(ev.clone()));
+                    }
+                }
+                self.try_commit(&mut st).await;
+                self.answer_queries(&mut st);
+            }
+            Ok(other) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {other:?}"),
+            Err(e) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {e}"),
+        }
+    }
+
+    /// Forgets a connection without removing the peer (a new connection replaced it).
+    pub async fn disconnect(&self, peer: PeerId) {
+        self.state.lock().await.conns.remove(&peer);
+    }
+}

@@ -1,0 +1,284 @@
+//! The master's registry, replicated with openraft.
+//!
+//! - [`types`]: the openraft type configuration, the RPC messages between masters, the
+//!   timing and the errors.
+//! - [`log_store`]: the in-memory raft log.
+//! - [`state_machine`]: the [`Registry`] as a raft state machine, with snapshots.
+//! - [`network`]: raft RPCs over authenticated `Role::MasterToMaster` control
+//!   connections, client and server side.
+//!
+//! [`RaftRegistry`] ties them together: one master is a one-node cluster that leads
+//! from the start; three masters survive the loss of one.
+//!
+//! # Durability
+//!
+//! Masters keep raft state only in memory. A master that restarts comes back as a fresh
+//! node with the same id: it has no log and no vote, bootstraps with the same member
+//! list (which openraft documents as safe when the configuration is the same), loses
+//! any election against the live majority, and is caught up by the leader. What this
+//! gives up compared with a disk-backed log: an entry counts as committed once a
+//! majority holds it in memory, so if that majority loses it (one holder restarts and
+//! the other dies before the restarted one has been caught up again, a window of a few
+//! heartbeats), a committed entry can be lost. Restarting masters one at a time, and
+//! only while a leader is up, keeps clear of it.
+//!
+//! # Bootstrap
+//!
+//! Every master is started with the same list of all masters. The lowest id
+//! initializes the cluster at once; the others initialize it themselves only if they
+//! are still pristine after a grace period (so a cluster forms even when the lowest id
+//! is down), staggered by their position in the list.
+
+pub mod log_store;
+pub mod network;
+pub mod state_machine;
+pub mod types;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eccl_protocol::auth::Secret;
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, Config, SnapshotPolicy};
+
+pub use log_store::LogStore;
+pub use network::{serve_raft_conn, serve_raft_listener, MasterNetwork};
+pub use state_machine::{SmData, SmHandle, StateMachineStore};
+pub use types::{MasterId, ProposeError, RaftNode, RaftRpc, RaftRpcReply, RaftTiming, TypeConfig};
+
+use crate::registry::{Command, Outcome, Registry};
+
+/// How long a proposal may wait to be committed and applied.
+pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Take a snapshot (and purge the log behind it) every this many applied entries.
+const SNAPSHOT_EVERY: u64 = 1000;
+
+/// One master's raft node and its replica of the registry.
+pub struct RaftRegistry {
+    pub raft: RaftNode,
+    pub node_id: MasterId,
+    addr: String,
+    members: BTreeMap<MasterId, String>,
+    registry: SmHandle,
+    network: MasterNetwork,
+    bootstrap: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RaftRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftRegistry")
+            .field("node_id", &self.node_id)
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+fn raft_config(timing: RaftTiming) -> anyhow::Result<Config> {
+    let config = Config {
+        cluster_name: "eccl-master".to_string(),
+        heartbeat_interval: timing.heartbeat_ms,
+        election_timeout_min: timing.election_min_ms,
+        election_timeout_max: timing.election_max_ms,
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY),
+        max_in_snapshot_log_to_keep: SNAPSHOT_EVERY,
+        ..Default::default()
+    };
+    Ok(config.validate()?)
+}
+
+fn nodes_of(members: &BTreeMap<MasterId, String>) -> BTreeMap<MasterId, BasicNode> {
+    members
+        .iter()
+        .map(|(id, addr)| (*id, BasicNode::new(addr.clone())))
+        .collect()
+}
+
+impl RaftRegistry {
+    /// Starts master `node_id` listening (elsewhere) on `addr`. `members` lists all
+    /// masters, `(id, addr)`, including this one (its entry is set to `addr`); every
+    /// master must be given the same list. The caller serves incoming raft connections
+    /// with [`serve_raft_conn`] (or [`serve_raft_listener`]).
+    ///
+    /// A single master initializes itself and is leader when this returns.
+    pub async fn start(
+        node_id: MasterId,
+        addr: String,
+        members: BTreeMap<MasterId, String>,
+        secret: Secret,
+        timing: RaftTiming,
+    ) -> anyhow::Result<RaftRegistry> {
+        let mut members = members;
+        members.insert(node_id, addr.clone());
+        let config = Arc::new(raft_config(timing)?);
+        let sm = StateMachineStore::new();
+        let registry = sm.handle();
+        let network = MasterNetwork::new(secret);
+        let raft =
+            openraft::Raft::new(node_id, config, network.clone(), LogStore::new(), sm).await?;
+
+        let nodes = nodes_of(&members);
+        let lowest = members.keys().next().copied() == Some(node_id);
+        let mut bootstrap = None;
+        if lowest {
+            initialize(&raft, nodes).await?;
+        } else {
+            // Fallback: if the lowest id never reaches us, form the cluster ourselves.
+            let position = members.keys().position(|id| *id == node_id).unwrap_or(1) as u64;
+            let delay = Duration::from_millis(
+                4 * timing.election_max_ms + position * timing.election_max_ms,
+            );
+            let raft = raft.clone();
+            bootstrap = Some(tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                if matches!(raft.is_initialized().await, Ok(false)) {
+                    tracing::info!(node_id, "no cluster reached this master; bootstrapping it");
+                    let _ = initialize(&raft, nodes).await;
+                }
+            }));
+        }
+
+        let me = RaftRegistry {
+            raft,
+            node_id,
+            addr,
+            members,
+            registry,
+            network,
+            bootstrap,
+        };
+        if me.members.len() == 1 {
+            // A one-node cluster elects itself at once; return only once it leads.
+            let _ = me.wait_leader(Duration::from_secs(5)).await;
+            if !me.is_leader() {
+                me.shutdown().await;
+                anyhow::bail!("single master {node_id} did not become leader");
+            }
+        }
+        Ok(me)
+    }
+
+    /// Proposes `cmd` through raft; returns its outcome once it is committed and
+    /// applied here. Only the leader accepts proposals.
+    pub async fn propose(&self, cmd: Command) -> Result<Outcome, ProposeError> {
+        match tokio::time::timeout(PROPOSE_TIMEOUT, self.raft.client_write(cmd)).await {
+            Ok(Ok(resp)) => Ok(resp.data),
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
+                let leader_addr = f
+                    .leader_node
+                    .map(|n| n.addr)
+                    .or_else(|| f.leader_id.and_then(|id| self.addr_of(id)));
+                Err(ProposeError::NotLeader {
+                    leader_id: f.leader_id,
+                    leader_addr,
+                })
+            }
+            Ok(Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(e)))) => {
+                Err(ProposeError::Fatal(e.to_string()))
+            }
+            Ok(Err(RaftError::Fatal(f))) => Err(self.not_leader_or(f.to_string())),
+            Err(_) => {
+                Err(self
+                    .not_leader_or(format!("proposal not committed within {PROPOSE_TIMEOUT:?}")))
+            }
+        }
+    }
+
+    /// Leadership was lost while the proposal was in flight: redirect; a stopped node
+    /// or a stuck leader: fatal.
+    fn not_leader_or(&self, msg: String) -> ProposeError {
+        let m = self.raft.metrics().borrow().clone();
+        if m.running_state.is_ok() && m.current_leader != Some(self.node_id) {
+            let leader = m.current_leader;
+            ProposeError::NotLeader {
+                leader_id: leader,
+                leader_addr: leader.and_then(|id| self.addr_of(id)),
+            }
+        } else {
+            ProposeError::Fatal(msg)
+        }
+    }
+
+    /// Reads this master's replica of the registry (the leader's is up to date with
+    /// every proposal that returned).
+    pub fn read<R>(&self, f: impl FnOnce(&Registry) -> R) -> R {
+        let data = self.registry.read().unwrap_or_else(|e| e.into_inner());
+        f(&data.registry)
+    }
+
+    /// The shared state machine data, for callers that keep a handle.
+    pub fn handle(&self) -> SmHandle {
+        self.registry.clone()
+    }
+
+    pub fn is_leader(&self) -> bool {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        m.state.is_leader() && m.current_leader == Some(self.node_id)
+    }
+
+    /// The leader this master knows of, with its address.
+    pub fn leader(&self) -> Option<(MasterId, String)> {
+        let id = self.raft.metrics().borrow().current_leader?;
+        Some((id, self.addr_of(id)?))
+    }
+
+    /// Waits until some leader is known; returns its id.
+    pub async fn wait_leader(&self, timeout: Duration) -> Option<MasterId> {
+        let mut rx = self.raft.metrics();
+        let wait = async {
+            loop {
+                if let Some(id) = rx.borrow_and_update().current_leader {
+                    return Some(id);
+                }
+                if rx.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.ok().flatten()
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn members(&self) -> &BTreeMap<MasterId, String> {
+        &self.members
+    }
+
+    fn addr_of(&self, id: MasterId) -> Option<String> {
+        let m = self.raft.metrics();
+        let from_membership = m
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .map(|n| n.addr.clone());
+        from_membership.or_else(|| self.members.get(&id).cloned())
+    }
+
+    /// Stops the raft node. Other masters see it as unreachable.
+    pub async fn shutdown(&self) {
+        if let Some(b) = &self.bootstrap {
+            b.abort();
+        }
+        if let Err(e) = self.raft.shutdown().await {
+            tracing::warn!(error = %e, "raft core ended abnormally");
+        }
+        self.network.close_all();
+    }
+}
+
+/// Initializes a pristine node with `nodes`; "already initialized" is fine.
+async fn initialize(raft: &RaftNode, nodes: BTreeMap<MasterId, BasicNode>) -> anyhow::Result<()> {
+    match raft.initialize(nodes).await {
+        Ok(()) => Ok(()),
+        Err(RaftError::APIError(openraft::error::InitializeError::NotAllowed(_))) => Ok(()),
+        Err(e) => Err(anyhow::anyhow!("raft initialize failed: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,253 @@
+//! The raft state machine: the [`Registry`], the last applied log id and the last
+//! applied membership, kept together under one lock so that a snapshot and a reader
+//! always see a consistent triple.
+
+use std::io::Cursor;
+use std::sync::{Arc, Mutex, RwLock};
+
+use openraft::storage::RaftStateMachine;
+use openraft::BasicNode;
+use openraft::{
+    AnyError, Entry, EntryPayload, LogId, RaftSnapshotBuilder, Snapshot, SnapshotMeta,
+    StorageError, StorageIOError, StoredMembership,
+};
+use serde::{Deserialize, Serialize};
+
+use super::types::{MasterId, TypeConfig};
+use crate::registry::{Outcome, Registry};
+
+/// What the state machine holds; also the content of a snapshot.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SmData {
+    pub registry: Registry,
+    pub last_applied: Option<LogId<MasterId>>,
+    pub membership: StoredMembership<MasterId, BasicNode>,
+}
+
+/// Shared read access to the state machine, for the leader's reads that need not go
+/// through raft. On a follower it lags the leader by the replication delay.
+pub type SmHandle = Arc<RwLock<SmData>>;
+
+#[derive(Debug)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<MasterId, BasicNode>,
+    data: Vec<u8>,
+}
+
+/// The state machine store handed to openraft. Cloning shares the same state.
+#[derive(Debug, Clone, Default)]
+pub struct StateMachineStore {
+    data: SmHandle,
+    current: Arc<Mutex<Option<StoredSnapshot>>>,
+    snapshot_seq: Arc<std::sync::atomic::AtomicU64>,
+}
+
+fn bincode_config() -> impl bincode::config::Config {
+    bincode::config::standard()
+}
+
+fn encode_snapshot(data: &SmData) -> Result<Vec<u8>, StorageError<MasterId>> {
+    bincode::serde::encode_to_vec(data, bincode_config())
+        .map_err(|e| StorageError::from(StorageIOError::write_snapshot(None, AnyError::new(&e))))
+}
+
+fn decode_snapshot(bytes: &[u8]) -> Result<SmData, StorageIOError<MasterId>> {
+    let (data, used): (SmData, usize) = bincode::serde::decode_from_slice(bytes, bincode_config())
+        .map_err(|e| StorageIOError::read_snapshot(None, AnyError::new(&e)))?;
+    if used != bytes.len() {
+        return Err(StorageIOError::read_snapshot(
+            None,
+            AnyError::error(format!("{} trailing bytes in snapshot", bytes.len() - used)),
+        ));
+    }
+    Ok(data)
+}
+
+impl StateMachineStore {
+    pub fn new() -> StateMachineStore {
+        StateMachineStore::default()
+    }
+
+    /// The shared state, for reads outside raft.
+    pub fn handle(&self) -> SmHandle {
+        self.data.clone()
+    }
+
+    fn read_data(&self) -> std::sync::RwLockReadGuard<'_, SmData> {
+        self.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_data(&self) -> std::sync::RwLockWriteGuard<'_, SmData> {
+        self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn current(&self) -> std::sync::MutexGuard<'_, Option<StoredSnapshot>> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<MasterId>> {
+        // Copy under the read lock, encode outside it.
+        let data = self.read_data().clone();
+        let bytes = encode_snapshot(&data)?;
+        let seq = self
+            .snapshot_seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let snapshot_id = match data.last_applied {
+            Some(l) => format!("{}-{}-{seq}", l.leader_id, l.index),
+            None => format!("--{seq}"),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: data.last_applied,
+            last_membership: data.membership,
+            snapshot_id,
+        };
+        *self.current() = Some(StoredSnapshot {
+            meta: meta.clone(),
+            data: bytes.clone(),
+        });
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = StateMachineStore;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<
+        (
+            Option<LogId<MasterId>>,
+            StoredMembership<MasterId, BasicNode>,
+        ),
+        StorageError<MasterId>,
+    > {
+        let d = self.read_data();
+        Ok((d.last_applied, d.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Outcome>, StorageError<MasterId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + Send,
+        I::IntoIter: Send,
+    {
+        let mut d = self.write_data();
+        let mut out = Vec::new();
+        for entry in entries {
+            d.last_applied = Some(entry.log_id);
+            let outcome = match entry.payload {
+                EntryPayload::Blank => Outcome::Nothing,
+                EntryPayload::Normal(cmd) => d.registry.apply(&cmd),
+                EntryPayload::Membership(m) => {
+                    d.membership = StoredMembership::new(Some(entry.log_id), m);
+                    Outcome::Nothing
+                }
+            };
+            out.push(outcome);
+        }
+        Ok(out)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<MasterId>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<MasterId, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError<MasterId>> {
+        let bytes = snapshot.into_inner();
+        let mut data = decode_snapshot(&bytes).map_err(|_| {
+            StorageIOError::read_snapshot(
+                Some(meta.signature()),
+                AnyError::error("undecodable snapshot"),
+            )
+        })?;
+        // The meta is authoritative for what the snapshot covers.
+        data.last_applied = meta.last_log_id;
+        data.membership = meta.last_membership.clone();
+        *self.write_data() = data;
+        *self.current() = Some(StoredSnapshot {
+            meta: meta.clone(),
+            data: bytes,
+        });
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<MasterId>> {
+        Ok(self.current().as_ref().map(|s| Snapshot {
+            meta: s.meta.clone(),
+            snapshot: Box::new(Cursor::new(s.data.clone())),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Command;
+    use openraft::{CommittedLeaderId, Membership};
+    use std::collections::BTreeSet;
+
+    fn entry(index: u64, payload: EntryPayload<TypeConfig>) -> Entry<TypeConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload,
+        }
+    }
+
+    #[tokio::test]
+    async fn snapshot_round_trips_into_a_fresh_state_machine() {
+        let mut sm = StateMachineStore::new();
+        let m = Membership::new(vec![BTreeSet::from([1u64])], None);
+        let reg = Command::Register {
+            addr: "a:1".into(),
+            host: "h".into(),
+            rank_hint: None,
+        };
+        let out = sm
+            .apply(vec![
+                entry(1, EntryPayload::Membership(m)),
+                entry(2, EntryPayload::Normal(reg)),
+                entry(3, EntryPayload::Blank),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(
+            out,
+            vec![Outcome::Nothing, Outcome::Registered(1), Outcome::Nothing]
+        );
+
+        let snap = sm.build_snapshot().await.unwrap();
+        assert_eq!(snap.meta.last_log_id.map(|l| l.index), Some(3));
+        let mut fresh = StateMachineStore::new();
+        fresh
+            .install_snapshot(&snap.meta, snap.snapshot)
+            .await
+            .unwrap();
+        let (applied, membership) = fresh.applied_state().await.unwrap();
+        assert_eq!(applied.map(|l| l.index), Some(3));
+        assert_eq!(membership.log_id().map(|l| l.index), Some(1));
+        assert_eq!(
+            fresh.handle().read().unwrap().registry,
+            sm.handle().read().unwrap().registry
+        );
+        assert!(fresh.get_current_snapshot().await.unwrap().is_some());
+        // Garbage is refused, not panicked on.
+        let bad = Box::new(Cursor::new(vec![0xff; 7]));
+        assert!(fresh.install_snapshot(&snap.meta, bad).await.is_err());
+    }
+}

@@ -1,0 +1,353 @@
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eccl_protocol::auth::Secret;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::*;
+
+fn secret() -> Secret {
+    Secret::new(b"raft-test-secret-0123456789".to_vec()).unwrap()
+}
+
+fn register(i: u32) -> Command {
+    Command::Register {
+        addr: format!("10.0.0.{i}:7000"),
+        host: format!("h{i}"),
+        rank_hint: Some(i),
+    }
+}
+
+async fn register_three_and_commit(r: &RaftRegistry, expected_epoch: u64) -> u64 {
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        match r.propose(register(i)).await.unwrap() {
+            Outcome::Registered(id) => ids.push(id),
+            o => panic!("unexpected {o:?}"),
+        }
+    }
+    match r
+        .propose(Command::CommitEpoch {
+            expected_epoch,
+            admit: ids,
+            remove: vec![],
+        })
+        .await
+        .unwrap()
+    {
+        Outcome::Epoch(w) => {
+            assert_eq!(w.epoch, expected_epoch + 1);
+            w.epoch
+        }
+        o => panic!("unexpected {o:?}"),
+    }
+}
+
+#[tokio::test]
+async fn single_node_leads_at_once_and_applies_proposals() {
+    let addr = "127.0.0.1:1".to_string();
+    let members = BTreeMap::from([(7u64, addr.clone())]);
+    let r = RaftRegistry::start(7, addr.clone(), members, secret(), RaftTiming::default())
+        .await
+        .unwrap();
+    assert!(r.is_leader());
+    assert_eq!(r.leader(), Some((7, addr)));
+    assert_eq!(r.wait_leader(Duration::from_millis(10)).await, Some(7));
+
+    let epoch = register_three_and_commit(&r, 0).await;
+    assert_eq!(epoch, 1);
+    let (e, members, pending) = r.read(|reg| {
+        (
+            reg.epoch(),
+            reg.world().map(|w| w.members.len()),
+            reg.pending(),
+        )
+    });
+    assert_eq!((e, members, pending.len()), (1, Some(3), 0));
+    // A stale compare-and-set is refused by the state machine, not by raft.
+    let stale = r
+        .propose(Command::CommitEpoch {
+            expected_epoch: 0,
+            admit: vec![],
+            remove: vec![],
+        })
+        .await
+        .unwrap();
+    assert!(matches!(stale, Outcome::Rejected(_)), "{stale:?}");
+
+    r.shutdown().await;
+    assert!(matches!(
+        r.propose(register(9)).await,
+        Err(ProposeError::Fatal(_))
+    ));
+}
+
+struct Node {
+    reg: RaftRegistry,
+    listener: JoinHandle<()>,
+}
+
+impl Node {
+    fn node_id(&self) -> u64 {
+        self.reg.node_id
+    }
+}
+
+async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, String>) -> Node {
+    let addr = listener.local_addr().unwrap().to_string();
+    let reg = RaftRegistry::start(id, addr, members.clone(), secret(), RaftTiming::default())
+        .await
+        .unwrap();
+    let listener = tokio::spawn(serve_raft_listener(listener, reg.raft.clone(), secret()));
+    Node { reg, listener }
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Watches every replica's epoch and fails if one ever goes backwards (G6).
+fn watch_epochs(handles: Vec<SmHandle>, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut seen = vec![0u64; handles.len()];
+        while !stop.load(Ordering::Relaxed) {
+            for (h, s) in handles.iter().zip(seen.iter_mut()) {
+                let e = h.read().unwrap().registry.epoch();
+                assert!(e >= *s, "a replica's epoch went back from {s} to {e}");
+                *s = e;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_masters_replicate_redirect_and_fail_over() {
+    let mut listeners = Vec::new();
+    let mut members = BTreeMap::new();
+    for id in 1..=3u64 {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        members.insert(id, l.local_addr().unwrap().to_string());
+        listeners.push((id, l));
+    }
+    let mut nodes = BTreeMap::new();
+    for (id, l) in listeners {
+        nodes.insert(id, start_node(id, l, &members).await);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_epochs(
+        nodes.values().map(|n| n.reg.handle()).collect(),
+        stop.clone(),
+    );
+
+    // One leader, known to all.
+    let t0 = Instant::now();
+    let mut leaders = Vec::new();
+    for n in nodes.values() {
+        leaders.push(
+            n.reg
+                .wait_leader(Duration::from_secs(5))
+                .await
+                .expect("a leader is elected"),
+        );
+    }
+    wait_until(
+        "all masters agree on the leader",
+        Duration::from_secs(5),
+        || {
+            let l: Vec<_> = nodes
+                .values()
+                .map(|n| n.reg.leader().map(|l| l.0))
+                .collect();
+            l.iter().all(|x| x.is_some() && *x == l[0])
+        },
+    )
+    .await;
+    let leader_id = nodes[&1].reg.leader().unwrap().0;
+    eprintln!("leader {leader_id} elected after {:?}", t0.elapsed());
+    let leader = &nodes[&leader_id].reg;
+    assert!(leader.is_leader());
+    assert_eq!(nodes.values().filter(|n| n.reg.is_leader()).count(), 1);
+
+    // Proposals on the leader reach every replica.
+    let epoch = register_three_and_commit(leader, 0).await;
+    let want = leader.read(|r| r.clone());
+    wait_until("replicas converge", Duration::from_secs(5), || {
+        nodes.values().all(|n| n.reg.read(|r| *r == want))
+    })
+    .await;
+
+    // A follower redirects to the leader.
+    let follower_id = *nodes.keys().find(|id| **id != leader_id).unwrap();
+    match nodes[&follower_id].reg.propose(register(5)).await {
+        Err(ProposeError::NotLeader {
+            leader_id: l,
+            leader_addr,
+        }) => {
+            assert_eq!(l, Some(leader_id));
+            assert_eq!(leader_addr.as_deref(), Some(members[&leader_id].as_str()));
+        }
+        other => panic!("expected a redirect, got {other:?}"),
+    }
+
+    // The leader dies; the other two elect a new one quickly.
+    let dead = nodes.remove(&leader_id).unwrap();
+    dead.listener.abort();
+    dead.reg.shutdown().await;
+    let t_kill = Instant::now();
+    let mut new_leader_id = None;
+    wait_until("a new leader", Duration::from_secs(5), || {
+        new_leader_id = nodes
+            .values()
+            .find(|n| n.reg.is_leader())
+            .map(|n| n.node_id());
+        new_leader_id.is_some()
+    })
+    .await;
+    let new_leader_id = new_leader_id.unwrap();
+    let failover = t_kill.elapsed();
+    eprintln!("new leader {new_leader_id} after {failover:?}");
+    assert_ne!(new_leader_id, leader_id);
+    assert!(
+        failover < Duration::from_secs(2),
+        "fail-over took {failover:?}"
+    );
+
+    // The committed epoch survived (G6), and the next one follows it.
+    let new_leader = &nodes[&new_leader_id].reg;
+    assert_eq!(new_leader.read(|r| r.epoch()), epoch);
+    let stale = new_leader
+        .propose(Command::CommitEpoch {
+            expected_epoch: epoch - 1,
+            admit: vec![],
+            remove: vec![],
+        })
+        .await;
+    assert!(matches!(stale, Ok(Outcome::Rejected(_))), "{stale:?}");
+    let epoch2 = register_three_and_commit(new_leader, epoch).await;
+    assert_eq!(epoch2, epoch + 1);
+    let want = new_leader.read(|r| r.clone());
+    wait_until("survivors converge", Duration::from_secs(5), || {
+        nodes.values().all(|n| n.reg.read(|r| *r == want))
+    })
+    .await;
+
+    // Snapshot and purge the log on the leader, so that a restarted master must be
+    // caught up with a snapshot.
+    new_leader.raft.trigger().snapshot().await.unwrap();
+    let applied = new_leader
+        .raft
+        .metrics()
+        .borrow()
+        .last_applied
+        .map(|l| l.index);
+    wait_until("snapshot built", Duration::from_secs(5), || {
+        new_leader.raft.metrics().borrow().snapshot.map(|l| l.index) == applied
+    })
+    .await;
+    new_leader
+        .raft
+        .trigger()
+        .purge_log(applied.unwrap())
+        .await
+        .unwrap();
+    wait_until("log purged", Duration::from_secs(5), || {
+        new_leader.raft.metrics().borrow().purged.map(|l| l.index) == applied
+    })
+    .await;
+
+    // The dead master comes back as a fresh node at the same address and catches up
+    // without disturbing the leader.
+    let listener = TcpListener::bind(&members[&leader_id]).await.unwrap();
+    let back = start_node(leader_id, listener, &members).await;
+    let back_handle = back.reg.handle();
+    let stop2 = Arc::new(AtomicBool::new(false));
+    let watcher2 = watch_epochs(vec![back_handle], stop2.clone());
+    wait_until(
+        "restarted master catches up",
+        Duration::from_secs(5),
+        || back.reg.read(|r| *r == want),
+    )
+    .await;
+    assert_eq!(back.reg.leader().map(|l| l.0), Some(new_leader_id));
+    assert!(
+        back.reg.raft.metrics().borrow().snapshot.is_some(),
+        "caught up by a snapshot"
+    );
+    nodes.insert(leader_id, back);
+    let epoch3 = register_three_and_commit(&nodes[&new_leader_id].reg, epoch2).await;
+    let want = nodes[&new_leader_id].reg.read(|r| r.clone());
+    assert_eq!(want.epoch(), epoch3);
+    wait_until("all three converge again", Duration::from_secs(5), || {
+        nodes.values().all(|n| n.reg.read(|r| *r == want))
+    })
+    .await;
+
+    stop.store(true, Ordering::Relaxed);
+    stop2.store(true, Ordering::Relaxed);
+    watcher.await.unwrap();
+    watcher2.await.unwrap();
+    for n in nodes.into_values() {
+        n.listener.abort();
+        n.reg.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_cannot_join_and_the_cluster_forms_without_the_lowest_id() {
+    // Masters 2 and 3 are up, master 1 (the designated bootstrapper) never starts:
+    // the others bootstrap after their grace period.
+    let mut members = BTreeMap::new();
+    let mut listeners = Vec::new();
+    for id in 1..=3u64 {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        members.insert(id, l.local_addr().unwrap().to_string());
+        listeners.push((id, l));
+    }
+    let mut nodes = Vec::new();
+    for (id, l) in listeners {
+        if id == 1 {
+            drop(l);
+            continue;
+        }
+        nodes.push(start_node(id, l, &members).await);
+    }
+    let t0 = Instant::now();
+    let leader = nodes[0]
+        .reg
+        .wait_leader(Duration::from_secs(5))
+        .await
+        .expect("cluster forms without master 1");
+    eprintln!("leader {leader} after {:?}", t0.elapsed());
+    let l = nodes.iter().find(|n| n.reg.node_id == leader).unwrap();
+    assert_eq!(register_three_and_commit(&l.reg, 0).await, 1);
+
+    // A dialer with the wrong secret is refused by the raft listener.
+    let bad = Secret::new(b"another-secret-0123456789".to_vec()).unwrap();
+    let res = eccl_transport::control::connect(
+        &members[&leader],
+        &bad,
+        eccl_protocol::auth::Role::MasterToMaster,
+        Duration::from_secs(1),
+    )
+    .await;
+    assert!(res.is_err());
+    for n in nodes {
+        n.listener.abort();
+        n.reg.shutdown().await;
+    }
+}
+
+#[test]
+fn handle_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<RaftRegistry>();
+    check::<SmHandle>();
+}

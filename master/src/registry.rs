@@ -1,0 +1,305 @@
+//! The replicated registry: who registered, who is a member, and the world of the
+//! current epoch. A pure state machine: `apply` is deterministic, so every master that
+//! applies the same raft log holds the same registry (guarantee G6 rests on this).
+//!
+//! Only decisions live here. Heartbeats, votes in progress and connections live in the
+//! leader's memory ([`crate::coordinator`]).
+
+use std::collections::BTreeMap;
+
+use eccl_protocol::{Member, PeerId, World};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerState {
+    /// Registered, waiting for admission at the next epoch.
+    Pending,
+    /// Member of the current world.
+    Member,
+    /// Evicted or left; never part of a later epoch (G4). It may register again and
+    /// gets a new id.
+    Gone { reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerRecord {
+    pub addr: String,
+    pub host: String,
+    pub rank_hint: Option<u32>,
+    pub state: PeerState,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    Register {
+        addr: String,
+        host: String,
+        rank_hint: Option<u32>,
+    },
+    /// Commit the next epoch if the current one is still `expected_epoch` (a
+    /// compare-and-set, so a stale leader cannot commit over a newer epoch).
+    CommitEpoch {
+        expected_epoch: u64,
+        admit: Vec<PeerId>,
+        remove: Vec<PeerId>,
+    },
+    /// The peer is gone for good (lease lapsed, link failures, hang).
+    Evict { peer: PeerId, reason: String },
+    /// The peer leaves on purpose.
+    Leave { peer: PeerId },
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    #[default]
+    Nothing,
+    Registered(PeerId),
+    Epoch(World),
+    /// The peer is now gone; `was_member` says whether the current epoch lost a member
+    /// (and so must be aborted).
+    Removed {
+        peer: PeerId,
+        was_member: bool,
+        epoch: u64,
+    },
+    Rejected(String),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registry {
+    next_peer_id: PeerId,
+    peers: BTreeMap<PeerId, PeerRecord>,
+    epoch: u64,
+    world: Option<World>,
+}
+
+impl Registry {
+    pub fn apply(&mut self, cmd: &Command) -> Outcome {
+        match cmd {
+            Command::Register {
+                addr,
+                host,
+                rank_hint,
+            } => {
+                self.next_peer_id = self.next_peer_id.max(1);
+                let id = self.next_peer_id;
+                self.next_peer_id += 1;
+                self.peers.insert(
+                    id,
+                    PeerRecord {
+                        addr: addr.clone(),
+                        host: host.clone(),
+                        rank_hint: *rank_hint,
+                        state: PeerState::Pending,
+                    },
+                );
+                Outcome::Registered(id)
+            }
+            Command::CommitEpoch {
+                expected_epoch,
+                admit,
+                remove,
+            } => self.commit_epoch(*expected_epoch, admit, remove),
+            Command::Evict { peer, reason } => self.remove(*peer, reason.clone()),
+            Command::Leave { peer } => self.remove(*peer, "left".to_string()),
+        }
+    }
+
+    fn remove(&mut self, peer: PeerId, reason: String) -> Outcome {
+        let Some(rec) = self.peers.get_mut(&peer) else {
+            return Outcome::Rejected(format!("unknown peer {peer}"));
+        };
+        if matches!(rec.state, PeerState::Gone { .. }) {
+            return Outcome::Removed {
+                peer,
+                was_member: false,
+                epoch: self.epoch,
+            };
+        }
+        let was_member = rec.state == PeerState::Member;
+        rec.state = PeerState::Gone { reason };
+        Outcome::Removed {
+            peer,
+            was_member,
+            epoch: self.epoch,
+        }
+    }
+
+    fn commit_epoch(&mut self, expected: u64, admit: &[PeerId], remove: &[PeerId]) -> Outcome {
+        if expected != self.epoch {
+            return Outcome::Rejected(format!("epoch is {} not {expected}", self.epoch));
+        }
+        for p in remove {
+            if let Some(rec) = self.peers.get_mut(p) {
+                if !matches!(rec.state, PeerState::Gone { .. }) {
+                    rec.state = PeerState::Gone {
+                        reason: "removed at epoch change".into(),
+                    };
+                }
+            }
+        }
+        // Survivors keep their relative order; newcomers follow, by rank hint then id.
+        let mut members: Vec<PeerId> = self
+            .world
+            .iter()
+            .flat_map(|w| w.members.iter().map(|m| m.peer_id))
+            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
+            .collect();
+        let mut newcomers: Vec<PeerId> = admit
+            .iter()
+            .copied()
+            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Pending))
+            .collect();
+        newcomers.sort_by_key(|p| (self.peers[p].rank_hint.unwrap_or(u32::MAX), *p));
+        newcomers.dedup();
+        members.extend(newcomers);
+        if members.is_empty() {
+            return Outcome::Rejected("an epoch needs at least one member".into());
+        }
+        self.epoch += 1;
+        let world = World {
+            epoch: self.epoch,
+            members: members
+                .iter()
+                .enumerate()
+                .map(|(rank, p)| {
+                    let rec = self.peers.get_mut(p).expect("filtered above");
+                    rec.state = PeerState::Member;
+                    Member {
+                        peer_id: *p,
+                        rank: rank as u32,
+                        addr: rec.addr.clone(),
+                        host: rec.host.clone(),
+                    }
+                })
+                .collect(),
+        };
+        self.world = Some(world.clone());
+        Outcome::Epoch(world)
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn world(&self) -> Option<&World> {
+        self.world.as_ref()
+    }
+
+    pub fn peer(&self, id: PeerId) -> Option<&PeerRecord> {
+        self.peers.get(&id)
+    }
+
+    /// Members of the current world that are still members (not evicted since).
+    pub fn live_members(&self) -> Vec<PeerId> {
+        self.world
+            .iter()
+            .flat_map(|w| w.members.iter().map(|m| m.peer_id))
+            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
+            .collect()
+    }
+
+    pub fn pending(&self) -> Vec<PeerId> {
+        self.peers
+            .iter()
+            .filter(|(_, r)| r.state == PeerState::Pending)
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    /// Drops records of long-gone peers so the registry does not grow without bound in
+    /// a long elastic job. Only peers that are gone are forgotten.
+    pub fn gone_count(&self) -> usize {
+        self.peers
+            .values()
+            .filter(|r| matches!(r.state, PeerState::Gone { .. }))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(r: &mut Registry, hint: Option<u32>) -> PeerId {
+        match r.apply(&Command::Register {
+            addr: "127.0.0.1:1".into(),
+            host: "h".into(),
+            rank_hint: hint,
+        }) {
+            Outcome::Registered(id) => id,
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn first_world_follows_rank_hints_and_epochs_grow() {
+        let mut r = Registry::default();
+        let a = reg(&mut r, Some(2));
+        let b = reg(&mut r, Some(0));
+        let c = reg(&mut r, Some(1));
+        let Outcome::Epoch(w) = r.apply(&Command::CommitEpoch {
+            expected_epoch: 0,
+            admit: vec![a, b, c],
+            remove: vec![],
+        }) else {
+            panic!()
+        };
+        assert_eq!(w.epoch, 1);
+        assert_eq!(w.peer_ids(), vec![b, c, a]);
+        // A stale commit is refused: one epoch number never names two worlds.
+        assert!(matches!(
+            r.apply(&Command::CommitEpoch {
+                expected_epoch: 0,
+                admit: vec![],
+                remove: vec![]
+            }),
+            Outcome::Rejected(_)
+        ));
+        let d = reg(&mut r, None);
+        assert!(matches!(
+            r.apply(&Command::Evict {
+                peer: c,
+                reason: "killed".into()
+            }),
+            Outcome::Removed {
+                was_member: true,
+                ..
+            }
+        ));
+        let Outcome::Epoch(w2) = r.apply(&Command::CommitEpoch {
+            expected_epoch: 1,
+            admit: vec![d, c],
+            remove: vec![],
+        }) else {
+            panic!()
+        };
+        assert_eq!(w2.epoch, 2);
+        // Survivors keep their order, the evicted peer does not come back (G4).
+        assert_eq!(w2.peer_ids(), vec![b, a, d]);
+        assert_eq!(
+            w2.members.iter().map(|m| m.rank).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+    }
+
+    #[test]
+    fn unknown_peers_are_rejected() {
+        let mut r = Registry::default();
+        assert!(matches!(
+            r.apply(&Command::Evict {
+                peer: 42,
+                reason: String::new()
+            }),
+            Outcome::Rejected(_)
+        ));
+        assert!(matches!(
+            r.apply(&Command::CommitEpoch {
+                expected_epoch: 0,
+                admit: vec![42],
+                remove: vec![]
+            }),
+            Outcome::Rejected(_)
+        ));
+    }
+}

@@ -1,0 +1,212 @@
+//! The master's listener: every connection authenticates first, then is either a peer's
+//! control connection or raft traffic from another master.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use eccl_protocol::auth::{Role, Secret};
+use eccl_protocol::{
+    ErrorCode, MasterMessage, MasterReply, PeerId, PeerRequest, Request, PROTOCOL_VERSION,
+};
+use eccl_transport::control::ControlConn;
+use eccl_transport::handshake;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use crate::coordinator::{Coordinator, ReplyTo};
+use crate::raft::serve_raft_conn;
+
+/// Accepts connections until the task is aborted.
+pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secret) {
+    loop {
+        let (stream, remote) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(target: "eccl::master", "accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (coord, secret) = (coord.clone(), secret.clone());
+        tokio::spawn(async move {
+            if let Err(e) = handle(stream, remote, coord, secret).await {
+                tracing::warn!(target: "eccl::master", "connection from {remote}: {e}");
+            }
+        });
+    }
+}
+
+async fn handle(
+    mut stream: TcpStream,
+    remote: SocketAddr,
+    coord: Arc<Coordinator>,
+    secret: Secret,
+) -> anyhow::Result<()> {
+    let _ = stream.set_nodelay(true);
+    let role = match handshake::accept(&mut stream, &secret, &remote.to_string()).await {
+        Ok(r) => r,
+        Err(e) => {
+            // Nothing but a random nonce was sent; the connection never reaches the
+            // registry.
+            tracing::warn!(target: "eccl::master", "refused connection from {remote}: {e}");
+            return Ok(());
+        }
+    };
+    let conn = ControlConn::new(stream, remote.to_string())?;
+    match role {
+        Role::MasterToMaster => {
+            serve_raft_conn(coord.raft.raft.clone(), conn).await;
+            Ok(())
+        }
+        Role::PeerToMaster => serve_peer(conn, remote, coord).await,
+        Role::PeerLink => {
+            tracing::warn!(target: "eccl::master", "{remote} opened a peer link to the master; closing");
+            Ok(())
+        }
+    }
+}
+
+async fn serve_peer(
+    conn: ControlConn,
+    remote: SocketAddr,
+    coord: Arc<Coordinator>,
+) -> anyhow::Result<()> {
+    let ControlConn { mut rx, mut tx, .. } = conn;
+    let (out, mut out_rx) = mpsc::unbounded_channel::<MasterMessage>();
+    let writer = tokio::spawn(async move {
+        while let Some(m) = out_rx.recv().await {
+            if tx.send(&m).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut me: Option<PeerId> = None;
+    let result: Result<(), eccl_transport::TransportError> = loop {
+        let req: Request = match rx.recv().await {
+            Ok(r) => r,
+            Err(e) => break Err(e),
+        };
+        let reply = ReplyTo {
+            conn: out.clone(),
+            id: req.id,
+        };
+        if !coord.raft.is_leader() {
+            let leader = coord.raft.leader().map(|(_, a)| a);
+            reply.send(MasterReply::NotLeader { leader });
+            continue;
+        }
+        match req.body {
+            PeerRequest::Register(r) => {
+                if r.protocol_version != PROTOCOL_VERSION {
+                    reply.send(MasterReply::Error {
+                        code: ErrorCode::VersionMismatch,
+                        message: format!(
+                            "peer speaks protocol {}, master {}",
+                            r.protocol_version, PROTOCOL_VERSION
+                        ),
+                    });
+                    continue;
+                }
+                if me.is_some() {
+                    reply.send(MasterReply::Error {
+                        code: ErrorCode::InvalidArgument,
+                        message: "already registered on this connection".into(),
+                    });
+                    continue;
+                }
+                let host = r
+                    .advertise_host
+                    .clone()
+                    .unwrap_or_else(|| remote.ip().to_string());
+                let addr = SocketAddr::new(
+                    match host.parse() {
+                        Ok(ip) => ip,
+                        Err(_) => remote.ip(),
+                    },
+                    r.listen_port,
+                );
+                let addr = if host.parse::<std::net::IpAddr>().is_ok() {
+                    addr.to_string()
+                } else {
+                    format!("{host}:{}", r.listen_port)
+                };
+                match coord.register(addr, r.host, r.rank_hint, out.clone()).await {
+                    Ok(id) => {
+                        me = Some(id);
+                        reply.send(MasterReply::Registered {
+                            peer_id: id,
+                            lease_ms: coord.timing.lease.as_millis() as u64,
+                            heartbeat_ms: coord.timing.heartbeat.as_millis() as u64,
+                        });
+                    }
+                    Err(r) => reply.send(r),
+                }
+            }
+            body => {
+                let claimed = match &body {
+                    PeerRequest::UpdateTopology { peer_id, .. }
+                    | PeerRequest::ArePeersPending { peer_id, .. }
+                    | PeerRequest::Heartbeat { peer_id }
+                    | PeerRequest::ReportFault { peer_id, .. }
+                    | PeerRequest::Leave { peer_id } => *peer_id,
+                    PeerRequest::Register(_) => unreachable!("handled above"),
+                };
+                // A connection speaks only for the peer it registered: no one can vote,
+                // leave or report in another peer's name.
+                if me != Some(claimed) {
+                    reply.send(MasterReply::Error {
+                        code: ErrorCode::UnknownPeer,
+                        message: format!("this connection is not peer {claimed}"),
+                    });
+                    continue;
+                }
+                let coord = coord.clone();
+                match body {
+                    PeerRequest::UpdateTopology {
+                        epoch,
+                        min_world,
+                        aborted,
+                        ..
+                    } => {
+                        tokio::spawn(async move {
+                            coord.vote(claimed, epoch, min_world, aborted, reply).await
+                        });
+                    }
+                    PeerRequest::ArePeersPending { epoch, .. } => {
+                        tokio::spawn(
+                            async move { coord.pending_query(claimed, epoch, reply).await },
+                        );
+                    }
+                    PeerRequest::Heartbeat { .. } => coord.heartbeat(claimed).await,
+                    PeerRequest::ReportFault {
+                        suspect,
+                        reason,
+                        epoch,
+                        ..
+                    } => {
+                        tracing::info!(target: "eccl::master", "peer {claimed} reports a fault in epoch {epoch} (suspect {suspect:?}): {reason}");
+                        reply.send(MasterReply::Ok);
+                    }
+                    PeerRequest::Leave { .. } => {
+                        coord.remove(claimed, "left", true).await;
+                        me = None;
+                        reply.send(MasterReply::Ok);
+                    }
+                    PeerRequest::Register(_) => unreachable!("handled above"),
+                }
+            }
+        }
+    };
+    // The control connection is gone: the process died or left. A member that vanishes
+    // is evicted so that the others do not wait for it.
+    if let Some(id) = me {
+        coord.remove(id, "lost its master connection", false).await;
+    }
+    drop(out);
+    let _ = writer.await;
+    match result {
+        Ok(()) => Ok(()),
+        Err(eccl_transport::TransportError::Closed { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}

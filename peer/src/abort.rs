@@ -1,0 +1,126 @@
+//! The abort signal of a communicator. Link readers, the master's events and the
+//! executor itself raise it; every collective in flight selects on it, so a failure seen
+//! on any link ends the wait on every other one.
+//!
+//! An abort breaks its whole epoch: every later collective of that epoch fails at once
+//! with the same error, until `update_topology()` moves to a new epoch. That keeps the
+//! rule simple for users (after any error, update the topology) and means a frame of a
+//! broken epoch is never mixed into a new one.
+
+use std::sync::Arc;
+
+use eccl_protocol::frame::{AbortCause, FrameHeader};
+use eccl_transport::link::LinkObserver;
+use eccl_transport::TransportError;
+use tokio::sync::watch;
+
+use crate::error::Error;
+
+#[derive(Clone, Debug)]
+pub(crate) struct AbortInfo {
+    pub epoch: u64,
+    pub error: Error,
+}
+
+pub(crate) struct AbortState {
+    tx: watch::Sender<Option<AbortInfo>>,
+}
+
+impl AbortState {
+    pub fn new() -> Arc<AbortState> {
+        Arc::new(AbortState {
+            tx: watch::channel(None).0,
+        })
+    }
+
+    /// Breaks `epoch` with `error`, unless it is already broken (the first cause wins).
+    pub fn raise(&self, epoch: u64, error: Error) {
+        self.tx.send_if_modified(|cur| {
+            let replace = match cur {
+                Some(c) => c.epoch < epoch,
+                None => true,
+            };
+            if replace {
+                tracing::info!(target: "eccl::coll", "epoch {epoch} aborted: {error}");
+                *cur = Some(AbortInfo {
+                    epoch,
+                    error: error.clone(),
+                });
+            }
+            replace
+        });
+    }
+
+    /// The error that broke `epoch`, if it is broken.
+    pub fn check(&self, epoch: u64) -> Option<Error> {
+        self.tx
+            .borrow()
+            .as_ref()
+            .filter(|i| i.epoch == epoch)
+            .map(|i| i.error.clone())
+    }
+
+    /// Resolves when `epoch` is broken.
+    pub async fn wait(&self, epoch: u64) -> Error {
+        let mut rx = self.tx.subscribe();
+        loop {
+            if let Some(e) = rx.borrow_and_update().as_ref().filter(|i| i.epoch == epoch) {
+                return e.error.clone();
+            }
+            if rx.changed().await.is_err() {
+                return Error::Aborted {
+                    epoch,
+                    cause: "communicator shut down".into(),
+                };
+            }
+        }
+    }
+}
+
+/// Observes the links of one epoch; a failure of one of them breaks that epoch only,
+/// so closing the links of an old epoch never disturbs the new one.
+pub(crate) struct EpochLinkObserver {
+    pub epoch: u64,
+    pub state: Arc<AbortState>,
+    /// Rank of the peer at the other end of each link, by link name.
+    pub names: std::collections::HashMap<String, u32>,
+}
+
+impl LinkObserver for EpochLinkObserver {
+    fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str) {
+        if header.epoch != self.epoch {
+            return;
+        }
+        let rank = self.names.get(peer).copied();
+        let error = match AbortCause::from_u32(header.step) {
+            Some(AbortCause::Mismatch) | Some(AbortCause::InvalidArgument) => Error::Mismatch {
+                rank,
+                ours: None,
+                theirs: Some(header.desc),
+                detail: reason.to_string(),
+            },
+            _ => Error::Aborted {
+                epoch: self.epoch,
+                cause: format!(
+                    "rank {} aborted: {reason}",
+                    rank.map_or("?".into(), |r| r.to_string())
+                ),
+            },
+        };
+        self.state.raise(self.epoch, error);
+    }
+
+    fn on_failure(&self, peer: &str, error: &TransportError) {
+        let rank = self.names.get(peer).copied();
+        self.state.raise(
+            self.epoch,
+            Error::Aborted {
+                epoch: self.epoch,
+                cause: format!(
+                    "link to rank {} failed: {error}",
+                    rank.map_or("?".into(), |r| r.to_string())
+                ),
+            },
+        );
+    }
+}

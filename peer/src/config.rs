@@ -1,0 +1,202 @@
+//! Configuration: an explicit setting beats the `ECCL_*` variable, the variable beats
+//! the default, and the defaults are the fast and safe choice.
+
+use std::time::Duration;
+
+use eccl_protocol::auth::Secret;
+use eccl_protocol::Algo;
+
+use crate::error::{Error, Result};
+
+/// Default port of `eccl-master`.
+pub const DEFAULT_MASTER_PORT: u16 = 48148;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Master address `host:port` (`ECCL_MASTER`).
+    pub master: String,
+    /// The job's secret (`ECCL_SECRET`, or the contents of `ECCL_SECRET_FILE`).
+    pub secret: Option<Secret>,
+    /// A collective fails with `Timeout` if it makes no progress for this long
+    /// (`ECCL_TIMEOUT_MS`, default 30 s).
+    pub timeout: Duration,
+    /// How long to keep trying to reach the master before `MasterUnavailable`
+    /// (`ECCL_CONNECT_TIMEOUT_MS`, default 10 s).
+    pub connect_timeout: Duration,
+    /// How long `update_topology()` waits for the other members to vote
+    /// (`ECCL_JOIN_TIMEOUT_MS`, default 300 s).
+    pub join_timeout: Duration,
+    /// Bytes per frame (`ECCL_BUFFSIZE`, default 1 MiB): a smaller frame pipelines
+    /// chains sooner, a larger one costs fewer headers and wake-ups.
+    pub buffsize: usize,
+    /// TCP connections per link (`ECCL_NSTREAMS`, default 1).
+    pub nstreams: usize,
+    /// Force an algorithm (`ECCL_ALGO`: ring, direct, tree).
+    pub algo: Option<Algo>,
+    /// Transport backend (`ECCL_TRANSPORT`); only `tcp` is built in so far.
+    pub transport: String,
+    /// Interface to listen on for links (`ECCL_SOCKET_IFNAME`); default: all interfaces,
+    /// advertised with the address the master sees.
+    pub socket_ifname: Option<String>,
+    /// Host identity; peers with the same one are on the same machine.
+    pub host: String,
+    /// Preferred rank at admission (`ECCL_RANK_HINT`, or torchrun's `RANK`).
+    pub rank_hint: Option<u32>,
+    /// Smallest first world to form (`ECCL_MIN_WORLD`, torchrun's `WORLD_SIZE`).
+    pub min_world: u32,
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
+    match env(name) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::InvalidArgument(format!("{name}={v:?} is not a valid value"))),
+    }
+}
+
+/// Reads the job secret from `ECCL_SECRET` or the file named by `ECCL_SECRET_FILE`.
+pub fn secret_from_env() -> Result<Option<Secret>> {
+    if let Some(s) = env("ECCL_SECRET") {
+        return Secret::new(s)
+            .map(Some)
+            .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET: {e}")));
+    }
+    if let Some(path) = env("ECCL_SECRET_FILE") {
+        let bytes = std::fs::read(&path)
+            .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET_FILE {path}: {e}")))?;
+        return Secret::new(bytes)
+            .map(Some)
+            .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET_FILE {path}: {e}")));
+    }
+    Ok(None)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| env("HOSTNAME"))
+        .unwrap_or_else(|| "localhost".into())
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            master: format!("127.0.0.1:{DEFAULT_MASTER_PORT}"),
+            secret: None,
+            timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            join_timeout: Duration::from_secs(300),
+            buffsize: 1 << 20,
+            nstreams: 1,
+            algo: None,
+            transport: "tcp".into(),
+            socket_ifname: None,
+            host: hostname(),
+            rank_hint: None,
+            min_world: 1,
+        }
+    }
+}
+
+impl Config {
+    /// Defaults overridden by the `ECCL_*` variables.
+    pub fn from_env() -> Result<Config> {
+        let mut c = Config::default();
+        if let Some(m) = env("ECCL_MASTER") {
+            c.master = m;
+        }
+        c.secret = secret_from_env()?;
+        if let Some(ms) = env_parse::<u64>("ECCL_TIMEOUT_MS")? {
+            c.timeout = Duration::from_millis(ms.max(1));
+        }
+        if let Some(ms) = env_parse::<u64>("ECCL_CONNECT_TIMEOUT_MS")? {
+            c.connect_timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = env_parse::<u64>("ECCL_JOIN_TIMEOUT_MS")? {
+            c.join_timeout = Duration::from_millis(ms);
+        }
+        if let Some(b) = env("ECCL_BUFFSIZE") {
+            c.buffsize = parse_size(&b).ok_or_else(|| {
+                Error::InvalidArgument(format!("ECCL_BUFFSIZE={b:?} is not a size"))
+            })?;
+        }
+        if let Some(n) = env_parse::<usize>("ECCL_NSTREAMS")? {
+            c.nstreams = n;
+        }
+        if let Some(a) = env("ECCL_ALGO") {
+            c.algo = Some(Algo::parse(&a).ok_or_else(|| {
+                Error::InvalidArgument(format!("ECCL_ALGO={a:?}: expected ring, direct or tree"))
+            })?);
+        }
+        if let Some(t) = env("ECCL_TRANSPORT") {
+            c.transport = t.to_ascii_lowercase();
+        }
+        c.socket_ifname = env("ECCL_SOCKET_IFNAME");
+        c.rank_hint = env_parse("ECCL_RANK_HINT")?;
+        if let Some(w) = env_parse::<u32>("ECCL_MIN_WORLD")? {
+            c.min_world = w;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.nstreams == 0 || self.nstreams > 64 {
+            return Err(Error::InvalidArgument(format!(
+                "ECCL_NSTREAMS={} must be between 1 and 64",
+                self.nstreams
+            )));
+        }
+        if self.buffsize < 4096 || self.buffsize > eccl_protocol::MAX_FRAME_PAYLOAD {
+            return Err(Error::InvalidArgument(format!(
+                "ECCL_BUFFSIZE={} must be between 4096 and {}",
+                self.buffsize,
+                eccl_protocol::MAX_FRAME_PAYLOAD
+            )));
+        }
+        if self.transport != "tcp" {
+            return Err(Error::InvalidArgument(format!(
+                "ECCL_TRANSPORT={:?}: this build has only the tcp transport",
+                self.transport
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Parses sizes the way nccl-tests does: `8`, `64K`, `128M`, `1G` (powers of 1024).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last()?.to_ascii_uppercase() {
+        'K' => (&s[..s.len() - 1], 1usize << 10),
+        'M' => (&s[..s.len() - 1], 1 << 20),
+        'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mul)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("8"), Some(8));
+        assert_eq!(parse_size("64K"), Some(65536));
+        assert_eq!(parse_size("128m"), Some(128 << 20));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("K"), None);
+    }
+}

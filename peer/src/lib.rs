@@ -1,0 +1,23 @@
+//! eccl: collectives that keep working while peers die, hang or join.
+//!
+//! A [`Communicator`] registers with an `eccl-master`, joins a world with
+//! [`Communicator::update_topology`], and runs collectives over authenticated links to
+//! the other members. See the README for the fault model.
+
+mod abort;
+pub mod blocking;
+pub mod communicator;
+pub mod config;
+pub mod error;
+mod executor;
+mod links;
+pub use eccl_transport::logging;
+mod master_client;
+
+pub use communicator::{CollArgs, Communicator, OpInfo, Topology};
+pub use config::Config;
+pub use eccl_algorithms::{buffer_lens, Element};
+pub use eccl_protocol::{
+    auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, PeerId, ReduceOp, World,
+};
+pub use error::{Error, Result};

@@ -1,0 +1,86 @@
+//! Length-prefixed bincode 2 encoding of control messages (peer <-> master, master <->
+//! master). A message is a little-endian `u32` length followed by that many bytes.
+
+use serde::{de::DeserializeOwned, Serialize};
+
+use crate::MAX_CONTROL_MSG;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("control message of {0} bytes exceeds the limit of {MAX_CONTROL_MSG} bytes")]
+    TooLarge(usize),
+    #[error("malformed control message: {0}")]
+    Malformed(String),
+    #[error("control message has {0} trailing bytes")]
+    Trailing(usize),
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_CONTROL_MSG>()
+}
+
+/// Encodes `msg` with its length prefix.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> {
+    let mut out = vec![0u8; 4];
+    bincode::serde::encode_into_std_write(msg, &mut out, config())
+        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    let len = out.len() - 4;
+    if len > MAX_CONTROL_MSG {
+        return Err(CodecError::TooLarge(len));
+    }
+    out[0..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(out)
+}
+
+/// Checks a length prefix before the body is read, so a hostile peer cannot make us
+/// allocate more than the limit.
+pub fn check_len(prefix: [u8; 4]) -> Result<usize, CodecError> {
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len > MAX_CONTROL_MSG {
+        return Err(CodecError::TooLarge(len));
+    }
+    Ok(len)
+}
+
+/// Decodes a message body (without its prefix). Every byte must be used.
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, CodecError> {
+    let (msg, used) = bincode::serde::decode_from_slice(body, config())
+        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    if used != body.len() {
+        return Err(CodecError::Trailing(body.len() - used));
+    }
+    Ok(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::msg::*;
+
+    #[test]
+    fn round_trip_and_garbage() {
+        let m = PeerRequest::Register(RegisterRequest {
+            listen_port: 4000,
+            advertise_host: Some("10.0.0.1".into()),
+            host: "node-a".into(),
+            rank_hint: Some(3),
+            protocol_version: crate::PROTOCOL_VERSION,
+        });
+        let bytes = encode(&m).unwrap();
+        let len = check_len(bytes[0..4].try_into().unwrap()).unwrap();
+        assert_eq!(len, bytes.len() - 4);
+        let back: PeerRequest = decode(&bytes[4..]).unwrap();
+        assert_eq!(back, m);
+        // Every truncation and a few corruptions are errors, never panics.
+        for cut in 0..bytes.len() - 4 {
+            assert!(decode::<PeerRequest>(&bytes[4..4 + cut]).is_err());
+        }
+        let mut bad = bytes[4..].to_vec();
+        bad[0] = 0xff;
+        assert!(decode::<PeerRequest>(&bad).is_err());
+        assert!(check_len(u32::MAX.to_le_bytes()).is_err());
+        // A length-prefixed vector claiming 2^60 elements must not allocate.
+        let huge = [0xffu8, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f];
+        assert!(decode::<Vec<u64>>(&huge).is_err());
+    }
+}

@@ -1,0 +1,30 @@
+//! Wire types of eccl: what peers and masters say to each other, the header of every
+//! data frame, the authentication handshake and the size limits.
+//!
+//! This crate knows nothing of sockets or tokio. Every decoder takes bytes that came
+//! from the network and returns a typed error for anything it does not like; none of
+//! them panics, whatever the input.
+
+pub mod auth;
+pub mod codec;
+pub mod frame;
+pub mod msg;
+pub mod types;
+
+pub use frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
+pub use msg::*;
+pub use types::*;
+
+/// Version of the wire protocol. Peers and masters with a different version refuse each
+/// other during the handshake instead of misreading each other's bytes.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Largest payload of one data frame. A header announcing more closes the link.
+pub const MAX_FRAME_PAYLOAD: usize = 64 << 20;
+
+/// Largest control message (peer <-> master, master <-> master).
+pub const MAX_CONTROL_MSG: usize = 64 << 20;
+
+/// Largest world eccl accepts. Ranks are u32 on the wire; this bounds memory a hostile
+/// message can make us allocate.
+pub const MAX_WORLD_SIZE: usize = 4096;

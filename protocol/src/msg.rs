@@ -1,0 +1,134 @@
+//! Control messages between a peer and the master. They travel with [`crate::codec`]
+//! after the authentication handshake.
+//!
+//! A peer sends [`Request`]s, each with an id; the master answers each with a
+//! [`MasterMessage::Reply`] carrying the same id, in any order, and may push
+//! [`MasterMessage::Event`]s at any time (abort an epoch, you were evicted).
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::{PeerId, World};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    /// Port where this peer accepts links from other peers.
+    pub listen_port: u16,
+    /// Address other peers should dial; if `None` the master uses the source address of
+    /// this connection (which is right unless NAT or several interfaces are involved).
+    pub advertise_host: Option<String>,
+    /// Host identity; peers on one host share it.
+    pub host: String,
+    /// Preferred rank (torchrun's RANK, `eccl-bench --local`'s child index). Honoured
+    /// among the peers admitted together; never displaces an existing member.
+    pub rank_hint: Option<u32>,
+    pub protocol_version: u16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerRequest {
+    Register(RegisterRequest),
+    /// Vote for the next epoch. Answered once every live member of the current epoch has
+    /// voted (and, for the first world, once `min_world` peers are waiting).
+    UpdateTopology {
+        peer_id: PeerId,
+        /// The epoch the peer is in now (0 before its first world).
+        epoch: u64,
+        /// Do not form a world smaller than this (torchrun's WORLD_SIZE on start-up).
+        min_world: u32,
+        /// The peer's current epoch was aborted: commit a new epoch (with fresh links)
+        /// even if nobody joined or left.
+        aborted: bool,
+    },
+    /// Are peers waiting to be admitted? Answered with the same value to every member of
+    /// `epoch` once all of them have asked.
+    ArePeersPending {
+        peer_id: PeerId,
+        epoch: u64,
+    },
+    /// Renews the peer's lease.
+    Heartbeat {
+        peer_id: PeerId,
+    },
+    /// The peer saw a fault: a link to `suspect` failed, or a collective made no progress.
+    ReportFault {
+        peer_id: PeerId,
+        epoch: u64,
+        suspect: Option<PeerId>,
+        reason: String,
+    },
+    /// The peer leaves the job on purpose.
+    Leave {
+        peer_id: PeerId,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub id: u64,
+    pub body: PeerRequest,
+}
+
+/// Why the master refused a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    InvalidArgument,
+    UnknownPeer,
+    Evicted,
+    Timeout,
+    TooFewPeers,
+    VersionMismatch,
+    NotLeader,
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MasterReply {
+    Registered {
+        peer_id: PeerId,
+        /// The lease the master holds on this peer; heartbeat well within it.
+        lease_ms: u64,
+        heartbeat_ms: u64,
+    },
+    /// The world after an `UpdateTopology` vote; `changed` is false when the master kept
+    /// the current epoch because nobody joined or left.
+    Topology {
+        world: World,
+        changed: bool,
+    },
+    PeersPending(bool),
+    Ok,
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+    /// This master is not the raft leader; `leader` is the leader's peer-facing address
+    /// if known.
+    NotLeader {
+        leader: Option<String>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MasterEvent {
+    /// Every collective of `epoch` must fail with `Aborted`.
+    AbortEpoch { epoch: u64, cause: String },
+    /// This peer is no longer part of the job; it may register again as a new peer.
+    Evicted { reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MasterMessage {
+    Reply { id: u64, body: MasterReply },
+    Event(MasterEvent),
+}
+
+/// First message on a data link after authentication: who dials whom, for which epoch,
+/// and which of the link's streams this connection is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkHello {
+    pub from: PeerId,
+    pub to: PeerId,
+    pub epoch: u64,
+    pub stream: u16,
+    pub nstreams: u16,
+}

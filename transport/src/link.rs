@@ -1,0 +1,332 @@
+//! A data link to one peer: a sending half driven by the caller and a receiving half fed
+//! by one reader task per stream.
+//!
+//! A link may have several streams (`ECCL_NSTREAMS`): the frames of one region are dealt
+//! round-robin across them and written concurrently, which helps when one TCP connection
+//! cannot fill the path. Frames carry their offset, so the receiver does not care in
+//! which order they arrive.
+
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eccl_protocol::frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
+use futures::future::try_join_all;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use crate::pool::{Pool, PooledBuf};
+use crate::TransportError;
+
+/// Frames a stream's reader may hold before the executor consumes them.
+const POOL_FRAMES: usize = 8;
+
+/// A received frame.
+pub struct Incoming {
+    pub header: FrameHeader,
+    pub payload: PooledBuf,
+}
+
+/// What a link's reader tasks deliver.
+pub enum LinkEvent {
+    Frame(Incoming),
+    /// The link is gone: the peer closed it, a read failed, or it sent a bad header.
+    Failed(Arc<TransportError>),
+}
+
+/// Told about control events as soon as a reader sees them, whatever the executor is
+/// waiting on at the time.
+pub trait LinkObserver: Send + Sync + 'static {
+    /// The peer sent an `Abort` frame.
+    fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str);
+    /// The link failed.
+    fn on_failure(&self, peer: &str, error: &TransportError);
+}
+
+type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+
+/// Sending half of a link.
+pub struct LinkTx {
+    streams: Vec<BoxWrite>,
+    peer: String,
+    /// Set while a frame is being written; still set afterwards means the write was
+    /// interrupted and the peer's reader would lose its place in the stream.
+    poisoned: bool,
+}
+
+impl LinkTx {
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    pub fn nstreams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Sends `payload` as frames of at most `frame_bytes` bytes (a multiple of
+    /// `align`), each with `header` and its own `offset`/`len`. An empty payload is sent
+    /// as one empty frame, so every send is seen by the receiver. Every frame must make
+    /// progress within `timeout`.
+    pub async fn send_region(
+        &mut self,
+        header: FrameHeader,
+        payload: &[u8],
+        frame_bytes: usize,
+        align: usize,
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        if self.poisoned {
+            return Err(TransportError::Poisoned {
+                peer: self.peer.clone(),
+            });
+        }
+        let align = align.max(1);
+        let frame_bytes = (frame_bytes.max(align) / align * align)
+            .min(eccl_protocol::MAX_FRAME_PAYLOAD / align * align);
+        let nframes = payload.len().div_ceil(frame_bytes).max(1);
+        self.poisoned = true;
+        let peer = &self.peer;
+        if self.streams.len() == 1 || nframes == 1 {
+            let w = &mut self.streams[0];
+            for i in 0..nframes {
+                send_one(w, header, payload, i, frame_bytes, timeout, peer).await?;
+            }
+        } else {
+            let n = self.streams.len();
+            try_join_all(
+                self.streams
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(s, w)| async move {
+                        let mut i = s;
+                        while i < nframes {
+                            send_one(w, header, payload, i, frame_bytes, timeout, peer).await?;
+                            i += n;
+                        }
+                        Ok::<(), TransportError>(())
+                    }),
+            )
+            .await?;
+        }
+        self.poisoned = false;
+        Ok(())
+    }
+
+    /// Sends one frame with an arbitrary payload on the first stream (control frames:
+    /// abort, check, close).
+    pub async fn send_frame(
+        &mut self,
+        header: FrameHeader,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        if self.poisoned {
+            return Err(TransportError::Poisoned {
+                peer: self.peer.clone(),
+            });
+        }
+        self.poisoned = true;
+        let mut h = header;
+        h.len = payload.len() as u32;
+        let r = tokio::time::timeout(
+            timeout,
+            write_frame(&mut self.streams[0], &h.encode(), payload),
+        )
+        .await;
+        match r {
+            Ok(Ok(())) => {
+                self.poisoned = false;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(TransportError::io(&self.peer, e)),
+            Err(_) => Err(TransportError::Timeout(self.peer.clone())),
+        }
+    }
+
+    /// Tells the peer we close the link on purpose, then shuts the streams down.
+    pub async fn close(mut self, header: FrameHeader) {
+        let mut h = header;
+        h.kind = FrameKind::Close;
+        for w in self.streams.iter_mut() {
+            if !self.poisoned {
+                let _ = tokio::time::timeout(
+                    Duration::from_millis(200),
+                    write_frame(w, &h.encode(), &[]),
+                )
+                .await;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(200), w.shutdown()).await;
+        }
+    }
+}
+
+async fn send_one(
+    w: &mut BoxWrite,
+    header: FrameHeader,
+    payload: &[u8],
+    i: usize,
+    frame_bytes: usize,
+    timeout: Duration,
+    peer: &str,
+) -> Result<(), TransportError> {
+    let start = i * frame_bytes;
+    let end = (start + frame_bytes).min(payload.len());
+    let part = payload.get(start..end).unwrap_or(&[]);
+    let mut h = header;
+    h.offset = start as u64;
+    h.len = part.len() as u32;
+    match tokio::time::timeout(timeout, write_frame(w, &h.encode(), part)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(TransportError::io(peer, e)),
+        Err(_) => Err(TransportError::Timeout(peer.to_string())),
+    }
+}
+
+/// Writes header and payload with as few system calls as the socket allows.
+async fn write_frame(
+    w: &mut BoxWrite,
+    header: &[u8; FRAME_HEADER_LEN],
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let mut h: &[u8] = header;
+    let mut p = payload;
+    while !h.is_empty() {
+        let n = w
+            .write_vectored(&[IoSlice::new(h), IoSlice::new(p)])
+            .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        if n < h.len() {
+            h = &h[n..];
+        } else {
+            p = &p[n - h.len()..];
+            h = &[];
+        }
+    }
+    w.write_all(p).await
+}
+
+/// Receiving half of a link: frames from every stream, merged.
+pub struct LinkRx {
+    events: mpsc::Receiver<LinkEvent>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+    peer: String,
+}
+
+impl LinkRx {
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Next event; `None` once every reader has stopped and all events were taken.
+    pub async fn next(&mut self) -> Option<LinkEvent> {
+        self.events.recv().await
+    }
+
+    /// A ready event, without waiting.
+    pub fn try_next(&mut self) -> Option<LinkEvent> {
+        self.events.try_recv().ok()
+    }
+}
+
+impl Drop for LinkRx {
+    fn drop(&mut self) {
+        for r in &self.readers {
+            r.abort();
+        }
+    }
+}
+
+/// Builds a link from already authenticated byte streams (one or more, same order on
+/// both sides). Spawns one reader task per stream on the current tokio runtime.
+pub fn link_from_streams<R, W>(
+    peer: String,
+    streams: Vec<(R, W)>,
+    observer: Arc<dyn LinkObserver>,
+    keep_buf_max: usize,
+) -> (LinkTx, LinkRx)
+where
+    R: AsyncRead + Send + Unpin + 'static,
+    W: AsyncWrite + Send + Unpin + 'static,
+{
+    let (tx, rx) = mpsc::channel(POOL_FRAMES * streams.len() + 4);
+    let mut writers: Vec<BoxWrite> = Vec::new();
+    let mut readers = Vec::new();
+    for (r, w) in streams {
+        writers.push(Box::new(w));
+        let pool = Pool::new(POOL_FRAMES, keep_buf_max);
+        readers.push(tokio::spawn(read_loop(
+            Box::new(r),
+            pool,
+            tx.clone(),
+            observer.clone(),
+            peer.clone(),
+        )));
+    }
+    (
+        LinkTx {
+            streams: writers,
+            peer: peer.clone(),
+            poisoned: false,
+        },
+        LinkRx {
+            events: rx,
+            readers,
+            peer,
+        },
+    )
+}
+
+async fn read_loop(
+    mut r: BoxRead,
+    pool: Arc<Pool>,
+    tx: mpsc::Sender<LinkEvent>,
+    observer: Arc<dyn LinkObserver>,
+    peer: String,
+) {
+    let fail = |e: TransportError| async {
+        observer.on_failure(&peer, &e);
+        let _ = tx.send(LinkEvent::Failed(Arc::new(e))).await;
+    };
+    loop {
+        let mut hb = [0u8; FRAME_HEADER_LEN];
+        if let Err(e) = r.read_exact(&mut hb).await {
+            return fail(TransportError::io(&peer, e)).await;
+        }
+        let header = match FrameHeader::decode(&hb) {
+            Ok(h) => h,
+            Err(e) => {
+                return fail(TransportError::Header {
+                    peer: peer.clone(),
+                    source: e,
+                })
+                .await
+            }
+        };
+        if header.kind == FrameKind::Close {
+            return fail(TransportError::Closed { peer: peer.clone() }).await;
+        }
+        let mut payload = pool.get(header.len as usize).await;
+        if let Err(e) = r.read_exact(payload.as_bytes_mut()).await {
+            return fail(TransportError::io(&peer, e)).await;
+        }
+        if header.kind == FrameKind::Abort {
+            let reason = String::from_utf8_lossy(payload.as_bytes()).into_owned();
+            observer.on_abort(&peer, &header, &reason);
+            continue;
+        }
+        if tx
+            .send(LinkEvent::Frame(Incoming { header, payload }))
+            .await
+            .is_err()
+        {
+            return; // the receiving half is gone
+        }
+    }
+}
