@@ -347,7 +347,11 @@ impl Coordinator {
                         message: reason.to_string(),
                     });
                 }
-                if was_member {
+                // A member that leaves on purpose has finished its part of every collective
+                // it returned from; the others learn of the new world at their next
+                // update_topology(). An evicted member may be holding a collective up,
+                // so its epoch is aborted everywhere at once.
+                if was_member && !leave {
                     let ev = MasterEvent::AbortEpoch {
                         epoch,
                         cause: format!("peer {peer} {reason}"),

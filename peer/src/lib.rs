@@ -19,5 +19,6 @@ pub use config::Config;
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{
     auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, PeerId, ReduceOp, World,
+    MAX_WORLD_SIZE,
 };
 pub use error::{Error, Result};
