@@ -7,6 +7,7 @@
 //! which order they arrive.
 
 use std::io::IoSlice;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -258,16 +259,17 @@ where
     let (tx, rx) = mpsc::channel(POOL_FRAMES * streams.len() + 4);
     let mut writers: Vec<BoxWrite> = Vec::new();
     let mut readers = Vec::new();
+    let live = Arc::new(AtomicUsize::new(streams.len()));
     for (r, w) in streams {
         writers.push(Box::new(w));
-        let pool = Pool::new(POOL_FRAMES, keep_buf_max);
-        readers.push(tokio::spawn(read_loop(
-            Box::new(r),
-            pool,
-            tx.clone(),
-            observer.clone(),
-            peer.clone(),
-        )));
+        let ctx = ReaderCtx {
+            pool: Pool::new(POOL_FRAMES, keep_buf_max),
+            tx: tx.clone(),
+            observer: observer.clone(),
+            peer: peer.clone(),
+            live: live.clone(),
+        };
+        readers.push(tokio::spawn(read_loop(Box::new(r), ctx)));
     }
     (
         LinkTx {
@@ -283,14 +285,31 @@ where
     )
 }
 
-async fn read_loop(
-    mut r: BoxRead,
+struct ReaderCtx {
     pool: Arc<Pool>,
     tx: mpsc::Sender<LinkEvent>,
     observer: Arc<dyn LinkObserver>,
     peer: String,
-) {
+    /// Readers of this link still running.
+    live: Arc<AtomicUsize>,
+}
+
+async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
+    let ReaderCtx {
+        pool,
+        tx,
+        observer,
+        peer,
+        live,
+    } = ctx;
     let fail = |e: TransportError| async {
+        let last = live.fetch_sub(1, Ordering::AcqRel) == 1;
+        // A clean end of one stream says nothing about frames still travelling on the
+        // others: only the last stream to end reports it, after everything was
+        // delivered. A broken stream is reported at once.
+        if matches!(e, TransportError::Closed { .. }) && !last {
+            return;
+        }
         observer.on_failure(&peer, &e);
         let _ = tx.send(LinkEvent::Failed(Arc::new(e))).await;
     };

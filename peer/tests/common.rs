@@ -1,0 +1,141 @@
+//! Helpers for end-to-end tests: a real `eccl-master` process and real peer processes,
+//! each stopped by PID when the test ends, also when it fails.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const SECRET: &str = "e2e-test-secret-0123456789abcdef";
+
+pub fn bench_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_eccl-bench"))
+}
+
+pub fn master_bin() -> PathBuf {
+    let p = bench_bin().with_file_name("eccl-master");
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --release --workspace` first",
+        p.display()
+    );
+    p
+}
+
+/// A child process killed and reaped on drop.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub struct Master {
+    pub addr: String,
+    pub proc: Proc,
+}
+
+pub fn start_master(extra: &[&str]) -> Master {
+    let mut child = Command::new(master_bin())
+        .args(["--listen", "127.0.0.1:0"])
+        .args(extra)
+        .env("ECCL_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start eccl-master");
+    let line = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    let addr = line
+        .strip_prefix("eccl-master listening on ")
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    Master {
+        addr,
+        proc: Proc(child),
+    }
+}
+
+/// Runs `n` eccl-bench peers against `master` and returns their exit codes and output.
+pub fn run_bench(
+    master: &str,
+    n: u32,
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> Vec<(Option<i32>, String)> {
+    let mut procs: Vec<Proc> = (0..n)
+        .map(|r| {
+            let mut c = Command::new(bench_bin());
+            c.args(args)
+                .args([
+                    "--master",
+                    master,
+                    "--world-size",
+                    &n.to_string(),
+                    "--rank-hint",
+                    &r.to_string(),
+                ])
+                .env("ECCL_SECRET", SECRET)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            Proc(c.spawn().expect("start eccl-bench"))
+        })
+        .collect();
+    let start = Instant::now();
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; procs.len()];
+    while codes.iter().any(Option::is_none) && start.elapsed() < limit {
+        for (i, p) in procs.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                if let Ok(Some(st)) = p.0.try_wait() {
+                    codes[i] = Some(st.code());
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    procs
+        .iter_mut()
+        .zip(codes)
+        .map(|(p, c)| {
+            let _ = p.0.kill();
+            let out = p.0.wait_with_output_ref();
+            (
+                c.flatten().or(if c.is_none() { Some(-999) } else { None }),
+                out,
+            )
+        })
+        .collect()
+}
+
+trait OutputRef {
+    fn wait_with_output_ref(&mut self) -> String;
+}
+
+impl OutputRef for Child {
+    fn wait_with_output_ref(&mut self) -> String {
+        use std::io::Read;
+        let _ = self.wait();
+        let mut s = String::new();
+        if let Some(o) = self.stdout.as_mut() {
+            let _ = o.read_to_string(&mut s);
+        }
+        if let Some(e) = self.stderr.as_mut() {
+            let _ = e.read_to_string(&mut s);
+        }
+        s
+    }
+}
