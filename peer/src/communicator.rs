@@ -307,7 +307,12 @@ impl Communicator {
     ) -> Result<OpInfo> {
         let forced = self.cfg.algo;
         let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
-        let c = self.ready()?;
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let c = self.cur.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("no world yet: call update_topology() first".into())
+        })?;
         let (epoch, rank, world) = (c.world.epoch, c.rank, c.world.size() as u32);
         let seq = c.seq;
         c.seq += 1;
@@ -325,8 +330,15 @@ impl Communicator {
             root: args.root,
             count: args.count as u64,
         };
+        // A call that is wrong on its own says so, even if the epoch is already broken.
+        let (in_len, out_len) = match validate(&args, world, rank, input.len(), output.len()) {
+            Ok(l) => l,
+            Err(e) => return Err(self.fail(epoch, seq, desc, e).await),
+        };
+        if let Some(e) = self.abort.check(epoch) {
+            return Err(e);
+        }
         let result = async {
-            let (in_len, out_len) = validate(&args, world, rank, input.len(), output.len())?;
             let key = (desc, rank, world);
             let sched = match self.schedules.get(&key) {
                 Some(s) => s.clone(),
@@ -374,7 +386,12 @@ impl Communicator {
     /// of them waits for this one.
     async fn fail(&mut self, epoch: u64, seq: u64, desc: Descriptor, e: Error) -> Error {
         if let Some(first) = self.abort.check(epoch) {
-            return first;
+            // The caller's own mistake is the more useful answer to give it.
+            return if matches!(e, Error::InvalidArgument(_)) {
+                e
+            } else {
+                first
+            };
         }
         let cause = match &e {
             Error::Mismatch { .. } => AbortCause::Mismatch,

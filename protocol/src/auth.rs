@@ -161,6 +161,8 @@ pub enum AuthError {
     BadRole(u8),
     #[error("the other side did not prove it holds the job secret")]
     BadProof,
+    #[error("the other side refused our proof: the job secret differs")]
+    Rejected,
     #[error("expected role {expected:?}, the dialer asked for {got:?}")]
     WrongRole { expected: Role, got: Role },
 }

@@ -53,7 +53,16 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
         stream.write_all(&msg.encode()).await.map_err(io)?;
         stream.flush().await.map_err(io)?;
         let mut proof = [0u8; SERVER_AUTH_LEN];
-        stream.read_exact(&mut proof).await.map_err(io)?;
+        // An acceptor that does not like our proof hangs up without a word.
+        stream
+            .read_exact(&mut proof)
+            .await
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset => {
+                    auth(AuthError::Rejected)
+                }
+                _ => io(e),
+            })?;
         if !secret.verify_acceptor(role, &my_nonce, &hello.nonce, &proof) {
             return Err(auth(AuthError::BadProof));
         }

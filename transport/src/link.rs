@@ -349,3 +349,123 @@ async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<String>>);
+    impl LinkObserver for Seen {
+        fn on_abort(&self, _: &str, _: &FrameHeader, reason: &str) {
+            self.0.lock().unwrap().push(format!("abort {reason}"));
+        }
+        fn on_failure(&self, _: &str, e: &TransportError) {
+            self.0.lock().unwrap().push(format!("failure {e}"));
+        }
+    }
+
+    fn header(len: u32) -> FrameHeader {
+        FrameHeader {
+            kind: FrameKind::Data,
+            epoch: 1,
+            seq: 0,
+            step: 0,
+            len,
+            desc: Descriptor {
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                algo: Algo::Ring,
+                root: 0,
+                count: 4,
+            },
+            offset: 0,
+        }
+    }
+
+    async fn pair() -> (LinkTx, LinkRx, tokio::io::DuplexStream, Arc<Seen>) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let (ar, aw) = tokio::io::split(a);
+        let seen = Arc::new(Seen::default());
+        let (tx, rx) = link_from_streams("peer".into(), vec![(ar, aw)], seen.clone(), 1 << 20);
+        (tx, rx, b, seen)
+    }
+
+    #[tokio::test]
+    async fn frames_round_trip_in_pieces() {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let (ar, aw) = tokio::io::split(a);
+        let (br, bw) = tokio::io::split(b);
+        let seen = Arc::new(Seen::default());
+        let (mut tx, _rx_a) = link_from_streams("b".into(), vec![(ar, aw)], seen.clone(), 1 << 20);
+        let (_tx_b, mut rx) = link_from_streams("a".into(), vec![(br, bw)], seen, 1 << 20);
+        let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let send = tx.send_region(header(0), &data, 4096, 4, Duration::from_secs(5));
+        let recv = async {
+            let mut got = vec![0u8; data.len()];
+            let mut n = 0;
+            while n < data.len() {
+                match rx.next().await {
+                    Some(LinkEvent::Frame(f)) => {
+                        let off = f.header.offset as usize;
+                        got[off..off + f.payload.len()].copy_from_slice(f.payload.as_bytes());
+                        n += f.payload.len();
+                    }
+                    _ => panic!("link failed"),
+                }
+            }
+            got
+        };
+        let (s, got) = tokio::join!(send, recv);
+        s.unwrap();
+        assert_eq!(got, data);
+    }
+
+    #[tokio::test]
+    async fn garbage_header_fails_the_link() {
+        let (_tx, mut rx, mut remote, seen) = pair().await;
+        remote.write_all(&[0x42; FRAME_HEADER_LEN]).await.unwrap();
+        match rx.next().await {
+            Some(LinkEvent::Failed(e)) => {
+                assert!(matches!(*e, TransportError::Header { .. }), "{e}")
+            }
+            _ => panic!("expected a failure"),
+        }
+        assert_eq!(seen.0.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn oversized_frame_fails_the_link_without_allocating() {
+        let (_tx, mut rx, mut remote, _) = pair().await;
+        let mut h = header(0).encode();
+        h[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+        remote.write_all(&h).await.unwrap();
+        match rx.next().await {
+            Some(LinkEvent::Failed(e)) => assert!(e.to_string().contains("exceeds"), "{e}"),
+            _ => panic!("expected a failure"),
+        }
+    }
+
+    #[tokio::test]
+    async fn truncated_frame_and_abort_frames() {
+        let (_tx, mut rx, mut remote, seen) = pair().await;
+        let mut h = header(5);
+        h.kind = FrameKind::Abort;
+        remote.write_all(&h.encode()).await.unwrap();
+        remote.write_all(b"boom!").await.unwrap();
+        remote.write_all(&header(100).encode()).await.unwrap();
+        remote.write_all(&[1, 2, 3]).await.unwrap();
+        drop(remote);
+        match rx.next().await {
+            Some(LinkEvent::Failed(e)) => {
+                assert!(matches!(*e, TransportError::Closed { .. }), "{e}")
+            }
+            _ => panic!("expected a failure"),
+        }
+        let seen = seen.0.lock().unwrap();
+        assert_eq!(seen[0], "abort boom!");
+    }
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The one test command (README): installs what it needs, builds everything, runs every
+# test suite. Works on a fresh machine with only the Rust toolchain and Python 3.11.
+#
+#   bash .ci/test.sh            # everything CI runs
+#   ECCL_SKIP_TORCH=1 bash .ci/test.sh   # skip installing torch (and the tests needing it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "system packages"
+if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    fi
+fi
+
+step "python venv (.venv): pip, maturin, pytest, numpy, torch"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q maturin pytest numpy
+if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
+    .venv/bin/python -m pip install -q torch
+fi
+
+step "build (release, whole workspace)"
+cargo build --release --workspace
+
+step "rust tests"
+cargo test --release --workspace
+
+step "python tests"
+if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
+    .venv/bin/python -m pytest -q python/tests
+else
+    echo "skipped (ECCL_SKIP_TORCH is set)"
+fi
+
+step "smoke: eccl-bench all_reduce --local 4 -c"
+target/release/eccl-bench all_reduce --local 4 -b 8 -e 8M -f 8 -n 3 -w 1 -c

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""eccl vs gloo all_reduce, in one run on one machine.
+
+Runs `eccl-bench all_reduce --local N` and the same sizes with torch.distributed's
+gloo backend over N local processes, then prints both tables and eccl/gloo ratios.
+
+    .venv/bin/python examples/compare_gloo.py --ranks 2 4 -b 1K -e 256M -f 4
+
+Needs torch (the test script installs it in .venv) and a release build
+(`cargo build --release`).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "target" / "release" / "eccl-bench"
+
+
+def parse_size(s):
+    s = s.strip().upper()
+    mul = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+    return int(s[:-1] if mul > 1 else s) * mul
+
+
+def sizes(lo, hi, f):
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= f
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gloo_worker(rank, world, port, sizes, iters, warmup, out_path):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = []
+    for size in sizes:
+        t = torch.ones(size // 4, dtype=torch.float32)
+        for _ in range(warmup):
+            dist.all_reduce(t)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        us = (time.perf_counter() - t0) * 1e6 / iters
+        m = torch.tensor([us], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        rows.append({"bytes": size, "time_us": m.item()})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def run_gloo(world, szs, iters, warmup):
+    port = free_port()
+    out = tempfile.mktemp(suffix=".json")
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--gloo-worker", str(r), str(world), str(port), out,
+                          json.dumps(szs), str(iters), str(warmup)])
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            if p.wait(timeout=1800) != 0:
+                raise SystemExit(f"gloo worker failed with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    with open(out) as f:
+        rows = json.load(f)
+    os.unlink(out)
+    for r in rows:
+        t = r["time_us"]
+        r["algbw_gbps"] = r["bytes"] / t / 1e3
+        r["busbw_gbps"] = r["algbw_gbps"] * 2 * (world - 1) / world
+    return rows
+
+
+def run_eccl(world, lo, hi, f, iters, warmup):
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [str(BENCH), "all_reduce", "--local", str(world), "-b", str(lo), "-e", str(hi), "-f", str(f),
+           "-n", str(iters), "-w", str(warmup), "--json", out]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    with open(out) as fh:
+        rows = json.load(fh)["rows"]
+    os.unlink(out)
+    return rows
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--gloo-worker":
+        r, w, port, out, szs, iters, warmup = sys.argv[2:9]
+        gloo_worker(int(r), int(w), int(port), json.loads(szs), int(iters), int(warmup), out)
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("-b", default="1K")
+    ap.add_argument("-e", default="256M")
+    ap.add_argument("-f", type=int, default=4)
+    ap.add_argument("-n", type=int, default=10)
+    ap.add_argument("-w", type=int, default=2)
+    ap.add_argument("--json", help="write both result sets here")
+    a = ap.parse_args()
+    if not BENCH.exists():
+        raise SystemExit(f"{BENCH} missing: run `cargo build --release` first")
+    lo, hi = parse_size(a.b), parse_size(a.e)
+    szs = sizes(lo, hi, a.f)
+    results = {}
+    for n in a.ranks:
+        e = run_eccl(n, lo, hi, a.f, a.n, a.w)
+        g = run_gloo(n, szs, a.n, a.w)
+        results[n] = {"eccl": e, "gloo": g}
+        print(f"\n# all_reduce float32 sum, {n} ranks, {a.n} iterations ({a.w} warm-up), same machine, same run")
+        print(f"# {'size(B)':>11} | {'eccl us':>10} {'busbw':>7} | {'gloo us':>10} {'busbw':>7} | {'busbw eccl/gloo':>15} {'time gloo/eccl':>14}")
+        for er, gr in zip(e, g):
+            print(f"  {er['bytes']:>11} | {er['time_us']:>10.1f} {er['busbw_gbps']:>7.3f} | {gr['time_us']:>10.1f} {gr['busbw_gbps']:>7.3f} |"
+                  f" {er['busbw_gbps'] / max(gr['busbw_gbps'], 1e-12):>15.2f} {gr['time_us'] / max(er['time_us'], 1e-12):>14.2f}")
+        sys.stdout.flush()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

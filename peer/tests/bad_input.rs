@@ -1,0 +1,313 @@
+//! Bad input gets a clear, typed error on every rank, promptly: mismatched calls across
+//! ranks, invalid arguments, a missing master, a wrong secret, garbage on sockets. After
+//! each failure the ranks recover with `update_topology()` and the next collective is
+//! right, and a failed in-place call leaves the caller's buffer as it was (G2).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use eccl::{Communicator, Config, Error, ReduceOp, Secret};
+use futures::future::join_all;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn cfg(master: &str) -> Config {
+    let mut c = Config::default();
+    c.master = master.to_string();
+    c.secret = Some(Secret::new(SECRET).unwrap());
+    c.timeout = Duration::from_secs(8);
+    c.connect_timeout = Duration::from_secs(5);
+    c
+}
+
+async fn world(master: &str, n: u32) -> Vec<Communicator> {
+    let comms = join_all((0..n).map(|r| async move {
+        let mut c = cfg(master);
+        c.rank_hint = Some(r);
+        c.min_world = n;
+        let mut comm = Communicator::connect(c).await.expect("connect");
+        comm.update_topology().await.expect("first world");
+        comm
+    }))
+    .await;
+    let mut comms: Vec<Communicator> = comms;
+    comms.sort_by_key(|c| c.rank());
+    comms
+}
+
+/// Every rank calls update_topology() and then a correct all_reduce.
+async fn recover_and_check(comms: &mut [Communicator]) {
+    let epochs = join_all(comms.iter_mut().map(|c| c.update_topology())).await;
+    let epochs: Vec<u64> = epochs
+        .into_iter()
+        .map(|t| t.expect("recover").epoch)
+        .collect();
+    assert!(
+        epochs.windows(2).all(|w| w[0] == w[1]),
+        "one epoch for all: {epochs:?}"
+    );
+    let n = comms.len() as f32;
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![c.rank().unwrap() as f32 + 1.0; 1000];
+        c.all_reduce(&mut b, ReduceOp::Sum).await.map(|_| b)
+    }))
+    .await;
+    for r in res {
+        let b = r.expect("all_reduce after recovery");
+        assert!(b.iter().all(|&x| x == n * (n + 1.0) / 2.0));
+    }
+}
+
+fn assert_all_mismatch<T: std::fmt::Debug>(what: &str, res: &[eccl::Result<T>], t: Instant) {
+    for (r, x) in res.iter().enumerate() {
+        assert!(
+            matches!(x, Err(Error::Mismatch { .. })),
+            "{what}: rank {r} got {x:?}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "{what}: took {:?}",
+        t.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_calls_fail_on_every_rank_and_leave_input_intact() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+
+    for len in [64usize, 300_000] {
+        let t = Instant::now();
+        let res = join_all(comms.iter_mut().map(|c| async move {
+            let r = c.rank().unwrap() as usize;
+            let orig: Vec<f32> = (0..len + (r == 1) as usize)
+                .map(|i| i as f32 * 0.5 + r as f32)
+                .collect();
+            let mut b = orig.clone();
+            let out = c.all_reduce(&mut b, ReduceOp::Sum).await;
+            assert_eq!(
+                b, orig,
+                "G2: a failed in-place call must not touch the buffer"
+            );
+            out
+        }))
+        .await;
+        assert_all_mismatch(&format!("count {len} vs {}", len + 1), &res, t);
+        recover_and_check(&mut comms).await;
+    }
+
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        if c.rank() == Some(0) {
+            let mut b = vec![1.0f64; 100];
+            c.all_reduce(&mut b, ReduceOp::Sum).await
+        } else {
+            let mut b = vec![1.0f32; 100];
+            c.all_reduce(&mut b, ReduceOp::Sum).await
+        }
+    }))
+    .await;
+    assert_all_mismatch("dtype", &res, t);
+    recover_and_check(&mut comms).await;
+
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let op = if c.rank() == Some(2) {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        let mut b = vec![1i32; 100];
+        c.all_reduce(&mut b, op).await
+    }))
+    .await;
+    assert_all_mismatch("op", &res, t);
+    recover_and_check(&mut comms).await;
+
+    // Ranks that disagree on the root never exchange data with each other in a
+    // broadcast; the descriptor check still fails all of them.
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let root = if c.rank() == Some(0) { 0 } else { 1 };
+        let mut b = vec![7u8; 4096];
+        c.broadcast(&mut b, root).await
+    }))
+    .await;
+    assert_all_mismatch("root", &res, t);
+    recover_and_check(&mut comms).await;
+
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![7i64; 10];
+        if c.rank() == Some(1) {
+            c.broadcast(&mut b, 0).await
+        } else {
+            c.all_reduce(&mut b, ReduceOp::Sum).await
+        }
+    }))
+    .await;
+    assert_all_mismatch("different collectives", &res, t);
+    recover_and_check(&mut comms).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_arguments_are_typed_errors_and_never_hang() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+
+    // The same invalid call everywhere: InvalidArgument everywhere, before any data.
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![1i32; 10];
+        c.all_reduce(&mut b, ReduceOp::Avg).await
+    }))
+    .await;
+    for r in &res {
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(m)) if m.contains("avg")),
+            "{r:?}"
+        );
+    }
+    recover_and_check(&mut comms).await;
+
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![1u8; 10];
+        c.all_reduce(&mut b, ReduceOp::Sum).await.ok();
+        c.broadcast(&mut b, 3).await
+    }))
+    .await;
+    for r in &res {
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(m)) if m.contains("root")),
+            "{r:?}"
+        );
+    }
+    recover_and_check(&mut comms).await;
+
+    // A rank-local mistake (wrong output length on one rank): that rank gets
+    // InvalidArgument, the others a Mismatch naming it, all quickly.
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let input = vec![1.0f32; 10];
+        let mut out = vec![0.0f32; if c.rank() == Some(2) { 29 } else { 30 }];
+        c.all_gather_into(&input, &mut out).await
+    }))
+    .await;
+    assert!(
+        matches!(res[2], Err(Error::InvalidArgument(_))),
+        "{:?}",
+        res[2]
+    );
+    assert!(
+        matches!(res[0], Err(Error::Mismatch { .. })),
+        "{:?}",
+        res[0]
+    );
+    assert!(
+        matches!(res[1], Err(Error::Mismatch { .. })),
+        "{:?}",
+        res[1]
+    );
+    assert!(t.elapsed() < Duration::from_secs(6));
+    recover_and_check(&mut comms).await;
+
+    // Tags that differ on a send/recv pair.
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![3u8; 16];
+        match c.rank() {
+            Some(0) => c.send(&b, 1, 5).await,
+            Some(1) => c.recv(&mut b, 0, 6).await,
+            _ => c.barrier().await,
+        }
+    }))
+    .await;
+    assert!(
+        matches!(res[1], Err(Error::Mismatch { .. })),
+        "{:?}",
+        res[1]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_master_and_wrong_secret() {
+    // Nothing listens on this port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut c = cfg(&format!("127.0.0.1:{port}"));
+    c.connect_timeout = Duration::from_millis(800);
+    let t = Instant::now();
+    let r = Communicator::connect(c).await;
+    assert!(
+        matches!(r, Err(Error::MasterUnavailable { .. })),
+        "{:?}",
+        r.err()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "bounded wait, took {:?}",
+        t.elapsed()
+    );
+
+    let m = start_master(&[]);
+    let mut c = cfg(&m.addr);
+    c.secret = Some(Secret::new("not-the-job-secret-at-all").unwrap());
+    let t = Instant::now();
+    let r = Communicator::connect(c).await;
+    match r {
+        Err(Error::MasterUnavailable { reason, .. }) => {
+            assert!(reason.contains("authentic"), "{reason}")
+        }
+        other => panic!("wrong secret must be refused: {:?}", other.err()),
+    }
+    assert!(t.elapsed() < Duration::from_secs(3));
+
+    let mut c = cfg(&m.addr);
+    c.secret = None;
+    assert!(matches!(
+        Communicator::connect(c).await,
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_and_strangers_on_sockets_are_refused() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 2).await;
+    let link_addr = comms[1].world().unwrap().members[1].addr.clone();
+
+    // A stranger that sends garbage to the master and to a peer's link port, and one
+    // that connects and says nothing: none of them reaches the registry or a link.
+    let mut silent = tokio::net::TcpStream::connect(&link_addr).await.unwrap();
+    for addr in [m.addr.clone(), link_addr.clone()] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let mut hello = [0u8; 42];
+        s.read_exact(&mut hello).await.unwrap();
+        let _ = s.write_all(&[0x5a; 300]).await;
+        let mut rest = Vec::new();
+        let n = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(n, Ok(Ok(0)) | Ok(Err(_))),
+            "the stranger must be disconnected, learning nothing: {n:?} {rest:?}"
+        );
+    }
+    // The job goes on.
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![2.0f32; 50_000];
+        c.all_reduce(&mut b, ReduceOp::Sum).await.map(|_| b[0])
+    }))
+    .await;
+    for r in res {
+        assert_eq!(r.unwrap(), 4.0);
+    }
+    let _ = silent.write_all(b"x").await;
+
+    // A stranger cannot register or join: the master refuses it before any message.
+    let mut c = cfg(&m.addr);
+    c.secret = Some(Secret::new("guessing-the-secret-0000").unwrap());
+    assert!(Communicator::connect(c).await.is_err());
+    assert_eq!(comms[0].world_size(), 2);
+}
