@@ -399,34 +399,20 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
             root: args.root,
             count,
         };
+        let run = Run {
+            a: cargs,
+            inplace: args.inplace,
+            rank,
+            n,
+        };
         comm.barrier().await?;
         for _ in 0..args.warmup {
-            one(
-                &mut comm,
-                kind,
-                cargs,
-                &input,
-                &mut output,
-                args.inplace,
-                rank,
-                n,
-            )
-            .await?;
+            one(&mut comm, &run, &input, &mut output).await?;
         }
         comm.barrier().await?;
         let t0 = Instant::now();
         for _ in 0..args.iters {
-            one(
-                &mut comm,
-                kind,
-                cargs,
-                &input,
-                &mut output,
-                args.inplace,
-                rank,
-                n,
-            )
-            .await?;
+            one(&mut comm, &run, &input, &mut output).await?;
         }
         let mut time_us = [t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64];
         // nccl-tests reports the slowest rank.
@@ -434,17 +420,7 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         let mut wrong = [0i64];
         if args.check != 0 {
             output.iter_mut().for_each(|b| *b = 0xA5);
-            one(
-                &mut comm,
-                kind,
-                cargs,
-                &input,
-                &mut output,
-                args.inplace,
-                rank,
-                n,
-            )
-            .await?;
+            one(&mut comm, &run, &input, &mut output).await?;
             let want = if kind == CollectiveKind::SendRecv {
                 sendrecv_expected(&call, rank, n)
             } else {
@@ -533,27 +509,31 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
     Ok(total_wrong)
 }
 
-/// Runs the collective once. In-place calls work on a copy of the input, so that every
-/// iteration sees the same data.
-#[allow(clippy::too_many_arguments)]
-async fn one(
-    comm: &mut Communicator,
-    kind: CollectiveKind,
+/// One call as the benchmark repeats it.
+struct Run {
     a: CollArgs,
-    input: &[u8],
-    output: &mut [u8],
     inplace: bool,
     rank: usize,
     n: usize,
+}
+
+/// Runs the collective once. In-place calls work on a copy of the input, so that every
+/// iteration sees the same data.
+async fn one(
+    comm: &mut Communicator,
+    run: &Run,
+    input: &[u8],
+    output: &mut [u8],
 ) -> eccl::Result<()> {
-    if kind == CollectiveKind::SendRecv {
+    let a = run.a;
+    if a.kind == CollectiveKind::SendRecv {
         // Pairs (0,1), (2,3), ...: the even rank sends first, the odd one receives first.
-        if n == 1 {
+        if run.n == 1 {
             output.copy_from_slice(input);
             return Ok(());
         }
-        let peer = (rank ^ 1) as u32;
-        if rank % 2 == 0 {
+        let peer = (run.rank ^ 1) as u32;
+        if run.rank % 2 == 0 {
             comm.send_bytes(a.dtype, input, peer, 7).await?;
             comm.recv_bytes(a.dtype, output, peer, 7).await?;
         } else {
@@ -562,16 +542,14 @@ async fn one(
         }
         return Ok(());
     }
-    if inplace
-        && output.len() <= input.len().max(output.len())
-        && matches!(
-            kind,
-            CollectiveKind::AllReduce
-                | CollectiveKind::Broadcast
-                | CollectiveKind::Reduce
-                | CollectiveKind::AllToAll
-        )
-    {
+    let inplace_kind = matches!(
+        a.kind,
+        CollectiveKind::AllReduce
+            | CollectiveKind::Broadcast
+            | CollectiveKind::Reduce
+            | CollectiveKind::AllToAll
+    );
+    if run.inplace && inplace_kind {
         let mut buf = if input.is_empty() {
             vec![0u8; output.len()]
         } else {
