@@ -354,10 +354,10 @@ impl Communicator {
                 }
             };
             if self.last_algo.insert(args.kind, choice.algo) != Some(choice.algo) {
-                tracing::info!(target: "eccl::coll", "{} of {} bytes on {world} ranks: {} ({})", args.kind, args.count * elem, choice.algo, choice.reason);
+                tracing::info!(target: "eccl::coll", "{} bytes on {world} ranks: {}", args.count * elem, choice.reason);
             }
             self.scratch.set_len(sched.scratch_len * elem);
-            let c = self.cur.as_mut().expect("checked by ready()");
+            let c = self.cur.as_mut().expect("world checked at the start of the call");
             let op = Op { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort };
             if args.kind.is_rooted() && world > 1 {
                 executor::check_round(&op, &mut c.links).await?;
