@@ -206,15 +206,6 @@ impl Registry {
             .map(|(p, _)| *p)
             .collect()
     }
-
-    /// Drops records of long-gone peers so the registry does not grow without bound in
-    /// a long elastic job. Only peers that are gone are forgotten.
-    pub fn gone_count(&self) -> usize {
-        self.peers
-            .values()
-            .filter(|r| matches!(r.state, PeerState::Gone { .. }))
-            .count()
-    }
 }
 
 #[cfg(test)]
