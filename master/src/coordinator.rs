@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
+use tokio::task::JoinHandle;
 use tokio::sync::{mpsc, Mutex};
 
 use crate::raft::{ProposeError, RaftRegistry};
 use crate::registry::{Command, Outcome, PeerState};
+use crate::sync::{self, Report};
 
 /// Where the answer to one request goes.
 #[derive(Clone)]
@@ -33,12 +35,28 @@ struct Vote {
     aborted: bool,
 }
 
+struct SyncEntry {
+    reply: ReplyTo,
+    epoch: u64,
+    report: Report,
+}
+
 #[derive(Default)]
 struct State {
     conns: HashMap<PeerId, mpsc::UnboundedSender<MasterMessage>>,
     votes: HashMap<PeerId, Vote>,
     queries: HashMap<PeerId, (ReplyTo, u64)>,
+    syncs: HashMap<PeerId, SyncEntry>,
     leases: HashMap<PeerId, Instant>,
+    /// The last epoch aborted because of a fault report (one abort per epoch is enough).
+    reported_epoch: u64,
+}
+
+fn aborted_reply(message: String) -> MasterReply {
+    MasterReply::Error {
+        code: ErrorCode::Aborted,
+        message,
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -117,8 +135,11 @@ impl Coordinator {
         }
     }
 
+    /// Renews a live peer's lease (a removed peer has none to renew).
     pub async fn heartbeat(&self, peer: PeerId) {
-        self.state.lock().await.leases.insert(peer, Instant::now());
+        if let Some(t) = self.state.lock().await.leases.get_mut(&peer) {
+            *t = Instant::now();
+        }
     }
 
     fn known(&self, peer: PeerId) -> Option<PeerState> {
@@ -160,7 +181,210 @@ impl Coordinator {
                 aborted,
             },
         );
+        // A member that moved on to the next epoch will not join this epoch's sync
+        // round, and will not ask whether peers are pending: answer those who wait.
+        if self.raft.read(|r| r.epoch()) == epoch {
+            let cur: Vec<PeerId> = st
+                .syncs
+                .iter()
+                .filter(|(_, e)| e.epoch == epoch)
+                .map(|(p, _)| *p)
+                .collect();
+            for p in cur {
+                if let Some(e) = st.syncs.remove(&p) {
+                    e.reply.send(aborted_reply(format!(
+                        "peer {peer} left epoch {epoch} for update_topology() before the shared-state sync"
+                    )));
+                }
+            }
+            self.answer_queries(&mut st);
+        }
         self.try_commit(&mut st).await;
+    }
+
+    /// One member's report of `sync_shared_state()`; answered with the plan once every
+    /// live member of the epoch has reported.
+    pub async fn sync_report(&self, peer: PeerId, epoch: u64, report: Report, reply: ReplyTo) {
+        match self.known(peer) {
+            Some(PeerState::Member) => {}
+            Some(PeerState::Gone { reason }) => {
+                return reply.send(MasterReply::Error {
+                    code: ErrorCode::Evicted,
+                    message: reason,
+                })
+            }
+            _ => {
+                return reply.send(MasterReply::Error {
+                    code: ErrorCode::InvalidArgument,
+                    message: format!("peer {peer} is not a member yet: call update_topology() first"),
+                })
+            }
+        }
+        let mut st = self.state.lock().await;
+        st.leases.insert(peer, Instant::now());
+        let current = self.raft.read(|r| r.epoch());
+        if epoch != current {
+            return reply.send(aborted_reply(format!(
+                "epoch {epoch} is over (the current epoch is {current})"
+            )));
+        }
+        if st.votes.values().any(|v| v.epoch == epoch) {
+            return reply.send(aborted_reply(format!(
+                "a member of epoch {epoch} already moved on to update_topology()"
+            )));
+        }
+        st.syncs.insert(
+            peer,
+            SyncEntry {
+                reply,
+                epoch,
+                report,
+            },
+        );
+        self.try_sync(&mut st).await;
+    }
+
+    async fn try_sync(&self, st: &mut State) {
+        let (epoch, members) = self.raft.read(|r| (r.epoch(), r.live_members()));
+        let gone: Vec<PeerId> = st
+            .syncs
+            .keys()
+            .copied()
+            .filter(|p| !members.contains(p))
+            .collect();
+        for p in gone {
+            if let Some(e) = st.syncs.remove(&p) {
+                e.reply.send(aborted_reply(format!("peer {p} is no longer a member")));
+            }
+        }
+        if members.is_empty()
+            || !members
+                .iter()
+                .all(|m| st.syncs.get(m).is_some_and(|e| e.epoch == epoch))
+        {
+            return;
+        }
+        let reports: Vec<Report> = members
+            .iter()
+            .filter_map(|m| st.syncs.get(m).map(|e| e.report.clone()))
+            .collect();
+        let Some(plan) = sync::plan(&reports) else {
+            return;
+        };
+        let mut h = blake3::Hasher::new();
+        for t in &plan.target {
+            h.update(t.name.as_bytes());
+            h.update(&t.hash);
+        }
+        let cmd = Command::StateRevision {
+            epoch,
+            revision: plan.revision,
+            hash: *h.finalize().as_bytes(),
+        };
+        let reply = match self.raft.propose(cmd).await {
+            Ok(_) => {
+                tracing::info!(
+                    target: "eccl::master",
+                    "epoch {epoch}: shared state at revision {} from {:?}; {:?} fetch it",
+                    plan.revision,
+                    plan.sources,
+                    plan.receivers
+                );
+                MasterReply::SyncPlan {
+                    revision: plan.revision,
+                    target: plan.target,
+                    sources: plan.sources,
+                    receivers: plan.receivers,
+                }
+            }
+            Err(e) => propose_error(e),
+        };
+        for m in &members {
+            if let Some(e) = st.syncs.remove(m) {
+                e.reply.send(reply.clone());
+            }
+        }
+    }
+
+    /// A member saw a fault. If the suspect has also stopped renewing its lease it is
+    /// evicted now, without waiting for the lease to run out; otherwise the epoch is
+    /// aborted on every member, so that nobody waits for the broken collective.
+    pub async fn report_fault(
+        self: &Arc<Self>,
+        reporter: PeerId,
+        epoch: u64,
+        suspect: Option<PeerId>,
+        reason: String,
+    ) {
+        let current = self.raft.read(|r| r.epoch());
+        if epoch != current {
+            return;
+        }
+        let silent_for = {
+            let st = self.state.lock().await;
+            suspect.and_then(|s| st.leases.get(&s).map(|t| (s, t.elapsed())))
+        };
+        if let Some((s, quiet)) = silent_for {
+            if quiet > self.timing.lease / 2 {
+                let why = format!(
+                    "reported by peer {reporter} ({reason}) and silent for {} ms",
+                    quiet.as_millis()
+                );
+                return self.remove(s, &why, false).await;
+            }
+        }
+        let mut st = self.state.lock().await;
+        if st.reported_epoch >= epoch {
+            return;
+        }
+        st.reported_epoch = epoch;
+        tracing::info!(target: "eccl::master", "epoch {epoch} aborted: peer {reporter} reports {reason}");
+        let ev = MasterEvent::AbortEpoch {
+            epoch,
+            cause: format!("peer {reporter} reports: {reason}"),
+            evicted: None,
+        };
+        for m in self.raft.read(|r| r.live_members()) {
+            if let Some(c) = st.conns.get(&m) {
+                let _ = c.send(MasterMessage::Event(ev.clone()));
+            }
+        }
+    }
+
+    /// Evicts peers whose lease ran out. Only the leader holds leases; a master that
+    /// becomes leader first grants every peer a fresh lease.
+    pub fn spawn_lease_checker(self: &Arc<Self>) -> JoinHandle<()> {
+        let me = Arc::downgrade(self);
+        let period = (self.timing.heartbeat / 2).clamp(Duration::from_millis(10), Duration::from_millis(100));
+        tokio::spawn(async move {
+            let mut was_leader = false;
+            loop {
+                tokio::time::sleep(period).await;
+                let Some(c) = me.upgrade() else { return };
+                if !c.raft.is_leader() {
+                    was_leader = false;
+                    continue;
+                }
+                let expired: Vec<(PeerId, Duration)> = {
+                    let mut st = c.state.lock().await;
+                    if !was_leader {
+                        let now = Instant::now();
+                        st.leases.values_mut().for_each(|t| *t = now);
+                        was_leader = true;
+                    }
+                    st.leases
+                        .iter()
+                        .map(|(p, t)| (*p, t.elapsed()))
+                        .filter(|(_, age)| *age > c.timing.lease)
+                        .collect()
+                };
+                for (p, age) in expired {
+                    let why = format!("lease expired (no heartbeat for {} ms)", age.as_millis());
+                    tracing::warn!(target: "eccl::master", "peer {p}: {why}");
+                    c.remove(p, &why, false).await;
+                }
+            }
+        })
     }
 
     /// Completes the vote round if every live member has voted.
@@ -297,13 +521,17 @@ impl Coordinator {
                 r.send(MasterReply::PeersPending(true));
             }
         }
-        if members.is_empty() || !members.iter().all(|m| st.queries.contains_key(m)) {
+        let voted = members
+            .iter()
+            .any(|m| st.votes.get(m).is_some_and(|v| v.epoch == epoch));
+        if members.is_empty() || (!voted && !members.iter().all(|m| st.queries.contains_key(m))) {
             return;
         }
-        let waiting = st
-            .votes
-            .keys()
-            .any(|p| self.known(*p) == Some(PeerState::Pending));
+        // A member that already voted for the next epoch waits for the others: the answer
+        // must send them to update_topology() too.
+        let waiting = st.votes.iter().any(|(p, v)| {
+            v.epoch == epoch || self.known(*p) == Some(PeerState::Pending)
+        });
         for m in &members {
             if let Some((r, _)) = st.queries.remove(m) {
                 r.send(MasterReply::PeersPending(waiting));
@@ -317,6 +545,7 @@ impl Coordinator {
         let mut st = self.state.lock().await;
         if matches!(self.known(peer), Some(PeerState::Gone { .. }) | None) {
             st.conns.remove(&peer);
+            st.leases.remove(&peer);
             return;
         }
         let cmd = if leave {
@@ -341,6 +570,12 @@ impl Coordinator {
                 }
                 st.leases.remove(&peer);
                 st.queries.remove(&peer);
+                if let Some(e) = st.syncs.remove(&peer) {
+                    e.reply.send(MasterReply::Error {
+                        code: ErrorCode::Evicted,
+                        message: reason.to_string(),
+                    });
+                }
                 if let Some(v) = st.votes.remove(&peer) {
                     v.reply.send(MasterReply::Error {
                         code: ErrorCode::Evicted,
@@ -355,12 +590,14 @@ impl Coordinator {
                     let ev = MasterEvent::AbortEpoch {
                         epoch,
                         cause: format!("peer {peer} {reason}"),
+                        evicted: Some(peer),
                     };
                     for c in st.conns.values() {
                         let _ = c.send(MasterMessage::Event(ev.clone()));
                     }
                 }
                 self.try_commit(&mut st).await;
+                self.try_sync(&mut st).await;
                 self.answer_queries(&mut st);
             }
             Ok(other) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {other:?}"),

@@ -9,6 +9,7 @@ pub mod raft;
 pub mod registry;
 pub mod secret;
 pub mod server;
+pub mod sync;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -51,11 +52,13 @@ pub struct MasterHandle {
     pub addr: SocketAddr,
     pub coordinator: Arc<Coordinator>,
     server: tokio::task::JoinHandle<()>,
+    leases: tokio::task::JoinHandle<()>,
 }
 
 impl MasterHandle {
     pub async fn shutdown(self) {
         self.server.abort();
+        self.leases.abort();
         self.coordinator.raft.shutdown().await;
     }
 }
@@ -63,6 +66,7 @@ impl MasterHandle {
 impl Drop for MasterHandle {
     fn drop(&mut self) {
         self.server.abort();
+        self.leases.abort();
     }
 }
 
@@ -85,6 +89,7 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
     )
     .await?;
     let coordinator = Coordinator::new(Arc::new(raft), opts.timing.clone());
+    let leases = coordinator.spawn_lease_checker();
     let server = tokio::spawn(server::serve(
         listener,
         coordinator.clone(),
@@ -95,5 +100,6 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
         addr,
         coordinator,
         server,
+        leases,
     })
 }

@@ -47,6 +47,12 @@ pub enum Command {
     Evict { peer: PeerId, reason: String },
     /// The peer leaves on purpose.
     Leave { peer: PeerId },
+    /// A shared-state sync round of `epoch` settled on `revision` with content `hash`.
+    StateRevision {
+        epoch: u64,
+        revision: u64,
+        hash: [u8; 32],
+    },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +77,8 @@ pub struct Registry {
     peers: BTreeMap<PeerId, PeerRecord>,
     epoch: u64,
     world: Option<World>,
+    /// The last shared state the members agreed on: (epoch, revision, hash).
+    state_revision: Option<(u64, u64, [u8; 32])>,
 }
 
 impl Registry {
@@ -102,6 +110,17 @@ impl Registry {
             } => self.commit_epoch(*expected_epoch, admit, remove),
             Command::Evict { peer, reason } => self.remove(*peer, reason.clone()),
             Command::Leave { peer } => self.remove(*peer, "left".to_string()),
+            Command::StateRevision {
+                epoch,
+                revision,
+                hash,
+            } => {
+                // Revisions only grow; a stale leader's late record changes nothing.
+                if self.state_revision.is_none_or(|(_, r, _)| *revision >= r) {
+                    self.state_revision = Some((*epoch, *revision, *hash));
+                }
+                Outcome::Nothing
+            }
         }
     }
 
@@ -180,6 +199,11 @@ impl Registry {
 
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// The last agreed shared state: (epoch, revision, hash).
+    pub fn state_revision(&self) -> Option<(u64, u64, [u8; 32])> {
+        self.state_revision
     }
 
     pub fn world(&self) -> Option<&World> {

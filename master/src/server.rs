@@ -148,7 +148,8 @@ async fn serve_peer(
                     | PeerRequest::ArePeersPending { peer_id, .. }
                     | PeerRequest::Heartbeat { peer_id }
                     | PeerRequest::ReportFault { peer_id, .. }
-                    | PeerRequest::Leave { peer_id } => *peer_id,
+                    | PeerRequest::Leave { peer_id }
+                    | PeerRequest::SyncState { peer_id, .. } => *peer_id,
                     PeerRequest::Register(_) => unreachable!("handled above"),
                 };
                 // A connection speaks only for the peer it registered: no one can vote,
@@ -186,6 +187,26 @@ async fn serve_peer(
                     } => {
                         tracing::info!(target: "eccl::master", "peer {claimed} reports a fault in epoch {epoch} (suspect {suspect:?}): {reason}");
                         reply.send(MasterReply::Ok);
+                        tokio::spawn(async move {
+                            coord.report_fault(claimed, epoch, suspect, reason).await
+                        });
+                    }
+                    PeerRequest::SyncState {
+                        epoch,
+                        revision,
+                        strategy,
+                        tensors,
+                        ..
+                    } => {
+                        let report = crate::sync::Report {
+                            peer: claimed,
+                            revision,
+                            role: strategy,
+                            tensors,
+                        };
+                        tokio::spawn(async move {
+                            coord.sync_report(claimed, epoch, report, reply).await
+                        });
                     }
                     PeerRequest::Leave { .. } => {
                         coord.remove(claimed, "left", true).await;

@@ -22,15 +22,44 @@ pub(crate) struct AbortInfo {
     pub error: Error,
 }
 
+/// An abort that applies to every epoch: this peer was evicted.
+const ALL_EPOCHS: u64 = u64::MAX;
+
 pub(crate) struct AbortState {
     tx: watch::Sender<Option<AbortInfo>>,
+    /// Peers the master evicted, as its abort events named them; a shared-state sync
+    /// stops using them as sources or waiting for them as receivers.
+    gone: std::sync::Mutex<std::collections::HashSet<eccl_protocol::PeerId>>,
 }
 
 impl AbortState {
     pub fn new() -> Arc<AbortState> {
         Arc::new(AbortState {
             tx: watch::channel(None).0,
+            gone: Default::default(),
         })
+    }
+
+    /// This peer was evicted: every epoch is over for it.
+    pub fn evicted(&self, reason: String) {
+        self.raise(ALL_EPOCHS, Error::Evicted { reason });
+    }
+
+    /// The master evicted `peer`; wakes whoever watches.
+    pub fn peer_gone(&self, peer: eccl_protocol::PeerId) {
+        if let Ok(mut g) = self.gone.lock() {
+            g.insert(peer);
+        }
+        self.tx.send_modify(|_| {});
+    }
+
+    pub fn is_gone(&self, peer: eccl_protocol::PeerId) -> bool {
+        self.gone.lock().map(|g| g.contains(&peer)).unwrap_or(false)
+    }
+
+    /// A receiver that wakes on every abort and eviction.
+    pub fn subscribe(&self) -> watch::Receiver<Option<AbortInfo>> {
+        self.tx.subscribe()
     }
 
     /// Breaks `epoch` with `error`, unless it is already broken (the first cause wins).
@@ -56,7 +85,7 @@ impl AbortState {
         self.tx
             .borrow()
             .as_ref()
-            .filter(|i| i.epoch == epoch)
+            .filter(|i| i.epoch == epoch || i.epoch == ALL_EPOCHS)
             .map(|i| i.error.clone())
     }
 
@@ -64,7 +93,11 @@ impl AbortState {
     pub async fn wait(&self, epoch: u64) -> Error {
         let mut rx = self.tx.subscribe();
         loop {
-            if let Some(e) = rx.borrow_and_update().as_ref().filter(|i| i.epoch == epoch) {
+            if let Some(e) = rx
+                .borrow_and_update()
+                .as_ref()
+                .filter(|i| i.epoch == epoch || i.epoch == ALL_EPOCHS)
+            {
                 return e.error.clone();
             }
             if rx.changed().await.is_err() {

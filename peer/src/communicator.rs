@@ -5,7 +5,9 @@
 //! in the same order, and the borrow checker keeps one caller from interleaving two.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use eccl_algorithms::{buffer_lens, build, choose_algo, Element, Schedule};
 use eccl_protocol::frame::AbortCause;
@@ -46,6 +48,24 @@ pub struct Topology {
     pub world_size: u32,
 }
 
+/// How the retry helpers retry.
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Give up with `TooFewPeers` when fewer members remain.
+    pub min_world: u32,
+    /// Calls of the collective at most, the first included.
+    pub max_attempts: u32,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            min_world: 1,
+            max_attempts: 16,
+        }
+    }
+}
+
 /// Arguments of one collective, untyped (the Python layer and eccl-bench use this form).
 #[derive(Clone, Copy, Debug)]
 pub struct CollArgs {
@@ -57,25 +77,30 @@ pub struct CollArgs {
     pub count: usize,
 }
 
-struct Current {
-    world: World,
-    rank: u32,
-    members: Arc<[PeerId]>,
-    links: Vec<Option<PeerLink>>,
+pub(crate) struct Current {
+    pub world: World,
+    pub rank: u32,
+    pub members: Arc<[PeerId]>,
+    pub links: Vec<Option<PeerLink>>,
     seq: u64,
     p2p_sent: Vec<u64>,
     p2p_recvd: Vec<u64>,
+    /// Shared-state syncs so far in this epoch; names the frames of each round.
+    pub sync_round: u64,
 }
 
 pub struct Communicator {
-    cfg: Config,
-    master: MasterClient,
+    pub(crate) cfg: Config,
+    pub(crate) master: Arc<MasterClient>,
     peer_id: PeerId,
     links: LinkManager,
-    cur: Option<Current>,
-    abort: Arc<AbortState>,
+    pub(crate) cur: Option<Current>,
+    pub(crate) abort: Arc<AbortState>,
     evicted: Arc<std::sync::Mutex<Option<String>>>,
+    /// Rank blamed by the collective that failed last (see `fail`).
+    suspect: AtomicU32,
     events: tokio::task::JoinHandle<()>,
+    heartbeat: tokio::task::JoinHandle<()>,
     scratch: AlignedBuf,
     inplace: AlignedBuf,
     schedules: HashMap<(Descriptor, u32, u32), Arc<Schedule>>,
@@ -85,6 +110,7 @@ pub struct Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         self.events.abort();
+        self.heartbeat.abort();
     }
 }
 
@@ -112,9 +138,31 @@ impl Communicator {
                 cfg.connect_timeout,
             )
             .await?;
-        let peer_id = match reply {
-            MasterReply::Registered { peer_id, .. } => peer_id,
-            other => return Err(reply_error(&cfg.master, other)),
+        let (peer_id, heartbeat_ms) = match reply {
+            MasterReply::Registered {
+                peer_id,
+                heartbeat_ms,
+                ..
+            } => (peer_id, heartbeat_ms),
+            other => return Err(reply_error(&cfg.master, 0, other)),
+        };
+        let master = Arc::new(master);
+        // Heartbeats renew the master's lease on this peer. They run on the runtime's
+        // worker threads, apart from the caller, so a peer busy in a long collective
+        // stays alive; only a peer that is really stuck (stopped, wedged) loses its lease.
+        let heartbeat = {
+            let master = master.clone();
+            let every = Duration::from_millis(heartbeat_ms.max(10));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    if master.notify(PeerRequest::Heartbeat { peer_id }).await.is_err() {
+                        return;
+                    }
+                }
+            })
         };
         tracing::info!(target: "eccl::init", "registered with master {} as peer {peer_id}", cfg.master);
         let abort = AbortState::new();
@@ -123,14 +171,22 @@ impl Communicator {
         let events = tokio::spawn(async move {
             while let Some(ev) = erx.recv().await {
                 match ev {
-                    MasterEvent::AbortEpoch { epoch, cause } => {
+                    MasterEvent::AbortEpoch {
+                        epoch,
+                        cause,
+                        evicted,
+                    } => {
+                        if let Some(p) = evicted {
+                            a2.peer_gone(p);
+                        }
                         a2.raise(epoch, Error::Aborted { epoch, cause })
                     }
                     MasterEvent::Evicted { reason } => {
                         tracing::warn!(target: "eccl::init", "evicted by the master: {reason}");
                         if let Ok(mut e) = e2.lock() {
-                            *e = Some(reason);
+                            *e = Some(reason.clone());
                         }
+                        a2.evicted(reason);
                     }
                 }
             }
@@ -143,7 +199,9 @@ impl Communicator {
             cur: None,
             abort,
             evicted,
+            suspect: AtomicU32::new(executor::NO_SUSPECT),
             events,
+            heartbeat,
             scratch: AlignedBuf::default(),
             inplace: AlignedBuf::default(),
             schedules: HashMap::new(),
@@ -196,7 +254,7 @@ impl Communicator {
         let reply = self.master.request(req, self.cfg.join_timeout).await?;
         let (world, changed) = match reply {
             MasterReply::Topology { world, changed } => (world, changed),
-            other => return Err(reply_error(&self.cfg.master, other)),
+            other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
         if changed || world.epoch != epoch {
             self.install(world).await?;
@@ -260,7 +318,7 @@ impl Communicator {
             .await?;
         match reply {
             MasterReply::PeersPending(p) => Ok(p),
-            other => Err(reply_error(&self.cfg.master, other)),
+            other => Err(reply_error(&self.cfg.master, epoch, other)),
         }
     }
 
@@ -278,7 +336,7 @@ impl Communicator {
             .await?;
         match r {
             MasterReply::Ok => Ok(()),
-            other => Err(reply_error(&self.cfg.master, other)),
+            other => Err(reply_error(&self.cfg.master, 0, other)),
         }
     }
 
@@ -358,7 +416,7 @@ impl Communicator {
             }
             self.scratch.set_len(sched.scratch_len * elem);
             let c = self.cur.as_mut().expect("world checked at the start of the call");
-            let op = Op { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort };
+            let op = Op { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect };
             if args.kind.is_rooted() && world > 1 {
                 executor::check_round(&op, &mut c.links).await?;
             }
@@ -400,9 +458,24 @@ impl Communicator {
             _ => AbortCause::LinkFailure,
         };
         self.abort.raise(epoch, e.clone());
+        let suspect = self.suspect.swap(executor::NO_SUSPECT, Ordering::Relaxed);
         if let Some(c) = self.cur.as_mut() {
             let reason = format!("rank {}: {e}", c.rank);
             executor::broadcast_abort(epoch, seq, desc, cause, &reason, &mut c.links).await;
+            // A broken link or a silent peer is the master's business: it evicts the
+            // peer if its lease agrees, and aborts the epoch on everyone otherwise.
+            if matches!(cause, AbortCause::LinkFailure | AbortCause::Timeout) {
+                let suspect = c.world.members.get(suspect as usize).map(|m| m.peer_id);
+                let report = PeerRequest::ReportFault {
+                    peer_id: self.peer_id,
+                    epoch,
+                    suspect,
+                    reason: e.to_string(),
+                };
+                if let Err(err) = self.master.notify(report).await {
+                    tracing::warn!(target: "eccl::coll", "could not report the fault to the master: {err}");
+                }
+            }
         }
         e
     }
@@ -487,6 +560,7 @@ impl Communicator {
             timeout,
             frame_bytes,
             abort: &self.abort,
+            suspect: &self.suspect,
         };
         let r = match dir {
             P2p::Send(d) => executor::send_p2p(&op, link, peer, d).await,
@@ -526,6 +600,88 @@ impl Communicator {
             self.inplace = tmp;
         }
         r
+    }
+
+    // ---- retry helpers -------------------------------------------------------------
+
+    /// The step between attempts of a retry loop: given the error of attempt
+    /// `*attempt`, either returns it (not retryable, or the last attempt) or moves to the
+    /// next world with `update_topology()` and returns `Ok` for another attempt. The
+    /// failed call left every input as it was (G2), so the next attempt computes over the
+    /// new world's members exactly. Fails with `TooFewPeers` when the world has shrunk
+    /// below `policy.min_world`.
+    ///
+    /// ```no_run
+    /// # async fn f(comm: &mut eccl::Communicator, grads: &mut [f32]) -> eccl::Result<()> {
+    /// let policy = eccl::RetryPolicy { min_world: 2, ..Default::default() };
+    /// let mut attempt = 1;
+    /// let info = loop {
+    ///     match comm.all_reduce(grads, eccl::ReduceOp::Sum).await {
+    ///         Ok(info) => break info,
+    ///         Err(e) => comm.recover(e, &mut attempt, &policy).await?,
+    ///     }
+    /// };
+    /// # let _ = info; Ok(()) }
+    /// ```
+    pub async fn recover(
+        &mut self,
+        error: Error,
+        attempt: &mut u32,
+        policy: &RetryPolicy,
+    ) -> Result<()> {
+        if !error.is_retryable() || *attempt >= policy.max_attempts {
+            return Err(error);
+        }
+        tracing::info!(target: "eccl::coll", "attempt {attempt} failed ({error}); moving to the next world");
+        *attempt += 1;
+        loop {
+            match self.update_topology().await {
+                Ok(_) => break,
+                Err(e) if e.is_retryable() && *attempt < policy.max_attempts => *attempt += 1,
+                Err(e) => return Err(e),
+            }
+        }
+        let have = self.world_size() as usize;
+        let need = policy.min_world as usize;
+        if have < need {
+            return Err(Error::TooFewPeers { have, need });
+        }
+        Ok(())
+    }
+
+    /// `all_reduce` that retries over the next world after a fault (see
+    /// [`Communicator::recover`]). On success `buf` holds the reduction over exactly the
+    /// members in the returned [`OpInfo`].
+    pub async fn all_reduce_with_retry<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+        policy: &RetryPolicy,
+    ) -> Result<OpInfo> {
+        let mut attempt = 1;
+        loop {
+            match self.all_reduce(buf, op).await {
+                Ok(info) => return Ok(info),
+                Err(e) => self.recover(e, &mut attempt, policy).await?,
+            }
+        }
+    }
+
+    /// Any collective, retried over the next world after a fault.
+    pub async fn collective_with_retry(
+        &mut self,
+        args: CollArgs,
+        input: &[u8],
+        output: &mut [u8],
+        policy: &RetryPolicy,
+    ) -> Result<OpInfo> {
+        let mut attempt = 1;
+        loop {
+            match self.collective(args, input, output).await {
+                Ok(info) => return Ok(info),
+                Err(e) => self.recover(e, &mut attempt, policy).await?,
+            }
+        }
     }
 
     // ---- typed API -------------------------------------------------------------
@@ -772,6 +928,7 @@ impl Current {
             seq: 0,
             p2p_sent: vec![0; n],
             p2p_recvd: vec![0; n],
+            sync_round: 0,
         }
     }
 }
@@ -825,15 +982,18 @@ fn validate(
     Ok((need_in, need_out))
 }
 
-fn reply_error(master: &str, reply: MasterReply) -> Error {
+pub(crate) fn reply_error(master: &str, epoch: u64, reply: MasterReply) -> Error {
     match reply {
         MasterReply::Error { code, message } => match code {
+            ErrorCode::Aborted => Error::Aborted {
+                epoch,
+                cause: message,
+            },
             ErrorCode::Evicted | ErrorCode::UnknownPeer => Error::Evicted { reason: message },
             ErrorCode::Timeout => Error::Timeout {
                 what: message,
                 ms: 0,
             },
-            ErrorCode::TooFewPeers => Error::TooFewPeers { have: 0, need: 0 },
             ErrorCode::InvalidArgument | ErrorCode::VersionMismatch => {
                 Error::InvalidArgument(message)
             }

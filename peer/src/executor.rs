@@ -6,6 +6,7 @@
 //! link's stash; a frame that can never be right (another descriptor, an earlier
 //! collective) fails the collective with `Mismatch`.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::abort::AbortState;
 use crate::error::{Error, Result};
+use crate::fault;
 use crate::links::{PeerLink, PeerRx};
 
 /// Takes the link half of rank `r` for one primitive of a step.
@@ -30,6 +32,9 @@ fn take<T>(v: &mut [Option<T>], r: u32) -> Result<T> {
         ))
     })
 }
+
+/// `Op::suspect` when nobody is suspected.
+pub(crate) const NO_SUSPECT: u32 = u32::MAX;
 
 /// Frames a link may hold for later steps before we call the peer runaway.
 const MAX_STASH: usize = 4096;
@@ -43,6 +48,8 @@ pub(crate) struct Op<'a> {
     pub timeout: Duration,
     pub frame_bytes: usize,
     pub abort: &'a Arc<AbortState>,
+    /// The rank whose link failed or went silent first, for the fault report.
+    pub suspect: &'a AtomicU32,
 }
 
 impl Op<'_> {
@@ -62,6 +69,12 @@ impl Op<'_> {
         }
     }
 
+    fn blame(&self, rank: u32) {
+        let _ = self
+            .suspect
+            .compare_exchange(NO_SUSPECT, rank, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
     fn timeout_err(&self, what: String) -> Error {
         Error::Timeout {
             what,
@@ -79,6 +92,7 @@ impl Op<'_> {
     }
 
     fn link_err(&self, rank: u32, e: impl std::fmt::Display) -> Error {
+        self.blame(rank);
         Error::Aborted {
             epoch: self.epoch,
             cause: format!("link to rank {rank} failed: {e}"),
@@ -193,15 +207,23 @@ pub(crate) async fn next_frame(
     loop {
         let f = match tokio::time::timeout(op.timeout, rx.link.next()).await {
             Err(_) => {
-                return Err(op.timeout_err(format!("waiting for rank {rank} in {}", want.desc)))
+                op.blame(rank);
+                return Err(op.timeout_err(format!("waiting for rank {rank} in {}", want.desc)));
             }
             Ok(None) => return Err(op.link_err(rank, "closed")),
             Ok(Some(LinkEvent::Failed(e))) => return Err(op.link_err(rank, e)),
             Ok(Some(LinkEvent::Frame(f))) => f,
         };
         let h = f.header;
-        if h.epoch < op.epoch {
-            continue; // left over from an earlier epoch
+        if h.epoch < op.epoch
+            || matches!(
+                h.kind,
+                FrameKind::StateReq | FrameKind::StateData | FrameKind::StateDone
+            )
+        {
+            // Left over from an earlier epoch, or from a shared-state sync that is over
+            // (a late answer to a request that another source already served).
+            continue;
         }
         if h.epoch > op.epoch {
             return Err(Error::Aborted {
@@ -314,7 +336,11 @@ pub(crate) async fn run(
     let mut recvd = vec![0u32; world];
     let elem = op.elem();
     let (dtype, rop) = (op.desc.dtype, op.desc.op);
-    for step in &sched.steps {
+    let half = sched.steps.len() / 2;
+    for (index, step) in sched.steps.iter().enumerate() {
+        if index == half && index > 0 && world > 1 {
+            fault::hit(fault::Point::MidRing);
+        }
         for p in step.prims.iter().filter(|p| p.is_local()) {
             // SAFETY: local primitives run one at a time; `local` checks src/dst overlap.
             unsafe { local(op, p, bufs)? };
@@ -485,6 +511,9 @@ pub(crate) async fn run(
         tokio::select! {
             r = all => { r?; }
             e = op.abort.wait(op.epoch) => return Err(e),
+        }
+        if index == 0 {
+            fault::hit(fault::Point::FirstChunk);
         }
     }
     Ok(())

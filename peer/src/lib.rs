@@ -10,11 +10,14 @@ pub mod communicator;
 pub mod config;
 pub mod error;
 mod executor;
+mod fault;
 mod links;
 pub use eccl_transport::logging;
 mod master_client;
+pub mod shared_state;
 
-pub use communicator::{CollArgs, Communicator, OpInfo, Topology};
+pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, Topology};
+pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};
 pub use config::Config;
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{

@@ -106,8 +106,20 @@ impl MasterClient {
         }
     }
 
+    /// Sends `body` without waiting for an answer (heartbeats, fault reports): id 0 is
+    /// never a request's, so a reply to it is dropped.
+    pub async fn notify(&self, body: PeerRequest) -> Result<()> {
+        self.tx
+            .lock()
+            .await
+            .send(&Request { id: 0, body })
+            .await
+            .map_err(|e| self.unavailable(e))
+    }
+
     /// Sends `body` and waits for the answer, at most `timeout`.
     pub async fn request(&self, body: PeerRequest, timeout: Duration) -> Result<MasterReply> {
+        let is_vote = matches!(body, PeerRequest::UpdateTopology { .. });
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
@@ -123,6 +135,9 @@ impl MasterClient {
         let sent = self.tx.lock().await.send(&Request { id, body }).await;
         if let Err(e) = sent {
             return Err(self.unavailable(e));
+        }
+        if is_vote {
+            crate::fault::hit(crate::fault::Point::UpdateTopology);
         }
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(reply)) => Ok(reply),

@@ -39,6 +39,13 @@ pub enum FrameKind {
     Check = 4,
     /// The sender closes the link on purpose.
     Close = 5,
+    /// Shared-state sync: a receiver asks for chunk `offset` of tensor `step`; `seq` is
+    /// the sync round. No payload.
+    StateReq = 6,
+    /// Shared-state sync: a source answers a `StateReq` with the chunk's bytes.
+    StateData = 7,
+    /// Shared-state sync: the receiver needs nothing more from this source.
+    StateDone = 8,
 }
 
 /// Why a peer aborted a collective, as carried by an `Abort` frame.
@@ -126,6 +133,9 @@ impl FrameHeader {
             3 => FrameKind::Abort,
             4 => FrameKind::Check,
             5 => FrameKind::Close,
+            6 => FrameKind::StateReq,
+            7 => FrameKind::StateData,
+            8 => FrameKind::StateDone,
             k => return Err(HeaderError::UnknownKind(k)),
         };
         let len = u32_at(28);

@@ -60,6 +60,39 @@ pub enum PeerRequest {
     Leave {
         peer_id: PeerId,
     },
+    /// One member's part of `sync_shared_state()`: what it holds. Answered with a
+    /// [`MasterReply::SyncPlan`] once every live member of `epoch` has reported.
+    SyncState {
+        peer_id: PeerId,
+        epoch: u64,
+        revision: u64,
+        strategy: SyncRole,
+        tensors: Vec<TensorDigest>,
+    },
+}
+
+/// How a member takes part in a shared-state sync.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncRole {
+    /// Its content counts in the vote; it sends and receives.
+    EnforcePopular,
+    /// Its content does not count; it only receives.
+    ReceiveOnly,
+    /// Its content is authoritative; it never receives.
+    SendOnly,
+}
+
+/// Size of the chunks that shared state is hashed and moved in.
+pub const STATE_CHUNK: usize = 1 << 20;
+
+/// A tensor of the shared state as its owner describes it: a blake3 hash per chunk of
+/// [`STATE_CHUNK`] bytes and one over the whole tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorDigest {
+    pub name: String,
+    pub len: u64,
+    pub hash: [u8; 32],
+    pub chunks: Vec<[u8; 32]>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,10 +108,11 @@ pub enum ErrorCode {
     UnknownPeer,
     Evicted,
     Timeout,
-    TooFewPeers,
     VersionMismatch,
     NotLeader,
     Internal,
+    /// The epoch was aborted (a member moved on to `update_topology()` or was evicted).
+    Aborted,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -96,6 +130,16 @@ pub enum MasterReply {
         changed: bool,
     },
     PeersPending(bool),
+    /// The outcome of a `SyncState` round: the content everyone must end with, and the
+    /// members that hold it (the sources).
+    SyncPlan {
+        revision: u64,
+        target: Vec<TensorDigest>,
+        sources: Vec<PeerId>,
+        /// Members that will fetch from the sources; each source serves until every one
+        /// of them is done or gone.
+        receivers: Vec<PeerId>,
+    },
     Ok,
     Error {
         code: ErrorCode,
@@ -111,7 +155,12 @@ pub enum MasterReply {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MasterEvent {
     /// Every collective of `epoch` must fail with `Aborted`.
-    AbortEpoch { epoch: u64, cause: String },
+    AbortEpoch {
+        epoch: u64,
+        cause: String,
+        /// The peer whose eviction caused it, if any.
+        evicted: Option<PeerId>,
+    },
     /// This peer is no longer part of the job; it may register again as a new peer.
     Evicted { reason: String },
 }

@@ -1,0 +1,145 @@
+//! Choosing the content of a shared-state sync round (pure, so it is unit-tested on its
+//! own): the highest revision among the members whose content counts, and at that
+//! revision the content most of them hold.
+
+use std::collections::BTreeMap;
+
+use eccl_protocol::{PeerId, SyncRole, TensorDigest};
+
+/// One member's report.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub peer: PeerId,
+    pub revision: u64,
+    pub role: SyncRole,
+    pub tensors: Vec<TensorDigest>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub revision: u64,
+    pub target: Vec<TensorDigest>,
+    pub sources: Vec<PeerId>,
+    pub receivers: Vec<PeerId>,
+}
+
+/// What identifies a member's content: names, lengths and hashes of its tensors.
+fn content(r: &Report) -> Vec<(&str, u64, [u8; 32])> {
+    r.tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.len, t.hash))
+        .collect()
+}
+
+/// Send-only members are authoritative when there are any; otherwise the members that
+/// enforce the popular state vote; if everyone only receives, everyone's content counts.
+/// Ties go to the content held by the smallest peer id, so every master decides alike.
+pub fn plan(reports: &[Report]) -> Option<Plan> {
+    let by_role = |role| reports.iter().filter(move |r| r.role == role);
+    let mut voters: Vec<&Report> = by_role(SyncRole::SendOnly).collect();
+    if voters.is_empty() {
+        voters = by_role(SyncRole::EnforcePopular).collect();
+    }
+    if voters.is_empty() {
+        voters = reports.iter().collect();
+    }
+    let revision = voters.iter().map(|r| r.revision).max()?;
+    let mut votes: BTreeMap<Vec<(&str, u64, [u8; 32])>, (usize, PeerId, &Report)> =
+        BTreeMap::new();
+    for r in voters.iter().filter(|r| r.revision == revision) {
+        let e = votes.entry(content(r)).or_insert((0, r.peer, r));
+        e.0 += 1;
+        if r.peer < e.1 {
+            e.1 = r.peer;
+        }
+    }
+    let (key, (_, _, winner)) = votes
+        .iter()
+        .max_by(|a, b| a.1 .0.cmp(&b.1 .0).then(b.1 .1.cmp(&a.1 .1)))?;
+    let mut sources = Vec::new();
+    let mut receivers = Vec::new();
+    for r in reports {
+        if &content(r) == key {
+            if r.role != SyncRole::ReceiveOnly {
+                sources.push(r.peer);
+            }
+        } else {
+            receivers.push(r.peer);
+        }
+    }
+    sources.sort_unstable();
+    receivers.sort_unstable();
+    Some(Plan {
+        revision,
+        target: winner.tensors.clone(),
+        sources,
+        receivers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rep(peer: PeerId, revision: u64, role: SyncRole, h: u8) -> Report {
+        Report {
+            peer,
+            revision,
+            role,
+            tensors: vec![TensorDigest {
+                name: "w".into(),
+                len: 4,
+                hash: [h; 32],
+                chunks: vec![[h; 32]],
+            }],
+        }
+    }
+    use SyncRole::*;
+
+    #[test]
+    fn highest_revision_then_most_popular() {
+        let p = plan(&[
+            rep(1, 3, EnforcePopular, 1),
+            rep(2, 4, EnforcePopular, 2),
+            rep(3, 4, EnforcePopular, 3),
+            rep(4, 4, EnforcePopular, 3),
+            rep(5, 0, EnforcePopular, 0),
+        ])
+        .unwrap();
+        assert_eq!(p.revision, 4);
+        assert_eq!(p.target[0].hash, [3; 32]);
+        assert_eq!(p.sources, vec![3, 4]);
+        assert_eq!(p.receivers, vec![1, 2, 5]);
+    }
+
+    #[test]
+    fn ties_go_to_the_smallest_peer_id() {
+        let p = plan(&[rep(7, 1, EnforcePopular, 7), rep(2, 1, EnforcePopular, 2)]).unwrap();
+        assert_eq!(p.target[0].hash, [2; 32]);
+        assert_eq!(p.sources, vec![2]);
+        assert_eq!(p.receivers, vec![7]);
+    }
+
+    #[test]
+    fn receive_only_never_wins_nor_serves() {
+        let p = plan(&[rep(1, 9, ReceiveOnly, 9), rep(2, 1, EnforcePopular, 1), rep(3, 1, ReceiveOnly, 1)]).unwrap();
+        assert_eq!(p.revision, 1);
+        assert_eq!(p.sources, vec![2]);
+        assert_eq!(p.receivers, vec![1]);
+    }
+
+    #[test]
+    fn send_only_is_authoritative() {
+        let p = plan(&[rep(1, 1, SendOnly, 5), rep(2, 7, EnforcePopular, 2), rep(3, 7, EnforcePopular, 2)]).unwrap();
+        assert_eq!(p.target[0].hash, [5; 32]);
+        assert_eq!(p.sources, vec![1]);
+        assert_eq!(p.receivers, vec![2, 3]);
+    }
+
+    #[test]
+    fn everyone_receive_only_still_agrees() {
+        let p = plan(&[rep(1, 0, ReceiveOnly, 1), rep(2, 0, ReceiveOnly, 1)]).unwrap();
+        assert!(p.sources.is_empty() && p.receivers.is_empty());
+        assert!(plan(&[]).is_none());
+    }
+}
