@@ -50,6 +50,8 @@ struct State {
     leases: HashMap<PeerId, Instant>,
     /// The last epoch aborted because of a fault report (one abort per epoch is enough).
     reported_epoch: u64,
+    /// The last epoch in which a member was evicted (its links are suspect).
+    evicted_epoch: u64,
 }
 
 fn aborted_reply(message: String) -> MasterReply {
@@ -401,9 +403,11 @@ impl Coordinator {
                 .collect();
             for m in behind {
                 if let Some(v) = st.votes.remove(&m) {
+                    // Its links are older than the others' idea of "previous epoch".
                     v.reply.send(MasterReply::Topology {
                         world: w.clone(),
                         changed: true,
+                        reuse_links: false,
                     });
                 }
             }
@@ -456,12 +460,14 @@ impl Coordinator {
                         v.reply.send(MasterReply::Topology {
                             world: w.clone(),
                             changed: false,
+                            reuse_links: true,
                         });
                     }
                 }
             }
             return;
         }
+        let reuse_links = !aborted && st.evicted_epoch != epoch && st.reported_epoch != epoch;
         let cmd = Command::CommitEpoch {
             expected_epoch: epoch,
             admit: pending.clone(),
@@ -484,6 +490,7 @@ impl Coordinator {
                         v.reply.send(MasterReply::Topology {
                             world: w.clone(),
                             changed: true,
+                            reuse_links,
                         });
                     }
                 }
@@ -587,6 +594,7 @@ impl Coordinator {
                 // update_topology(). An evicted member may be holding a collective up,
                 // so its epoch is aborted everywhere at once.
                 if was_member && !leave {
+                    st.evicted_epoch = epoch;
                     let ev = MasterEvent::AbortEpoch {
                         epoch,
                         cause: format!("peer {peer} {reason}"),

@@ -110,21 +110,42 @@ impl AbortState {
     }
 }
 
-/// Observes the links of one epoch: an Abort frame breaks that epoch only, so frames and
-/// failures of an old epoch's links never disturb the new one.
+/// Observes every link of a communicator on behalf of its current epoch: an Abort frame
+/// breaks the epoch it names only if that is the current one, so frames of an old
+/// epoch never disturb the new one, also on links kept across epochs.
 pub(crate) struct EpochLinkObserver {
-    pub epoch: u64,
+    epoch: std::sync::atomic::AtomicU64,
     pub state: Arc<AbortState>,
-    /// Rank of the peer at the other end of each link, by link name.
-    pub names: std::collections::HashMap<String, u32>,
+    /// Rank in the current epoch of the peer at the other end of each link, by link name.
+    names: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
+impl EpochLinkObserver {
+    pub fn new(state: Arc<AbortState>) -> EpochLinkObserver {
+        EpochLinkObserver {
+            epoch: Default::default(),
+            state,
+            names: Default::default(),
+        }
+    }
+
+    /// Moves to `epoch`, whose members' links are named as in `names`.
+    pub fn enter(&self, epoch: u64, names: std::collections::HashMap<String, u32>) {
+        if let Ok(mut n) = self.names.lock() {
+            *n = names;
+        }
+        self.epoch
+            .store(epoch, std::sync::atomic::Ordering::Release);
+    }
 }
 
 impl LinkObserver for EpochLinkObserver {
     fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str) {
-        if header.epoch != self.epoch {
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::Acquire);
+        if header.epoch != epoch {
             return;
         }
-        let rank = self.names.get(peer).copied();
+        let rank = self.names.lock().ok().and_then(|n| n.get(peer).copied());
         let error = match AbortCause::from_u32(header.step) {
             Some(AbortCause::Mismatch) | Some(AbortCause::InvalidArgument) => Error::Mismatch {
                 rank,
@@ -133,14 +154,14 @@ impl LinkObserver for EpochLinkObserver {
                 detail: reason.to_string(),
             },
             _ => Error::Aborted {
-                epoch: self.epoch,
+                epoch,
                 cause: format!(
                     "rank {} aborted: {reason}",
                     rank.map_or("?".into(), |r| r.to_string())
                 ),
             },
         };
-        self.state.raise(self.epoch, error);
+        self.state.raise(epoch, error);
     }
 
     fn on_failure(&self, peer: &str, error: &TransportError) {
@@ -148,6 +169,6 @@ impl LinkObserver for EpochLinkObserver {
         // the peer sent before it, so a collective that already has its data completes.
         // A collective that needs the link fails when it reaches the failure, and then
         // tells every other rank with Abort frames.
-        tracing::debug!(target: "eccl::net", "epoch {}: link {peer} ended: {error}", self.epoch);
+        tracing::debug!(target: "eccl::net", "link {peer} ended: {error}");
     }
 }

@@ -46,6 +46,9 @@ pub struct Topology {
     pub changed: bool,
     pub rank: u32,
     pub world_size: u32,
+    /// Links to other members carried over from the previous epoch (after a clean
+    /// epoch, only links to newcomers are connected).
+    pub links_kept: u32,
 }
 
 /// How the retry helpers retry.
@@ -123,7 +126,8 @@ impl Communicator {
             .secret
             .clone()
             .ok_or_else(|| Error::InvalidArgument("no job secret: set ECCL_SECRET or ECCL_SECRET_FILE (eccl-master prints where it keeps one)".into()))?;
-        let links = LinkManager::bind(&cfg).await?;
+        let abort = AbortState::new();
+        let links = LinkManager::bind(&cfg, &abort).await?;
         let (etx, mut erx) = mpsc::unbounded_channel();
         let master = MasterClient::connect(&cfg.master, &secret, cfg.connect_timeout, etx).await?;
         let reply = master
@@ -165,7 +169,6 @@ impl Communicator {
             })
         };
         tracing::info!(target: "eccl::init", "registered with master {} as peer {peer_id}", cfg.master);
-        let abort = AbortState::new();
         let evicted = Arc::new(std::sync::Mutex::new(None));
         let (a2, e2) = (abort.clone(), evicted.clone());
         let events = tokio::spawn(async move {
@@ -252,12 +255,19 @@ impl Communicator {
             aborted,
         };
         let reply = self.master.request(req, self.cfg.join_timeout).await?;
-        let (world, changed) = match reply {
-            MasterReply::Topology { world, changed } => (world, changed),
+        let (world, changed, reuse) = match reply {
+            MasterReply::Topology {
+                world,
+                changed,
+                reuse_links,
+            } => (world, changed, reuse_links),
             other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
+        let mut links_kept = 0;
         if changed || world.epoch != epoch {
-            self.install(world).await?;
+            links_kept = self.install(world, reuse).await?;
+        } else if let Some(c) = &self.cur {
+            links_kept = c.links.iter().flatten().count() as u32;
         }
         let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
             epoch,
@@ -268,16 +278,29 @@ impl Communicator {
             changed,
             rank: c.rank,
             world_size: c.world.size() as u32,
+            links_kept,
         })
     }
 
-    async fn install(&mut self, world: World) -> Result<()> {
+    /// Enters `world`; returns how many links were kept from the previous epoch.
+    async fn install(&mut self, world: World, reuse: bool) -> Result<u32> {
         let rank = world.rank_of(self.peer_id).ok_or_else(|| Error::Evicted {
             reason: format!("not a member of epoch {}", world.epoch),
         })?;
-        // Old links go first: their readers stop, and the peers' observers of the old
-        // epoch may notice, which no longer matters to anyone.
-        self.cur = None;
+        // After a clean epoch the links between members of both worlds carry on; frames
+        // of the old epoch that are still queued are dropped by their epoch number.
+        // Other old links close: their peers' observers no longer watch that epoch.
+        let mut keep = HashMap::new();
+        if let Some(old) = self.cur.take() {
+            if reuse && old.world.epoch + 1 == world.epoch {
+                for (m, link) in old.world.members.iter().zip(old.links) {
+                    if let Some(mut link) = link.filter(|_| world.rank_of(m.peer_id).is_some()) {
+                        link.rx.stash.retain(|f| f.header.epoch >= world.epoch);
+                        keep.insert(m.peer_id, link);
+                    }
+                }
+            }
+        }
         self.schedules.clear();
         tracing::info!(
             target: "eccl::init",
@@ -286,9 +309,10 @@ impl Communicator {
             world.size(),
             world.peer_ids()
         );
+        let kept = keep.len() as u32;
         let links = match self
             .links
-            .connect_world(&world, self.peer_id, &self.cfg, &self.abort)
+            .connect_world(&world, self.peer_id, &self.cfg, keep)
             .await
         {
             Ok(l) => l,
@@ -299,7 +323,7 @@ impl Communicator {
             }
         };
         self.cur = Some(Current::new(world, rank, links));
-        Ok(())
+        Ok(kept)
     }
 
     /// Are peers waiting to be admitted? Every member of the epoch gets the same answer,
@@ -442,7 +466,7 @@ impl Communicator {
 
     /// Breaks the epoch after a failed call and tells the other ranks why, so that none
     /// of them waits for this one.
-    async fn fail(&mut self, epoch: u64, seq: u64, desc: Descriptor, e: Error) -> Error {
+    pub(crate) async fn fail(&mut self, epoch: u64, seq: u64, desc: Descriptor, e: Error) -> Error {
         if let Some(first) = self.abort.check(epoch) {
             // The caller's own mistake is the more useful answer to give it.
             return if matches!(e, Error::InvalidArgument(_)) {

@@ -39,6 +39,8 @@ pub(crate) struct LinkManager {
     /// Connections for an epoch we have not reached yet.
     early: Vec<Accepted>,
     acceptor: tokio::task::JoinHandle<()>,
+    /// Watches every link for abort frames of the current epoch.
+    observer: Arc<EpochLinkObserver>,
     pub local_addr: SocketAddr,
     pub advertise_host: Option<String>,
 }
@@ -67,7 +69,7 @@ fn interface_addr(name: &str) -> Result<std::net::IpAddr> {
 }
 
 impl LinkManager {
-    pub async fn bind(cfg: &Config) -> Result<LinkManager> {
+    pub async fn bind(cfg: &Config, abort: &Arc<AbortState>) -> Result<LinkManager> {
         let (bind_ip, advertise_host) = match &cfg.socket_ifname {
             Some(name) => {
                 let ip = interface_addr(name)?;
@@ -93,41 +95,51 @@ impl LinkManager {
             accepted: rx,
             early: Vec::new(),
             acceptor,
+            observer: Arc::new(EpochLinkObserver::new(abort.clone())),
             local_addr,
             advertise_host,
         })
     }
 
-    /// Connects to every other member of `world`. Returns links indexed by rank (`None`
-    /// at our own rank).
+    /// Connects to every other member of `world` but those in `keep`, whose links from
+    /// the previous epoch carry on (both ends decide alike, from the master's
+    /// `reuse_links`). Returns links indexed by rank (`None` at our own rank).
     pub async fn connect_world(
         &mut self,
         world: &World,
         me: PeerId,
         cfg: &Config,
-        abort: &Arc<AbortState>,
+        mut keep: HashMap<PeerId, PeerLink>,
     ) -> Result<Vec<Option<PeerLink>>> {
         let epoch = world.epoch;
         let nstreams = cfg.nstreams as u16;
-        let name = |r: u32| format!("rank {r} ({})", world.members[r as usize].addr);
-        let observer = Arc::new(EpochLinkObserver {
+        let name = |r: u32| {
+            let m = &world.members[r as usize];
+            format!("peer {} ({})", m.peer_id, m.addr)
+        };
+        self.observer.enter(
             epoch,
-            state: abort.clone(),
-            names: world
+            world
                 .members
                 .iter()
                 .map(|m| (name(m.rank), m.rank))
                 .collect(),
-        });
+        );
+        let observer = self.observer.clone();
         let expected: HashMap<PeerId, u32> = world
             .members
             .iter()
-            .filter(|m| m.peer_id < me)
+            .filter(|m| m.peer_id < me && !keep.contains_key(&m.peer_id))
             .map(|m| (m.peer_id, m.rank))
             .collect();
+        let kept = keep.len();
 
         let secret = &self.secret;
-        let dials = try_join_all(world.members.iter().filter(|m| m.peer_id > me).map(
+        let to_dial = world
+            .members
+            .iter()
+            .filter(|m| m.peer_id > me && !keep.contains_key(&m.peer_id));
+        let dials = try_join_all(to_dial.map(
             |m| async move {
                 let mut streams = Vec::new();
                 for s in 0..nstreams {
@@ -213,7 +225,11 @@ impl LinkManager {
             }
         };
 
-        let mut links: Vec<Option<PeerLink>> = (0..world.size()).map(|_| None).collect();
+        let mut links: Vec<Option<PeerLink>> = world
+            .members
+            .iter()
+            .map(|m| keep.remove(&m.peer_id))
+            .collect();
         let all = dialed.into_iter().chain(
             accepted
                 .into_iter()
@@ -230,7 +246,7 @@ impl LinkManager {
                 },
             });
         }
-        tracing::info!(target: "eccl::net", "epoch {epoch}: connected {} links over tcp ({} stream(s) each)", world.size().saturating_sub(1), nstreams);
+        tracing::info!(target: "eccl::net", "epoch {epoch}: kept {kept} links, connected {} over tcp ({} stream(s) each)", world.size().saturating_sub(1 + kept), nstreams);
         Ok(links)
     }
 }

@@ -284,6 +284,34 @@ impl Communicator {
             } => (revision, target, sources, receivers),
             other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
+        match self
+            .carry_out_sync(epoch, round, tensors, strategy, &local, revision, target, sources, receivers)
+            .await
+        {
+            Ok(info) => Ok(info),
+            // The others may already be in the next collective: break the epoch so that
+            // they fail promptly instead of waiting for this member.
+            Err(e) => {
+                let desc = state_header(FrameKind::Abort, epoch, 0, 0, 0).desc;
+                Err(self.fail(epoch, u64::MAX, desc, e).await)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn carry_out_sync(
+        &mut self,
+        epoch: u64,
+        round: u64,
+        tensors: &mut [SharedTensor<'_>],
+        strategy: SyncStrategy,
+        local: &[TensorDigest],
+        revision: u64,
+        target: Vec<TensorDigest>,
+        sources: Vec<PeerId>,
+        receivers: Vec<PeerId>,
+    ) -> Result<SyncInfo> {
+        let peer_id = self.peer_id();
         let mut info = SyncInfo {
             epoch,
             revision,
@@ -291,14 +319,14 @@ impl Communicator {
             bytes_received: 0,
             sources: Vec::new(),
             updated: Vec::new(),
-            hash: state_hash(&local),
+            hash: state_hash(local),
         };
         if sources.contains(&peer_id) {
             info.bytes_sent = self
                 .serve_state(epoch, round, tensors, &target, &receivers)
                 .await?;
         } else if receivers.contains(&peer_id) {
-            let plan = match_target(tensors, &local, &target, strategy);
+            let plan = match_target(tensors, local, &target, strategy);
             let fetched = match plan {
                 Ok(need) => self.fetch_state(epoch, round, tensors, &target, &sources, need).await,
                 Err(e) => Err(e),

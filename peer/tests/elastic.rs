@@ -180,6 +180,7 @@ async fn newcomer_joins_at_a_step_boundary_and_catches_up() {
     let newcomer = tokio::spawn(async move {
         let mut c = Communicator::connect(cfg(&master)).await.expect("connect");
         let t = c.update_topology().await.expect("admitted");
+        assert_eq!(t.links_kept, 0);
         let mut s = State::new(0);
         let info = {
             let mut ts = s.tensors();
@@ -203,7 +204,12 @@ async fn newcomer_joins_at_a_step_boundary_and_catches_up() {
     }
     assert!(pending, "the newcomer never showed as pending");
     let ts = join_all(comms.iter_mut().map(|c| c.update_topology())).await;
-    assert!(ts.iter().all(|t| t.as_ref().is_ok_and(|t| t.changed && t.world_size == 3)), "{ts:?}");
+    // The clean epoch's link between the two members carries on; only the newcomer's
+    // links are new.
+    assert!(
+        ts.iter().all(|t| t.as_ref().is_ok_and(|t| t.changed && t.world_size == 3 && t.links_kept == 1)),
+        "{ts:?}"
+    );
     let mut states = vec![State::new(9), State::new(9)];
     let res = sync_all(&mut comms, &mut states, &[4, 4], &[SyncStrategy::EnforcePopular; 2]).await;
     assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
@@ -241,6 +247,7 @@ async fn retry_helpers_continue_over_the_survivors() {
     .await;
     for r in &res {
         let (v, info) = r.as_ref().expect("retried over the survivors");
+        assert!(info.epoch >= 2, "the retry ran in a new epoch");
         assert_eq!(info.world_size, 2);
         // G3: the sum is over exactly the members the call reports.
         let expect: f64 = info.members.iter().map(|p| *p as f64).sum();
@@ -260,4 +267,29 @@ async fn retry_helpers_continue_over_the_survivors() {
         Err(Error::TooFewPeers { have: 1, need: 2 }) => {}
         other => panic!("expected TooFewPeers, got {other:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_moved_on_sends_the_others_to_update_topology() {
+    // One member's collective failed and it went to update_topology(); another's
+    // succeeded and it asks whether peers are pending, or starts a shared-state sync.
+    // Neither may wait for the other forever.
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 2).await;
+    let (a, b) = comms.split_at_mut(1);
+    let t0 = std::time::Instant::now();
+    let (ta, pb) = tokio::join!(a[0].update_topology(), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let pending = b[0].are_peers_pending().await;
+        let mut x = vec![0u8; 8];
+        let mut t = [SharedTensor::bytes("x", &mut x)];
+        let sync = b[0].sync_shared_state(0, &mut t, SyncStrategy::EnforcePopular).await;
+        let topo = b[0].update_topology().await;
+        (pending, sync, topo)
+    });
+    let (pending, sync, topo) = pb;
+    assert!(matches!(pending, Ok(true)), "{pending:?}");
+    assert!(matches!(sync, Err(Error::Aborted { .. })), "{sync:?}");
+    assert!(ta.is_ok() && topo.is_ok(), "{ta:?} {topo:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
 }

@@ -128,6 +128,9 @@ pub enum MasterReply {
     Topology {
         world: World,
         changed: bool,
+        /// The previous epoch ended cleanly (nobody aborted or was evicted): members of
+        /// both epochs keep the links between them and connect only to newcomers.
+        reuse_links: bool,
     },
     PeersPending(bool),
     /// The outcome of a `SyncState` round: the content everyone must end with, and the
