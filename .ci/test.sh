@@ -4,6 +4,8 @@
 #
 #   bash .ci/test.sh            # everything CI runs
 #   ECCL_SKIP_TORCH=1 bash .ci/test.sh   # skip installing torch (and the tests needing it)
+#   ECCL_SOAK=1 bash .ci/test.sh         # also the 10-minute chaos soak and the 6-peer,
+#                                        # 5-minute target run of issue 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -42,3 +44,12 @@ fi
 
 step "smoke: eccl-bench all_reduce --local 4 -c"
 target/release/eccl-bench all_reduce --local 4 -b 8 -e 8M -f 8 -n 3 -w 1 -c
+
+step "chaos: 60 s of kills, hangs, joins and leaves on 4 peers (exit 1 on any violation)"
+target/release/eccl-chaos --peers 4 --duration 60 --seed "${ECCL_CHAOS_SEED:-$RANDOM}"
+
+if [ -n "${ECCL_SOAK:-}" ]; then
+    step "soak: the issue-3 target run (6 peers, 5 minutes) and the 10-minute soak"
+    target/release/eccl-chaos --peers 6 --duration 300 --seed 42 --interval-ms 2500
+    cargo test --release -p eccl-chaos -- --ignored
+fi

@@ -1,1 +1,191 @@
-fn main() {}
+//! `eccl-chaos`: runs a master and N worker peers as separate processes, kills, hangs,
+//! starts and retires peers at times drawn from a seed, and checks that every result
+//! stays exact: no wrong all_reduce, no hang, no divergent state, no lost step, no ghost
+//! member. The same seed replays the same fault schedule.
+//!
+//! The master and the workers are hidden subcommands of this binary, so a run needs
+//! nothing else: `master.rs` and `worker.rs` are the child processes, `fleet.rs` starts
+//! and signals them, `schedule.rs` draws the faults, `measure.rs` times each one,
+//! `orchestrator.rs` drives the run and `report.rs` judges it.
+
+mod event;
+mod fleet;
+mod master;
+mod measure;
+mod orchestrator;
+mod report;
+mod schedule;
+mod worker;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{CommandFactory, Parser, Subcommand};
+
+use schedule::{FaultKind, Inject, InjectTarget};
+
+/// Kill, hang, join and retire peers of a running eccl job and check that every result
+/// stays exact.
+#[derive(Parser, Debug)]
+#[command(
+    name = "eccl-chaos",
+    version,
+    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  eccl-chaos --peers 4 --duration 60 --seed 7\n  eccl-chaos --peers 4 --duration 10 --faults none --inject 1=mid-ring:kill@5\n\nThe exit status is 1 if the run found a violation, 2 for bad flags."
+)]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// The child processes of a run.
+#[derive(Subcommand, Debug)]
+enum Role {
+    #[command(hide = true)]
+    Master(master::MasterArgs),
+    #[command(hide = true)]
+    Worker(worker::WorkerArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Worker peers at the start; joins may add up to two more.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..=1024))]
+    pub peers: u32,
+    /// Length of the run in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// A soak run: --duration 600.
+    #[arg(long, conflicts_with = "duration")]
+    pub soak: bool,
+    /// Faults to inject: a comma list of kill, hang, join, leave, or `none`.
+    // The full path keeps clap from reading the list as a repeated flag.
+    #[arg(long, default_value = "kill,hang,join,leave", value_parser = schedule::parse_faults)]
+    pub faults: ::std::vec::Vec<FaultKind>,
+    /// Seed of the fault schedule (default: random, printed at the start).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Mean pause between one fault playing out and the next, in milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    pub interval_ms: u64,
+    /// How long a hung peer stays stopped, in milliseconds (default: lease + 1500).
+    #[arg(long)]
+    pub hang_ms: Option<u64>,
+    /// The master's lease on each peer, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub lease_ms: u64,
+    /// How often peers renew their lease, in milliseconds.
+    #[arg(long, default_value_t = 250)]
+    pub heartbeat_ms: u64,
+    /// Size of the shared state each worker keeps in sync, in MiB.
+    #[arg(long, default_value_t = 16)]
+    pub state_mb: u32,
+    /// i64 elements all-reduced per step.
+    #[arg(long, default_value_t = 4096)]
+    pub elements: usize,
+    /// Pause after each step, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub step_ms: u64,
+    /// Set ECCL_FAULT_INJECT=SPEC on initial worker K (0-based), or with K=join on the
+    /// first newcomer. SPEC is point:action[@n]: point first-chunk, mid-ring,
+    /// update-topology, sync-serve or sync-fetch; action kill or stop; n the occurrence
+    /// that fires (default 1). Repeatable.
+    #[arg(long, value_name = "K=SPEC", value_parser = schedule::parse_inject)]
+    pub inject: Vec<Inject>,
+    /// Also write the report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Print only the start line and the summary, not one line per fault.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Let the master and the workers log to stderr (ECCL_DEBUG sets the level).
+    #[arg(long)]
+    pub verbose: bool,
+}
+
+impl RunArgs {
+    pub fn duration_ms(&self) -> f64 {
+        if self.soak {
+            600_000.0
+        } else {
+            self.duration * 1e3
+        }
+    }
+
+    pub fn hang_ms(&self) -> u64 {
+        self.hang_ms.unwrap_or(self.lease_ms + 1500)
+    }
+
+    /// Checks that flags which parse on their own also make sense together.
+    fn check(&self) -> Result<(), String> {
+        let duration = self.duration_ms();
+        if duration.is_nan() || duration <= 0.0 {
+            return Err(format!("--duration {} must be positive", self.duration));
+        }
+        if self.heartbeat_ms == 0 || self.heartbeat_ms >= self.lease_ms {
+            return Err(format!(
+                "--heartbeat-ms {} must be positive and below --lease-ms {}",
+                self.heartbeat_ms, self.lease_ms
+            ));
+        }
+        if self.hang_ms() <= self.lease_ms {
+            return Err(format!(
+                "--hang-ms {} must exceed --lease-ms {}: a shorter stop is not a fault the master can see",
+                self.hang_ms(),
+                self.lease_ms
+            ));
+        }
+        if self.elements == 0 || self.state_mb == 0 {
+            return Err("--elements and --state-mb must be positive".into());
+        }
+        for i in &self.inject {
+            if let InjectTarget::Initial(k) = i.target {
+                if k >= self.peers {
+                    return Err(format!(
+                        "--inject {k}={}: there are only {} initial workers (0 to {})",
+                        i.spec,
+                        self.peers,
+                        self.peers - 1
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.role {
+        Some(Role::Master(args)) => master::main(args).map(|()| ExitCode::SUCCESS),
+        Some(Role::Worker(args)) => worker::main(args).map(|()| ExitCode::SUCCESS),
+        None => run(&cli.run),
+    };
+    result.unwrap_or_else(|e| {
+        eprintln!("eccl-chaos: {e:#}");
+        ExitCode::FAILURE
+    })
+}
+
+fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
+    if let Err(msg) = args.check() {
+        Cli::command()
+            .error(clap::error::ErrorKind::ValueValidation, msg)
+            .exit();
+    }
+    let report = orchestrator::run(args)?;
+    print!("{}", report::summary(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(if report.violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -40,6 +40,19 @@ impl Error {
         matches!(self, Error::Aborted { .. } | Error::Timeout { .. })
     }
 
+    /// The variant's name, for logs and reports (`"Aborted"`, `"Evicted"`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Aborted { .. } => "Aborted",
+            Error::Evicted { .. } => "Evicted",
+            Error::Mismatch { .. } => "Mismatch",
+            Error::Timeout { .. } => "Timeout",
+            Error::MasterUnavailable { .. } => "MasterUnavailable",
+            Error::InvalidArgument(_) => "InvalidArgument",
+            Error::TooFewPeers { .. } => "TooFewPeers",
+        }
+    }
+
     pub fn hint(&self) -> &'static str {
         match self {
             Error::Aborted { .. } | Error::Timeout { .. } => "call update_topology() and retry the collective",
@@ -53,3 +66,19 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_and_retryability() {
+        let aborted = Error::Aborted { epoch: 3, cause: "peer 4 died".into() };
+        assert_eq!((aborted.kind(), aborted.is_retryable()), ("Aborted", true));
+        let bad = Error::InvalidArgument("x".into());
+        assert_eq!((bad.kind(), bad.is_retryable()), ("InvalidArgument", false));
+        let few = Error::TooFewPeers { have: 1, need: 2 };
+        assert_eq!((few.kind(), few.is_retryable()), ("TooFewPeers", false));
+        assert_eq!(few.to_string(), "too few peers: 1 remain, at least 2 required");
+    }
+}

@@ -254,9 +254,7 @@ impl Communicator {
             c.sync_round += 1;
             (c.world.epoch, c.sync_round)
         };
-        if let Some(e) = self.abort.check(epoch) {
-            return Err(e);
-        }
+        // A call that is wrong on its own says so, even if the epoch is already broken.
         let mut names = HashSet::new();
         for t in tensors.iter() {
             if !names.insert(t.name.as_str()) {
@@ -265,6 +263,9 @@ impl Communicator {
                     t.name
                 )));
             }
+        }
+        if let Some(e) = self.abort.check(epoch) {
+            return Err(e);
         }
         let local: Vec<TensorDigest> = tensors.iter().map(|t| digest(&t.name, t.data)).collect();
         let req = PeerRequest::SyncState {

@@ -1,0 +1,293 @@
+//! The processes of a run: one master and the workers, all started from this binary's
+//! hidden subcommands. One thread per worker reads its stdout and sends each event over a
+//! channel; the end of a worker's stdout is the first sign that it died. Every process
+//! started here is stopped when the [`Fleet`] is dropped, also when the run fails or
+//! panics.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, Sender};
+
+use anyhow::Context;
+use eccl::PeerId;
+
+use crate::event::{now_ms, Event};
+
+/// What the reader threads send.
+pub enum Msg {
+    Event {
+        slot: usize,
+        event: Event,
+    },
+    /// The worker's stdout closed at `t`: its process is exiting.
+    Closed {
+        slot: usize,
+        t: f64,
+    },
+}
+
+/// How a worker is doing, as far as the orchestrator is concerned.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fate {
+    Running,
+    /// SIGSTOPped (by us, or by itself through `ECCL_FAULT_INJECT`) until `resume_at`.
+    Stopped {
+        since: f64,
+        resume_at: f64,
+    },
+    /// Killed by the orchestrator.
+    Killed,
+    /// Asked to leave.
+    Leaving,
+    /// Told to stop at a revision.
+    Finishing,
+    Exited,
+}
+
+pub struct Worker {
+    pub pid: u32,
+    pub spawned: f64,
+    /// The latest peer id it registered under.
+    pub peer: Option<PeerId>,
+    /// Its `ECCL_FAULT_INJECT`, if any.
+    pub inject: Option<String>,
+    pub fate: Fate,
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+/// How to start workers.
+pub struct WorkerSpec {
+    pub state_mb: u32,
+    pub elements: usize,
+    pub step_ms: u64,
+    /// Let children write their logs to our stderr.
+    pub verbose: bool,
+}
+
+pub struct Fleet {
+    pub master_addr: String,
+    pub workers: Vec<Worker>,
+    exe: PathBuf,
+    secret: String,
+    spec: WorkerSpec,
+    master: Child,
+    tx: Sender<Msg>,
+}
+
+/// The line `eccl-chaos master` prints first; the address follows it.
+pub const MASTER_READY: &str = "eccl-chaos master listening on ";
+
+impl Fleet {
+    /// Starts the master with a fresh secret and waits for its address.
+    pub fn start(
+        lease_ms: u64,
+        heartbeat_ms: u64,
+        spec: WorkerSpec,
+    ) -> anyhow::Result<(Fleet, Receiver<Msg>)> {
+        let exe = std::env::current_exe().context("cannot find this executable")?;
+        let secret = eccl_master::secret::generate();
+        let master = Command::new(&exe)
+            .args(["master", "--listen", "127.0.0.1:0"])
+            .args(["--lease-ms", &lease_ms.to_string()])
+            .args(["--heartbeat-ms", &heartbeat_ms.to_string()])
+            .env("ECCL_SECRET", &secret)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(child_stderr(spec.verbose))
+            .spawn()
+            .with_context(|| format!("cannot start the master ({} master)", exe.display()))?;
+        let (tx, rx) = mpsc::channel();
+        // The fleet owns the master from here on, so an error below stops it.
+        let mut fleet = Fleet {
+            master_addr: String::new(),
+            workers: Vec::new(),
+            exe,
+            secret,
+            spec,
+            master,
+            tx,
+        };
+        let mut line = String::new();
+        if let Some(out) = fleet.master.stdout.take() {
+            BufReader::new(out)
+                .read_line(&mut line)
+                .context("cannot read the master's address")?;
+        }
+        fleet.master_addr = line
+            .trim()
+            .strip_prefix(MASTER_READY)
+            .with_context(|| format!("the master did not start (it said {line:?})"))?
+            .to_string();
+        Ok((fleet, rx))
+    }
+
+    /// Starts a worker in the next slot and returns the slot.
+    pub fn spawn(&mut self, min_world: u32, inject: Option<String>) -> anyhow::Result<usize> {
+        let slot = self.workers.len();
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(["worker", "--master", &self.master_addr])
+            .args(["--state-mb", &self.spec.state_mb.to_string()])
+            .args(["--elements", &self.spec.elements.to_string()])
+            .args(["--step-ms", &self.spec.step_ms.to_string()])
+            .args(["--min-world", &min_world.to_string()])
+            .env("ECCL_SECRET", &self.secret)
+            .env_remove("ECCL_FAULT_INJECT")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(child_stderr(self.spec.verbose));
+        if let Some(spec) = &inject {
+            cmd.env("ECCL_FAULT_INJECT", spec);
+        }
+        let spawned = now_ms();
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start worker {slot}"))?;
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let tx = self.tx.clone();
+        std::thread::Builder::new()
+            .name(format!("worker-{slot}"))
+            .spawn(move || read_events(slot, stdout, tx))
+            .context("cannot start a reader thread")?;
+        self.workers.push(Worker {
+            pid: child.id(),
+            spawned,
+            peer: None,
+            inject,
+            fate: Fate::Running,
+            stdin: child.stdin.take(),
+            child,
+        });
+        Ok(slot)
+    }
+
+    /// Sends a command line to a worker's stdin; false if the worker is gone.
+    pub fn tell(&mut self, slot: usize, line: &str) -> bool {
+        let w = &mut self.workers[slot];
+        w.stdin
+            .as_mut()
+            .is_some_and(|stdin| writeln!(stdin, "{line}").is_ok())
+    }
+
+    /// Sends `sig` to a worker unless it has exited (a reaped child's pid may name
+    /// another process by now); false if it had.
+    pub fn signal(&mut self, slot: usize, sig: libc::c_int) -> anyhow::Result<bool> {
+        let w = &mut self.workers[slot];
+        if w.child.try_wait()?.is_some() {
+            return Ok(false);
+        }
+        signal(w.pid, sig)
+            .with_context(|| format!("cannot signal worker {slot} (pid {})", w.pid))?;
+        Ok(true)
+    }
+
+    /// Waits for a worker whose stdout has closed, and marks it exited.
+    pub fn reap(&mut self, slot: usize) -> anyhow::Result<ExitStatus> {
+        let w = &mut self.workers[slot];
+        w.fate = Fate::Exited;
+        w.stdin = None;
+        w.child
+            .wait()
+            .with_context(|| format!("cannot wait for worker {slot}"))
+    }
+
+    /// Whether a running worker has stopped itself (state `T` in `/proc/PID/stat`).
+    pub fn stopped_itself(&self, slot: usize) -> bool {
+        let w = &self.workers[slot];
+        w.fate == Fate::Running && proc_state(w.pid) == Some('T')
+    }
+
+    /// Processes not yet exited, in spawn order.
+    pub fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots_where(|f| f != Fate::Exited)
+    }
+
+    /// Workers that are running: neither stopped, nor leaving, nor exiting.
+    pub fn running(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots_where(|f| f == Fate::Running)
+    }
+
+    fn slots_where(&self, f: fn(Fate) -> bool) -> impl Iterator<Item = usize> + '_ {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(move |(_, w)| f(w.fate))
+            .map(|(slot, _)| slot)
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            stop(&mut w.child);
+        }
+        stop(&mut self.master);
+    }
+}
+
+/// SIGCONT (a stopped process would otherwise keep its sockets) and SIGKILL a child that
+/// has not been reaped, then reap it.
+fn stop(child: &mut Child) {
+    if let Ok(None) = child.try_wait() {
+        let _ = signal(child.id(), libc::SIGCONT);
+        let _ = signal(child.id(), libc::SIGKILL);
+        let _ = child.wait();
+    }
+}
+
+fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
+    // SAFETY: kill(2) has no memory effects; the caller names a child it has not reaped.
+    if unsafe { libc::kill(pid, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn child_stderr(verbose: bool) -> Stdio {
+    if verbose {
+        Stdio::inherit()
+    } else {
+        Stdio::null()
+    }
+}
+
+fn read_events(slot: usize, stdout: std::process::ChildStdout, tx: Sender<Msg>) {
+    for line in BufReader::new(stdout).lines() {
+        let Ok(line) = line else { break };
+        match serde_json::from_str(&line) {
+            Ok(event) => {
+                if tx.send(Msg::Event { slot, event }).is_err() {
+                    return;
+                }
+            }
+            Err(_) => eprintln!("worker {slot}: {line}"),
+        }
+    }
+    let _ = tx.send(Msg::Closed { slot, t: now_ms() });
+}
+
+/// The state letter of `/proc/PID/stat` (R, S, D, T, Z, ...). The command name before it
+/// may hold spaces and parentheses, so the state is read after the last `)`.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_state(&stat)
+}
+
+fn parse_state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_follows_the_last_parenthesis() {
+        assert_eq!(parse_state("1234 (eccl-chaos) T 1 1234"), Some('T'));
+        assert_eq!(parse_state("99 (a) b (c)) S 1 2"), Some('S'));
+        assert_eq!(parse_state("garbage"), None);
+    }
+}

@@ -1,0 +1,156 @@
+//! End to end: each run makes one worker fault itself at an exact phase of the protocol
+//! (`--inject`, which sets `ECCL_FAULT_INJECT`), or runs a short random schedule, and
+//! requires a report with no violation and the fault measured.
+//!
+//! Runs go one at a time: two at once on a small machine slow each other's calls past
+//! the hang limit.
+
+use std::process::Command;
+use std::sync::Mutex;
+
+use serde_json::{json, Value};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Runs eccl-chaos with `args` (split at spaces), requires a clean run, and returns its
+/// JSON report.
+fn chaos(name: &str, args: &str) -> Value {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let path = std::env::temp_dir().join(format!("eccl-chaos-{}-{name}.json", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))
+        .args(args.split_whitespace())
+        .arg("--json")
+        .arg(&path)
+        .output()
+        .expect("eccl-chaos starts");
+    let log = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{name}: no report ({e}); {}\n{log}", out.status));
+    let _ = std::fs::remove_file(&path);
+    let report: Value = serde_json::from_str(&text).expect("the report is JSON");
+    assert_eq!(report["violations"], json!([]), "{name}:\n{log}");
+    assert!(out.status.success(), "{name}: {}\n{log}", out.status);
+    report
+}
+
+fn recorded(report: &Value, path: &[&str]) -> f64 {
+    let v = path.iter().fold(report, |v, key| &v[key]);
+    v.as_f64()
+        .unwrap_or_else(|| panic!("{path:?} not recorded in {report:#}"))
+}
+
+/// One kill of initial worker 1 at `spec`, on a world of four with ring-sized buffers.
+fn one_kill(name: &str, spec: &str) -> Value {
+    let args = format!(
+        "--peers 4 --duration 10 --faults none --seed 1 --elements 65536 --inject 1={spec}"
+    );
+    let r = chaos(name, &args);
+    assert_eq!(r["faults"]["kill"], 1, "{r:#}");
+    recorded(&r, &["abort_latency_ms", "kill", "max"]);
+    recorded(&r, &["recovery_ms", "kill", "max"]);
+    r
+}
+
+#[test]
+fn kill_during_the_first_chunk_of_a_collective() {
+    one_kill("first-chunk", "first-chunk:kill@5");
+}
+
+#[test]
+fn kill_in_the_middle_of_a_ring() {
+    one_kill("mid-ring", "mid-ring:kill@5");
+}
+
+#[test]
+fn kill_during_update_topology() {
+    one_kill("update-topology", "update-topology:kill@3");
+}
+
+#[test]
+fn kill_a_source_while_a_newcomer_fetches_the_shared_state() {
+    let r = chaos(
+        "sync-serve",
+        "--peers 3 --duration 10 --faults join --interval-ms 2000 --seed 1 --inject 0=sync-serve:kill",
+    );
+    assert_eq!(r["faults"]["kill"], 1, "{r:#}");
+    assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
+    recorded(&r, &["join_ms", "max"]);
+    recorded(&r, &["recovery_ms", "kill", "max"]);
+}
+
+#[test]
+fn kill_a_newcomer_while_it_joins() {
+    let r = chaos(
+        "sync-fetch",
+        "--peers 3 --duration 10 --faults join --interval-ms 2000 --seed 1 --inject join=sync-fetch:kill",
+    );
+    assert_eq!(r["faults"]["kill"], 1, "{r:#}");
+    assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
+    recorded(&r, &["recovery_ms", "kill", "max"]);
+}
+
+#[test]
+fn a_stopped_peer_holding_its_sockets_is_evicted_within_the_lease() {
+    let r = chaos(
+        "mid-ring-stop",
+        "--peers 3 --duration 10 --faults none --seed 1 --lease-ms 1000 --elements 65536 --inject 1=mid-ring:stop@5",
+    );
+    assert_eq!(r["faults"]["hang"], 1, "{r:#}");
+    let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
+    assert!(
+        abort <= 1500.0,
+        "survivors waited {abort} ms for a peer stopped under a 1000 ms lease"
+    );
+    recorded(&r, &["recovery_ms", "hang", "max"]);
+}
+
+#[test]
+fn a_short_random_run_stays_exact() {
+    let r = chaos(
+        "random",
+        "--peers 4 --duration 15 --faults kill,hang,join,leave --seed 7",
+    );
+    let faults: u64 = ["kill", "hang", "join", "leave"]
+        .iter()
+        .filter_map(|k| r["faults"][k].as_u64())
+        .sum();
+    assert!(faults >= 2, "{r:#}");
+    assert!(r["steps"].as_u64() > Some(10), "{r:#}");
+}
+
+#[test]
+fn bad_flags_exit_with_status_2_and_a_reason() {
+    for (args, reason) in [
+        ("--peers many", "many"),
+        ("--faults kill,explode", "explode"),
+        (
+            "--peers 3 --inject 3=mid-ring:kill",
+            "only 3 initial workers",
+        ),
+        ("--inject 1=mid-air:kill", "mid-air"),
+        ("--lease-ms 2000 --hang-ms 1500", "--hang-ms"),
+        ("--bogus", "--bogus"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("eccl-chaos starts");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args}: {err}");
+        assert!(err.contains(reason), "{args}: {err}");
+    }
+}
+
+/// Ten minutes of every fault; opt in with `cargo test --release -p eccl-chaos -- --ignored`.
+#[test]
+#[ignore = "a ten-minute soak"]
+fn a_soak_stays_exact() {
+    chaos(
+        "soak",
+        "--soak --peers 4 --faults kill,hang,join,leave --seed 11 --quiet",
+    );
+}
