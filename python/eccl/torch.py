@@ -1,0 +1,293 @@
+"""The `torch.distributed` backend "eccl" (importing this module registers it).
+
+    import torch.distributed as dist, eccl.torch
+    dist.init_process_group("eccl")          # under torchrun, or with rank/world_size/store
+
+The eccl master runs inside rank 0 unless `ECCL_MASTER` names one; its address (and,
+when `ECCL_SECRET`/`ECCL_SECRET_FILE` are not set, a fresh job secret) reach the other
+ranks through torch's rendezvous store, so the store is then the trust boundary, as it
+is for gloo. Every collective torch.distributed offers for CPU tensors runs on eccl; CUDA
+tensors are refused with `InvalidArgumentError` for now.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+import eccl
+
+__all__ = ["ProcessGroupEccl", "BACKEND"]
+
+BACKEND = "eccl"
+
+_OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
+    dist.ReduceOp.AVG: "avg",
+}
+
+
+def _op_name(opts: Any) -> str:
+    op = getattr(opts, "reduceOp", opts)
+    for k, v in _OPS.items():
+        if op == k:
+            return v
+    raise eccl.InvalidArgumentError(f"reduce op {op} is not supported by eccl")
+
+
+def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise eccl.InvalidArgumentError(
+            f"{what} is on {t.device}: the eccl backend moves CPU tensors only so far "
+            "(device transports come later); use .cpu() or another backend for GPU tensors")
+    return t
+
+
+class _Completer:
+    """Completes torch futures in the order their eccl calls were made: one thread per
+    process group waits on each call in turn (eccl runs one communicator's calls in
+    order anyway)."""
+
+    def __init__(self) -> None:
+        self._q: "queue.Queue[Any]" = queue.Queue()
+        self._t = threading.Thread(target=self._run, name="eccl-completer", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            works, fut, result, after = item
+            try:
+                for w in works:
+                    w.wait()
+                if after is not None:
+                    after()
+                fut.set_result(result)
+            except BaseException as e:  # noqa: BLE001 - every error belongs to the future
+                fut.set_exception(e)
+
+    def submit(self, works: List[Any], result: Any, after=None) -> dist.Work:
+        fut: Future = Future()
+        self._q.put((works, fut, result, after))
+        return _create_work_from_future(fut)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
+class ProcessGroupEccl(dist.ProcessGroup):
+    """A torch ProcessGroup whose collectives run on an `eccl.Communicator`."""
+
+    def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None):
+        super().__init__(comm.rank, comm.world_size)
+        self.comm = comm
+        self._master = master
+        self._done = _Completer()
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupEccl(rank={self.rank()}, size={self.size()}, epoch={self.comm.epoch})"
+
+    # Each method returns a Work whose future completes with what torch expects.
+
+    def allreduce(self, tensors, opts=None):
+        op = _op_name(opts) if opts is not None else "sum"
+        ws = [self.comm.all_reduce(_cpu(t), op, async_op=True) for t in tensors]
+        return self._done.submit(ws, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts):
+        ws = [self.comm.broadcast(_cpu(t), opts.rootRank, async_op=True) for t in tensors]
+        return self._done.submit(ws, tensors)
+
+    def reduce(self, tensors, opts):
+        ws = [self.comm.reduce(_cpu(t), opts.rootRank, _op_name(opts), async_op=True)
+              for t in tensors]
+        return self._done.submit(ws, tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        # One flat buffer per input, split into the caller's list afterwards.
+        works, copies = [], []
+        for outs, inp in zip(output_tensors, input_tensors):
+            inp = _cpu(inp).contiguous()
+            flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
+            works.append(self.comm.all_gather(flat, inp, async_op=True))
+            copies.append((outs, flat))
+
+        def scatter_back() -> None:
+            for outs, flat in copies:
+                for o, f in zip(outs, flat):
+                    o.copy_(f)
+        return self._done.submit(works, output_tensors, scatter_back)
+
+    def _allgather_base(self, output, input, opts=None):
+        w = self.comm.all_gather(_cpu(output), _cpu(input).contiguous(), async_op=True)
+        return self._done.submit([w], output)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        ws = [self.comm.all_gather(_cpu(o), _cpu(i).contiguous(), async_op=True)
+              for o, i in zip(outputs, inputs)]
+        return self._done.submit(ws, outputs)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _op_name(opts) if opts is not None else "sum"
+        works = []
+        for out, ins in zip(output_tensors, input_tensors):
+            flat = torch.stack([_cpu(i) for i in ins]).contiguous()
+            works.append(self.comm.reduce_scatter(_cpu(out), flat, op, async_op=True))
+        return self._done.submit(works, output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _op_name(opts) if opts is not None else "sum"
+        w = self.comm.reduce_scatter(_cpu(output), _cpu(input).contiguous(), op, async_op=True)
+        return self._done.submit([w], output)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = _op_name(opts) if opts is not None else "sum"
+        ws = [self.comm.reduce_scatter(_cpu(o), _cpu(i).contiguous(), op, async_op=True)
+              for o, i in zip(outputs, inputs)]
+        return self._done.submit(ws, outputs)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        root = opts.rootRank
+        inp = _cpu(input_tensors[0]).contiguous()
+        if self.rank() == root:
+            outs = output_tensors[0]
+            flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
+            w = self.comm.gather(flat, inp, root, async_op=True)
+
+            def scatter_back() -> None:
+                for o, f in zip(outs, flat):
+                    o.copy_(f)
+            return self._done.submit([w], output_tensors, scatter_back)
+        w = self.comm.gather(None, inp, root, async_op=True)
+        return self._done.submit([w], output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        root = opts.rootRank
+        out = _cpu(output_tensors[0])
+        flat = None
+        if self.rank() == root:
+            flat = torch.stack([_cpu(i) for i in input_tensors[0]]).contiguous()
+        w = self.comm.scatter(out, flat, root, async_op=True)
+        return self._done.submit([w], output_tensors)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        sizes = {t.numel() for t in list(output_tensors) + list(input_tensors)}
+        if len(sizes) == 1:
+            flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
+            flat_out = torch.empty_like(flat_in)
+            w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
+
+            def scatter_back() -> None:
+                for o, f in zip(output_tensors, flat_out):
+                    o.copy_(f.view_as(o))
+            return self._done.submit([w], output_tensors, scatter_back)
+        return self._alltoall_uneven(list(output_tensors), list(input_tensors))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self.size()
+        _cpu(output), _cpu(input)
+        if not output_split_sizes and not input_split_sizes:
+            w = self.comm.all_to_all(output, input.contiguous(), async_op=True)
+            return self._done.submit([w], output)
+        outs = list(output.split(output_split_sizes or [output.shape[0] // n] * n))
+        ins = list(input.split(input_split_sizes or [input.shape[0] // n] * n))
+        return self._alltoall_uneven(outs, ins)
+
+    def _alltoall_uneven(self, outs, ins):
+        # Blocks of different sizes: pairwise sends and receives, ordered so that no
+        # rank waits on a peer that is itself waiting (send to higher ranks first).
+        me, n = self.rank(), self.size()
+        works = []
+        recv_bufs = []
+        for step in range(1, n):
+            to, frm = (me + step) % n, (me - step) % n
+            works.append(self.comm.send(ins[to].contiguous(), to, tag=1 << 20, async_op=True))
+            buf = torch.empty_like(outs[frm]).contiguous()
+            works.append(self.comm.recv(buf, frm, tag=1 << 20, async_op=True))
+            recv_bufs.append((outs[frm], buf))
+        outs[me].copy_(ins[me])
+
+        def copy_back() -> None:
+            for o, b in recv_bufs:
+                o.copy_(b)
+        return self._done.submit(works, outs, copy_back)
+
+    def barrier(self, opts=None):
+        return self._done.submit([self.comm.barrier(async_op=True)], None)
+
+    def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
+        ws = [self.comm.send(_cpu(t).contiguous(), dstRank, tag, async_op=True) for t in tensors]
+        return self._done.submit(ws, tensors)
+
+    def recv(self, tensors, srcRank, tag):  # noqa: N803
+        ws = [self.comm.recv(_cpu(t), srcRank, tag, async_op=True) for t in tensors]
+        return self._done.submit(ws, tensors)
+
+    def shutdown(self) -> None:
+        self._done.close()
+        if self._master is not None:
+            self._master.shutdown()
+
+
+def _store_get(store: Any, key: str, timeout: timedelta) -> str:
+    store.wait([key], timeout)
+    return store.get(key).decode()
+
+
+def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupEccl:
+    """The backend's constructor, as `init_process_group` calls it."""
+    master_addr = os.environ.get("ECCL_MASTER")
+    secret = os.environ.get("ECCL_SECRET")
+    if secret is None and os.environ.get("ECCL_SECRET_FILE"):
+        with open(os.environ["ECCL_SECRET_FILE"]) as f:
+            secret = f.read().strip()
+    master = None
+    if master_addr is None:
+        # Rank 0 hosts the master and publishes where it is (and the job secret, when
+        # none was given) through the rendezvous store.
+        if rank == 0:
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else "0.0.0.0"
+            master = eccl.Master(f"{bind}:0", secret)
+            port = master.addr.rsplit(":", 1)[1]
+            store.set("eccl/master", f"{host}:{port}")
+            if secret is None:
+                store.set("eccl/secret", master.secret)
+            secret = master.secret
+        master_addr = _store_get(store, "eccl/master", timeout)
+        if secret is None:
+            secret = _store_get(store, "eccl/secret", timeout)
+    comm = eccl.Communicator(master_addr, secret, rank_hint=rank, min_world=world_size,
+                             join_timeout_ms=int(timeout.total_seconds() * 1000))
+    topo = comm.update_topology()
+    if topo.rank != rank or topo.world_size != world_size:
+        raise eccl.EcclError(
+            f"eccl formed a world where this process is rank {topo.rank} of "
+            f"{topo.world_size}, but torch asked for rank {rank} of {world_size} (is "
+            "another job using the same ECCL_MASTER?)")
+    return ProcessGroupEccl(comm, master)
+
+
+dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

@@ -1,0 +1,195 @@
+"""The eccl Python package: an embedded master, communicators in several processes,
+every collective on numpy arrays and CPU torch tensors, async handles, shared state,
+typed errors, and a clean exit with work in flight."""
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import eccl
+
+TIMEOUT = 60
+
+
+def _run_ranks(n, body, extra_env=None):
+    """Runs `body(comm, rank, n)` (source text of a function) in n processes against one
+    embedded master; returns their results."""
+    master = eccl.Master()
+    script = textwrap.dedent(f"""
+        import sys, json, numpy as np, eccl
+        rank = int(sys.argv[1]); n = int(sys.argv[2])
+        comm = eccl.Communicator({master.addr!r}, {master.secret!r}, rank_hint=rank, min_world=n)
+        comm.update_topology()
+        assert comm.rank == rank, (comm.rank, rank)
+    """) + textwrap.dedent(body) + "\nprint('RESULT', json.dumps(main(comm, rank, n)))\n"
+    env = dict(os.environ, **(extra_env or {}))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(n)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        master.shutdown()
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"rank failed ({p.returncode}):\n{out}\n{err}"
+        line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+        import json
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
+def test_every_collective_on_numpy_and_torch():
+    body = """
+    import torch
+    def main(comm, rank, n):
+        out = {}
+        # all_reduce in place, numpy and torch, several dtypes and ops
+        a = np.arange(10, dtype=np.float32) + rank
+        info = comm.all_reduce(a)
+        out["ar"] = a.tolist(); out["members"] = len(info.members)
+        t = torch.full((5,), rank + 1, dtype=torch.int64)
+        comm.all_reduce(t, "max"); out["ar_max"] = t.tolist()
+        b = torch.ones(3, dtype=torch.bfloat16) * (rank + 1)
+        comm.all_reduce(b, "sum"); out["bf16"] = b.float().tolist()
+        # broadcast / reduce
+        x = np.full(4, rank, dtype=np.float64); comm.broadcast(x, root=1); out["bc"] = x.tolist()
+        y = np.full(4, rank + 1, dtype=np.int32); comm.reduce(y, root=0); out["red"] = y.tolist()
+        # all_gather / reduce_scatter / all_to_all
+        g = np.empty(2 * n, dtype=np.float32); comm.all_gather(g, np.full(2, rank, dtype=np.float32))
+        out["ag"] = g.tolist()
+        rs = np.empty(2, dtype=np.float32); comm.reduce_scatter(rs, np.arange(2 * n, dtype=np.float32))
+        out["rs"] = rs.tolist()
+        a2a = np.empty(n, dtype=np.int64); comm.all_to_all(a2a, np.arange(n, dtype=np.int64) + 10 * rank)
+        out["a2a"] = a2a.tolist()
+        # gather / scatter
+        ga = np.empty(n, dtype=np.float32) if rank == 0 else None
+        comm.gather(ga, np.full(1, rank, dtype=np.float32), root=0)
+        out["gather"] = ga.tolist() if ga is not None else None
+        sc = np.empty(1, dtype=np.float32)
+        comm.scatter(sc, np.arange(n, dtype=np.float32) * 2 if rank == 0 else None, root=0)
+        out["scatter"] = sc.tolist()
+        comm.barrier()
+        # send / recv around the ring, async
+        s = np.full(3, rank, dtype=np.float32); r = np.empty(3, dtype=np.float32)
+        ws = comm.send(s, (rank + 1) % n, tag=7, async_op=True)
+        wr = comm.recv(r, (rank - 1) % n, tag=7, async_op=True)
+        ws.wait(); wr.wait(); out["ring"] = r.tolist()
+        # async all_reduce returns a Work at once
+        big = np.ones(1 << 20, dtype=np.float32)
+        w = comm.all_reduce(big, async_op=True)
+        info = w.wait(); out["async"] = float(big[0]); out["done"] = w.is_completed()
+        out["epoch"] = info.epoch
+        return out
+    """
+    n = 3
+    res = _run_ranks(n, body)
+    for rank, r in enumerate(res):
+        assert r["ar"] == [float(3 * i + 3) for i in range(10)]
+        assert r["members"] == n
+        assert r["ar_max"] == [n] * 5
+        assert r["bf16"] == [6.0] * 3
+        assert r["bc"] == [1.0] * 4
+        assert r["red"] == ([6] * 4 if rank == 0 else [rank + 1] * 4)
+        assert r["ag"] == [float(q) for q in range(n) for _ in range(2)]
+        assert r["rs"] == [float(n * (2 * rank)), float(n * (2 * rank + 1))]
+        assert r["a2a"] == [10 * src + rank for src in range(n)]
+        assert r["gather"] == ([0.0, 1.0, 2.0] if rank == 0 else None)
+        assert r["scatter"] == [2.0 * rank]
+        assert r["ring"] == [float((rank - 1) % n)] * 3
+        assert r["async"] == float(n) and r["done"]
+
+
+def test_shared_state_brings_everyone_to_the_newest_revision():
+    body = """
+    import torch
+    def main(comm, rank, n):
+        w = torch.zeros(300_000) if rank == 2 else torch.arange(300_000, dtype=torch.float32)
+        m = np.zeros(10, dtype=np.int64) if rank == 2 else np.arange(10, dtype=np.int64)
+        info = comm.sync_shared_state(0 if rank == 2 else 5, {"w": w, "m": m})
+        return {"rev": info.revision, "hash": info.hash, "w": float(w.double().sum()), "m": m.tolist(),
+                "recv": info.bytes_received, "sources": len(info.sources)}
+    """
+    res = _run_ranks(3, body)
+    assert len({r["hash"] for r in res}) == 1
+    for r in res:
+        assert r["rev"] == 5 and r["m"] == list(range(10))
+        assert r["w"] == float(sum(range(300_000)))
+    assert res[2]["recv"] == 300_000 * 4 + 80 and res[2]["sources"] == 2
+
+
+def test_bad_input_raises_typed_errors():
+    master = eccl.Master()
+    try:
+        comm = eccl.Communicator(master.addr, master.secret, min_world=1)
+        comm.update_topology()
+        import torch
+        with pytest.raises(eccl.InvalidArgumentError, match="contiguous"):
+            comm.all_reduce(torch.ones(4, 4).t())
+        with pytest.raises(eccl.InvalidArgumentError, match="dtype"):
+            comm.all_reduce(np.ones(4, dtype=np.complex64))
+        with pytest.raises(eccl.InvalidArgumentError, match="read-only"):
+            a = np.ones(4, dtype=np.float32)
+            a.setflags(write=False)
+            comm.all_reduce(a)
+        with pytest.raises(eccl.InvalidArgumentError, match="numpy array or a CPU torch tensor"):
+            comm.all_reduce([1.0, 2.0])
+        with pytest.raises(eccl.InvalidArgumentError, match="op"):
+            comm.all_reduce(np.ones(4, dtype=np.float32), "median")
+        with pytest.raises(eccl.InvalidArgumentError):
+            comm.all_reduce(np.ones(4, dtype=np.int32), "avg")
+        with pytest.raises(eccl.InvalidArgumentError, match="expected"):
+            comm.all_gather(np.empty(3, dtype=np.float32), np.ones(2, dtype=np.float32))
+        if torch.cuda.is_available():
+            with pytest.raises(eccl.InvalidArgumentError, match="cuda"):
+                comm.all_reduce(torch.ones(4, device="cuda"))
+        # the communicator still works after all that
+        comm.update_topology()
+        x = np.ones(4, dtype=np.float32)
+        comm.all_reduce(x)
+        assert x.tolist() == [1.0] * 4
+    finally:
+        master.shutdown()
+    with pytest.raises(eccl.MasterUnavailableError):
+        eccl.Communicator("127.0.0.1:1", "s" * 32, connect_timeout_ms=300)
+    with pytest.raises(eccl.InvalidArgumentError, match="secret"):
+        eccl.Communicator("127.0.0.1:1", "short")
+
+
+def test_exit_with_work_in_flight_neither_crashes_nor_hangs():
+    master = eccl.Master()
+    script = textwrap.dedent(f"""
+        import numpy as np, eccl
+        comm = eccl.Communicator({master.addr!r}, {master.secret!r}, min_world=2)
+        comm.update_topology()
+        x = np.ones(1 << 22, dtype=np.float32)
+        w = comm.all_reduce(x, async_op=True)   # the other rank never calls it
+        print("submitted", flush=True)
+    """)
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err
+            assert "submitted" in out
+    finally:
+        master.shutdown()
+
+
+def test_master_in_a_child_process():
+    m = eccl.Master.spawn()
+    try:
+        comm = eccl.Communicator(m.addr, m.secret, min_world=1)
+        assert comm.update_topology().world_size == 1
+    finally:
+        m.shutdown()
