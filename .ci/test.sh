@@ -32,6 +32,9 @@ fi
 step "build (release, whole workspace)"
 cargo build --release --workspace
 
+step "python package: pip install ./python (maturin, abi3 wheel) into .venv"
+.venv/bin/python -m pip install -q ./python
+
 step "rust tests"
 cargo test --release --workspace
 

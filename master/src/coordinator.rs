@@ -609,6 +609,10 @@ impl Coordinator {
                 self.answer_queries(&mut st);
             }
             Ok(other) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {other:?}"),
+            // The master is shutting down; nobody is left to tell.
+            Err(ProposeError::Fatal(m)) if m.contains("stopped") => {
+                tracing::debug!(target: "eccl::master", "removing peer {peer}: {m}")
+            }
             Err(e) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {e}"),
         }
     }

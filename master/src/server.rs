@@ -228,6 +228,13 @@ async fn serve_peer(
     match result {
         Ok(()) => Ok(()),
         Err(eccl_transport::TransportError::Closed { .. }) => Ok(()),
+        // A peer process that exits without closing its socket resets it: a departure,
+        // already handled above, not a fault of the connection.
+        Err(eccl_transport::TransportError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::ConnectionReset =>
+        {
+            Ok(())
+        }
         Err(e) => Err(e.into()),
     }
 }

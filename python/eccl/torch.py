@@ -20,7 +20,6 @@ from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 import eccl
@@ -57,10 +56,50 @@ def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     return t
 
 
+class _Work(dist._Work):
+    """What the backend's collectives return: `wait()` blocks until the eccl calls are
+    done and raises their error (an `eccl.EcclError` subclass); `get_future()` completes
+    with the collective's result, or with that error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._fut: Future = Future()
+
+    def _finish(self, result: Any, error: Optional[BaseException]) -> None:
+        self._error = error
+        self._event.set()
+        if error is None:
+            self._fut.set_result(result)
+        else:
+            self._fut.set_exception(error)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        secs = timeout.total_seconds() if timeout else None
+        if not self._event.wait(secs):
+            raise eccl.TimeoutError(f"the collective did not finish within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def get_future(self) -> Future:
+        return self._fut
+
+
 class _Completer:
-    """Completes torch futures in the order their eccl calls were made: one thread per
-    process group waits on each call in turn (eccl runs one communicator's calls in
-    order anyway)."""
+    """Finishes the backend's Work objects in the order their eccl calls were made: one
+    thread per process group waits on each call in turn (eccl runs one communicator's
+    calls in order anyway), then runs the collective's copy-out step."""
 
     def __init__(self) -> None:
         self._q: "queue.Queue[Any]" = queue.Queue()
@@ -72,20 +111,21 @@ class _Completer:
             item = self._q.get()
             if item is None:
                 return
-            works, fut, result, after = item
+            works, work, result, after = item
             try:
                 for w in works:
                     w.wait()
                 if after is not None:
                     after()
-                fut.set_result(result)
-            except BaseException as e:  # noqa: BLE001 - every error belongs to the future
-                fut.set_exception(e)
+            except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
+                work._finish(None, e)
+            else:
+                work._finish(result, None)
 
     def submit(self, works: List[Any], result: Any, after=None) -> dist.Work:
-        fut: Future = Future()
-        self._q.put((works, fut, result, after))
-        return _create_work_from_future(fut)
+        work = _Work()
+        self._q.put((works, work, result, after))
+        return work
 
     def close(self) -> None:
         self._q.put(None)
@@ -244,6 +284,31 @@ class ProcessGroupEccl(dist.ProcessGroup):
     def recv(self, tensors, srcRank, tag):  # noqa: N803
         ws = [self.comm.recv(_cpu(t), srcRank, tag, async_op=True) for t in tensors]
         return self._done.submit(ws, tensors)
+
+    # torch 2.15 renamed the single-tensor forms; both names work.
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.allgather(output_lists, inputs, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def gather_single(self, output, input, opts):
+        root = opts.rootRank
+        w = self.comm.gather(_cpu(output) if self.rank() == root else None,
+                             _cpu(input).contiguous(), root, async_op=True)
+        return self._done.submit([w], output)
 
     def shutdown(self) -> None:
         self._done.close()

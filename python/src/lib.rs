@@ -46,18 +46,30 @@ fn invalid(msg: impl Into<String>) -> PyErr {
     InvalidArgumentError::new_err(msg.into())
 }
 
-/// The runtime every communicator and embedded master of this process runs on.
+/// The runtime every communicator and embedded master of this process runs on. A child
+/// made by `fork()` (multiprocessing's default on Linux) inherits the parent's runtime
+/// without its threads, so it gets a runtime of its own.
 fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        eccl::logging::init();
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("eccl")
-            .enable_all()
-            .build()
-            .expect("cannot start the eccl runtime")
-    })
+    static RT: Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut slot = RT.lock().unwrap_or_else(|e| e.into_inner());
+    match *slot {
+        Some((p, rt)) if p == pid => rt,
+        _ => {
+            eccl::logging::init();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("eccl")
+                .enable_all()
+                .build()
+                .expect("cannot start the eccl runtime");
+            // Lives as long as the process: tasks hold on to it, and a forked parent's
+            // copy must never be dropped in the child.
+            let rt: &'static tokio::runtime::Runtime = Box::leak(Box::new(rt));
+            *slot = Some((pid, rt));
+            rt
+        }
+    }
 }
 
 /// A caller's buffer: address and length in bytes. The Python side keeps its owner
@@ -167,8 +179,11 @@ async fn serve(mut comm: eccl::Communicator, mut jobs: mpsc::UnboundedReceiver<J
 
 /// Handles of live communicators' tasks, so that interpreter exit can stop them before
 /// Python frees the buffers they may be writing.
-fn live_tasks() -> &'static Mutex<Vec<tokio::task::JoinHandle<()>>> {
-    static TASKS: OnceLock<Mutex<Vec<tokio::task::JoinHandle<()>>>> = OnceLock::new();
+/// Each with the pid that started it: a forked child must leave its parent's alone.
+type Tasks = Mutex<Vec<(u32, tokio::task::JoinHandle<()>)>>;
+
+fn live_tasks() -> &'static Tasks {
+    static TASKS: OnceLock<Tasks> = OnceLock::new();
     TASKS.get_or_init(Default::default)
 }
 
@@ -176,7 +191,11 @@ fn live_tasks() -> &'static Mutex<Vec<tokio::task::JoinHandle<()>>> {
 /// in flight end where they are and their Work objects report `AbortedError`.
 #[pyfunction]
 fn _shutdown(py: Python<'_>) {
-    let tasks: Vec<_> = live_tasks().lock().map(|mut t| t.drain(..).collect()).unwrap_or_default();
+    let pid = std::process::id();
+    let tasks: Vec<_> = live_tasks()
+        .lock()
+        .map(|mut t| t.drain(..).filter(|(p, _)| *p == pid).map(|(_, h)| h).collect())
+        .unwrap_or_default();
     py.detach(|| {
         runtime().block_on(async {
             for t in tasks {
@@ -396,8 +415,8 @@ impl Communicator {
         let (tx, rx) = mpsc::unbounded_channel();
         let task = runtime().spawn(serve(comm, rx, info.clone()));
         if let Ok(mut t) = live_tasks().lock() {
-            t.retain(|h| !h.is_finished());
-            t.push(task);
+            t.retain(|(_, h)| !h.is_finished());
+            t.push((std::process::id(), task));
         }
         Ok(Communicator { jobs: tx, info })
     }

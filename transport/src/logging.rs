@@ -20,7 +20,11 @@ pub fn filter_from_env() -> EnvFilter {
         _ => "info",
     };
     let subsys = std::env::var("ECCL_DEBUG_SUBSYS").unwrap_or_default();
-    let mut directives = vec!["warn".to_string()];
+    // openraft reports its own shutdown (an embedded master stopping with peers still
+    // connected) as errors; eccl logs what matters of raft itself, so openraft speaks
+    // only when eccl is asked for its full detail.
+    let raft = if level == "trace" { "openraft=debug" } else { "openraft=off" };
+    let mut directives = vec!["warn".to_string(), raft.to_string()];
     let chosen: Vec<String> = subsys
         .split(',')
         .map(|s| s.trim().to_ascii_lowercase())

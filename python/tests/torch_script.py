@@ -1,0 +1,109 @@
+"""One rank of the torch.distributed checks (run by test_torch_backend.py): every
+collective on fixed inputs, then a few DDP steps; prints the results as JSON."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import eccl.torch  # noqa: F401  registers "eccl"
+
+
+def collectives(r, n):
+    out = {}
+    t = torch.arange(6, dtype=torch.float32) * (r + 1)
+    dist.all_reduce(t)
+    out["all_reduce"] = t.tolist()
+    t = torch.full((3,), r + 1, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.PRODUCT)
+    out["all_reduce_prod"] = t.tolist()
+    t = torch.full((3,), float(r))
+    w = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    w.wait()
+    out["all_reduce_async"] = t.tolist()
+    fut = dist.all_reduce(torch.ones(2) * r, async_op=True).get_future()
+    out["future"] = fut.wait()[0].tolist()
+    t = torch.full((4,), float(r))
+    dist.broadcast(t, src=n - 1)
+    out["broadcast"] = t.tolist()
+    t = torch.full((2,), float(r + 1))
+    dist.reduce(t, dst=0)
+    out["reduce"] = t.tolist() if r == 0 else None
+    lst = [torch.empty(2) for _ in range(n)]
+    dist.all_gather(lst, torch.full((2,), float(r)))
+    out["all_gather"] = [x.tolist() for x in lst]
+    o = torch.empty(2 * n)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(r)))
+    out["all_gather_into_tensor"] = o.tolist()
+    o = torch.empty(2)
+    dist.reduce_scatter(o, [torch.full((2,), float(i + r)) for i in range(n)])
+    out["reduce_scatter"] = o.tolist()
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, torch.arange(2.0 * n) + r)
+    out["reduce_scatter_tensor"] = o.tolist()
+    g = [torch.empty(1) for _ in range(n)] if r == 0 else None
+    dist.gather(torch.full((1,), float(r)), g, dst=0)
+    out["gather"] = [x.item() for x in g] if g else None
+    s = torch.empty(1)
+    dist.scatter(s, [torch.full((1,), 5.0 + i) for i in range(n)] if r == 0 else None, src=0)
+    out["scatter"] = s.tolist()
+    a = torch.empty(n)
+    dist.all_to_all_single(a, torch.arange(n, dtype=torch.float32) + 10 * r)
+    out["all_to_all_single"] = a.tolist()
+    # uneven splits: rank r sends i+1 elements to rank i
+    ins = torch.full((sum(i + 1 for i in range(n)),), float(r))
+    outs = torch.empty(n * (r + 1))
+    dist.all_to_all_single(outs, ins, [r + 1] * n, [i + 1 for i in range(n)])
+    out["all_to_all_single_uneven"] = outs.tolist()
+    lst = [torch.empty(1) for _ in range(n)]
+    dist.all_to_all(lst, [torch.full((1,), 100.0 * r + i) for i in range(n)])
+    out["all_to_all"] = [x.item() for x in lst]
+    dist.barrier()
+    peer = (r + 1) % n
+    src = (r - 1) % n
+    x = torch.empty(3)
+    sreq = dist.isend(torch.full((3,), float(r)), dst=peer)
+    rreq = dist.irecv(x, src=src)
+    sreq.wait()
+    rreq.wait()
+    out["isend_irecv"] = x.tolist()
+    if r == 0:
+        dist.send(torch.ones(2) * 42, dst=1)
+    elif r == 1:
+        y = torch.empty(2)
+        dist.recv(y, src=0)
+        out["send_recv"] = y.tolist()
+    return out
+
+
+def ddp(r, n, steps):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + r)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        y = x.sum(dim=1, keepdim=True)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp_model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"params": [p.detach().flatten().tolist() for p in model.parameters()],
+            "losses": losses}
+
+
+def main():
+    backend, what = sys.argv[1], sys.argv[2]
+    dist.init_process_group(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    res = collectives(r, n) if what == "collectives" else ddp(r, n, 10)
+    print("RESULT " + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
