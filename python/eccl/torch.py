@@ -127,6 +127,10 @@ class _Completer:
         self._q.put((works, work, result, after))
         return work
 
+    def call_soon(self, fn) -> None:
+        """Runs `fn` on the completer thread after everything submitted before it."""
+        self._q.put(([], _Work(), None, fn))
+
     def close(self) -> None:
         self._q.put(None)
 
@@ -247,7 +251,8 @@ class ProcessGroupEccl(dist.ProcessGroup):
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
-        _cpu(output), _cpu(input)
+        _cpu(output, "output")
+        _cpu(input, "input")
         if not output_split_sizes and not input_split_sizes:
             w = self.comm.all_to_all(output, input.contiguous(), async_op=True)
             return self._done.submit([w], output)
@@ -558,9 +563,10 @@ class ElasticDDP:
                     n = g.numel()
                     g.copy_(flat[offset:offset + n].view_as(g))
                     offset += n
-            except eccl.EcclError as e:
-                # DDP's reducer needs every bucket to complete; the step is retried.
+            except Exception as e:  # noqa: BLE001 - the step fails and is retried
                 self._failed = e
-            finish_all()
+            finally:
+                # DDP's reducer needs every bucket's future, whatever happened.
+                finish_all()
 
-        self._done._q.put(([], _Work(), None, finish))
+        self._done.call_soon(finish)

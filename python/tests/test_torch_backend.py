@@ -104,3 +104,35 @@ def test_bad_input_raises_and_never_hangs(tmp_path):
         assert "bool" in r["bool_dtype"]
         assert "Mismatch" in r["shape_mismatch"] or "mismatch" in r["shape_mismatch"]
         assert r["after"] == [2.0, 2.0]
+
+
+EXPLICIT = textwrap.dedent("""
+    import sys, json, torch, torch.distributed as dist, eccl.torch
+    r, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("eccl", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    t = torch.ones(3) * (r + 1)
+    dist.all_reduce(t)
+    print("RESULT " + json.dumps({"sum": t.tolist(), "backend": dist.get_backend()}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_init_with_explicit_arguments(tmp_path):
+    script = tmp_path / "explicit.py"
+    script.write_text(EXPLICIT)
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
+        assert res == {"sum": [3.0, 3.0, 3.0], "backend": "eccl"}
