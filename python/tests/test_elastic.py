@@ -1,6 +1,7 @@
-"""Elastic DDP with real processes: a rank is SIGKILLed mid-training and a new one joins;
-the survivors retry the step, the newcomer receives model and optimizer state, every rank
-ends with bit-identical parameters, and the loss went down."""
+"""Elastic DDP the way elastic jobs run: one `torchrun --nnodes 1` per node, all on one
+eccl master. A node (its torchrun agent and its worker) is SIGKILLed mid-training and a
+new node joins; the survivors retry the step, the newcomer receives model and optimizer
+state, every rank ends with bit-identical parameters, and the loss went down."""
 
 import os
 import re
@@ -16,6 +17,13 @@ pytest.importorskip("torch")
 
 import eccl  # noqa: E402
 
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
 
@@ -26,10 +34,13 @@ def test_kill_one_rank_and_add_another():
     steps = "400"
 
     def start(min_world):
+        # Its own session, so that the whole node (agent and worker) can be killed.
         return subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "--steps", steps, "--min-world", str(min_world),
-             "--step-ms", "10"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+             "--nproc-per-node", "1", "--master-port", str(free_port()), str(EXAMPLE),
+             "--steps", steps, "--min-world", str(min_world), "--step-ms", "10"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
 
     procs = [start(3) for _ in range(3)]
     try:
@@ -39,7 +50,7 @@ def test_kill_one_rank_and_add_another():
         while "step 20:" not in line and time.time() < deadline:
             line = procs[0].stdout.readline()
         assert "step 20:" in line, "training did not start"
-        procs[1].send_signal(signal.SIGKILL)
+        os.killpg(procs[1].pid, signal.SIGKILL)
         newcomer = start(1)
         procs.append(newcomer)
         outs = []
@@ -49,8 +60,10 @@ def test_kill_one_rank_and_add_another():
             outs.append(out)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait()
         master.shutdown()
     finals = [FINAL.search(o) for o in outs]

@@ -136,3 +136,21 @@ def test_init_with_explicit_arguments(tmp_path):
         assert p.returncode == 0, err[-2000:]
         res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
         assert res == {"sum": [3.0, 3.0, 3.0], "backend": "eccl"}
+
+
+EXAMPLES = HERE.parents[1] / "examples"
+
+
+def test_lecture_examples_under_torchrun():
+    """examples/ddp_simple.py prints 3.5 on both ranks; ddp_example.py trains."""
+    def torchrun(script, *args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(EXAMPLES / script), *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+        return r.stdout
+    out = torchrun("ddp_simple.py")
+    assert sorted(l for l in out.splitlines() if "grad" in l) == [
+        "rank 0: grad 3.5", "rank 1: grad 3.5"]
+    out = torchrun("ddp_example.py", "--width", "256", "--steps", "3")
+    assert "step 2: loss" in out and "eccl: median step" in out
