@@ -511,7 +511,10 @@ pub(crate) async fn run(
             }
         }
         let all = try_join_all(futs);
+        // Biased: work that finished is reported as finished even if an abort arrived
+        // at the same moment (the abort then breaks the next call instead).
         tokio::select! {
+            biased;
             r = all => { r?; }
             e = op.abort.wait(op.epoch) => return Err(e),
         }
@@ -617,6 +620,7 @@ pub(crate) async fn check_round(op: &Op<'_>, links: &mut [Option<PeerLink>]) -> 
         });
     let all = try_join_all(futs);
     tokio::select! {
+        biased;
         r = all => r.map(|_| ()),
         e = op.abort.wait(op.epoch) => Err(e),
     }
@@ -663,6 +667,7 @@ pub(crate) async fn send_p2p(
         .tx
         .send_region(h, data, op.frame_bytes, op.elem(), op.timeout);
     tokio::select! {
+        biased;
         r = send => r.map_err(|e| op.link_err(rank, e)),
         e = op.abort.wait(op.epoch) => Err(e),
     }
@@ -686,6 +691,7 @@ pub(crate) async fn recv_p2p(
         Ok(())
     });
     tokio::select! {
+        biased;
         r = recv => r,
         e = op.abort.wait(op.epoch) => Err(e),
     }

@@ -183,7 +183,9 @@ async fn next_event(
                 _ = tokio::time::sleep(tick) => return Wake::Tick,
             }
         } else {
+            // Biased: frames that are there are handled before wake-ups.
             tokio::select! {
+                biased;
                 ((r, ev), _, _) = select_all(futs) => (r, ev),
                 _ = abort.changed() => return Wake::Abort,
                 _ = tokio::time::sleep(tick) => return Wake::Tick,

@@ -316,7 +316,14 @@ class ProcessGroupEccl(dist.ProcessGroup):
         return self._done.submit([w], output)
 
     def shutdown(self) -> None:
+        """`destroy_process_group()` calls this: leave the job on purpose, so that the
+        others' calls still in flight (a recv of what this rank sent) complete instead of
+        aborting as they would for a crashed rank."""
         self._done.close()
+        try:
+            self.comm.leave()
+        except eccl.EcclError:
+            pass
         if self._master is not None:
             self._master.shutdown()
 

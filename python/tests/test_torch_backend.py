@@ -150,7 +150,8 @@ def test_lecture_examples_under_torchrun():
         assert r.returncode == 0, r.stdout + r.stderr[-3000:]
         return r.stdout
     out = torchrun("ddp_simple.py")
-    assert sorted(l for l in out.splitlines() if "grad" in l) == [
-        "rank 0: grad 3.5", "rank 1: grad 3.5"]
+    # Two processes share the stream, so lines may run together.
+    import re
+    assert sorted(re.findall(r"rank (\d): grad ([0-9.]+)", out)) == [("0", "3.5"), ("1", "3.5")]
     out = torchrun("ddp_example.py", "--width", "256", "--steps", "3")
     assert "step 2: loss" in out and "eccl: median step" in out
