@@ -196,6 +196,10 @@ fn _shutdown(py: Python<'_>) {
         .lock()
         .map(|mut t| t.drain(..).filter(|(p, _)| *p == pid).map(|(_, h)| h).collect())
         .unwrap_or_default();
+    if tasks.is_empty() {
+        // Nothing ran here: do not start a runtime just to stop nothing.
+        return;
+    }
     py.detach(|| {
         runtime().block_on(async {
             for t in tasks {

@@ -25,7 +25,11 @@ def free_port():
 
 
 def run_world(n, args, script=HERE / "torch_script.py"):
-    """Runs n ranks of `script` the way torchrun would (env://); returns their JSON."""
+    """Runs n ranks of `script` the way torchrun would (env://); returns their JSON.
+
+    The gloo reference runs may abort at interpreter exit after printing their results
+    ("terminate called without an active exception" from gloo's threads, seen once in
+    CI); that is gloo's exit, not a result, so it is tolerated for gloo only."""
     port = free_port()
     procs = []
     for r in range(n):
@@ -42,7 +46,9 @@ def run_world(n, args, script=HERE / "torch_script.py"):
                 p.wait()
     res = []
     for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, f"{args}: exit {p.returncode}\n{out}\n{err[-3000:]}"
+        printed = any(l.startswith("RESULT ") for l in out.splitlines())
+        gloo_exit = "gloo" in args and printed and "terminate called" in err
+        assert p.returncode == 0 or gloo_exit, f"{args}: exit {p.returncode}\n{out}\n{err[-3000:]}"
         res.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]))
     return res
 
