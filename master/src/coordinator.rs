@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
-use tokio::task::JoinHandle;
 use tokio::sync::{mpsc, Mutex};
+use tokio::task::JoinHandle;
 
 use crate::raft::{ProposeError, RaftRegistry};
 use crate::registry::{Command, Outcome, PeerState};
@@ -218,7 +218,9 @@ impl Coordinator {
             _ => {
                 return reply.send(MasterReply::Error {
                     code: ErrorCode::InvalidArgument,
-                    message: format!("peer {peer} is not a member yet: call update_topology() first"),
+                    message: format!(
+                        "peer {peer} is not a member yet: call update_topology() first"
+                    ),
                 })
             }
         }
@@ -256,7 +258,8 @@ impl Coordinator {
             .collect();
         for p in gone {
             if let Some(e) = st.syncs.remove(&p) {
-                e.reply.send(aborted_reply(format!("peer {p} is no longer a member")));
+                e.reply
+                    .send(aborted_reply(format!("peer {p} is no longer a member")));
             }
         }
         if members.is_empty()
@@ -357,7 +360,8 @@ impl Coordinator {
     /// becomes leader first grants every peer a fresh lease.
     pub fn spawn_lease_checker(self: &Arc<Self>) -> JoinHandle<()> {
         let me = Arc::downgrade(self);
-        let period = (self.timing.heartbeat / 2).clamp(Duration::from_millis(10), Duration::from_millis(100));
+        let period = (self.timing.heartbeat / 2)
+            .clamp(Duration::from_millis(10), Duration::from_millis(100));
         tokio::spawn(async move {
             let mut was_leader = false;
             loop {
@@ -536,9 +540,10 @@ impl Coordinator {
         }
         // A member that already voted for the next epoch waits for the others: the answer
         // must send them to update_topology() too.
-        let waiting = st.votes.iter().any(|(p, v)| {
-            v.epoch == epoch || self.known(*p) == Some(PeerState::Pending)
-        });
+        let waiting = st
+            .votes
+            .iter()
+            .any(|(p, v)| v.epoch == epoch || self.known(*p) == Some(PeerState::Pending));
         for m in &members {
             if let Some((r, _)) = st.queries.remove(m) {
                 r.send(MasterReply::PeersPending(waiting));

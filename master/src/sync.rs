@@ -4,14 +4,14 @@
 
 use std::collections::BTreeMap;
 
-use eccl_protocol::{PeerId, SyncRole, TensorDigest};
+use eccl_protocol::{PeerId, SyncStrategy, TensorDigest};
 
 /// One member's report.
 #[derive(Clone, Debug)]
 pub struct Report {
     pub peer: PeerId,
     pub revision: u64,
-    pub role: SyncRole,
+    pub role: SyncStrategy,
     pub tensors: Vec<TensorDigest>,
 }
 
@@ -36,16 +36,15 @@ fn content(r: &Report) -> Vec<(&str, u64, [u8; 32])> {
 /// Ties go to the content held by the smallest peer id, so every master decides alike.
 pub fn plan(reports: &[Report]) -> Option<Plan> {
     let by_role = |role| reports.iter().filter(move |r| r.role == role);
-    let mut voters: Vec<&Report> = by_role(SyncRole::SendOnly).collect();
+    let mut voters: Vec<&Report> = by_role(SyncStrategy::SendOnly).collect();
     if voters.is_empty() {
-        voters = by_role(SyncRole::EnforcePopular).collect();
+        voters = by_role(SyncStrategy::EnforcePopular).collect();
     }
     if voters.is_empty() {
         voters = reports.iter().collect();
     }
     let revision = voters.iter().map(|r| r.revision).max()?;
-    let mut votes: BTreeMap<Vec<(&str, u64, [u8; 32])>, (usize, PeerId, &Report)> =
-        BTreeMap::new();
+    let mut votes: BTreeMap<Vec<(&str, u64, [u8; 32])>, (usize, PeerId, &Report)> = BTreeMap::new();
     for r in voters.iter().filter(|r| r.revision == revision) {
         let e = votes.entry(content(r)).or_insert((0, r.peer, r));
         e.0 += 1;
@@ -60,7 +59,7 @@ pub fn plan(reports: &[Report]) -> Option<Plan> {
     let mut receivers = Vec::new();
     for r in reports {
         if &content(r) == key {
-            if r.role != SyncRole::ReceiveOnly {
+            if r.role != SyncStrategy::ReceiveOnly {
                 sources.push(r.peer);
             }
         } else {
@@ -81,7 +80,7 @@ pub fn plan(reports: &[Report]) -> Option<Plan> {
 mod tests {
     use super::*;
 
-    fn rep(peer: PeerId, revision: u64, role: SyncRole, h: u8) -> Report {
+    fn rep(peer: PeerId, revision: u64, role: SyncStrategy, h: u8) -> Report {
         Report {
             peer,
             revision,
@@ -94,7 +93,7 @@ mod tests {
             }],
         }
     }
-    use SyncRole::*;
+    use SyncStrategy::*;
 
     #[test]
     fn highest_revision_then_most_popular() {
@@ -122,7 +121,12 @@ mod tests {
 
     #[test]
     fn receive_only_never_wins_nor_serves() {
-        let p = plan(&[rep(1, 9, ReceiveOnly, 9), rep(2, 1, EnforcePopular, 1), rep(3, 1, ReceiveOnly, 1)]).unwrap();
+        let p = plan(&[
+            rep(1, 9, ReceiveOnly, 9),
+            rep(2, 1, EnforcePopular, 1),
+            rep(3, 1, ReceiveOnly, 1),
+        ])
+        .unwrap();
         assert_eq!(p.revision, 1);
         assert_eq!(p.sources, vec![2]);
         assert_eq!(p.receivers, vec![1]);
@@ -130,7 +134,12 @@ mod tests {
 
     #[test]
     fn send_only_is_authoritative() {
-        let p = plan(&[rep(1, 1, SendOnly, 5), rep(2, 7, EnforcePopular, 2), rep(3, 7, EnforcePopular, 2)]).unwrap();
+        let p = plan(&[
+            rep(1, 1, SendOnly, 5),
+            rep(2, 7, EnforcePopular, 2),
+            rep(3, 7, EnforcePopular, 2),
+        ])
+        .unwrap();
         assert_eq!(p.target[0].hash, [5; 32]);
         assert_eq!(p.sources, vec![1]);
         assert_eq!(p.receivers, vec![2, 3]);

@@ -162,7 +162,11 @@ impl Communicator {
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tick.tick().await;
-                    if master.notify(PeerRequest::Heartbeat { peer_id }).await.is_err() {
+                    if master
+                        .notify(PeerRequest::Heartbeat { peer_id })
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                 }

@@ -73,12 +73,18 @@ mod tests {
 
     #[test]
     fn kinds_and_retryability() {
-        let aborted = Error::Aborted { epoch: 3, cause: "peer 4 died".into() };
+        let aborted = Error::Aborted {
+            epoch: 3,
+            cause: "peer 4 died".into(),
+        };
         assert_eq!((aborted.kind(), aborted.is_retryable()), ("Aborted", true));
         let bad = Error::InvalidArgument("x".into());
         assert_eq!((bad.kind(), bad.is_retryable()), ("InvalidArgument", false));
         let few = Error::TooFewPeers { have: 1, need: 2 };
         assert_eq!((few.kind(), few.is_retryable()), ("TooFewPeers", false));
-        assert_eq!(few.to_string(), "too few peers: 1 remain, at least 2 required");
+        assert_eq!(
+            few.to_string(),
+            "too few peers: 1 remain, at least 2 required"
+        );
     }
 }

@@ -70,9 +70,9 @@ impl Op<'_> {
     }
 
     fn blame(&self, rank: u32) {
-        let _ = self
-            .suspect
-            .compare_exchange(NO_SUSPECT, rank, Ordering::Relaxed, Ordering::Relaxed);
+        let _ =
+            self.suspect
+                .compare_exchange(NO_SUSPECT, rank, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     fn timeout_err(&self, what: String) -> Error {

@@ -79,7 +79,11 @@ pub(crate) fn hit(point: Point) {
     if p.point != point || p.seen.fetch_add(1, Ordering::Relaxed) + 1 != p.nth {
         return;
     }
-    let what = if p.signal == libc::SIGKILL { "kill" } else { "stop" };
+    let what = if p.signal == libc::SIGKILL {
+        "kill"
+    } else {
+        "stop"
+    };
     eprintln!("eccl: fault injection: {what} at {point:?} (#{})", p.nth);
     // SAFETY: kill(2) on our own pid with a valid signal number.
     unsafe {
@@ -94,10 +98,23 @@ mod tests {
     #[test]
     fn specs() {
         let p = parse("mid-ring:kill@3").unwrap();
-        assert_eq!((p.point, p.signal, p.nth), (Point::MidRing, libc::SIGKILL, 3));
+        assert_eq!(
+            (p.point, p.signal, p.nth),
+            (Point::MidRing, libc::SIGKILL, 3)
+        );
         let p = parse("sync-serve:stop").unwrap();
-        assert_eq!((p.point, p.signal, p.nth), (Point::SyncServe, libc::SIGSTOP, 1));
-        for bad in ["", "mid-ring", "mid-ring:explode", "nowhere:kill", "mid-ring:kill@0", "mid-ring:kill@x"] {
+        assert_eq!(
+            (p.point, p.signal, p.nth),
+            (Point::SyncServe, libc::SIGSTOP, 1)
+        );
+        for bad in [
+            "",
+            "mid-ring",
+            "mid-ring:explode",
+            "nowhere:kill",
+            "mid-ring:kill@0",
+            "mid-ring:kill@x",
+        ] {
             assert!(parse(bad).is_none(), "{bad}");
         }
     }

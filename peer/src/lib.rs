@@ -17,7 +17,6 @@ mod master_client;
 pub mod shared_state;
 
 pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, Topology};
-pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};
 pub use config::Config;
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{
@@ -25,3 +24,4 @@ pub use eccl_protocol::{
     MAX_WORLD_SIZE,
 };
 pub use error::{Error, Result};
+pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};

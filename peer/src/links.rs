@@ -139,28 +139,26 @@ impl LinkManager {
             .members
             .iter()
             .filter(|m| m.peer_id > me && !keep.contains_key(&m.peer_id));
-        let dials = try_join_all(to_dial.map(
-            |m| async move {
-                let mut streams = Vec::new();
-                for s in 0..nstreams {
-                    let hello = LinkHello {
-                        from: me,
-                        to: m.peer_id,
+        let dials = try_join_all(to_dial.map(|m| async move {
+            let mut streams = Vec::new();
+            for s in 0..nstreams {
+                let hello = LinkHello {
+                    from: me,
+                    to: m.peer_id,
+                    epoch,
+                    stream: s,
+                    nstreams,
+                };
+                let st = tcp::dial(&m.addr, secret, &hello, cfg.connect_timeout)
+                    .await
+                    .map_err(|e| Error::Aborted {
                         epoch,
-                        stream: s,
-                        nstreams,
-                    };
-                    let st = tcp::dial(&m.addr, secret, &hello, cfg.connect_timeout)
-                        .await
-                        .map_err(|e| Error::Aborted {
-                            epoch,
-                            cause: format!("cannot connect to rank {} at {}: {e}", m.rank, m.addr),
-                        })?;
-                    streams.push(st);
-                }
-                Ok::<_, Error>((m.rank, streams))
-            },
-        ));
+                        cause: format!("cannot connect to rank {} at {}: {e}", m.rank, m.addr),
+                    })?;
+                streams.push(st);
+            }
+            Ok::<_, Error>((m.rank, streams))
+        }));
 
         let early = std::mem::take(&mut self.early);
         let accepted = &mut self.accepted;

@@ -10,21 +10,21 @@ pub struct SharedTensor<'a> {
 
 impl<'a> SharedTensor<'a> {
     pub fn new<T: crate::Element>(name: impl Into<String>, data: &'a mut [T]) -> SharedTensor<'a> {
-        SharedTensor { name: name.into(), data: bytemuck::cast_slice_mut(data) }
+        SharedTensor {
+            name: name.into(),
+            data: bytemuck::cast_slice_mut(data),
+        }
     }
     pub fn bytes(name: impl Into<String>, data: &'a mut [u8]) -> SharedTensor<'a> {
-        SharedTensor { name: name.into(), data }
+        SharedTensor {
+            name: name.into(),
+            data,
+        }
     }
 }
 
-/// Which content a member accepts and offers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SyncStrategy {
-    #[default]
-    EnforcePopular,
-    ReceiveOnly,
-    SendOnly,
-}
+/// Which content a member accepts and offers (the wire type itself).
+pub use eccl_protocol::SyncStrategy;
 
 /// What `sync_shared_state` did.
 #[derive(Clone, Debug)]
@@ -49,8 +49,8 @@ use std::time::{Duration, Instant};
 
 use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::{
-    Algo, CollectiveKind, DType, Descriptor, MasterReply, PeerRequest, ReduceOp, SyncRole,
-    TensorDigest, STATE_CHUNK,
+    Algo, CollectiveKind, DType, Descriptor, MasterReply, PeerRequest, ReduceOp, TensorDigest,
+    STATE_CHUNK,
 };
 use eccl_transport::link::{Incoming, LinkEvent};
 use futures::future::{select_all, FutureExt};
@@ -61,16 +61,6 @@ use crate::fault;
 
 /// Requests a receiver keeps outstanding at each source.
 const INFLIGHT_PER_SOURCE: usize = 4;
-
-impl SyncStrategy {
-    fn role(self) -> SyncRole {
-        match self {
-            SyncStrategy::EnforcePopular => SyncRole::EnforcePopular,
-            SyncStrategy::ReceiveOnly => SyncRole::ReceiveOnly,
-            SyncStrategy::SendOnly => SyncRole::SendOnly,
-        }
-    }
-}
 
 /// blake3 per chunk, and over the tensor: its length and the chunk hashes.
 pub(crate) fn digest(name: &str, data: &[u8]) -> TensorDigest {
@@ -161,7 +151,11 @@ async fn next_event(
         if !ranks.contains(&(r as u32)) {
             continue;
         }
-        if let Some(i) = l.rx.stash.iter().position(|f| is_ours(&f.header, epoch, round)) {
+        if let Some(i) =
+            l.rx.stash
+                .iter()
+                .position(|f| is_ours(&f.header, epoch, round))
+        {
             let f = l.rx.stash.remove(i).expect("index from position");
             return Wake::Frame(r as u32, f);
         }
@@ -274,7 +268,7 @@ impl Communicator {
             peer_id,
             epoch,
             revision,
-            strategy: strategy.role(),
+            strategy,
             tensors: local.clone(),
         };
         let reply = self.master.request(req, self.cfg.join_timeout).await?;
@@ -288,7 +282,9 @@ impl Communicator {
             other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
         match self
-            .carry_out_sync(epoch, round, tensors, strategy, &local, revision, target, sources, receivers)
+            .carry_out_sync(
+                epoch, round, tensors, strategy, &local, revision, target, sources, receivers,
+            )
             .await
         {
             Ok(info) => Ok(info),
@@ -331,7 +327,10 @@ impl Communicator {
         } else if receivers.contains(&peer_id) {
             let plan = match_target(tensors, local, &target, strategy);
             let fetched = match plan {
-                Ok(need) => self.fetch_state(epoch, round, tensors, &target, &sources, need).await,
+                Ok(need) => {
+                    self.fetch_state(epoch, round, tensors, &target, &sources, need)
+                        .await
+                }
                 Err(e) => Err(e),
             };
             // Sources serve until every receiver is done, also one that failed.
@@ -359,7 +358,9 @@ impl Communicator {
     async fn send_done(&mut self, epoch: u64, round: u64, sources: &[PeerId]) {
         let Some(c) = self.cur.as_mut() else { return };
         for s in sources {
-            let Some(r) = c.world.rank_of(*s) else { continue };
+            let Some(r) = c.world.rank_of(*s) else {
+                continue;
+            };
             if let Some(l) = c.links[r as usize].as_mut() {
                 let h = state_header(FrameKind::StateDone, epoch, round, 0, 0);
                 let _ = l.tx.send_frame(h, &[], Duration::from_millis(500)).await;
@@ -400,7 +401,10 @@ impl Communicator {
             }
             if last_progress.elapsed() > timeout {
                 return Err(Error::Timeout {
-                    what: format!("serving the shared state to peers {:?}", waiting.values().collect::<Vec<_>>()),
+                    what: format!(
+                        "serving the shared state to peers {:?}",
+                        waiting.values().collect::<Vec<_>>()
+                    ),
                     ms: timeout.as_millis() as u64,
                 });
             }
@@ -431,8 +435,11 @@ impl Communicator {
                                 waiting.remove(&r);
                                 continue;
                             };
-                            let reply = state_header(FrameKind::StateData, epoch, round, h.step, h.offset);
-                            let link = c.links[r as usize].as_mut().expect("rank of a waiting receiver");
+                            let reply =
+                                state_header(FrameKind::StateData, epoch, round, h.step, h.offset);
+                            let link = c.links[r as usize]
+                                .as_mut()
+                                .expect("rank of a waiting receiver");
                             match link.tx.send_frame(reply, bytes, timeout).await {
                                 Ok(()) => sent += bytes.len() as u64,
                                 Err(e) => {
@@ -538,7 +545,9 @@ impl Communicator {
                 idle_rounds = 0;
                 let (t, ch) = queue.pop_front().expect("checked non-empty");
                 let h = state_header(FrameKind::StateReq, epoch, round, t, ch);
-                let link = c.links[s.rank as usize].as_mut().expect("source has a link");
+                let link = c.links[s.rank as usize]
+                    .as_mut()
+                    .expect("source has a link");
                 if s.inflight.is_empty() {
                     s.last_progress = Instant::now();
                 }
@@ -568,7 +577,9 @@ impl Communicator {
                     if h.kind != FrameKind::StateData {
                         continue;
                     }
-                    let Some(si) = srcs.iter().position(|s| s.rank == r) else { continue };
+                    let Some(si) = srcs.iter().position(|s| s.rank == r) else {
+                        continue;
+                    };
                     let key = (h.step, h.offset);
                     let Some(pos) = srcs[si].inflight.iter().position(|k| *k == key) else {
                         continue;
@@ -576,7 +587,8 @@ impl Communicator {
                     let t = &target[h.step as usize];
                     let range = chunk_range(t.len, h.offset);
                     let good = range.as_ref().is_some_and(|rg| rg.len() == f.payload.len())
-                        && t.chunks.get(h.offset as usize) == Some(blake3::hash(f.payload.as_bytes()).as_bytes());
+                        && t.chunks.get(h.offset as usize)
+                            == Some(blake3::hash(f.payload.as_bytes()).as_bytes());
                     let s = &mut srcs[si];
                     s.inflight.swap_remove(pos);
                     if !good {

@@ -8,33 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use eccl::{Communicator, Config, Error, ReduceOp, Secret};
+use eccl::{Communicator, Error, ReduceOp, Secret};
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-fn cfg(master: &str) -> Config {
-    let mut c = Config::default();
-    c.master = master.to_string();
-    c.secret = Some(Secret::new(SECRET).unwrap());
-    c.timeout = Duration::from_secs(8);
-    c.connect_timeout = Duration::from_secs(5);
-    c
-}
-
-async fn world(master: &str, n: u32) -> Vec<Communicator> {
-    let comms = join_all((0..n).map(|r| async move {
-        let mut c = cfg(master);
-        c.rank_hint = Some(r);
-        c.min_world = n;
-        let mut comm = Communicator::connect(c).await.expect("connect");
-        comm.update_topology().await.expect("first world");
-        comm
-    }))
-    .await;
-    let mut comms: Vec<Communicator> = comms;
-    comms.sort_by_key(|c| c.rank());
-    comms
-}
 
 /// Every rank calls update_topology() and then a correct all_reduce.
 async fn recover_and_check(comms: &mut [Communicator]) {
@@ -237,7 +213,7 @@ async fn missing_master_and_wrong_secret() {
         .local_addr()
         .unwrap()
         .port();
-    let mut c = cfg(&format!("127.0.0.1:{port}"));
+    let mut c = peer_cfg(&format!("127.0.0.1:{port}"));
     c.connect_timeout = Duration::from_millis(800);
     let t = Instant::now();
     let r = Communicator::connect(c).await;
@@ -253,7 +229,7 @@ async fn missing_master_and_wrong_secret() {
     );
 
     let m = start_master(&[]);
-    let mut c = cfg(&m.addr);
+    let mut c = peer_cfg(&m.addr);
     c.secret = Some(Secret::new("not-the-job-secret-at-all").unwrap());
     let t = Instant::now();
     let r = Communicator::connect(c).await;
@@ -265,7 +241,7 @@ async fn missing_master_and_wrong_secret() {
     }
     assert!(t.elapsed() < Duration::from_secs(3));
 
-    let mut c = cfg(&m.addr);
+    let mut c = peer_cfg(&m.addr);
     c.secret = None;
     assert!(matches!(
         Communicator::connect(c).await,
@@ -306,7 +282,7 @@ async fn garbage_and_strangers_on_sockets_are_refused() {
     let _ = silent.write_all(b"x").await;
 
     // A stranger cannot register or join: the master refuses it before any message.
-    let mut c = cfg(&m.addr);
+    let mut c = peer_cfg(&m.addr);
     c.secret = Some(Secret::new("guessing-the-secret-0000").unwrap());
     assert!(Communicator::connect(c).await.is_err());
     assert_eq!(comms[0].world_size(), 2);

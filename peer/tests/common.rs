@@ -10,6 +10,33 @@ use std::time::{Duration, Instant};
 
 pub const SECRET: &str = "e2e-test-secret-0123456789abcdef";
 
+/// A peer's configuration for in-process communicators against `master`, with deadlines
+/// short enough that a hang fails the test instead of stalling it.
+pub fn peer_cfg(master: &str) -> eccl::Config {
+    let mut c = eccl::Config::default();
+    c.master = master.to_string();
+    c.secret = Some(eccl::Secret::new(SECRET).unwrap());
+    c.timeout = Duration::from_secs(8);
+    c.connect_timeout = Duration::from_secs(5);
+    c.join_timeout = Duration::from_secs(20);
+    c
+}
+
+/// `n` in-process communicators in their first world, sorted by rank.
+pub async fn world(master: &str, n: u32) -> Vec<eccl::Communicator> {
+    let mut comms = futures::future::join_all((0..n).map(|r| async move {
+        let mut c = peer_cfg(master);
+        c.rank_hint = Some(r);
+        c.min_world = n;
+        let mut comm = eccl::Communicator::connect(c).await.expect("connect");
+        comm.update_topology().await.expect("first world");
+        comm
+    }))
+    .await;
+    comms.sort_by_key(|c| c.rank());
+    comms
+}
+
 pub fn bench_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_eccl-bench"))
 }

@@ -7,35 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use eccl::{
-    Communicator, Config, Error, ReduceOp, RetryPolicy, Secret, SharedTensor, SyncInfo,
-    SyncStrategy,
-};
+use eccl::{Communicator, Error, ReduceOp, RetryPolicy, SharedTensor, SyncInfo, SyncStrategy};
 use futures::future::join_all;
-
-fn cfg(master: &str) -> Config {
-    let mut c = Config::default();
-    c.master = master.to_string();
-    c.secret = Some(Secret::new(SECRET).unwrap());
-    c.timeout = Duration::from_secs(8);
-    c.connect_timeout = Duration::from_secs(5);
-    c.join_timeout = Duration::from_secs(20);
-    c
-}
-
-async fn world(master: &str, n: u32) -> Vec<Communicator> {
-    let mut comms = join_all((0..n).map(|r| async move {
-        let mut c = cfg(master);
-        c.rank_hint = Some(r);
-        c.min_world = n;
-        let mut comm = Communicator::connect(c).await.expect("connect");
-        comm.update_topology().await.expect("first world");
-        comm
-    }))
-    .await;
-    comms.sort_by_key(|c| c.rank());
-    comms
-}
 
 /// A state of three tensors, one of them spanning several 1 MiB chunks.
 struct State {
@@ -90,17 +63,25 @@ async fn shared_state_goes_to_the_popular_content_at_the_highest_revision() {
     states[2].big.iter_mut().for_each(|x| *x = 0.0);
     let res = sync_all(&mut comms, &mut states, &[5, 5, 0], &[ep; 3]).await;
     let infos: Vec<SyncInfo> = res.into_iter().map(|r| r.expect("sync")).collect();
-    assert!(infos.iter().all(|i| i.revision == 5 && i.hash == infos[0].hash));
+    assert!(infos
+        .iter()
+        .all(|i| i.revision == 5 && i.hash == infos[0].hash));
     assert_eq!(states[2].big, State::new(7).big);
     assert_eq!(states[2].small, State::new(7).small);
     let big_bytes = 700_000 * 4u64;
     let small_bytes = 100 * 8u64;
     assert_eq!(infos[2].bytes_received, big_bytes + small_bytes);
-    assert_eq!(infos[0].bytes_sent + infos[1].bytes_sent, big_bytes + small_bytes);
+    assert_eq!(
+        infos[0].bytes_sent + infos[1].bytes_sent,
+        big_bytes + small_bytes
+    );
     // Three chunks of "big" were spread over both sources.
     let (p0, p1) = (comms[0].peer_id(), comms[1].peer_id());
     assert_eq!(infos[2].sources, vec![p0.min(p1), p0.max(p1)]);
-    assert_eq!(infos[2].updated, vec!["big".to_string(), "small".to_string()]);
+    assert_eq!(
+        infos[2].updated,
+        vec!["big".to_string(), "small".to_string()]
+    );
 
     // One chunk differs on rank 1 alone: the two others win, and only that chunk moves.
     states[1].big[300_000] = -1.0;
@@ -112,7 +93,9 @@ async fn shared_state_goes_to_the_popular_content_at_the_highest_revision() {
 
     // Nothing differs: nothing moves.
     let res = sync_all(&mut comms, &mut states, &[6, 6, 6], &[ep; 3]).await;
-    assert!(res.iter().all(|r| r.as_ref().is_ok_and(|i| i.bytes_received == 0 && i.bytes_sent == 0)));
+    assert!(res.iter().all(|r| r
+        .as_ref()
+        .is_ok_and(|i| i.bytes_received == 0 && i.bytes_sent == 0)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,23 +105,57 @@ async fn send_only_and_receive_only_strategies() {
     use SyncStrategy::*;
     // A send-only member's content wins even against a higher revision.
     let mut states = vec![State::new(1), State::new(2), State::new(2)];
-    let res = sync_all(&mut comms, &mut states, &[1, 9, 9], &[SendOnly, EnforcePopular, EnforcePopular]).await;
-    assert!(res.iter().all(|r| r.as_ref().is_ok_and(|i| i.revision == 1)), "{res:?}");
+    let res = sync_all(
+        &mut comms,
+        &mut states,
+        &[1, 9, 9],
+        &[SendOnly, EnforcePopular, EnforcePopular],
+    )
+    .await;
+    assert!(
+        res.iter()
+            .all(|r| r.as_ref().is_ok_and(|i| i.revision == 1)),
+        "{res:?}"
+    );
     assert!(states.iter().all(|s| s.big == State::new(1).big));
 
     // A receive-only member's content never counts, however new.
     let mut states = vec![State::new(3), State::new(4), State::new(4)];
-    let res = sync_all(&mut comms, &mut states, &[99, 2, 2], &[ReceiveOnly, EnforcePopular, EnforcePopular]).await;
-    assert!(res.iter().all(|r| r.as_ref().is_ok_and(|i| i.revision == 2)), "{res:?}");
+    let res = sync_all(
+        &mut comms,
+        &mut states,
+        &[99, 2, 2],
+        &[ReceiveOnly, EnforcePopular, EnforcePopular],
+    )
+    .await;
+    assert!(
+        res.iter()
+            .all(|r| r.as_ref().is_ok_and(|i| i.revision == 2)),
+        "{res:?}"
+    );
     assert!(states.iter().all(|s| s.big == State::new(4).big));
 
     // A send-only member that loses to another send-only member is told so; the
     // others still finish.
     let mut states = vec![State::new(5), State::new(6), State::new(5)];
-    let res = sync_all(&mut comms, &mut states, &[3, 2, 0], &[SendOnly, SendOnly, EnforcePopular]).await;
+    let res = sync_all(
+        &mut comms,
+        &mut states,
+        &[3, 2, 0],
+        &[SendOnly, SendOnly, EnforcePopular],
+    )
+    .await;
     assert!(res[0].is_ok() && res[2].is_ok(), "{res:?}");
-    assert!(matches!(res[1], Err(Error::InvalidArgument(_))), "{:?}", res[1]);
-    assert_eq!(states[1].big, State::new(6).big, "a refused sync leaves the tensors alone");
+    assert!(
+        matches!(res[1], Err(Error::InvalidArgument(_))),
+        "{:?}",
+        res[1]
+    );
+    assert_eq!(
+        states[1].big,
+        State::new(6).big,
+        "a refused sync leaves the tensors alone"
+    );
     assert_eq!(states[2].big, State::new(5).big);
 }
 
@@ -153,22 +170,32 @@ async fn shared_state_of_another_shape_is_refused_without_hanging() {
     let (ra, rb) = tokio::join!(
         async {
             let mut t = [SharedTensor::new("w", &mut x[..])];
-            a[0].sync_shared_state(2, &mut t, SyncStrategy::EnforcePopular).await
+            a[0].sync_shared_state(2, &mut t, SyncStrategy::EnforcePopular)
+                .await
         },
         async {
             let mut t = [SharedTensor::new("w", &mut y[..])];
-            b[0].sync_shared_state(1, &mut t, SyncStrategy::EnforcePopular).await
+            b[0].sync_shared_state(1, &mut t, SyncStrategy::EnforcePopular)
+                .await
         }
     );
     assert!(ra.is_ok(), "{ra:?}");
-    assert!(matches!(rb, Err(Error::InvalidArgument(ref m)) if m.contains("bytes")), "{rb:?}");
+    assert!(
+        matches!(rb, Err(Error::InvalidArgument(ref m)) if m.contains("bytes")),
+        "{rb:?}"
+    );
     assert_eq!(y, vec![2.0f32; 11]);
     assert!(t0.elapsed() < Duration::from_secs(5));
     // Duplicate names are the caller's mistake, found before anything is sent.
     let mut p = vec![0u8; 4];
     let mut q = vec![0u8; 4];
-    let mut t = [SharedTensor::bytes("w", &mut p), SharedTensor::bytes("w", &mut q)];
-    let r = comms[0].sync_shared_state(0, &mut t, SyncStrategy::EnforcePopular).await;
+    let mut t = [
+        SharedTensor::bytes("w", &mut p),
+        SharedTensor::bytes("w", &mut q),
+    ];
+    let r = comms[0]
+        .sync_shared_state(0, &mut t, SyncStrategy::EnforcePopular)
+        .await;
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
 }
 
@@ -178,16 +205,23 @@ async fn newcomer_joins_at_a_step_boundary_and_catches_up() {
     let mut comms = world(&m.addr, 2).await;
     let master = m.addr.clone();
     let newcomer = tokio::spawn(async move {
-        let mut c = Communicator::connect(cfg(&master)).await.expect("connect");
+        let mut c = Communicator::connect(peer_cfg(&master))
+            .await
+            .expect("connect");
         let t = c.update_topology().await.expect("admitted");
         assert_eq!(t.links_kept, 0);
         let mut s = State::new(0);
         let info = {
             let mut ts = s.tensors();
-            c.sync_shared_state(0, &mut ts, SyncStrategy::EnforcePopular).await.expect("sync")
+            c.sync_shared_state(0, &mut ts, SyncStrategy::EnforcePopular)
+                .await
+                .expect("sync")
         };
         let mut v = vec![1i64; 1000];
-        let op = c.all_reduce(&mut v, ReduceOp::Sum).await.expect("all_reduce");
+        let op = c
+            .all_reduce(&mut v, ReduceOp::Sum)
+            .await
+            .expect("all_reduce");
         (t, info, s.big == State::new(9).big, v, op.world_size, c)
     });
     // The members see the newcomer only when all of them ask, and then admit it together.
@@ -207,11 +241,19 @@ async fn newcomer_joins_at_a_step_boundary_and_catches_up() {
     // The clean epoch's link between the two members carries on; only the newcomer's
     // links are new.
     assert!(
-        ts.iter().all(|t| t.as_ref().is_ok_and(|t| t.changed && t.world_size == 3 && t.links_kept == 1)),
+        ts.iter().all(|t| t
+            .as_ref()
+            .is_ok_and(|t| t.changed && t.world_size == 3 && t.links_kept == 1)),
         "{ts:?}"
     );
     let mut states = vec![State::new(9), State::new(9)];
-    let res = sync_all(&mut comms, &mut states, &[4, 4], &[SyncStrategy::EnforcePopular; 2]).await;
+    let res = sync_all(
+        &mut comms,
+        &mut states,
+        &[4, 4],
+        &[SyncStrategy::EnforcePopular; 2],
+    )
+    .await;
     assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
     let sums = join_all(comms.iter_mut().map(|c| async move {
         let mut v = vec![1i64; 1000];
@@ -240,7 +282,9 @@ async fn retry_helpers_continue_over_the_survivors() {
         let policy = policy.clone();
         async move {
             let mut v = vec![c.peer_id() as f64; 4096];
-            let info = c.all_reduce_with_retry(&mut v, ReduceOp::Sum, &policy).await?;
+            let info = c
+                .all_reduce_with_retry(&mut v, ReduceOp::Sum, &policy)
+                .await?;
             Ok::<_, Error>((v, info))
         }
     }))
@@ -260,7 +304,9 @@ async fn retry_helpers_continue_over_the_survivors() {
         ..Default::default()
     };
     let mut v = vec![1.0f32; 16];
-    let r = comms[0].all_reduce_with_retry(&mut v, ReduceOp::Sum, &strict).await;
+    let r = comms[0]
+        .all_reduce_with_retry(&mut v, ReduceOp::Sum, &strict)
+        .await;
     match r {
         // The lone survivor may still complete one last all_reduce on its own epoch if
         // the abort has not arrived yet; then the next one must fail.
@@ -283,7 +329,9 @@ async fn a_member_that_moved_on_sends_the_others_to_update_topology() {
         let pending = b[0].are_peers_pending().await;
         let mut x = vec![0u8; 8];
         let mut t = [SharedTensor::bytes("x", &mut x)];
-        let sync = b[0].sync_shared_state(0, &mut t, SyncStrategy::EnforcePopular).await;
+        let sync = b[0]
+            .sync_shared_state(0, &mut t, SyncStrategy::EnforcePopular)
+            .await;
         let topo = b[0].update_topology().await;
         (pending, sync, topo)
     });

@@ -66,15 +66,16 @@ pub enum PeerRequest {
         peer_id: PeerId,
         epoch: u64,
         revision: u64,
-        strategy: SyncRole,
+        strategy: SyncStrategy,
         tensors: Vec<TensorDigest>,
     },
 }
 
 /// How a member takes part in a shared-state sync.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SyncRole {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncStrategy {
     /// Its content counts in the vote; it sends and receives.
+    #[default]
     EnforcePopular,
     /// Its content does not count; it only receives.
     ReceiveOnly,

@@ -11,8 +11,8 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use eccl::{
-    CollArgs, CollectiveKind, Config, DType, OpInfo, ReduceOp, Secret, SharedTensor,
-    SyncInfo, SyncStrategy, Topology,
+    CollArgs, CollectiveKind, Config, DType, OpInfo, ReduceOp, Secret, SharedTensor, SyncInfo,
+    SyncStrategy, Topology,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -20,14 +20,49 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::mpsc;
 
-create_exception!(_eccl, EcclError, PyException, "Base class of every eccl error.");
+create_exception!(
+    _eccl,
+    EcclError,
+    PyException,
+    "Base class of every eccl error."
+);
 create_exception!(_eccl, AbortedError, EcclError, "The epoch was aborted (a peer died, hung or failed the call); inputs are unchanged. Call update_topology() and retry.");
-create_exception!(_eccl, EvictedError, EcclError, "This peer was evicted; create a new Communicator to register again.");
-create_exception!(_eccl, MismatchError, EcclError, "Ranks called different collectives or the same one with different arguments.");
-create_exception!(_eccl, TimeoutError, EcclError, "No progress within the deadline.");
-create_exception!(_eccl, MasterUnavailableError, EcclError, "The master could not be reached.");
-create_exception!(_eccl, InvalidArgumentError, EcclError, "The call is wrong on its own (sizes, dtype, op, root...).");
-create_exception!(_eccl, TooFewPeersError, EcclError, "Fewer peers remain than required.");
+create_exception!(
+    _eccl,
+    EvictedError,
+    EcclError,
+    "This peer was evicted; create a new Communicator to register again."
+);
+create_exception!(
+    _eccl,
+    MismatchError,
+    EcclError,
+    "Ranks called different collectives or the same one with different arguments."
+);
+create_exception!(
+    _eccl,
+    TimeoutError,
+    EcclError,
+    "No progress within the deadline."
+);
+create_exception!(
+    _eccl,
+    MasterUnavailableError,
+    EcclError,
+    "The master could not be reached."
+);
+create_exception!(
+    _eccl,
+    InvalidArgumentError,
+    EcclError,
+    "The call is wrong on its own (sizes, dtype, op, root...)."
+);
+create_exception!(
+    _eccl,
+    TooFewPeersError,
+    EcclError,
+    "Fewer peers remain than required."
+);
 
 fn to_py(e: eccl::Error) -> PyErr {
     let msg = format!("{e} ({})", e.hint());
@@ -94,11 +129,32 @@ impl Raw {
 enum Call {
     UpdateTopology,
     ArePeersPending,
-    Collective { args: CollArgs, input: Raw, output: Raw },
-    InPlace { args: CollArgs, buf: Raw },
-    Send { dtype: DType, buf: Raw, peer: u32, tag: u32 },
-    Recv { dtype: DType, buf: Raw, peer: u32, tag: u32 },
-    Sync { revision: u64, tensors: Vec<(String, Raw)>, strategy: SyncStrategy },
+    Collective {
+        args: CollArgs,
+        input: Raw,
+        output: Raw,
+    },
+    InPlace {
+        args: CollArgs,
+        buf: Raw,
+    },
+    Send {
+        dtype: DType,
+        buf: Raw,
+        peer: u32,
+        tag: u32,
+    },
+    Recv {
+        dtype: DType,
+        buf: Raw,
+        peer: u32,
+        tag: u32,
+    },
+    Sync {
+        revision: u64,
+        tensors: Vec<(String, Raw)>,
+        strategy: SyncStrategy,
+    },
     Leave,
 }
 
@@ -125,14 +181,22 @@ struct Info {
     epoch: u64,
 }
 
-async fn serve(mut comm: eccl::Communicator, mut jobs: mpsc::UnboundedReceiver<Job>, info: Arc<Mutex<Info>>) {
+async fn serve(
+    mut comm: eccl::Communicator,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    info: Arc<Mutex<Info>>,
+) {
     while let Some(job) = jobs.recv().await {
         // SAFETY (every `slice()` below): the Python side holds the buffers' owners until
         // this job's Work completes, and runs one call per buffer at a time.
         let out = match job.call {
             Call::UpdateTopology => comm.update_topology().await.map(Done::Topology),
             Call::ArePeersPending => comm.are_peers_pending().await.map(Done::Pending),
-            Call::Collective { args, input, output } => comm
+            Call::Collective {
+                args,
+                input,
+                output,
+            } => comm
                 .collective(args, unsafe { input.slice() }, unsafe { output.slice() })
                 .await
                 .map(Done::Op),
@@ -140,27 +204,45 @@ async fn serve(mut comm: eccl::Communicator, mut jobs: mpsc::UnboundedReceiver<J
                 .collective_inplace(args, unsafe { buf.slice() })
                 .await
                 .map(Done::Op),
-            Call::Send { dtype, buf, peer, tag } => comm
+            Call::Send {
+                dtype,
+                buf,
+                peer,
+                tag,
+            } => comm
                 .send_bytes(dtype, unsafe { buf.slice() }, peer, tag)
                 .await
                 .map(Done::Op),
-            Call::Recv { dtype, buf, peer, tag } => comm
+            Call::Recv {
+                dtype,
+                buf,
+                peer,
+                tag,
+            } => comm
                 .recv_bytes(dtype, unsafe { buf.slice() }, peer, tag)
                 .await
                 .map(Done::Op),
-            Call::Sync { revision, tensors, strategy } => {
+            Call::Sync {
+                revision,
+                tensors,
+                strategy,
+            } => {
                 let mut ts: Vec<SharedTensor<'_>> = tensors
                     .iter()
                     .map(|(n, r)| SharedTensor::bytes(n.clone(), unsafe { r.slice() }))
                     .collect();
-                comm.sync_shared_state(revision, &mut ts, strategy).await.map(Done::Sync)
+                comm.sync_shared_state(revision, &mut ts, strategy)
+                    .await
+                    .map(Done::Sync)
             }
             Call::Leave => {
                 let r = comm.leave().await.map(|_| Done::Left);
                 let _ = job.done.send(r);
                 jobs.close();
                 while let Some(j) = jobs.recv().await {
-                    let _ = j.done.send(Err(eccl::Error::Evicted { reason: "this peer left the job".into() }));
+                    let _ = j.done.send(Err(eccl::Error::Evicted {
+                        reason: "this peer left the job".into(),
+                    }));
                 }
                 return;
             }
@@ -194,7 +276,12 @@ fn _shutdown(py: Python<'_>) {
     let pid = std::process::id();
     let tasks: Vec<_> = live_tasks()
         .lock()
-        .map(|mut t| t.drain(..).filter(|(p, _)| *p == pid).map(|(_, h)| h).collect())
+        .map(|mut t| {
+            t.drain(..)
+                .filter(|(p, _)| *p == pid)
+                .map(|(_, h)| h)
+                .collect()
+        })
         .unwrap_or_default();
     if tasks.is_empty() {
         // Nothing ran here: do not start a runtime just to stop nothing.
@@ -285,7 +372,10 @@ impl Work {
     }
 
     fn stopped() -> Outcome {
-        Err(eccl::Error::Aborted { epoch: 0, cause: "the communicator was shut down".into() })
+        Err(eccl::Error::Aborted {
+            epoch: 0,
+            cause: "the communicator was shut down".into(),
+        })
     }
 }
 
@@ -332,13 +422,18 @@ impl Work {
                         if let Ok(mut slot) = self.rx.lock() {
                             *slot = Some(rx);
                         }
-                        return Err(TimeoutError::new_err(format!("the call did not finish within {timeout:?} s")));
+                        return Err(TimeoutError::new_err(format!(
+                            "the call did not finish within {timeout:?} s"
+                        )));
                     }
                     Err(false) => self.settle(py, Work::stopped()),
                 }
             }
         }
-        let slot = self.result.lock().map_err(|_| EcclError::new_err("internal lock poisoned"))?;
+        let slot = self
+            .result
+            .lock()
+            .map_err(|_| EcclError::new_err("internal lock poisoned"))?;
         match slot.as_ref() {
             Some(Ok(v)) => Ok(v.clone_ref(py)),
             Some(Err((name, msg))) => Err(err_from_parts(name, msg)),
@@ -348,11 +443,19 @@ impl Work {
 }
 
 fn parse_dtype(s: &str) -> PyResult<DType> {
-    DType::parse(s).ok_or_else(|| invalid(format!("unsupported dtype {s:?}: eccl has f32, f64, f16, bf16, i8, u8, i32, i64")))
+    DType::parse(s).ok_or_else(|| {
+        invalid(format!(
+            "unsupported dtype {s:?}: eccl has f32, f64, f16, bf16, i8, u8, i32, i64"
+        ))
+    })
 }
 
 fn parse_op(s: &str) -> PyResult<ReduceOp> {
-    ReduceOp::parse(s).ok_or_else(|| invalid(format!("unknown reduce op {s:?}: sum, prod, min, max, avg, band, bor, bxor")))
+    ReduceOp::parse(s).ok_or_else(|| {
+        invalid(format!(
+            "unknown reduce op {s:?}: sum, prod, min, max, avg, band, bor, bxor"
+        ))
+    })
 }
 
 /// The native communicator; `eccl.Communicator` wraps it.
@@ -366,9 +469,14 @@ impl Communicator {
     fn submit(&self, call: Call) -> Work {
         let (tx, rx) = std_mpsc::channel();
         if let Err(mpsc::error::SendError(job)) = self.jobs.send(Job { call, done: tx }) {
-            let _ = job.done.send(Err(eccl::Error::Evicted { reason: "this communicator has left the job or was shut down".into() }));
+            let _ = job.done.send(Err(eccl::Error::Evicted {
+                reason: "this communicator has left the job or was shut down".into(),
+            }));
         }
-        Work { rx: Mutex::new(Some(rx)), result: Mutex::new(None) }
+        Work {
+            rx: Mutex::new(Some(rx)),
+            result: Mutex::new(None),
+        }
     }
 
     fn info(&self) -> Info {
@@ -414,8 +522,13 @@ impl Communicator {
         if let Some(t) = join_timeout_ms {
             cfg.join_timeout = Duration::from_millis(t);
         }
-        let comm = py.detach(|| runtime().block_on(eccl::Communicator::connect(cfg))).map_err(to_py)?;
-        let info = Arc::new(Mutex::new(Info { peer_id: comm.peer_id(), ..Default::default() }));
+        let comm = py
+            .detach(|| runtime().block_on(eccl::Communicator::connect(cfg)))
+            .map_err(to_py)?;
+        let info = Arc::new(Mutex::new(Info {
+            peer_id: comm.peer_id(),
+            ..Default::default()
+        }));
         let (tx, rx) = mpsc::unbounded_channel();
         let task = runtime().spawn(serve(comm, rx, info.clone()));
         if let Ok(mut t) = live_tasks().lock() {
@@ -470,46 +583,119 @@ impl Communicator {
         out_ptr: usize,
         out_len: usize,
     ) -> PyResult<Work> {
-        let kind = CollectiveKind::parse(kind).ok_or_else(|| invalid(format!("unknown collective {kind:?}")))?;
-        let args = CollArgs { kind, dtype: parse_dtype(dtype)?, op: parse_op(op)?, root, count };
-        let (input, output) = (Raw { ptr: in_ptr, len: in_len }, Raw { ptr: out_ptr, len: out_len });
-        if input.ptr != 0 && output.ptr != 0 && in_ptr < out_ptr + out_len && out_ptr < in_ptr + in_len {
+        let kind = CollectiveKind::parse(kind)
+            .ok_or_else(|| invalid(format!("unknown collective {kind:?}")))?;
+        let args = CollArgs {
+            kind,
+            dtype: parse_dtype(dtype)?,
+            op: parse_op(op)?,
+            root,
+            count,
+        };
+        let (input, output) = (
+            Raw {
+                ptr: in_ptr,
+                len: in_len,
+            },
+            Raw {
+                ptr: out_ptr,
+                len: out_len,
+            },
+        );
+        if input.ptr != 0
+            && output.ptr != 0
+            && in_ptr < out_ptr + out_len
+            && out_ptr < in_ptr + in_len
+        {
             return Err(invalid("input and output overlap; use the in-place form"));
         }
-        Ok(self.submit(Call::Collective { args, input, output }))
+        Ok(self.submit(Call::Collective {
+            args,
+            input,
+            output,
+        }))
     }
 
     /// An in-place collective (all_reduce, broadcast, reduce) on one buffer; it changes
     /// only if the call succeeds.
-    fn collective_inplace(&self, kind: &str, dtype: &str, op: &str, root: u32, ptr: usize, len: usize) -> PyResult<Work> {
-        let kind = CollectiveKind::parse(kind).ok_or_else(|| invalid(format!("unknown collective {kind:?}")))?;
-        if !matches!(kind, CollectiveKind::AllReduce | CollectiveKind::Broadcast | CollectiveKind::Reduce) {
-            return Err(invalid(format!("{kind} has no in-place form; give an output buffer")));
+    fn collective_inplace(
+        &self,
+        kind: &str,
+        dtype: &str,
+        op: &str,
+        root: u32,
+        ptr: usize,
+        len: usize,
+    ) -> PyResult<Work> {
+        let kind = CollectiveKind::parse(kind)
+            .ok_or_else(|| invalid(format!("unknown collective {kind:?}")))?;
+        if !matches!(
+            kind,
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast | CollectiveKind::Reduce
+        ) {
+            return Err(invalid(format!(
+                "{kind} has no in-place form; give an output buffer"
+            )));
         }
         let dtype = parse_dtype(dtype)?;
-        let args = CollArgs { kind, dtype, op: parse_op(op)?, root, count: len / dtype.size() };
-        Ok(self.submit(Call::InPlace { args, buf: Raw { ptr, len } }))
+        let args = CollArgs {
+            kind,
+            dtype,
+            op: parse_op(op)?,
+            root,
+            count: len / dtype.size(),
+        };
+        Ok(self.submit(Call::InPlace {
+            args,
+            buf: Raw { ptr, len },
+        }))
     }
 
     fn send(&self, dtype: &str, ptr: usize, len: usize, peer: u32, tag: u32) -> PyResult<Work> {
-        Ok(self.submit(Call::Send { dtype: parse_dtype(dtype)?, buf: Raw { ptr, len }, peer, tag }))
+        Ok(self.submit(Call::Send {
+            dtype: parse_dtype(dtype)?,
+            buf: Raw { ptr, len },
+            peer,
+            tag,
+        }))
     }
 
     fn recv(&self, dtype: &str, ptr: usize, len: usize, peer: u32, tag: u32) -> PyResult<Work> {
-        Ok(self.submit(Call::Recv { dtype: parse_dtype(dtype)?, buf: Raw { ptr, len }, peer, tag }))
+        Ok(self.submit(Call::Recv {
+            dtype: parse_dtype(dtype)?,
+            buf: Raw { ptr, len },
+            peer,
+            tag,
+        }))
     }
 
     /// `tensors`: (name, address, bytes) triples; `strategy`: enforce_popular,
     /// receive_only or send_only.
-    fn sync_shared_state(&self, revision: u64, tensors: Vec<(String, usize, usize)>, strategy: &str) -> PyResult<Work> {
+    fn sync_shared_state(
+        &self,
+        revision: u64,
+        tensors: Vec<(String, usize, usize)>,
+        strategy: &str,
+    ) -> PyResult<Work> {
         let strategy = match strategy {
             "enforce_popular" => SyncStrategy::EnforcePopular,
             "receive_only" => SyncStrategy::ReceiveOnly,
             "send_only" => SyncStrategy::SendOnly,
-            s => return Err(invalid(format!("unknown strategy {s:?}: enforce_popular, receive_only, send_only"))),
+            s => {
+                return Err(invalid(format!(
+                    "unknown strategy {s:?}: enforce_popular, receive_only, send_only"
+                )))
+            }
         };
-        let tensors = tensors.into_iter().map(|(n, ptr, len)| (n, Raw { ptr, len })).collect();
-        Ok(self.submit(Call::Sync { revision, tensors, strategy }))
+        let tensors = tensors
+            .into_iter()
+            .map(|(n, ptr, len)| (n, Raw { ptr, len }))
+            .collect();
+        Ok(self.submit(Call::Sync {
+            revision,
+            tensors,
+            strategy,
+        }))
     }
 }
 
@@ -527,9 +713,17 @@ struct Master {
 impl Master {
     #[new]
     #[pyo3(signature = (listen="127.0.0.1:0", secret=None, lease_ms=2000, heartbeat_ms=250))]
-    fn new(py: Python<'_>, listen: &str, secret: Option<String>, lease_ms: u64, heartbeat_ms: u64) -> PyResult<Master> {
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        secret: Option<String>,
+        lease_ms: u64,
+        heartbeat_ms: u64,
+    ) -> PyResult<Master> {
         if heartbeat_ms == 0 || heartbeat_ms >= lease_ms {
-            return Err(invalid(format!("heartbeat_ms ({heartbeat_ms}) must be positive and below lease_ms ({lease_ms})")));
+            return Err(invalid(format!(
+                "heartbeat_ms ({heartbeat_ms}) must be positive and below lease_ms ({lease_ms})"
+            )));
         }
         let secret = secret.unwrap_or_else(eccl_master::secret::generate);
         let s = Secret::new(secret.clone()).map_err(|e| invalid(format!("secret: {e}")))?;
@@ -540,8 +734,14 @@ impl Master {
         };
         let handle = py
             .detach(|| runtime().block_on(eccl_master::start(opts)))
-            .map_err(|e| MasterUnavailableError::new_err(format!("cannot start the master: {e}")))?;
-        Ok(Master { addr: handle.addr.to_string(), handle: Mutex::new(Some(handle)), secret })
+            .map_err(|e| {
+                MasterUnavailableError::new_err(format!("cannot start the master: {e}"))
+            })?;
+        Ok(Master {
+            addr: handle.addr.to_string(),
+            handle: Mutex::new(Some(handle)),
+            secret,
+        })
     }
 
     /// Stops the master (peers then get `MasterUnavailableError` from calls that need it).
@@ -565,8 +765,14 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EvictedError", py.get_type::<EvictedError>())?;
     m.add("MismatchError", py.get_type::<MismatchError>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
-    m.add("MasterUnavailableError", py.get_type::<MasterUnavailableError>())?;
-    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
+    m.add(
+        "MasterUnavailableError",
+        py.get_type::<MasterUnavailableError>(),
+    )?;
+    m.add(
+        "InvalidArgumentError",
+        py.get_type::<InvalidArgumentError>(),
+    )?;
     m.add("TooFewPeersError", py.get_type::<TooFewPeersError>())?;
     Ok(())
 }

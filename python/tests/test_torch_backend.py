@@ -31,12 +31,18 @@ def run_world(n, args, script=HERE / "torch_script.py"):
     ("terminate called without an active exception" from gloo's threads, seen once in
     CI); that is gloo's exit, not a result, so it is tolerated for gloo only."""
     port = free_port()
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    specs = [([sys.executable, str(script), *args],
+              dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r)))
+             for r in range(n)]
+    return run_processes(specs, tolerate_gloo_exit="gloo" in args)
+
+
+def run_processes(specs, tolerate_gloo_exit=False):
+    """Runs one process per (argv, env), stops every one of them, and returns the JSON
+    each printed after "RESULT "."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv, env in specs]
     try:
         outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     finally:
@@ -45,10 +51,10 @@ def run_world(n, args, script=HERE / "torch_script.py"):
                 p.kill()
                 p.wait()
     res = []
-    for p, (out, err) in zip(procs, outs):
+    for (argv, _), p, (out, err) in zip(specs, procs, outs):
         printed = any(l.startswith("RESULT ") for l in out.splitlines())
-        gloo_exit = "gloo" in args and printed and "terminate called" in err
-        assert p.returncode == 0 or gloo_exit, f"{args}: exit {p.returncode}\n{out}\n{err[-3000:]}"
+        gloo_exit = tolerate_gloo_exit and printed and "terminate called" in err
+        assert p.returncode == 0 or gloo_exit, f"{argv[1:]}: exit {p.returncode}\n{out}\n{err[-3000:]}"
         res.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]))
     return res
 
@@ -128,20 +134,9 @@ def test_init_with_explicit_arguments(tmp_path):
     script.write_text(EXPLICIT)
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-        res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
-        assert res == {"sum": [3.0, 3.0, 3.0], "backend": "eccl"}
+    res = run_processes([([sys.executable, str(script), str(r), port], env) for r in range(2)])
+    for r in res:
+        assert r == {"sum": [3.0, 3.0, 3.0], "backend": "eccl"}
 
 
 EXAMPLES = HERE.parents[1] / "examples"

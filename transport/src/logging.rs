@@ -23,7 +23,11 @@ pub fn filter_from_env() -> EnvFilter {
     // openraft reports its own shutdown (an embedded master stopping with peers still
     // connected) as errors; eccl logs what matters of raft itself, so openraft speaks
     // only when eccl is asked for its full detail.
-    let raft = if level == "trace" { "openraft=debug" } else { "openraft=off" };
+    let raft = if level == "trace" {
+        "openraft=debug"
+    } else {
+        "openraft=off"
+    };
     let mut directives = vec!["warn".to_string(), raft.to_string()];
     let chosen: Vec<String> = subsys
         .split(',')
