@@ -408,7 +408,7 @@ impl Coordinator {
             for m in behind {
                 if let Some(v) = st.votes.remove(&m) {
                     // Its links are older than the others' idea of "previous epoch".
-                    v.reply.send(MasterReply::Topology {
+                    v.reply.send(MasterReply::World {
                         world: w.clone(),
                         changed: true,
                         reuse_links: false,
@@ -461,7 +461,7 @@ impl Coordinator {
             if let Some(w) = world {
                 for m in &members {
                     if let Some(v) = st.votes.remove(m) {
-                        v.reply.send(MasterReply::Topology {
+                        v.reply.send(MasterReply::World {
                             world: w.clone(),
                             changed: false,
                             reuse_links: true,
@@ -491,7 +491,7 @@ impl Coordinator {
                 );
                 for m in w.peer_ids() {
                     if let Some(v) = st.votes.remove(&m) {
-                        v.reply.send(MasterReply::Topology {
+                        v.reply.send(MasterReply::World {
                             world: w.clone(),
                             changed: true,
                             reuse_links,

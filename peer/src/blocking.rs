@@ -3,7 +3,7 @@
 
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::communicator::{CollArgs, OpInfo, Topology};
+use crate::communicator::{CollArgs, OpInfo, WorldUpdate};
 use crate::{Config, Element, Error, Result};
 
 pub struct Communicator {
@@ -35,7 +35,7 @@ impl Communicator {
     pub fn epoch(&self) -> u64 {
         self.inner.epoch()
     }
-    pub fn update_topology(&mut self) -> Result<Topology> {
+    pub fn update_topology(&mut self) -> Result<WorldUpdate> {
         self.rt.block_on(self.inner.update_topology())
     }
     pub fn are_peers_pending(&mut self) -> Result<bool> {

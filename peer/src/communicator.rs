@@ -40,7 +40,7 @@ pub struct OpInfo {
 
 /// The outcome of `update_topology()`.
 #[derive(Clone, Debug)]
-pub struct Topology {
+pub struct WorldUpdate {
     pub epoch: u64,
     /// Whether a new epoch began (someone joined or left, or the last one was aborted).
     pub changed: bool,
@@ -78,6 +78,38 @@ pub struct CollArgs {
     pub root: u32,
     /// Element count, NCCL's convention (see [`Descriptor`]).
     pub count: usize,
+}
+
+impl CollArgs {
+    /// The arguments of a collective of `kind` over buffers of `input` and `output`
+    /// elements in a world of `world` ranks, with the count in NCCL's convention. A rank
+    /// of a rooted collective passes `None` for a buffer it does not use (gather's output
+    /// or scatter's input off the root); an in-place call passes its buffer as both.
+    pub fn for_buffers(
+        kind: CollectiveKind,
+        dtype: DType,
+        op: ReduceOp,
+        root: u32,
+        input: Option<usize>,
+        output: Option<usize>,
+        world: u32,
+    ) -> CollArgs {
+        use CollectiveKind::*;
+        let (i, o) = (input.unwrap_or(0), output.unwrap_or(0));
+        let count = match kind {
+            Broadcast | Scatter | ReduceScatter => o,
+            Reduce | AllReduce | Gather | AllGather | SendRecv => i,
+            AllToAll => i / world.max(1) as usize,
+            Barrier => 0,
+        };
+        CollArgs {
+            kind,
+            dtype,
+            op,
+            root,
+            count,
+        }
+    }
 }
 
 pub(crate) struct Current {
@@ -246,7 +278,7 @@ impl Communicator {
     /// Votes for the next epoch and waits until every live member has voted. Pending
     /// peers are admitted and departed ones dropped; the links are reconnected when the
     /// world changed.
-    pub async fn update_topology(&mut self) -> Result<Topology> {
+    pub async fn update_topology(&mut self) -> Result<WorldUpdate> {
         if let Some(e) = self.evicted_error() {
             return Err(e);
         }
@@ -260,7 +292,7 @@ impl Communicator {
         };
         let reply = self.master.request(req, self.cfg.join_timeout).await?;
         let (world, changed, reuse) = match reply {
-            MasterReply::Topology {
+            MasterReply::World {
                 world,
                 changed,
                 reuse_links,
@@ -277,7 +309,7 @@ impl Communicator {
             epoch,
             cause: "no world".into(),
         })?;
-        Ok(Topology {
+        Ok(WorldUpdate {
             epoch: c.world.epoch,
             changed,
             rank: c.rank,
@@ -628,6 +660,50 @@ impl Communicator {
             self.inplace = tmp;
         }
         r
+    }
+
+    /// All-reduces several buffers of one dtype as one collective (one descriptor, one
+    /// schedule, like gloo's `allreduce_coalesced`): they are packed into one buffer,
+    /// reduced, and copied back only on success, so a failure leaves every one of them
+    /// as it was (G2).
+    pub async fn all_reduce_coalesced(
+        &mut self,
+        dtype: DType,
+        op: ReduceOp,
+        bufs: &mut [&mut [u8]],
+    ) -> Result<OpInfo> {
+        let elem = dtype.size();
+        if let Some(b) = bufs.iter().find(|b| b.len() % elem != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "a buffer of {} bytes is not a whole number of {dtype} elements",
+                b.len()
+            )));
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut input = AlignedBuf::with_len(total);
+        let mut offset = 0;
+        for b in bufs.iter() {
+            input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
+            offset += b.len();
+        }
+        let mut output = AlignedBuf::with_len(total);
+        let args = CollArgs {
+            kind: CollectiveKind::AllReduce,
+            dtype,
+            op,
+            root: 0,
+            count: total / elem,
+        };
+        let info = self
+            .collective(args, input.as_bytes(), output.as_bytes_mut())
+            .await?;
+        let mut offset = 0;
+        for b in bufs.iter_mut() {
+            let n = b.len();
+            b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
+            offset += n;
+        }
+        Ok(info)
     }
 
     // ---- retry helpers -------------------------------------------------------------

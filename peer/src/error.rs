@@ -34,34 +34,75 @@ pub enum Error {
     TooFewPeers { have: usize, need: usize },
 }
 
+/// Defines [`ErrorKind`] from one table: each row names a variant of [`Error`], whether a
+/// retry over a new world can succeed, and what to do about it. The Python package makes
+/// one exception class per row (`AbortedError`, ...), so a new kind of error is one row
+/// here, one variant above and one arm in [`Error::kind`] (the compiler asks for it).
+macro_rules! error_kinds {
+    ($($v:ident, retryable: $retry:literal, hint: $hint:literal;)*) => {
+        /// The kind of an [`Error`], without its details.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum ErrorKind {
+            $($v,)*
+        }
+
+        impl ErrorKind {
+            pub const ALL: [ErrorKind; [$($retry),*].len()] = [$(ErrorKind::$v),*];
+
+            /// The variant's name (`"Aborted"`, `"Evicted"`, ...).
+            pub const fn name(self) -> &'static str {
+                match self { $(ErrorKind::$v => stringify!($v),)* }
+            }
+
+            /// Whether `update_topology()` followed by the same call can succeed.
+            pub const fn is_retryable(self) -> bool {
+                match self { $(ErrorKind::$v => $retry,)* }
+            }
+
+            /// What the caller should do about it.
+            pub const fn hint(self) -> &'static str {
+                match self { $(ErrorKind::$v => $hint,)* }
+            }
+        }
+    };
+}
+
+error_kinds! {
+    Aborted, retryable: true, hint: "call update_topology() and retry the collective";
+    Evicted, retryable: false, hint: "create a new Communicator to register again";
+    Mismatch, retryable: false, hint: "make every rank call the same collectives in the same order with the same count, dtype, op and root; then update_topology()";
+    Timeout, retryable: true, hint: "call update_topology() and retry the collective";
+    MasterUnavailable, retryable: false, hint: "check ECCL_MASTER / --master and that eccl-master is running and reachable";
+    InvalidArgument, retryable: false, hint: "fix the arguments; then update_topology() before the next collective";
+    TooFewPeers, retryable: false, hint: "wait for peers to join or lower the minimum";
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl Error {
+    pub const fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Aborted { .. } => ErrorKind::Aborted,
+            Error::Evicted { .. } => ErrorKind::Evicted,
+            Error::Mismatch { .. } => ErrorKind::Mismatch,
+            Error::Timeout { .. } => ErrorKind::Timeout,
+            Error::MasterUnavailable { .. } => ErrorKind::MasterUnavailable,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::TooFewPeers { .. } => ErrorKind::TooFewPeers,
+        }
+    }
+
     /// Whether `update_topology()` followed by the same call can succeed.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Aborted { .. } | Error::Timeout { .. })
+    pub const fn is_retryable(&self) -> bool {
+        self.kind().is_retryable()
     }
 
-    /// The variant's name, for logs and reports (`"Aborted"`, `"Evicted"`, ...).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Error::Aborted { .. } => "Aborted",
-            Error::Evicted { .. } => "Evicted",
-            Error::Mismatch { .. } => "Mismatch",
-            Error::Timeout { .. } => "Timeout",
-            Error::MasterUnavailable { .. } => "MasterUnavailable",
-            Error::InvalidArgument(_) => "InvalidArgument",
-            Error::TooFewPeers { .. } => "TooFewPeers",
-        }
-    }
-
-    pub fn hint(&self) -> &'static str {
-        match self {
-            Error::Aborted { .. } | Error::Timeout { .. } => "call update_topology() and retry the collective",
-            Error::Evicted { .. } => "create a new Communicator to register again",
-            Error::Mismatch { .. } => "make every rank call the same collectives in the same order with the same count, dtype, op and root; then update_topology()",
-            Error::MasterUnavailable { .. } => "check ECCL_MASTER / --master and that eccl-master is running and reachable",
-            Error::InvalidArgument(_) => "fix the arguments; then update_topology() before the next collective",
-            Error::TooFewPeers { .. } => "wait for peers to join or lower the minimum",
-        }
+    pub const fn hint(&self) -> &'static str {
+        self.kind().hint()
     }
 }
 
@@ -77,11 +118,20 @@ mod tests {
             epoch: 3,
             cause: "peer 4 died".into(),
         };
-        assert_eq!((aborted.kind(), aborted.is_retryable()), ("Aborted", true));
+        assert_eq!(
+            (aborted.kind().name(), aborted.is_retryable()),
+            ("Aborted", true)
+        );
         let bad = Error::InvalidArgument("x".into());
-        assert_eq!((bad.kind(), bad.is_retryable()), ("InvalidArgument", false));
+        assert_eq!(
+            (bad.kind().name(), bad.is_retryable()),
+            ("InvalidArgument", false)
+        );
         let few = Error::TooFewPeers { have: 1, need: 2 };
-        assert_eq!((few.kind(), few.is_retryable()), ("TooFewPeers", false));
+        assert_eq!(
+            (few.kind().name(), few.is_retryable()),
+            ("TooFewPeers", false)
+        );
         assert_eq!(
             few.to_string(),
             "too few peers: 1 remain, at least 2 required"

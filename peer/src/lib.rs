@@ -16,12 +16,12 @@ pub use eccl_transport::logging;
 mod master_client;
 pub mod shared_state;
 
-pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, Topology};
+pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, WorldUpdate};
 pub use config::Config;
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{
-    auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, PeerId, ReduceOp, World,
-    MAX_WORLD_SIZE,
+    auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, NumClass, OpDomain, PeerId,
+    ReduceOp, World, MAX_WORLD_SIZE,
 };
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};

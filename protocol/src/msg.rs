@@ -83,6 +83,27 @@ pub enum SyncStrategy {
     SendOnly,
 }
 
+impl SyncStrategy {
+    pub const ALL: [SyncStrategy; 3] = [
+        SyncStrategy::EnforcePopular,
+        SyncStrategy::ReceiveOnly,
+        SyncStrategy::SendOnly,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            SyncStrategy::EnforcePopular => "enforce_popular",
+            SyncStrategy::ReceiveOnly => "receive_only",
+            SyncStrategy::SendOnly => "send_only",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SyncStrategy> {
+        let s = s.trim().to_ascii_lowercase().replace('-', "_");
+        SyncStrategy::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
 /// Size of the chunks that shared state is hashed and moved in.
 pub const STATE_CHUNK: usize = 1 << 20;
 
@@ -126,7 +147,7 @@ pub enum MasterReply {
     },
     /// The world after an `UpdateTopology` vote; `changed` is false when the master kept
     /// the current epoch because nobody joined or left.
-    Topology {
+    World {
         world: World,
         changed: bool,
         /// The previous epoch ended cleanly (nobody aborted or was evicted): members of

@@ -4,91 +4,104 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Element type of a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(u8)]
-pub enum DType {
-    F32 = 0,
-    F64 = 1,
-    F16 = 2,
-    BF16 = 3,
-    I8 = 4,
-    U8 = 5,
-    I32 = 6,
-    I64 = 7,
+/// What kind of number a [`DType`] holds; decides which operators are defined for it and
+/// how a foreign buffer format (numpy's, Python's buffer protocol) maps onto it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NumClass {
+    /// IEEE 754 binary floating point (`f16`, `f32`, `f64`).
+    Float,
+    /// bfloat16: a float with f32's exponent, no buffer-protocol format of its own.
+    BFloat,
+    Signed,
+    Unsigned,
+}
+
+impl NumClass {
+    pub const fn is_float(self) -> bool {
+        matches!(self, NumClass::Float | NumClass::BFloat)
+    }
+}
+
+/// Defines [`DType`] from one table. Each row: variant = wire code, bytes, class, short
+/// name, nccl-tests' name, numpy's and torch's name, extra spellings users type. Adding
+/// an element type is one row here, an [`Element`](../../eccl_algorithms) impl and its
+/// kernel arm (the compiler points at both).
+macro_rules! dtypes {
+    ($($v:ident = $code:literal, $size:literal, $class:ident, $name:literal, $nccl:literal, $long:literal, [$($alias:literal),*];)*) => {
+        /// Element type of a buffer.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[repr(u8)]
+        pub enum DType {
+            $($v = $code,)*
+        }
+
+        impl DType {
+            pub const ALL: [DType; [$($code),*].len()] = [$(DType::$v),*];
+
+            /// Bytes per element.
+            pub const fn size(self) -> usize {
+                match self { $(DType::$v => $size,)* }
+            }
+
+            pub const fn class(self) -> NumClass {
+                match self { $(DType::$v => NumClass::$class,)* }
+            }
+
+            /// Short Rust-style name (`f32`, `bf16`, ...).
+            pub const fn name(self) -> &'static str {
+                match self { $(DType::$v => $name,)* }
+            }
+
+            /// The name nccl-tests prints in its `type` column.
+            pub const fn nccl_name(self) -> &'static str {
+                match self { $(DType::$v => $nccl,)* }
+            }
+
+            /// numpy's and torch's name (`float32`, `bfloat16`, ...).
+            pub const fn long_name(self) -> &'static str {
+                match self { $(DType::$v => $long,)* }
+            }
+
+            pub const fn from_u8(v: u8) -> Option<DType> {
+                match v { $($code => Some(DType::$v),)* _ => None }
+            }
+
+            /// Parses every name of the table, case-insensitively: `f32`, `float`,
+            /// `float32`, `half`, `bfloat16`, ...
+            pub fn parse(s: &str) -> Option<DType> {
+                let s = s.trim().to_ascii_lowercase();
+                let s = s.strip_prefix("torch.").unwrap_or(&s);
+                $(if s == $name || s == $nccl || s == $long $(|| s == $alias)* {
+                    return Some(DType::$v);
+                })*
+                None
+            }
+        }
+    };
+}
+
+dtypes! {
+    F32 = 0, 4, Float, "f32", "float", "float32", [];
+    F64 = 1, 8, Float, "f64", "double", "float64", [];
+    F16 = 2, 2, Float, "f16", "half", "float16", [];
+    BF16 = 3, 2, BFloat, "bf16", "bfloat16", "bfloat16", [];
+    I8 = 4, 1, Signed, "i8", "int8", "int8", ["char"];
+    U8 = 5, 1, Unsigned, "u8", "uint8", "uint8", [];
+    I32 = 6, 4, Signed, "i32", "int32", "int32", ["int"];
+    I64 = 7, 8, Signed, "i64", "int64", "int64", [];
 }
 
 impl DType {
-    pub const ALL: [DType; 8] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::I64,
-    ];
-
-    /// Bytes per element.
-    pub const fn size(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::I8 | DType::U8 => 1,
-        }
-    }
-
     pub const fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        self.class().is_float()
     }
 
-    /// The name nccl-tests prints in its `type` column.
-    pub const fn nccl_name(self) -> &'static str {
-        match self {
-            DType::F32 => "float",
-            DType::F64 => "double",
-            DType::F16 => "half",
-            DType::BF16 => "bfloat16",
-            DType::I8 => "int8",
-            DType::U8 => "uint8",
-            DType::I32 => "int32",
-            DType::I64 => "int64",
-        }
-    }
-
-    /// Short Rust-style name (`f32`, `bf16`, ...).
-    pub const fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I8 => "i8",
-            DType::U8 => "u8",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-        }
-    }
-
-    pub fn from_u8(v: u8) -> Option<DType> {
-        DType::ALL.get(v as usize).copied()
-    }
-
-    /// Parses the names users type: `f32`, `float`, `float32`, `half`, `bfloat16`, ...
-    pub fn parse(s: &str) -> Option<DType> {
-        Some(match s.to_ascii_lowercase().as_str() {
-            "f32" | "float" | "float32" => DType::F32,
-            "f64" | "double" | "float64" => DType::F64,
-            "f16" | "half" | "float16" => DType::F16,
-            "bf16" | "bfloat16" => DType::BF16,
-            "i8" | "int8" | "char" => DType::I8,
-            "u8" | "uint8" => DType::U8,
-            "i32" | "int32" | "int" => DType::I32,
-            "i64" | "int64" => DType::I64,
-            _ => return None,
-        })
+    /// The dtype with this class and size, if eccl has one (how a buffer-protocol format
+    /// such as numpy's `'<f4'` or `'q'` is read).
+    pub fn from_class(class: NumClass, size: usize) -> Option<DType> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.class() == class && d.size() == size)
     }
 }
 
@@ -98,71 +111,79 @@ impl fmt::Display for DType {
     }
 }
 
-/// Reduction operator.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(u8)]
-pub enum ReduceOp {
-    Sum = 0,
-    Prod = 1,
-    Min = 2,
-    Max = 3,
+/// Which element types an operator is defined for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpDomain {
+    All,
+    Floats,
+    Integers,
+}
+
+/// Defines [`ReduceOp`] from one table. Each row: variant = wire code, name, the name of
+/// torch's `ReduceOp` member it implements, the element types it is defined for, extra
+/// spellings. Adding an operator is one row here and its arm in the kernels.
+macro_rules! reduce_ops {
+    ($($(#[doc = $doc:literal])* $v:ident = $code:literal, $name:literal, $torch:literal, $domain:ident, [$($alias:literal),*];)*) => {
+        /// Reduction operator.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[repr(u8)]
+        pub enum ReduceOp {
+            $($(#[doc = $doc])* $v = $code,)*
+        }
+
+        impl ReduceOp {
+            pub const ALL: [ReduceOp; [$($code),*].len()] = [$(ReduceOp::$v),*];
+
+            pub const fn name(self) -> &'static str {
+                match self { $(ReduceOp::$v => $name,)* }
+            }
+
+            /// The member of `torch.distributed.ReduceOp` this operator implements.
+            pub const fn torch_name(self) -> &'static str {
+                match self { $(ReduceOp::$v => $torch,)* }
+            }
+
+            pub const fn domain(self) -> OpDomain {
+                match self { $(ReduceOp::$v => OpDomain::$domain,)* }
+            }
+
+            pub const fn from_u8(v: u8) -> Option<ReduceOp> {
+                match v { $($code => Some(ReduceOp::$v),)* _ => None }
+            }
+
+            /// Parses the name, torch's name or an alias, case-insensitively.
+            pub fn parse(s: &str) -> Option<ReduceOp> {
+                let s = s.trim().to_ascii_lowercase();
+                let s = s.strip_prefix("reduceop.").unwrap_or(&s);
+                $(if s == $name || s.eq_ignore_ascii_case($torch) $(|| s == $alias)* {
+                    return Some(ReduceOp::$v);
+                })*
+                None
+            }
+        }
+    };
+}
+
+reduce_ops! {
+    Sum = 0, "sum", "SUM", All, ["add"];
+    Prod = 1, "prod", "PRODUCT", All, ["product", "mul"];
+    Min = 2, "min", "MIN", All, [];
+    Max = 3, "max", "MAX", All, [];
     /// Sum divided by the number of members; floating types only.
-    Avg = 4,
-    BAnd = 5,
-    BOr = 6,
-    BXor = 7,
+    Avg = 4, "avg", "AVG", Floats, ["mean"];
+    BAnd = 5, "band", "BAND", Integers, ["and"];
+    BOr = 6, "bor", "BOR", Integers, ["or"];
+    BXor = 7, "bxor", "BXOR", Integers, ["xor"];
 }
 
 impl ReduceOp {
-    pub const ALL: [ReduceOp; 8] = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-        ReduceOp::BAnd,
-        ReduceOp::BOr,
-        ReduceOp::BXor,
-    ];
-
-    pub fn from_u8(v: u8) -> Option<ReduceOp> {
-        ReduceOp::ALL.get(v as usize).copied()
-    }
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Prod => "prod",
-            ReduceOp::Min => "min",
-            ReduceOp::Max => "max",
-            ReduceOp::Avg => "avg",
-            ReduceOp::BAnd => "band",
-            ReduceOp::BOr => "bor",
-            ReduceOp::BXor => "bxor",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<ReduceOp> {
-        Some(match s.to_ascii_lowercase().as_str() {
-            "sum" => ReduceOp::Sum,
-            "prod" | "product" => ReduceOp::Prod,
-            "min" => ReduceOp::Min,
-            "max" => ReduceOp::Max,
-            "avg" | "mean" => ReduceOp::Avg,
-            "band" | "and" => ReduceOp::BAnd,
-            "bor" | "or" => ReduceOp::BOr,
-            "bxor" | "xor" => ReduceOp::BXor,
-            _ => return None,
-        })
-    }
-
     /// Whether this operator is defined for `dtype`: avg needs a floating type, the
     /// bitwise operators an integer type.
     pub const fn valid_for(self, dtype: DType) -> bool {
-        match self {
-            ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max => true,
-            ReduceOp::Avg => dtype.is_float(),
-            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => !dtype.is_float(),
+        match self.domain() {
+            OpDomain::All => true,
+            OpDomain::Floats => dtype.is_float(),
+            OpDomain::Integers => !dtype.is_float(),
         }
     }
 }
@@ -173,56 +194,57 @@ impl fmt::Display for ReduceOp {
     }
 }
 
-/// Which collective a frame belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(u8)]
-pub enum CollectiveKind {
-    Broadcast = 0,
-    Reduce = 1,
-    AllReduce = 2,
-    Scatter = 3,
-    Gather = 4,
-    AllGather = 5,
-    ReduceScatter = 6,
-    AllToAll = 7,
-    Barrier = 8,
+/// Defines [`CollectiveKind`] from one table. Each row: variant = wire code, name, whether
+/// it has a root, whether it reduces.
+macro_rules! collective_kinds {
+    ($($(#[doc = $doc:literal])* $v:ident = $code:literal, $name:literal, rooted: $rooted:literal, reduces: $reduces:literal;)*) => {
+        /// Which collective a frame belongs to.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[repr(u8)]
+        pub enum CollectiveKind {
+            $($(#[doc = $doc])* $v = $code,)*
+        }
+
+        impl CollectiveKind {
+            pub const ALL: [CollectiveKind; [$($code),*].len()] = [$(CollectiveKind::$v),*];
+
+            pub const fn name(self) -> &'static str {
+                match self { $(CollectiveKind::$v => $name,)* }
+            }
+
+            /// Whether the collective has a root rank.
+            pub const fn is_rooted(self) -> bool {
+                match self { $(CollectiveKind::$v => $rooted,)* }
+            }
+
+            /// Whether the collective reduces (and so takes a [`ReduceOp`]).
+            pub const fn reduces(self) -> bool {
+                match self { $(CollectiveKind::$v => $reduces,)* }
+            }
+
+            pub const fn from_u8(v: u8) -> Option<CollectiveKind> {
+                match v { $($code => Some(CollectiveKind::$v),)* _ => None }
+            }
+        }
+    };
+}
+
+collective_kinds! {
+    Broadcast = 0, "broadcast", rooted: true, reduces: false;
+    Reduce = 1, "reduce", rooted: true, reduces: true;
+    AllReduce = 2, "all_reduce", rooted: false, reduces: true;
+    Scatter = 3, "scatter", rooted: true, reduces: false;
+    Gather = 4, "gather", rooted: true, reduces: false;
+    AllGather = 5, "all_gather", rooted: false, reduces: false;
+    ReduceScatter = 6, "reduce_scatter", rooted: false, reduces: true;
+    AllToAll = 7, "all_to_all", rooted: false, reduces: false;
+    Barrier = 8, "barrier", rooted: false, reduces: false;
     /// Tagged point-to-point transfer.
-    SendRecv = 9,
+    SendRecv = 9, "sendrecv", rooted: false, reduces: false;
 }
 
 impl CollectiveKind {
-    pub const ALL: [CollectiveKind; 10] = [
-        CollectiveKind::Broadcast,
-        CollectiveKind::Reduce,
-        CollectiveKind::AllReduce,
-        CollectiveKind::Scatter,
-        CollectiveKind::Gather,
-        CollectiveKind::AllGather,
-        CollectiveKind::ReduceScatter,
-        CollectiveKind::AllToAll,
-        CollectiveKind::Barrier,
-        CollectiveKind::SendRecv,
-    ];
-
-    pub fn from_u8(v: u8) -> Option<CollectiveKind> {
-        CollectiveKind::ALL.get(v as usize).copied()
-    }
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            CollectiveKind::Broadcast => "broadcast",
-            CollectiveKind::Reduce => "reduce",
-            CollectiveKind::AllReduce => "all_reduce",
-            CollectiveKind::Scatter => "scatter",
-            CollectiveKind::Gather => "gather",
-            CollectiveKind::AllGather => "all_gather",
-            CollectiveKind::ReduceScatter => "reduce_scatter",
-            CollectiveKind::AllToAll => "all_to_all",
-            CollectiveKind::Barrier => "barrier",
-            CollectiveKind::SendRecv => "sendrecv",
-        }
-    }
-
+    /// Parses nccl-tests' spellings: `all_reduce`, `allreduce`, `all_reduce_perf`, ...
     pub fn parse(s: &str) -> Option<CollectiveKind> {
         let s = s.to_ascii_lowercase().replace('-', "_");
         let s = s.trim_end_matches("_perf");
@@ -230,25 +252,6 @@ impl CollectiveKind {
             .iter()
             .copied()
             .find(|k| k.name() == s || k.name().replace('_', "") == s)
-    }
-
-    /// Whether the collective has a root rank.
-    pub const fn is_rooted(self) -> bool {
-        matches!(
-            self,
-            CollectiveKind::Broadcast
-                | CollectiveKind::Reduce
-                | CollectiveKind::Scatter
-                | CollectiveKind::Gather
-        )
-    }
-
-    /// Whether the collective reduces (and so takes a [`ReduceOp`]).
-    pub const fn reduces(self) -> bool {
-        matches!(
-            self,
-            CollectiveKind::Reduce | CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
-        )
     }
 }
 
@@ -427,6 +430,39 @@ mod tests {
             assert!(ReduceOp::Sum.valid_for(d) && ReduceOp::Max.valid_for(d));
             assert_eq!(DType::parse(d.name()), Some(d));
             assert_eq!(DType::parse(d.nccl_name()), Some(d));
+        }
+    }
+
+    #[test]
+    fn every_table_is_one_list_with_unique_codes_and_names() {
+        for v in 0..=u8::MAX {
+            if let Some(d) = DType::from_u8(v) {
+                assert_eq!(d as u8, v);
+                assert!(DType::ALL.contains(&d));
+            }
+            if let Some(o) = ReduceOp::from_u8(v) {
+                assert_eq!(o as u8, v);
+                assert!(ReduceOp::ALL.contains(&o));
+            }
+            if let Some(k) = CollectiveKind::from_u8(v) {
+                assert_eq!(k as u8, v);
+                assert!(CollectiveKind::ALL.contains(&k));
+            }
+        }
+        for d in DType::ALL {
+            for n in [d.name(), d.nccl_name(), d.long_name()] {
+                assert_eq!(DType::parse(n), Some(d), "{n}");
+            }
+            assert_eq!(DType::from_class(d.class(), d.size()), Some(d));
+        }
+        assert_eq!(DType::parse("torch.bfloat16"), Some(DType::BF16));
+        for o in ReduceOp::ALL {
+            assert_eq!(ReduceOp::parse(o.name()), Some(o));
+            assert_eq!(ReduceOp::parse(o.torch_name()), Some(o));
+        }
+        assert_eq!(ReduceOp::parse("ReduceOp.PRODUCT"), Some(ReduceOp::Prod));
+        for k in CollectiveKind::ALL {
+            assert_eq!(CollectiveKind::parse(k.name()), Some(k));
         }
     }
 

@@ -24,25 +24,19 @@ from torch.futures import Future
 
 import eccl
 
-__all__ = ["ProcessGroupEccl", "BACKEND"]
+__all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND"]
 
 BACKEND = "eccl"
 
-_OPS = {
-    dist.ReduceOp.SUM: "sum",
-    dist.ReduceOp.PRODUCT: "prod",
-    dist.ReduceOp.MIN: "min",
-    dist.ReduceOp.MAX: "max",
-    dist.ReduceOp.BAND: "band",
-    dist.ReduceOp.BOR: "bor",
-    dist.ReduceOp.BXOR: "bxor",
-    dist.ReduceOp.AVG: "avg",
-}
+# torch's ReduceOp members -> eccl's, from eccl's one table of operators.
+_OPS = [(getattr(dist.ReduceOp, torch_name), op)
+        for op, torch_name in eccl.TORCH_OP_NAMES.items()
+        if hasattr(dist.ReduceOp, torch_name)]
 
 
-def _op_name(opts: Any) -> str:
+def _op_name(opts: Any) -> "eccl.ReduceOp":
     op = getattr(opts, "reduceOp", opts)
-    for k, v in _OPS.items():
+    for k, v in _OPS:
         if op == k:
             return v
     raise eccl.InvalidArgumentError(f"reduce op {op} is not supported by eccl")
@@ -56,10 +50,12 @@ def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     return t
 
 
-class _Work(dist._Work):
-    """What the backend's collectives return: `wait()` blocks until the eccl calls are
-    done and raises their error (an `eccl.EcclError` subclass); `get_future()` completes
-    with the collective's result, or with that error."""
+class TorchWork(dist._Work):
+    """The `torch.distributed` Work that the backend's collectives return: `wait()`
+    blocks until the eccl calls (`eccl.Work`s) behind it are done and raises their error
+    (an `eccl.EcclError` subclass); `get_future()` completes with the collective's
+    result, or with that error. The eccl calls own their tensors, so dropping this
+    object early is harmless."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,13 +119,13 @@ class _Completer:
                 work._finish(result, None)
 
     def submit(self, works: List[Any], result: Any, after=None) -> dist.Work:
-        work = _Work()
+        work = TorchWork()
         self._q.put((works, work, result, after))
         return work
 
     def call_soon(self, fn) -> None:
         """Runs `fn` on the completer thread after everything submitted before it."""
-        self._q.put(([], _Work(), None, fn))
+        self._q.put(([], TorchWork(), None, fn))
 
     def close(self) -> None:
         self._q.put(None)
@@ -153,12 +149,15 @@ class ProcessGroupEccl(dist.ProcessGroup):
     # Each method returns a Work whose future completes with what torch expects.
 
     def allreduce(self, tensors, opts=None):
-        op = _op_name(opts) if opts is not None else "sum"
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         ws = [self.comm.all_reduce(_cpu(t), op, async_op=True) for t in tensors]
         return self._done.submit(ws, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts)
+        # One collective over the list (eccl packs it into one buffer), as gloo does.
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+        w = self.comm.all_reduce_coalesced([_cpu(t) for t in tensors], op, async_op=True)
+        return self._done.submit([w], tensors)
 
     def broadcast(self, tensors, opts):
         ws = [self.comm.broadcast(_cpu(t), opts.rootRank, async_op=True) for t in tensors]
@@ -194,7 +193,7 @@ class ProcessGroupEccl(dist.ProcessGroup):
         return self._done.submit(ws, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = _op_name(opts) if opts is not None else "sum"
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         works = []
         for out, ins in zip(output_tensors, input_tensors):
             flat = torch.stack([_cpu(i) for i in ins]).contiguous()
@@ -202,12 +201,12 @@ class ProcessGroupEccl(dist.ProcessGroup):
         return self._done.submit(works, output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        op = _op_name(opts) if opts is not None else "sum"
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         w = self.comm.reduce_scatter(_cpu(output), _cpu(input).contiguous(), op, async_op=True)
         return self._done.submit([w], output)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        op = _op_name(opts) if opts is not None else "sum"
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         ws = [self.comm.reduce_scatter(_cpu(o), _cpu(i).contiguous(), op, async_op=True)
               for o, i in zip(outputs, inputs)]
         return self._done.submit(ws, outputs)
@@ -385,7 +384,7 @@ class _LocalGroup(dist.ProcessGroup):
         return "eccl-local"
 
     def _done(self, result: Any) -> dist.Work:
-        w = _Work()
+        w = TorchWork()
         w._finish(result, None)
         return w
 

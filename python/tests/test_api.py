@@ -127,6 +127,41 @@ def test_shared_state_brings_everyone_to_the_newest_revision():
     assert res[2]["recv"] == 300_000 * 4 + 80 and res[2]["sources"] == 2
 
 
+def test_a_dropped_work_never_writes_into_reused_memory():
+    """Issue 9's use-after-free: a recv whose Work is dropped and collected before the
+    data arrives, then memory that eccl was never given; and the same with Works and
+    tensors of in-flight all_reduces dropped twenty times under gc.collect(). The calls
+    own their buffers until they are done, so no other memory changes."""
+    body = """
+    import gc, time, torch
+    def main(comm, rank, n):
+        N, M, ROUNDS = 1 << 24, 1 << 20, 20
+        canaries = []
+        if rank == 0:
+            time.sleep(0.5)
+            comm.send(np.full(N, 7.0, np.float32), 1)
+        else:
+            w = comm.recv(np.empty(N, np.float32), 0, async_op=True)
+            del w
+            gc.collect()
+            canaries.append(np.zeros(N, np.float32))
+        for i in range(ROUNDS):
+            if i % 2 == rank:
+                time.sleep(0.02)        # the other rank's call is in flight meanwhile
+            t = np.full(M, 1.0, np.float32) if i % 4 < 2 else torch.ones(M)
+            w = comm.all_reduce(t, async_op=True)
+            del w, t
+            gc.collect()
+            canaries.append(np.zeros(M, np.float32))
+            canaries.append(torch.zeros(M))
+        comm.barrier()                  # calls run in order: everything before is done
+        return {"changed": sum(int((c != 0).sum()) for c in canaries), "n": len(canaries)}
+    """
+    res = _run_ranks(2, body)
+    assert res[1]["n"] == 41 and res[0]["n"] == 40
+    assert [r["changed"] for r in res] == [0, 0]
+
+
 def test_bad_input_raises_typed_errors():
     master = eccl.Master()
     try:
@@ -141,7 +176,7 @@ def test_bad_input_raises_typed_errors():
             a = np.ones(4, dtype=np.float32)
             a.setflags(write=False)
             comm.all_reduce(a)
-        with pytest.raises(eccl.InvalidArgumentError, match="numpy array or a CPU torch tensor"):
+        with pytest.raises(eccl.InvalidArgumentError, match="must be a numpy array, a CPU torch tensor"):
             comm.all_reduce([1.0, 2.0])
         with pytest.raises(eccl.InvalidArgumentError, match="op"):
             comm.all_reduce(np.ones(4, dtype=np.float32), "median")

@@ -119,6 +119,48 @@ def test_bad_input_raises_and_never_hangs(tmp_path):
         assert r["after"] == [2.0, 2.0]
 
 
+DROPPED = textwrap.dedent("""
+    import gc, json, time, torch, torch.distributed as dist, eccl.torch
+    dist.init_process_group("eccl")
+    r = dist.get_rank()
+    M = 1 << 20
+    canaries = []
+    for i in range(20):                 # a Work and its tensor dropped mid-collective
+        if i % 2 == r:
+            time.sleep(0.02)
+        t = torch.full((M,), float(r + 1))
+        w = dist.all_reduce(t, async_op=True)
+        del w, t
+        gc.collect()
+        canaries.append(torch.zeros(M))
+    def submit_then_fail(i):
+        if i % 2 == r:
+            time.sleep(0.02)
+        t = torch.full((M,), float(r + 1))
+        w = dist.all_reduce(t, async_op=True)
+        raise RuntimeError("user code failed between submit and wait")
+    for i in range(10):                 # an exception between submit and wait
+        try:
+            submit_then_fail(i)
+        except RuntimeError:
+            pass
+        gc.collect()
+        canaries.append(torch.zeros(M))
+    t = torch.ones(4)
+    dist.all_reduce(t)                  # runs after every call above has finished
+    changed = sum(int((c != 0).sum()) for c in canaries)
+    print("RESULT " + json.dumps({"changed": changed, "after": t.tolist()}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_dropped_works_and_failed_callers_leave_other_memory_alone(tmp_path):
+    script = tmp_path / "dropped.py"
+    script.write_text(DROPPED)
+    for r in run_world(2, [], script=script):
+        assert r == {"changed": 0, "after": [2.0] * 4}
+
+
 EXPLICIT = textwrap.dedent("""
     import sys, json, torch, torch.distributed as dist, eccl.torch
     r, port = int(sys.argv[1]), sys.argv[2]

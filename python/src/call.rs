@@ -1,0 +1,210 @@
+//! The calls a Python communicator queues, and the task that runs them in order.
+//!
+//! A [`Call`] owns the buffers it reads and writes. The task drops it only after the
+//! library has returned, so the memory is valid for as long as any native code can
+//! touch it, whether or not anyone still holds the `Work`.
+
+use std::sync::{Arc, Mutex};
+
+use eccl::{CollArgs, CollectiveKind, DType, ReduceOp, SharedTensor, SyncStrategy};
+use tokio::sync::mpsc;
+
+use crate::buffer::{Claim, HostBuffer, WritableBuffer};
+use crate::work::{Completer, Done, Outcome};
+
+pub(crate) enum Call {
+    UpdateTopology,
+    ArePeersPending,
+    Leave,
+    /// Out of place; a rank of a rooted collective passes `None` for a buffer it does
+    /// not use (gather's output, scatter's input off the root).
+    Collective {
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: u32,
+        input: Option<HostBuffer>,
+        output: Option<WritableBuffer>,
+    },
+    /// All_reduce, broadcast or reduce on one buffer, which changes only on success.
+    InPlace {
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: u32,
+        buf: WritableBuffer,
+    },
+    /// One all_reduce over several buffers of one dtype.
+    Coalesced {
+        op: ReduceOp,
+        bufs: Vec<WritableBuffer>,
+    },
+    Send {
+        buf: HostBuffer,
+        peer: u32,
+        tag: u32,
+    },
+    Recv {
+        buf: WritableBuffer,
+        peer: u32,
+        tag: u32,
+    },
+    Sync {
+        revision: u64,
+        tensors: Vec<(String, WritableBuffer)>,
+        strategy: SyncStrategy,
+    },
+}
+
+impl Call {
+    /// The buffers the call reads only, and those it writes.
+    pub fn buffers(&self) -> (Vec<&HostBuffer>, Vec<&WritableBuffer>) {
+        match self {
+            Call::UpdateTopology | Call::ArePeersPending | Call::Leave => (vec![], vec![]),
+            Call::Collective { input, output, .. } => {
+                (input.iter().collect(), output.iter().collect())
+            }
+            Call::InPlace { buf, .. } | Call::Recv { buf, .. } => (vec![], vec![buf]),
+            Call::Coalesced { bufs, .. } => (vec![], bufs.iter().collect()),
+            Call::Send { buf, .. } => (vec![buf], vec![]),
+            Call::Sync { tensors, .. } => (vec![], tensors.iter().map(|(_, b)| b).collect()),
+        }
+    }
+}
+
+pub(crate) struct Job {
+    pub id: u64,
+    pub call: Call,
+    pub done: Completer,
+}
+
+/// What Python reads without waiting for the queue: the state after the last call.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Info {
+    pub peer_id: u64,
+    pub rank: Option<u32>,
+    pub world_size: u32,
+    pub epoch: u64,
+}
+
+/// Runs a communicator's calls in the order they were queued, until the queue closes or
+/// the communicator leaves.
+pub(crate) async fn serve(
+    mut comm: eccl::Communicator,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    info: Arc<Mutex<Info>>,
+) {
+    while let Some(Job { id, mut call, done }) = jobs.recv().await {
+        if let Call::Leave = call {
+            done.complete(comm.leave().await.map(|_| Done::Left));
+            jobs.close();
+            while let Some(j) = jobs.recv().await {
+                j.done.complete(Err(eccl::Error::Evicted {
+                    reason: "this peer left the job".into(),
+                }));
+            }
+            return;
+        }
+        let out = run(&mut comm, id, &mut call).await;
+        if let Ok(mut i) = info.lock() {
+            *i = Info {
+                peer_id: comm.peer_id(),
+                rank: comm.rank(),
+                world_size: comm.world_size(),
+                epoch: comm.epoch(),
+            };
+        }
+        done.complete(out);
+        // Only now, with the library done with them, may the buffers go.
+        drop(call);
+    }
+}
+
+async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome {
+    let _claim = {
+        let (reads, writes) = call.buffers();
+        Claim::take(id, &reads, &writes)?
+    };
+    let world = comm.world_size();
+    match call {
+        Call::UpdateTopology => comm.update_topology().await.map(Done::World),
+        Call::ArePeersPending => comm.are_peers_pending().await.map(Done::Pending),
+        Call::Leave => unreachable!("handled by serve"),
+        Call::Collective {
+            kind,
+            op,
+            root,
+            input,
+            output,
+        } => {
+            let dtype = input
+                .as_ref()
+                .map(|b| b.dtype())
+                .or(output.as_ref().map(|b| b.read().dtype()))
+                .unwrap_or(DType::U8);
+            let args = CollArgs::for_buffers(
+                *kind,
+                dtype,
+                *op,
+                *root,
+                input.as_ref().map(|b| b.count()),
+                output.as_ref().map(|b| b.read().count()),
+                world,
+            );
+            let inp = input.as_ref().map_or(&[][..], |b| b.bytes());
+            let out = match output.as_mut() {
+                Some(b) => b.bytes_mut(),
+                None => &mut [],
+            };
+            comm.collective(args, inp, out).await.map(Done::Op)
+        }
+        Call::InPlace {
+            kind,
+            op,
+            root,
+            buf,
+        } => {
+            let b = buf.read();
+            let args = CollArgs::for_buffers(
+                *kind,
+                b.dtype(),
+                *op,
+                *root,
+                Some(b.count()),
+                Some(b.count()),
+                world,
+            );
+            comm.collective_inplace(args, buf.bytes_mut())
+                .await
+                .map(Done::Op)
+        }
+        Call::Coalesced { op, bufs } => {
+            let dtype = bufs.first().map_or(DType::F32, |b| b.read().dtype());
+            let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.bytes_mut()).collect();
+            comm.all_reduce_coalesced(dtype, *op, &mut slices)
+                .await
+                .map(Done::Op)
+        }
+        Call::Send { buf, peer, tag } => comm
+            .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)
+            .await
+            .map(Done::Op),
+        Call::Recv { buf, peer, tag } => {
+            let dtype = buf.read().dtype();
+            comm.recv_bytes(dtype, buf.bytes_mut(), *peer, *tag)
+                .await
+                .map(Done::Op)
+        }
+        Call::Sync {
+            revision,
+            tensors,
+            strategy,
+        } => {
+            let mut ts: Vec<SharedTensor<'_>> = tensors
+                .iter_mut()
+                .map(|(n, b)| SharedTensor::bytes(n.clone(), b.bytes_mut()))
+                .collect();
+            comm.sync_shared_state(*revision, &mut ts, *strategy)
+                .await
+                .map(Done::Sync)
+        }
+    }
+}

@@ -1,0 +1,476 @@
+//! `eccl.Communicator`: one peer's membership in a job, and every collective, on numpy
+//! arrays, CPU torch tensors and other buffer-protocol objects, used where they are.
+//!
+//! Each method turns its arguments into a [`Call`] that owns the buffers, queues it on
+//! the communicator's task, and either returns a `Work` (`async_op=True`) or waits for
+//! it with the GIL released.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use eccl::{CollectiveKind, Config, ReduceOp, Secret, SyncStrategy};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use pyo3::IntoPyObjectExt;
+use tokio::sync::mpsc;
+
+use crate::buffer::{check_disjoint, HostBuffer, WritableBuffer};
+use crate::call::{serve, Call, Info, Job};
+use crate::errors::{invalid, OrRaise};
+use crate::runtime::{runtime, track};
+use crate::work::{Completer, Work};
+
+/// Names every call of this process, for [`crate::buffer::Claim`].
+static NEXT_CALL: AtomicU64 = AtomicU64::new(1);
+
+/// A reduce operator given as `eccl.ReduceOp` (an int), or by any name of eccl's table
+/// (`"sum"`, `"avg"`, torch's `"PRODUCT"`, ...); `None` is sum.
+fn reduce_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
+    let Some(op) = op else {
+        return Ok(ReduceOp::Sum);
+    };
+    if let Ok(code) = op.extract::<u8>() {
+        return ReduceOp::from_u8(code)
+            .ok_or_else(|| invalid(format!("reduce op code {code} is not one of eccl's")));
+    }
+    let name = op.str()?.to_string();
+    let name = name.trim_start_matches("RedOpType.");
+    ReduceOp::parse(name).ok_or_else(|| {
+        let all: Vec<_> = ReduceOp::ALL.iter().map(|o| o.name()).collect();
+        invalid(format!("unknown reduce op {name:?}: {}", all.join(", ")))
+    })
+}
+
+fn same_dtype(input: &HostBuffer, output: &WritableBuffer) -> PyResult<()> {
+    let (i, o) = (input.dtype(), output.read().dtype());
+    if i != o {
+        return Err(invalid(format!("input is {i} but output is {o}")));
+    }
+    Ok(())
+}
+
+#[pyclass(module = "eccl", frozen)]
+pub(crate) struct Communicator {
+    jobs: mpsc::UnboundedSender<Job>,
+    info: Arc<Mutex<Info>>,
+}
+
+impl Communicator {
+    fn submit(&self, py: Python<'_>, call: Call, async_op: bool) -> PyResult<Py<PyAny>> {
+        {
+            let (reads, writes) = call.buffers();
+            check_disjoint(&reads, &writes)?;
+        }
+        let (done, completion) = Completer::new();
+        let id = NEXT_CALL.fetch_add(1, Ordering::Relaxed);
+        if let Err(mpsc::error::SendError(job)) = self.jobs.send(Job { id, call, done }) {
+            job.done.complete(Err(eccl::Error::Evicted {
+                reason: "this communicator has left the job or was shut down".into(),
+            }));
+        }
+        let work = Work::new(completion);
+        if async_op {
+            work.into_py_any(py)
+        } else {
+            work.finish(py, None)
+        }
+    }
+
+    fn info(&self) -> Info {
+        self.info.lock().map(|i| *i).unwrap_or_default()
+    }
+
+    fn inplace(
+        &self,
+        py: Python<'_>,
+        kind: CollectiveKind,
+        tensor: &Bound<'_, PyAny>,
+        op: ReduceOp,
+        root: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let buf = WritableBuffer::extract(tensor, "tensor")?;
+        self.submit(
+            py,
+            Call::InPlace {
+                kind,
+                op,
+                root,
+                buf,
+            },
+            async_op,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn out_of_place(
+        &self,
+        py: Python<'_>,
+        kind: CollectiveKind,
+        output: Option<&Bound<'_, PyAny>>,
+        input: Option<&Bound<'_, PyAny>>,
+        op: ReduceOp,
+        root: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let input = input.map(|i| HostBuffer::extract(i, "input")).transpose()?;
+        let output = output
+            .map(|o| WritableBuffer::extract(o, "output"))
+            .transpose()?;
+        if let (Some(i), Some(o)) = (&input, &output) {
+            same_dtype(i, o)?;
+        }
+        let call = Call::Collective {
+            kind,
+            op,
+            root,
+            input,
+            output,
+        };
+        self.submit(py, call, async_op)
+    }
+}
+
+#[pymethods]
+impl Communicator {
+    /// Registers with the master. Arguments beat the `ECCL_*` variables (`ECCL_MASTER`,
+    /// `ECCL_SECRET`, `ECCL_TIMEOUT_MS`, ...).
+    #[new]
+    #[pyo3(signature = (master=None, secret=None, *, rank_hint=None, min_world=None, timeout_ms=None, connect_timeout_ms=None, join_timeout_ms=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        master: Option<String>,
+        secret: Option<String>,
+        rank_hint: Option<u32>,
+        min_world: Option<u32>,
+        timeout_ms: Option<u64>,
+        connect_timeout_ms: Option<u64>,
+        join_timeout_ms: Option<u64>,
+    ) -> PyResult<Communicator> {
+        let mut cfg = Config::from_env().or_raise()?;
+        if let Some(m) = master {
+            cfg.master = m;
+        }
+        if let Some(s) = secret {
+            cfg.secret = Some(Secret::new(s).map_err(|e| invalid(format!("secret: {e}")))?);
+        }
+        if rank_hint.is_some() {
+            cfg.rank_hint = rank_hint;
+        }
+        if let Some(w) = min_world {
+            cfg.min_world = w;
+        }
+        if let Some(t) = timeout_ms {
+            cfg.timeout = Duration::from_millis(t.max(1));
+        }
+        if let Some(t) = connect_timeout_ms {
+            cfg.connect_timeout = Duration::from_millis(t);
+        }
+        if let Some(t) = join_timeout_ms {
+            cfg.join_timeout = Duration::from_millis(t);
+        }
+        let comm = py
+            .detach(|| runtime().block_on(eccl::Communicator::connect(cfg)))
+            .or_raise()?;
+        let info = Arc::new(Mutex::new(Info {
+            peer_id: comm.peer_id(),
+            ..Default::default()
+        }));
+        let (tx, rx) = mpsc::unbounded_channel();
+        track(runtime().spawn(serve(comm, rx, info.clone())));
+        Ok(Communicator { jobs: tx, info })
+    }
+
+    #[getter]
+    fn peer_id(&self) -> u64 {
+        self.info().peer_id
+    }
+    /// This peer's rank in its current world, `None` before the first one.
+    #[getter]
+    fn rank(&self) -> Option<u32> {
+        self.info().rank
+    }
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.info().world_size
+    }
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.info().epoch
+    }
+
+    // -- membership -----------------------------------------------------------------
+
+    /// Votes for the next epoch and waits until every live member has voted: pending
+    /// peers are admitted, departed ones dropped. Returns a `WorldUpdate`.
+    fn update_topology(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.submit(py, Call::UpdateTopology, false)
+    }
+
+    /// Whether peers wait to be admitted; the same answer on every member, so all can
+    /// skip `update_topology()` together.
+    fn are_peers_pending(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.submit(py, Call::ArePeersPending, false)
+    }
+
+    /// Leaves the job on purpose; the others see it at their next update_topology().
+    fn leave(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.submit(py, Call::Leave, false)
+    }
+
+    // -- collectives ----------------------------------------------------------------
+
+    /// Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`).
+    #[pyo3(signature = (tensor, op=None, *, async_op=false))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let op = reduce_op(op)?;
+        self.inplace(py, CollectiveKind::AllReduce, tensor, op, 0, async_op)
+    }
+
+    /// Several tensors of one dtype reduced in place by one all_reduce (one collective,
+    /// one descriptor), as gloo's `allreduce_coalesced` does.
+    #[pyo3(signature = (tensors, op=None, *, async_op=false))]
+    fn all_reduce_coalesced(
+        &self,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let op = reduce_op(op)?;
+        let mut bufs = Vec::new();
+        for (i, t) in tensors.try_iter()?.enumerate() {
+            bufs.push(WritableBuffer::extract(&t?, &format!("tensors[{i}]"))?);
+        }
+        if let Some(first) = bufs.first() {
+            let d = first.read().dtype();
+            if let Some(other) = bufs.iter().find(|b| b.read().dtype() != d) {
+                return Err(invalid(format!(
+                    "coalesced tensors must share one dtype: {d} and {}",
+                    other.read().dtype()
+                )));
+            }
+        }
+        self.submit(py, Call::Coalesced { op, bufs }, async_op)
+    }
+
+    /// Copies root's `tensor` into every member's, in place.
+    #[pyo3(signature = (tensor, root=0, *, async_op=false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        root: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.inplace(
+            py,
+            CollectiveKind::Broadcast,
+            tensor,
+            ReduceOp::Sum,
+            root,
+            async_op,
+        )
+    }
+
+    /// Reduces into `tensor` on `root`; other ranks' tensors stay as they were.
+    #[pyo3(signature = (tensor, root=0, op=None, *, async_op=false))]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        root: u32,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let op = reduce_op(op)?;
+        self.inplace(py, CollectiveKind::Reduce, tensor, op, root, async_op)
+    }
+
+    /// `output` holds world_size blocks of `input`'s size; block r is rank r's input.
+    #[pyo3(signature = (output, input, *, async_op=false))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.out_of_place(
+            py,
+            CollectiveKind::AllGather,
+            Some(output),
+            Some(input),
+            ReduceOp::Sum,
+            0,
+            async_op,
+        )
+    }
+
+    /// `input` holds world_size blocks of `output`'s size; rank r gets block r reduced.
+    #[pyo3(signature = (output, input, op=None, *, async_op=false))]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let op = reduce_op(op)?;
+        self.out_of_place(
+            py,
+            CollectiveKind::ReduceScatter,
+            Some(output),
+            Some(input),
+            op,
+            0,
+            async_op,
+        )
+    }
+
+    /// Block j of `input` goes to rank j; block j of `output` comes from rank j.
+    #[pyo3(signature = (output, input, *, async_op=false))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.out_of_place(
+            py,
+            CollectiveKind::AllToAll,
+            Some(output),
+            Some(input),
+            ReduceOp::Sum,
+            0,
+            async_op,
+        )
+    }
+
+    /// On `root`, `output` holds world_size blocks; elsewhere pass `output=None`.
+    #[pyo3(signature = (output, input, root=0, *, async_op=false))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        output: Option<&Bound<'_, PyAny>>,
+        input: &Bound<'_, PyAny>,
+        root: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.out_of_place(
+            py,
+            CollectiveKind::Gather,
+            output,
+            Some(input),
+            ReduceOp::Sum,
+            root,
+            async_op,
+        )
+    }
+
+    /// On `root`, `input` holds world_size blocks; elsewhere pass `input=None`.
+    #[pyo3(signature = (output, input, root=0, *, async_op=false))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: Option<&Bound<'_, PyAny>>,
+        root: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.out_of_place(
+            py,
+            CollectiveKind::Scatter,
+            Some(output),
+            input,
+            ReduceOp::Sum,
+            root,
+            async_op,
+        )
+    }
+
+    #[pyo3(signature = (*, async_op=false))]
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Py<PyAny>> {
+        self.out_of_place(
+            py,
+            CollectiveKind::Barrier,
+            None,
+            None,
+            ReduceOp::Sum,
+            0,
+            async_op,
+        )
+    }
+
+    /// Sends `tensor` to rank `peer`, matched by its `recv` with the same tag.
+    #[pyo3(signature = (tensor, peer, tag=0, *, async_op=false))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        peer: u32,
+        tag: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let buf = HostBuffer::extract(tensor, "tensor")?;
+        self.submit(py, Call::Send { buf, peer, tag }, async_op)
+    }
+
+    /// Receives into `tensor` from rank `peer` what it sent with the same tag.
+    #[pyo3(signature = (tensor, peer, tag=0, *, async_op=false))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        peer: u32,
+        tag: u32,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let buf = WritableBuffer::extract(tensor, "tensor")?;
+        self.submit(py, Call::Recv { buf, peer, tag }, async_op)
+    }
+
+    // -- shared state ---------------------------------------------------------------
+
+    /// Brings every member's `tensors` (name -> array or tensor, the same names and
+    /// sizes everywhere) to the content most members hold at the highest revision;
+    /// outdated members fetch it in checked chunks from several members at once.
+    /// `strategy`: "enforce_popular" (default), "receive_only" or "send_only". Returns a
+    /// `SyncInfo` whose `revision` every member now holds.
+    #[pyo3(signature = (revision, tensors, strategy="enforce_popular", *, async_op=false))]
+    fn sync_shared_state(
+        &self,
+        py: Python<'_>,
+        revision: u64,
+        tensors: &Bound<'_, PyDict>,
+        strategy: &str,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let strategy = SyncStrategy::parse(strategy).ok_or_else(|| {
+            let all: Vec<_> = SyncStrategy::ALL.iter().map(|s| s.name()).collect();
+            invalid(format!("unknown strategy {strategy:?}: {}", all.join(", ")))
+        })?;
+        let mut bufs = Vec::new();
+        for (name, t) in tensors.iter() {
+            let name: String = name.extract()?;
+            let buf = WritableBuffer::extract(&t, &format!("shared tensor {name:?}"))?;
+            bufs.push((name, buf));
+        }
+        let call = Call::Sync {
+            revision,
+            tensors: bufs,
+            strategy,
+        };
+        self.submit(py, call, async_op)
+    }
+}

@@ -1,0 +1,106 @@
+//! eccl's exceptions: `EcclError` and one subclass per [`eccl::ErrorKind`], made once at
+//! import from the Rust list (`AbortedError`, `EvictedError`, ...), so a new kind of
+//! error needs no edit here or in Python. Each instance carries the error's fields as
+//! attributes (`epoch`, `cause`, `rank`, ...) plus `retryable` and `hint`; they live in
+//! the instance's `__dict__`, which `BaseException.__reduce__` pickles, and the classes
+//! live in the `eccl` module, where unpickling finds them.
+
+use std::ffi::CString;
+
+use eccl::{Error, ErrorKind};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyTuple, PyType};
+
+create_exception!(
+    eccl,
+    EcclError,
+    PyException,
+    "Base class of every eccl error; `retryable` says whether update_topology() and the same call can succeed, `hint` what to do."
+);
+
+static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+/// The Python name of the class for `kind`.
+pub(crate) fn class_name(kind: ErrorKind) -> String {
+    format!("{}Error", kind.name())
+}
+
+/// The exception classes, in the order of [`ErrorKind::ALL`].
+pub(crate) fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    CLASSES.get_or_try_init(py, || {
+        let base = py.get_type::<EcclError>();
+        ErrorKind::ALL
+            .iter()
+            .map(|k| {
+                let name = CString::new(format!("eccl.{}", class_name(*k)))?;
+                let doc = CString::new(format!("{}. Hint: {}.", k.name(), k.hint()))?;
+                PyErr::new_type(py, &name, Some(&doc), Some(&base), None)
+            })
+            .collect()
+    })
+}
+
+fn class(py: Python<'_>, kind: ErrorKind) -> PyResult<Bound<'_, PyType>> {
+    let all = classes(py)?;
+    let i = ErrorKind::ALL
+        .iter()
+        .position(|k| *k == kind)
+        .expect("every kind is in ErrorKind::ALL");
+    Ok(all[i].bind(py).clone())
+}
+
+/// The Python exception for `e`: its kind's class, its message and hint, its fields.
+pub(crate) fn to_py(e: &Error) -> PyErr {
+    Python::attach(|py| build(py, e).unwrap_or_else(|err| err))
+}
+
+fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
+    let cls = class(py, e.kind())?;
+    let inst = cls.call1(PyTuple::new(py, [format!("{e} (hint: {})", e.hint())])?)?;
+    inst.setattr("retryable", e.is_retryable())?;
+    inst.setattr("hint", e.hint())?;
+    match e {
+        Error::Aborted { epoch, cause } => {
+            inst.setattr("epoch", epoch)?;
+            inst.setattr("cause", cause)?;
+        }
+        Error::Evicted { reason } => inst.setattr("reason", reason)?,
+        Error::Mismatch { rank, detail, .. } => {
+            inst.setattr("rank", rank)?;
+            inst.setattr("detail", detail)?;
+        }
+        Error::Timeout { what, ms } => {
+            inst.setattr("what", what)?;
+            inst.setattr("ms", ms)?;
+        }
+        Error::MasterUnavailable { addr, reason } => {
+            inst.setattr("addr", addr)?;
+            inst.setattr("reason", reason)?;
+        }
+        Error::InvalidArgument(detail) => inst.setattr("detail", detail)?,
+        Error::TooFewPeers { have, need } => {
+            inst.setattr("have", have)?;
+            inst.setattr("need", need)?;
+        }
+    }
+    Ok(PyErr::from_value(inst))
+}
+
+/// `InvalidArgumentError(msg)`: a call that is wrong on its own.
+pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
+    to_py(&Error::InvalidArgument(msg.into()))
+}
+
+/// Converts eccl's results into Python's.
+pub(crate) trait OrRaise<T> {
+    fn or_raise(self) -> PyResult<T>;
+}
+
+impl<T> OrRaise<T> for eccl::Result<T> {
+    fn or_raise(self) -> PyResult<T> {
+        self.map_err(|e| to_py(&e))
+    }
+}
