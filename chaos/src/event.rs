@@ -5,7 +5,10 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use eccl::PeerId;
+/// A peer's id as the event log records it: eccl's `PeerId`, as the number it wraps
+/// (what the JSON lines carry and the analysis compares).
+pub type PeerId = u64;
+
 use serde::{Deserialize, Serialize};
 
 /// Now, in milliseconds since the Unix epoch.

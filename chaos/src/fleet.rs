@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, Sender};
 
+use crate::event::PeerId;
 use anyhow::Context;
-use eccl::PeerId;
 
 use crate::event::{now_ms, Event};
 

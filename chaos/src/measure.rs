@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use eccl::PeerId;
+use crate::event::PeerId;
 
 use crate::event::{Event, Op};
 use crate::schedule::FaultKind;

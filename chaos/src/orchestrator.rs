@@ -514,6 +514,6 @@ impl<'a> Run<'a> {
 }
 
 /// `peer 7`, or `worker 5` for one that has not registered.
-fn name(slot: usize, peer: Option<eccl::PeerId>) -> String {
+fn name(slot: usize, peer: Option<crate::event::PeerId>) -> String {
     peer.map_or(format!("worker {slot}"), |p| format!("peer {p}"))
 }

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use eccl::PeerId;
+use crate::event::PeerId;
 use serde::Serialize;
 
 use crate::event::{Call, Event, Op};

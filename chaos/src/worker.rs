@@ -24,7 +24,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use eccl::{Communicator, Config, PeerId, ReduceOp, SharedTensor, SyncStrategy};
+use eccl::{Communicator, Config, ReduceOp, SharedTensor, SyncStrategy};
+
+use crate::event::PeerId;
 
 use crate::event::{now_ms, Call, Event, Op};
 
@@ -212,7 +214,7 @@ impl Worker {
     async fn connect(&mut self) -> Option<Communicator> {
         match Communicator::connect(self.cfg.clone()).await {
             Ok(c) => {
-                self.peer = c.peer_id();
+                self.peer = c.peer_id().0;
                 emit(&Event::Registered {
                     peer: self.peer,
                     t: now_ms(),
@@ -275,7 +277,7 @@ impl Worker {
             hash: self.hash.to_hex().to_string(),
             lib_hash: hex::encode(info.hash),
             bytes_received: info.bytes_received,
-            sources: info.sources,
+            sources: info.sources.iter().map(|p| p.0).collect(),
         });
 
         if self.revision >= self.control.stop_at.load(Ordering::SeqCst) {
@@ -301,10 +303,13 @@ impl Worker {
         let start = now_ms();
         let r = comm.all_reduce(&mut reduced, ReduceOp::Sum).await;
         let (epoch, world) = world_of(comm);
-        let members = r.as_ref().map_or(world, |info| info.members.to_vec());
+        let members = r
+            .as_ref()
+            .map_or(world, |info| info.members.iter().map(|p| p.0).collect());
         self.report(Op::AllReduce, start, r.as_ref().err(), epoch, members);
         let info = r?;
-        let wrong = count_wrong(&reduced, &info.members, step);
+        let members: Vec<PeerId> = info.members.iter().map(|p| p.0).collect();
+        let wrong = count_wrong(&reduced, &members, step);
         if wrong > 0 {
             emit(&Event::Wrong {
                 peer: self.peer,
@@ -363,7 +368,9 @@ impl Worker {
 fn world_of(comm: &Communicator) -> (u64, Vec<PeerId>) {
     (
         comm.epoch(),
-        comm.world().map(|w| w.peer_ids()).unwrap_or_default(),
+        comm.world()
+            .map(|w| w.members.iter().map(|m| m.peer_id.0).collect())
+            .unwrap_or_default(),
     )
 }
 

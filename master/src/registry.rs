@@ -89,9 +89,8 @@ impl Registry {
                 host,
                 rank_hint,
             } => {
-                self.next_peer_id = self.next_peer_id.max(1);
-                let id = self.next_peer_id;
-                self.next_peer_id += 1;
+                let id = PeerId(self.next_peer_id.0.max(1));
+                self.next_peer_id = PeerId(id.0 + 1);
                 self.peers.insert(
                     id,
                     PeerRecord {
@@ -186,7 +185,7 @@ impl Registry {
                     rec.state = PeerState::Member;
                     Member {
                         peer_id: *p,
-                        rank: rank as u32,
+                        rank: eccl_protocol::Rank(rank as u32),
                         addr: rec.addr.clone(),
                         host: rec.host.clone(),
                     }
@@ -293,7 +292,7 @@ mod tests {
         // Survivors keep their order, the evicted peer does not come back (G4).
         assert_eq!(w2.peer_ids(), vec![b, a, d]);
         assert_eq!(
-            w2.members.iter().map(|m| m.rank).collect::<Vec<_>>(),
+            w2.members.iter().map(|m| m.rank.0).collect::<Vec<_>>(),
             vec![0, 1, 2]
         );
     }
@@ -303,7 +302,7 @@ mod tests {
         let mut r = Registry::default();
         assert!(matches!(
             r.apply(&Command::Evict {
-                peer: 42,
+                peer: PeerId(42),
                 reason: String::new()
             }),
             Outcome::Rejected(_)
@@ -311,7 +310,7 @@ mod tests {
         assert!(matches!(
             r.apply(&Command::CommitEpoch {
                 expected_epoch: 0,
-                admit: vec![42],
+                admit: vec![PeerId(42)],
                 remove: vec![]
             }),
             Outcome::Rejected(_)

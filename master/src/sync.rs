@@ -80,9 +80,9 @@ pub fn plan(reports: &[Report]) -> Option<Plan> {
 mod tests {
     use super::*;
 
-    fn rep(peer: PeerId, revision: u64, role: SyncStrategy, h: u8) -> Report {
+    fn rep(peer: u64, revision: u64, role: SyncStrategy, h: u8) -> Report {
         Report {
-            peer,
+            peer: PeerId(peer),
             revision,
             role,
             tensors: vec![TensorDigest {
@@ -94,6 +94,10 @@ mod tests {
         }
     }
     use SyncStrategy::*;
+
+    fn ids(v: &[u64]) -> Vec<PeerId> {
+        v.iter().map(|p| PeerId(*p)).collect()
+    }
 
     #[test]
     fn highest_revision_then_most_popular() {
@@ -107,16 +111,16 @@ mod tests {
         .unwrap();
         assert_eq!(p.revision, 4);
         assert_eq!(p.target[0].hash, [3; 32]);
-        assert_eq!(p.sources, vec![3, 4]);
-        assert_eq!(p.receivers, vec![1, 2, 5]);
+        assert_eq!(p.sources, ids(&[3, 4]));
+        assert_eq!(p.receivers, ids(&[1, 2, 5]));
     }
 
     #[test]
     fn ties_go_to_the_smallest_peer_id() {
         let p = plan(&[rep(7, 1, EnforcePopular, 7), rep(2, 1, EnforcePopular, 2)]).unwrap();
         assert_eq!(p.target[0].hash, [2; 32]);
-        assert_eq!(p.sources, vec![2]);
-        assert_eq!(p.receivers, vec![7]);
+        assert_eq!(p.sources, ids(&[2]));
+        assert_eq!(p.receivers, ids(&[7]));
     }
 
     #[test]
@@ -128,8 +132,8 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(p.revision, 1);
-        assert_eq!(p.sources, vec![2]);
-        assert_eq!(p.receivers, vec![1]);
+        assert_eq!(p.sources, ids(&[2]));
+        assert_eq!(p.receivers, ids(&[1]));
     }
 
     #[test]
@@ -141,8 +145,8 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(p.target[0].hash, [5; 32]);
-        assert_eq!(p.sources, vec![1]);
-        assert_eq!(p.receivers, vec![2, 3]);
+        assert_eq!(p.sources, ids(&[1]));
+        assert_eq!(p.receivers, ids(&[2, 3]));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! A blocking facade over [`crate::Communicator`] for code that is not async: it owns a
 //! small tokio runtime and waits on each call.
 
-use eccl_protocol::{DType, ReduceOp};
+use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
 
 use crate::communicator::{CollArgs, OpInfo, WorldUpdate};
 use crate::{Config, Element, Error, Result};
@@ -26,7 +26,7 @@ impl Communicator {
     pub fn inner(&mut self) -> &mut crate::Communicator {
         &mut self.inner
     }
-    pub fn rank(&self) -> Option<u32> {
+    pub fn rank(&self) -> Option<Rank> {
         self.inner.rank()
     }
     pub fn world_size(&self) -> u32 {
@@ -49,16 +49,37 @@ impl Communicator {
     ) -> Result<OpInfo> {
         self.rt.block_on(self.inner.collective(args, input, output))
     }
+    pub fn collective_inplace(&mut self, args: CollArgs, buf: &mut [u8]) -> Result<OpInfo> {
+        self.rt.block_on(self.inner.collective_inplace(args, buf))
+    }
+    /// Any collective on typed slices (see [`crate::Communicator::typed`]).
+    pub fn typed<T: Element>(
+        &mut self,
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: Rank,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<OpInfo> {
+        self.rt
+            .block_on(self.inner.typed(kind, op, root, input, output))
+    }
     pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<OpInfo> {
         self.rt.block_on(self.inner.all_reduce(buf, op))
     }
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: u32) -> Result<OpInfo> {
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<OpInfo> {
         self.rt.block_on(self.inner.broadcast(buf, root))
     }
     pub fn barrier(&mut self) -> Result<OpInfo> {
         self.rt.block_on(self.inner.barrier())
     }
-    pub fn send_bytes(&mut self, dtype: DType, data: &[u8], peer: u32, tag: u32) -> Result<OpInfo> {
+    pub fn send_bytes(
+        &mut self,
+        dtype: DType,
+        data: &[u8],
+        peer: Rank,
+        tag: u32,
+    ) -> Result<OpInfo> {
         self.rt
             .block_on(self.inner.send_bytes(dtype, data, peer, tag))
     }
@@ -66,7 +87,7 @@ impl Communicator {
         &mut self,
         dtype: DType,
         out: &mut [u8],
-        peer: u32,
+        peer: Rank,
         tag: u32,
     ) -> Result<OpInfo> {
         self.rt

@@ -21,7 +21,7 @@ pub use config::Config;
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{
     auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, NumClass, OpDomain, PeerId,
-    ReduceOp, World, MAX_WORLD_SIZE,
+    Rank, ReduceOp, World, MAX_WORLD_SIZE,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};

@@ -122,7 +122,7 @@ impl LinkManager {
             world
                 .members
                 .iter()
-                .map(|m| (name(m.rank), m.rank))
+                .map(|m| (name(m.rank.0), m.rank.0))
                 .collect(),
         );
         let observer = self.observer.clone();
@@ -130,7 +130,7 @@ impl LinkManager {
             .members
             .iter()
             .filter(|m| m.peer_id < me && !keep.contains_key(&m.peer_id))
-            .map(|m| (m.peer_id, m.rank))
+            .map(|m| (m.peer_id, m.rank.0))
             .collect();
         let kept = keep.len();
 
@@ -157,7 +157,7 @@ impl LinkManager {
                     })?;
                 streams.push(st);
             }
-            Ok::<_, Error>((m.rank, streams))
+            Ok::<_, Error>((m.rank.0, streams))
         }));
 
         let early = std::mem::take(&mut self.early);

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use eccl_protocol::auth::{Role, Secret};
-use eccl_protocol::{MasterEvent, MasterMessage, MasterReply, PeerRequest, Request};
+use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerRequest, Request};
 use eccl_transport::control::{self, ControlTx};
 use tokio::sync::{mpsc, oneshot};
 
@@ -160,5 +160,40 @@ impl MasterClient {
 impl Drop for MasterClient {
     fn drop(&mut self) {
         self.reader.abort();
+    }
+}
+
+/// The error a caller gets for a reply that is not the one its request expects.
+pub(crate) fn reply_error(master: &str, epoch: u64, reply: MasterReply) -> Error {
+    match reply {
+        MasterReply::Error { code, message } => match code {
+            ErrorCode::Aborted => Error::Aborted {
+                epoch,
+                cause: message,
+            },
+            ErrorCode::Evicted | ErrorCode::UnknownPeer => Error::Evicted { reason: message },
+            ErrorCode::Timeout => Error::Timeout {
+                what: message,
+                ms: 0,
+            },
+            ErrorCode::InvalidArgument | ErrorCode::VersionMismatch => {
+                Error::InvalidArgument(message)
+            }
+            ErrorCode::NotLeader | ErrorCode::Internal => Error::MasterUnavailable {
+                addr: master.into(),
+                reason: message,
+            },
+        },
+        MasterReply::NotLeader { leader } => Error::MasterUnavailable {
+            addr: master.into(),
+            reason: format!(
+                "not the raft leader (leader: {})",
+                leader.unwrap_or_else(|| "unknown".into())
+            ),
+        },
+        other => Error::MasterUnavailable {
+            addr: master.into(),
+            reason: format!("unexpected reply {other:?}"),
+        },
     }
 }

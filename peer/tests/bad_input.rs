@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use eccl::{Communicator, Error, ReduceOp, Secret};
+use eccl::{Communicator, Error, Rank, ReduceOp, Secret};
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -25,7 +25,7 @@ async fn recover_and_check(comms: &mut [Communicator]) {
     );
     let n = comms.len() as f32;
     let res = join_all(comms.iter_mut().map(|c| async move {
-        let mut b = vec![c.rank().unwrap() as f32 + 1.0; 1000];
+        let mut b = vec![c.rank().unwrap().0 as f32 + 1.0; 1000];
         c.all_reduce(&mut b, ReduceOp::Sum).await.map(|_| b)
     }))
     .await;
@@ -57,7 +57,7 @@ async fn mismatched_calls_fail_on_every_rank_and_leave_input_intact() {
     for len in [64usize, 300_000] {
         let t = Instant::now();
         let res = join_all(comms.iter_mut().map(|c| async move {
-            let r = c.rank().unwrap() as usize;
+            let r = c.rank().unwrap().idx();
             let orig: Vec<f32> = (0..len + (r == 1) as usize)
                 .map(|i| i as f32 * 0.5 + r as f32)
                 .collect();
@@ -76,7 +76,7 @@ async fn mismatched_calls_fail_on_every_rank_and_leave_input_intact() {
 
     let t = Instant::now();
     let res = join_all(comms.iter_mut().map(|c| async move {
-        if c.rank() == Some(0) {
+        if c.rank() == Some(Rank(0)) {
             let mut b = vec![1.0f64; 100];
             c.all_reduce(&mut b, ReduceOp::Sum).await
         } else {
@@ -90,7 +90,7 @@ async fn mismatched_calls_fail_on_every_rank_and_leave_input_intact() {
 
     let t = Instant::now();
     let res = join_all(comms.iter_mut().map(|c| async move {
-        let op = if c.rank() == Some(2) {
+        let op = if c.rank() == Some(Rank(2)) {
             ReduceOp::Max
         } else {
             ReduceOp::Sum
@@ -106,7 +106,11 @@ async fn mismatched_calls_fail_on_every_rank_and_leave_input_intact() {
     // broadcast; the descriptor check still fails all of them.
     let t = Instant::now();
     let res = join_all(comms.iter_mut().map(|c| async move {
-        let root = if c.rank() == Some(0) { 0 } else { 1 };
+        let root = if c.rank() == Some(Rank(0)) {
+            Rank(0)
+        } else {
+            Rank(1)
+        };
         let mut b = vec![7u8; 4096];
         c.broadcast(&mut b, root).await
     }))
@@ -117,8 +121,8 @@ async fn mismatched_calls_fail_on_every_rank_and_leave_input_intact() {
     let t = Instant::now();
     let res = join_all(comms.iter_mut().map(|c| async move {
         let mut b = vec![7i64; 10];
-        if c.rank() == Some(1) {
-            c.broadcast(&mut b, 0).await
+        if c.rank() == Some(Rank(1)) {
+            c.broadcast(&mut b, Rank(0)).await
         } else {
             c.all_reduce(&mut b, ReduceOp::Sum).await
         }
@@ -149,8 +153,9 @@ async fn invalid_arguments_are_typed_errors_and_never_hang() {
 
     let res = join_all(comms.iter_mut().map(|c| async move {
         let mut b = vec![1u8; 10];
-        c.all_reduce(&mut b, ReduceOp::Sum).await.ok();
-        c.broadcast(&mut b, 3).await
+        let sum = c.all_reduce(&mut b, ReduceOp::Sum).await.map(|_| b[0]);
+        assert_eq!(sum.expect("a valid all_reduce"), 3);
+        c.broadcast(&mut b, Rank(3)).await
     }))
     .await;
     for r in &res {
@@ -166,7 +171,7 @@ async fn invalid_arguments_are_typed_errors_and_never_hang() {
     let t = Instant::now();
     let res = join_all(comms.iter_mut().map(|c| async move {
         let input = vec![1.0f32; 10];
-        let mut out = vec![0.0f32; if c.rank() == Some(2) { 29 } else { 30 }];
+        let mut out = vec![0.0f32; if c.rank() == Some(Rank(2)) { 29 } else { 30 }];
         c.all_gather_into(&input, &mut out).await
     }))
     .await;
@@ -188,13 +193,35 @@ async fn invalid_arguments_are_typed_errors_and_never_hang() {
     assert!(t.elapsed() < Duration::from_secs(6));
     recover_and_check(&mut comms).await;
 
-    // Tags that differ on a send/recv pair.
+    // Tags are matched, not queued behind each other: rank 1 takes tag 6 before tag 5.
     let res = join_all(comms.iter_mut().map(|c| async move {
-        let mut b = vec![3u8; 16];
         match c.rank() {
-            Some(0) => c.send(&b, 1, 5).await,
-            Some(1) => c.recv(&mut b, 0, 6).await,
-            _ => c.barrier().await,
+            Some(Rank(0)) => {
+                c.send(&[5u8; 16], Rank(1), 5).await?;
+                c.send(&[6u8; 16], Rank(1), 6).await.map(|_| vec![])
+            }
+            Some(Rank(1)) => {
+                let (mut five, mut six) = (vec![0u8; 16], vec![0u8; 16]);
+                c.recv(&mut six, Rank(0), 6).await?;
+                c.recv(&mut five, Rank(0), 5).await?;
+                Ok([five, six].concat())
+            }
+            _ => Ok(vec![]),
+        }
+    }))
+    .await;
+    let got = res[1].as_ref().expect("tagged messages in another order");
+    assert_eq!(got[..16], [5u8; 16]);
+    assert_eq!(got[16..], [6u8; 16]);
+    assert!(res[0].is_ok() && res[2].is_ok(), "{res:?}");
+
+    // A message whose size differs from the receive with its tag: Mismatch, promptly.
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        match c.rank() {
+            Some(Rank(0)) => c.send(&[1u8; 16], Rank(1), 7).await.map(|_| ()),
+            Some(Rank(1)) => c.recv(&mut [0u8; 8], Rank(0), 7).await.map(|_| ()),
+            _ => Ok(()),
         }
     }))
     .await;
@@ -203,6 +230,8 @@ async fn invalid_arguments_are_typed_errors_and_never_hang() {
         "{:?}",
         res[1]
     );
+    assert!(t.elapsed() < Duration::from_secs(6));
+    recover_and_check(&mut comms).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,6 +313,14 @@ async fn garbage_and_strangers_on_sockets_are_refused() {
     // A stranger cannot register or join: the master refuses it before any message.
     let mut c = peer_cfg(&m.addr);
     c.secret = Some(Secret::new("guessing-the-secret-0000").unwrap());
-    assert!(Communicator::connect(c).await.is_err());
+    match Communicator::connect(c).await {
+        Err(Error::MasterUnavailable { reason, .. }) => {
+            assert!(reason.contains("authentic"), "{reason}")
+        }
+        other => panic!(
+            "a stranger must be refused authentication: {:?}",
+            other.err()
+        ),
+    }
     assert_eq!(comms[0].world_size(), 2);
 }

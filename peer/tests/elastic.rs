@@ -281,7 +281,7 @@ async fn retry_helpers_continue_over_the_survivors() {
     let res = join_all(comms.iter_mut().map(|c| {
         let policy = policy.clone();
         async move {
-            let mut v = vec![c.peer_id() as f64; 4096];
+            let mut v = vec![c.peer_id().0 as f64; 4096];
             let info = c
                 .all_reduce_with_retry(&mut v, ReduceOp::Sum, &policy)
                 .await?;
@@ -294,7 +294,7 @@ async fn retry_helpers_continue_over_the_survivors() {
         assert!(info.epoch >= 2, "the retry ran in a new epoch");
         assert_eq!(info.world_size, 2);
         // G3: the sum is over exactly the members the call reports.
-        let expect: f64 = info.members.iter().map(|p| *p as f64).sum();
+        let expect: f64 = info.members.iter().map(|p| p.0 as f64).sum();
         assert!(v.iter().all(|x| *x == expect));
     }
     // Below the minimum, the helper says so with the real numbers.

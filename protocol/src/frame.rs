@@ -15,7 +15,8 @@
 //! 28  len     u32  payload bytes following this header
 //! 32  desc    16B  descriptor of the collective
 //! 48  offset  u64  byte offset of the payload inside the step's region
-//! 56  _pad    u64
+//! 56  tag     u32  point-to-point tag (0 for everything else)
+//! 60  _pad    u32
 //! ```
 
 use crate::types::Descriptor;
@@ -86,6 +87,8 @@ pub struct FrameHeader {
     pub len: u32,
     pub desc: Descriptor,
     pub offset: u64,
+    /// The tag of a point-to-point message: a receive takes only messages with its tag.
+    pub tag: u32,
 }
 
 /// Why a header was refused. Any of these closes the link: after a bad header the
@@ -113,6 +116,7 @@ impl FrameHeader {
         b[28..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..48].copy_from_slice(&self.desc.encode());
         b[48..56].copy_from_slice(&self.offset.to_le_bytes());
+        b[56..60].copy_from_slice(&self.tag.to_le_bytes());
         b
     }
 
@@ -153,6 +157,7 @@ impl FrameHeader {
             len,
             desc,
             offset: u64_at(48),
+            tag: u32_at(56),
         })
     }
 }
@@ -178,6 +183,7 @@ mod tests {
                 count: 1 << 20,
             },
             offset: 1 << 33,
+            tag: 17,
         }
     }
 

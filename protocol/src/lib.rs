@@ -17,7 +17,8 @@ pub use types::*;
 
 /// Version of the wire protocol. Peers and masters with a different version refuse each
 /// other during the handshake instead of misreading each other's bytes.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: typed point-to-point tags in the frame header.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Largest payload of one data frame. A header announcing more closes the link.
 pub const MAX_FRAME_PAYLOAD: usize = 64 << 20;

@@ -310,7 +310,7 @@ impl fmt::Display for Algo {
 /// `count` follows NCCL's convention: the element count of the buffer for broadcast,
 /// reduce and all_reduce; the count each rank contributes (all_gather, gather) or
 /// receives (reduce_scatter, scatter); the count of one block for all_to_all; the count
-/// of the message for send/recv. For send/recv `root` carries the tag.
+/// of the message for send/recv (whose tag travels in the frame header).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Descriptor {
     pub kind: CollectiveKind,
@@ -358,14 +358,45 @@ impl fmt::Display for Descriptor {
     }
 }
 
-/// Identity of a peer, assigned by the master's registry at registration. Never reused.
-pub type PeerId = u64;
+/// Identity of a peer, assigned by the master's registry at registration. Never reused,
+/// and not a rank: a peer keeps its id across epochs while its rank may change.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct PeerId(pub u64);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A member's position in the world of one epoch, `0..world_size`.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct Rank(pub u32);
+
+impl Rank {
+    /// The rank as an index into per-rank tables.
+    pub const fn idx(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for Rank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// One member of a world.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Member {
     pub peer_id: PeerId,
-    pub rank: u32,
+    pub rank: Rank,
     /// Address where the peer accepts links from other peers.
     pub addr: String,
     /// Host identity (peers on the same host sit next to each other in the ring).
@@ -386,11 +417,38 @@ impl World {
         self.members.len()
     }
 
-    pub fn rank_of(&self, peer: PeerId) -> Option<u32> {
+    pub fn rank_of(&self, peer: PeerId) -> Option<Rank> {
         self.members
             .iter()
             .find(|m| m.peer_id == peer)
             .map(|m| m.rank)
+    }
+
+    pub fn member(&self, rank: Rank) -> Option<&Member> {
+        self.members.get(rank.idx())
+    }
+
+    /// Checks what a peer relies on before indexing by rank: at most
+    /// [`MAX_WORLD_SIZE`](crate::MAX_WORLD_SIZE) members, `members[r].rank == r`, no
+    /// peer twice. A world from the network is used only after this.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.members.len() > crate::MAX_WORLD_SIZE {
+            return Err(format!(
+                "{} members (at most {})",
+                self.members.len(),
+                crate::MAX_WORLD_SIZE
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, m) in self.members.iter().enumerate() {
+            if m.rank.idx() != i {
+                return Err(format!("member {i} says it is rank {}", m.rank));
+            }
+            if !seen.insert(m.peer_id) {
+                return Err(format!("peer {} appears twice", m.peer_id));
+            }
+        }
+        Ok(())
     }
 
     pub fn peer_ids(&self) -> Vec<PeerId> {

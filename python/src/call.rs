@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use eccl::{CollArgs, CollectiveKind, DType, ReduceOp, SharedTensor, SyncStrategy};
+use eccl::{CollArgs, CollectiveKind, DType, Rank, ReduceOp, SharedTensor, SyncStrategy};
 use tokio::sync::mpsc;
 
 use crate::buffer::{Claim, HostBuffer, WritableBuffer};
@@ -21,7 +21,7 @@ pub(crate) enum Call {
     Collective {
         kind: CollectiveKind,
         op: ReduceOp,
-        root: u32,
+        root: Rank,
         input: Option<HostBuffer>,
         output: Option<WritableBuffer>,
     },
@@ -29,7 +29,7 @@ pub(crate) enum Call {
     InPlace {
         kind: CollectiveKind,
         op: ReduceOp,
-        root: u32,
+        root: Rank,
         buf: WritableBuffer,
     },
     /// One all_reduce over several buffers of one dtype.
@@ -39,12 +39,12 @@ pub(crate) enum Call {
     },
     Send {
         buf: HostBuffer,
-        peer: u32,
+        peer: Rank,
         tag: u32,
     },
     Recv {
         buf: WritableBuffer,
-        peer: u32,
+        peer: Rank,
         tag: u32,
     },
     Sync {
@@ -106,8 +106,8 @@ pub(crate) async fn serve(
         let out = run(&mut comm, id, &mut call).await;
         if let Ok(mut i) = info.lock() {
             *i = Info {
-                peer_id: comm.peer_id(),
-                rank: comm.rank(),
+                peer_id: comm.peer_id().0,
+                rank: comm.rank().map(|r| r.0),
                 world_size: comm.world_size(),
                 epoch: comm.epoch(),
             };

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use eccl::{CollectiveKind, Config, ReduceOp, Secret, SyncStrategy};
+use eccl::{CollectiveKind, Config, Rank, ReduceOp, Secret, SyncStrategy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::IntoPyObjectExt;
@@ -96,7 +96,7 @@ impl Communicator {
             Call::InPlace {
                 kind,
                 op,
-                root,
+                root: Rank(root),
                 buf,
             },
             async_op,
@@ -124,7 +124,7 @@ impl Communicator {
         let call = Call::Collective {
             kind,
             op,
-            root,
+            root: Rank(root),
             input,
             output,
         };
@@ -175,7 +175,7 @@ impl Communicator {
             .detach(|| runtime().block_on(eccl::Communicator::connect(cfg)))
             .or_raise()?;
         let info = Arc::new(Mutex::new(Info {
-            peer_id: comm.peer_id(),
+            peer_id: comm.peer_id().0,
             ..Default::default()
         }));
         let (tx, rx) = mpsc::unbounded_channel();
@@ -423,7 +423,15 @@ impl Communicator {
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
         let buf = HostBuffer::extract(tensor, "tensor")?;
-        self.submit(py, Call::Send { buf, peer, tag }, async_op)
+        self.submit(
+            py,
+            Call::Send {
+                buf,
+                peer: Rank(peer),
+                tag,
+            },
+            async_op,
+        )
     }
 
     /// Receives into `tensor` from rank `peer` what it sent with the same tag.
@@ -437,7 +445,15 @@ impl Communicator {
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
         let buf = WritableBuffer::extract(tensor, "tensor")?;
-        self.submit(py, Call::Recv { buf, peer, tag }, async_op)
+        self.submit(
+            py,
+            Call::Recv {
+                buf,
+                peer: Rank(peer),
+                tag,
+            },
+            async_op,
+        )
     }
 
     // -- shared state ---------------------------------------------------------------

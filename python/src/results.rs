@@ -21,7 +21,7 @@ impl PyOpInfo {
     }
     #[getter]
     fn rank(&self) -> u32 {
-        self.0.rank
+        self.0.rank.0
     }
     #[getter]
     fn world_size(&self) -> u32 {
@@ -30,7 +30,7 @@ impl PyOpInfo {
     /// Peer ids of the members, in rank order.
     #[getter]
     fn members<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.0.members.iter())
+        PyTuple::new(py, self.0.members.iter().map(|p| p.0))
     }
     #[getter]
     fn algo(&self) -> &'static str {
@@ -42,7 +42,7 @@ impl PyOpInfo {
             "OpInfo(epoch={}, seq={}, rank={}, world_size={}, members={:?}, algo={:?})",
             o.epoch,
             o.seq,
-            o.rank,
+            o.rank.0,
             o.world_size,
             o.members,
             o.algo.name()
@@ -67,7 +67,7 @@ impl PyWorldUpdate {
     }
     #[getter]
     fn rank(&self) -> u32 {
-        self.0.rank
+        self.0.rank.0
     }
     #[getter]
     fn world_size(&self) -> u32 {
@@ -82,7 +82,7 @@ impl PyWorldUpdate {
         let t = &self.0;
         format!(
             "WorldUpdate(epoch={}, changed={}, rank={}, world_size={}, links_kept={})",
-            t.epoch, t.changed, t.rank, t.world_size, t.links_kept
+            t.epoch, t.changed, t.rank.0, t.world_size, t.links_kept
         )
     }
 }
@@ -113,7 +113,7 @@ impl PySyncInfo {
     /// Peers this member fetched chunks from.
     #[getter]
     fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.0.sources.iter())
+        PyTuple::new(py, self.0.sources.iter().map(|p| p.0))
     }
     /// Names of the tensors that were replaced.
     #[getter]

@@ -200,6 +200,66 @@ def test_bad_input_raises_typed_errors():
         eccl.Communicator("127.0.0.1:1", "short")
 
 
+def test_every_error_is_one_class_per_rust_kind_and_pickles_to_itself():
+    """The exception classes come from eccl's one Rust list, live in `eccl`, and pickle
+    (with their fields) to the same class in another process."""
+    import pickle
+    names = [c.__name__ for c in eccl.ERRORS]
+    assert names == ["AbortedError", "EvictedError", "MismatchError", "TimeoutError",
+                     "MasterUnavailableError", "InvalidArgumentError", "TooFewPeersError"]
+    assert all(issubclass(c, eccl.EcclError) and getattr(eccl, c.__name__) is c
+               for c in eccl.ERRORS)
+    raised = []
+    try:
+        eccl.Communicator("127.0.0.1:1", "s" * 32, connect_timeout_ms=200)
+    except eccl.MasterUnavailableError as e:
+        raised.append(e)
+    m = eccl.Master()
+    try:
+        comm = eccl.Communicator(m.addr, m.secret)
+        comm.update_topology()
+        try:
+            comm.all_reduce(np.ones(2, np.int32), "avg")
+        except eccl.InvalidArgumentError as e:
+            raised.append(e)
+    finally:
+        m.shutdown()
+    assert [type(e).__name__ for e in raised] == ["MasterUnavailableError", "InvalidArgumentError"]
+    assert raised[0].addr == "127.0.0.1:1" and raised[0].retryable is False
+    assert "avg" in raised[1].detail and raised[1].hint
+    made = [c(f"made {c.__name__}") for c in eccl.ERRORS]
+    code = ("import pickle, sys; errs = pickle.loads(sys.stdin.buffer.read()); "
+            "print(repr([(type(e).__module__, type(e).__name__, str(e), "
+            "getattr(e, 'addr', None), getattr(e, 'detail', None)) for e in errs]))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(raised + made),
+                         capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    got = eval(out.stdout.decode())  # noqa: S307 - our own repr
+    want = [(type(e).__module__, type(e).__name__, str(e), getattr(e, "addr", None),
+             getattr(e, "detail", None)) for e in raised + made]
+    assert got == want
+    assert all(mod == "eccl" for mod, *_ in got)
+
+
+def test_all_reduce_coalesced_is_one_collective():
+    body = """
+    import torch
+    def main(comm, rank, n):
+        a = np.full(3, rank + 1, np.float32)
+        b = torch.full((5,), float(10 * (rank + 1)))
+        c = np.arange(4, dtype=np.float32)
+        before = comm.barrier().seq
+        info = comm.all_reduce_coalesced([a, b, c])
+        after = comm.barrier().seq
+        return {"seqs": [before, info.seq, after], "a": a.tolist(), "b": b.tolist(),
+                "c": c.tolist()}
+    """
+    for r in _run_ranks(2, body):
+        s = r["seqs"]
+        assert s[1] == s[0] + 1 and s[2] == s[1] + 1, s
+        assert r["a"] == [3.0] * 3 and r["b"] == [30.0] * 5 and r["c"] == [0.0, 2.0, 4.0, 6.0]
+
+
 def test_exit_with_work_in_flight_neither_crashes_nor_hangs():
     master = eccl.Master()
     script = textwrap.dedent(f"""

@@ -70,6 +70,30 @@ def test_every_collective_matches_gloo(n):
             assert eccl_res[r][key] == gloo_res[r][key], f"rank {r} {key}"
 
 
+def test_backend_covers_every_dtype_and_op_of_the_rust_lists():
+    """eccl.DType and eccl.ReduceOp come from the Rust tables; every pair that the op is
+    defined for goes through dist.all_reduce with the closed-form result."""
+    import functools
+    import operator
+    import eccl
+    torch_ops = {k for k in dir(torch.distributed.ReduceOp) if k.isupper()}
+    assert set(eccl.TORCH_OP_NAMES.values()) <= torch_ops
+    n = 2
+    vals = [r + 1 for r in range(n)]
+    want = {"SUM": sum(vals), "PROD": functools.reduce(operator.mul, vals), "MIN": min(vals),
+            "MAX": max(vals), "AVG": sum(vals) / n,
+            "BAND": functools.reduce(operator.and_, vals),
+            "BOR": functools.reduce(operator.or_, vals),
+            "BXOR": functools.reduce(operator.xor, vals)}
+    res = run_world(n, ["eccl", "coverage"])
+    ops_per_dtype = {d: 4 + (1 if getattr(torch, eccl.DTYPE_NAMES[d]).is_floating_point else 3)
+                     for d in eccl.DType}
+    assert len(res[0]) == sum(ops_per_dtype.values())
+    for r in res:
+        for key, got in r.items():
+            assert got == [want[key.split("/")[1]]] * 4, key
+
+
 def test_ddp_ends_with_gloos_parameters():
     e = run_world(2, ["eccl", "ddp"])
     g = run_world(2, ["gloo", "ddp"])

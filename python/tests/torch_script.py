@@ -68,6 +68,9 @@ def collectives(r, n):
     sreq.wait()
     rreq.wait()
     out["isend_irecv"] = x.tolist()
+    ts = [torch.full((3,), float(r + 1)), torch.full((2,), 10.0 * (r + 1))]
+    dist.all_reduce_coalesced(ts)
+    out["all_reduce_coalesced"] = [t.tolist() for t in ts]
     if r == 0:
         dist.send(torch.ones(2) * 42, dst=1)
     elif r == 1:
@@ -96,11 +99,29 @@ def ddp(r, n, steps):
             "losses": losses}
 
 
+def coverage(r, n):
+    """Every dtype and reduce op of eccl's Rust lists, through the torch backend: rank r
+    contributes r + 1 everywhere."""
+    import eccl
+    out = {}
+    for dtype in eccl.DType:
+        tdtype = getattr(torch, eccl.DTYPE_NAMES[dtype])
+        for op in eccl.ReduceOp:
+            name = op.name.lower()
+            floaty = tdtype.is_floating_point
+            if (name == "avg" and not floaty) or (name in ("band", "bor", "bxor") and floaty):
+                continue
+            t = torch.full((4,), r + 1, dtype=tdtype)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, eccl.TORCH_OP_NAMES[op]))
+            out[f"{dtype.name}/{op.name}"] = t.double().tolist()
+    return out
+
+
 def main():
     backend, what = sys.argv[1], sys.argv[2]
     dist.init_process_group(backend)
     r, n = dist.get_rank(), dist.get_world_size()
-    res = collectives(r, n) if what == "collectives" else ddp(r, n, 10)
+    res = {"collectives": collectives, "coverage": coverage}.get(what, lambda r, n: ddp(r, n, 10))(r, n)
     print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
 

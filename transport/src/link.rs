@@ -383,6 +383,7 @@ mod tests {
                 count: 4,
             },
             offset: 0,
+            tag: 0,
         }
     }
 

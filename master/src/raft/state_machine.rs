@@ -228,7 +228,11 @@ mod tests {
             .unwrap();
         assert_eq!(
             out,
-            vec![Outcome::Nothing, Outcome::Registered(1), Outcome::Nothing]
+            vec![
+                Outcome::Nothing,
+                Outcome::Registered(eccl_protocol::PeerId(1)),
+                Outcome::Nothing
+            ]
         );
 
         let snap = sm.build_snapshot().await.unwrap();

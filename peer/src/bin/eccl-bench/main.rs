@@ -324,7 +324,7 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
     let quiet = std::env::var_os("ECCL_BENCH_QUIET").is_some();
     let mut comm = Communicator::connect(cfg).await?;
     let topo = comm.update_topology().await?;
-    let (rank, n) = (topo.rank as usize, topo.world_size as usize);
+    let (rank, n) = (topo.rank.idx(), topo.world_size as usize);
     if args.root as usize >= n && kind.is_rooted() {
         return Err(eccl::Error::InvalidArgument(format!(
             "root {} is not a rank of the {n}-rank world",
@@ -396,7 +396,7 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
             kind,
             dtype: args.dtype,
             op: args.op,
-            root: args.root,
+            root: eccl::Rank(args.root),
             count,
         };
         let run = Run {
@@ -532,7 +532,7 @@ async fn one(
             output.copy_from_slice(input);
             return Ok(());
         }
-        let peer = (run.rank ^ 1) as u32;
+        let peer = eccl::Rank((run.rank ^ 1) as u32);
         if run.rank % 2 == 0 {
             comm.send_bytes(a.dtype, input, peer, 7).await?;
             comm.recv_bytes(a.dtype, output, peer, 7).await?;

@@ -6,18 +6,37 @@
 //! link's stash; a frame that can never be right (another descriptor, an earlier
 //! collective) fails the collective with `Mismatch`.
 
+//!
+//! | file | job |
+//! |---|---|
+//! | `mod.rs` | the steps of a schedule and their primitives |
+//! | `bufs.rs` | the caller's buffers as regions (the executor's `unsafe`) |
+//! | `frames.rs` | waiting for frames, assembling messages |
+//! | `control.rs` | the rooted check, abort notices, point-to-point |
+//!
+//! The executor drives links through `eccl_transport::link` only: it does not know which
+//! transport carries the bytes.
+
+mod bufs;
+mod control;
+mod frames;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use eccl_algorithms::kernels;
-use eccl_algorithms::{Buf, Prim, Region, Schedule};
+use eccl_algorithms::{Prim, Schedule};
 use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
-use eccl_transport::link::{Incoming, LinkEvent, LinkTx};
+use eccl_transport::link::LinkTx;
 use eccl_transport::pool::PooledBuf;
 use futures::future::{try_join_all, BoxFuture, FutureExt};
 use tokio::sync::mpsc;
+
+pub(crate) use bufs::Bufs;
+pub(crate) use control::{broadcast_abort, check_round, recv_p2p, send_p2p};
+use frames::{recv_msg, Want};
 
 use crate::abort::AbortState;
 use crate::error::{Error, Result};
@@ -35,9 +54,6 @@ fn take<T>(v: &mut [Option<T>], r: u32) -> Result<T> {
 
 /// `Op::suspect` when nobody is suspected.
 pub(crate) const NO_SUSPECT: u32 = u32::MAX;
-
-/// Frames a link may hold for later steps before we call the peer runaway.
-const MAX_STASH: usize = 4096;
 
 /// One collective call in progress.
 pub(crate) struct Op<'a> {
@@ -66,6 +82,7 @@ impl Op<'_> {
             len: 0,
             desc,
             offset: 0,
+            tag: 0,
         }
     }
 
@@ -98,232 +115,6 @@ impl Op<'_> {
             cause: format!("link to rank {rank} failed: {e}"),
         }
     }
-}
-
-/// The caller's buffers as raw parts, so that the primitives of one step can borrow
-/// disjoint regions of them at the same time.
-pub(crate) struct Bufs {
-    input: *const u8,
-    input_len: usize,
-    output: *mut u8,
-    output_len: usize,
-    scratch: *mut u8,
-    scratch_len: usize,
-    elem: usize,
-}
-
-// SAFETY: `Bufs` is only used inside `run`, which holds the borrows it was made from.
-unsafe impl Send for Bufs {}
-unsafe impl Sync for Bufs {}
-
-impl Bufs {
-    pub fn new(input: &[u8], output: &mut [u8], scratch: &mut [u8], elem: usize) -> Bufs {
-        Bufs {
-            input: input.as_ptr(),
-            input_len: input.len(),
-            output: output.as_mut_ptr(),
-            output_len: output.len(),
-            scratch: scratch.as_mut_ptr(),
-            scratch_len: scratch.len(),
-            elem,
-        }
-    }
-
-    fn span(&self, r: &Region) -> Result<(*mut u8, usize)> {
-        let (base, len) = match r.buf {
-            Buf::Input => (self.input as *mut u8, self.input_len),
-            Buf::Output => (self.output, self.output_len),
-            Buf::Scratch => (self.scratch, self.scratch_len),
-        };
-        let start = r.offset.checked_mul(self.elem);
-        let bytes = r.len.checked_mul(self.elem);
-        match (start, bytes) {
-            (Some(s), Some(b)) if s.checked_add(b).is_some_and(|e| e <= len) => {
-                Ok((base.wrapping_add(s), b))
-            }
-            _ => Err(Error::InvalidArgument(format!(
-                "schedule region {r:?} is outside its buffer of {len} bytes"
-            ))),
-        }
-    }
-
-    /// # Safety
-    /// No live mutable slice may overlap `r` (the schedule was validated: within a step
-    /// no primitive reads what another writes).
-    unsafe fn get(&self, r: &Region) -> Result<&[u8]> {
-        let (p, n) = self.span(r)?;
-        Ok(if n == 0 {
-            &[]
-        } else {
-            std::slice::from_raw_parts(p, n)
-        })
-    }
-
-    /// # Safety
-    /// `r` must not overlap any other live slice, and must not be in the input.
-    // `&self` hands out `&mut`: the buffers are raw parts, and the validated schedule is
-    // what keeps the regions of one step disjoint (see the Safety notes).
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn get_mut(&self, r: &Region) -> Result<&mut [u8]> {
-        if r.buf == Buf::Input {
-            return Err(Error::InvalidArgument(
-                "a schedule may not write its input".into(),
-            ));
-        }
-        let (p, n) = self.span(r)?;
-        Ok(if n == 0 {
-            &mut []
-        } else {
-            std::slice::from_raw_parts_mut(p, n)
-        })
-    }
-}
-
-/// What a receive waits for.
-#[derive(Clone, Copy)]
-pub(crate) struct Want {
-    pub kind: FrameKind,
-    pub seq: u64,
-    pub step: u32,
-    pub desc: Descriptor,
-}
-
-impl Want {
-    fn names(&self, h: &FrameHeader) -> bool {
-        h.kind == self.kind
-            && h.seq == self.seq
-            && (self.kind == FrameKind::P2p || h.step == self.step)
-    }
-}
-
-/// Next frame from `rank` that `want` names, taking early arrivals from the stash.
-pub(crate) async fn next_frame(
-    op: &Op<'_>,
-    rx: &mut PeerRx,
-    rank: u32,
-    want: Want,
-) -> Result<Incoming> {
-    if let Some(i) = rx.stash.iter().position(|f| want.names(&f.header)) {
-        let f = rx.stash.remove(i).expect("index from position");
-        return check_desc(op, rank, want, f);
-    }
-    loop {
-        let f = match tokio::time::timeout(op.timeout, rx.link.next()).await {
-            Err(_) => {
-                op.blame(rank);
-                return Err(op.timeout_err(format!("waiting for rank {rank} in {}", want.desc)));
-            }
-            Ok(None) => return Err(op.link_err(rank, "closed")),
-            Ok(Some(LinkEvent::Failed(e))) => return Err(op.link_err(rank, e)),
-            Ok(Some(LinkEvent::Frame(f))) => f,
-        };
-        let h = f.header;
-        if h.epoch < op.epoch
-            || matches!(
-                h.kind,
-                FrameKind::StateReq | FrameKind::StateData | FrameKind::StateDone
-            )
-        {
-            // Left over from an earlier epoch, or from a shared-state sync that is over
-            // (a late answer to a request that another source already served).
-            continue;
-        }
-        if h.epoch > op.epoch {
-            return Err(Error::Aborted {
-                epoch: op.epoch,
-                cause: format!("rank {rank} is already in epoch {}", h.epoch),
-            });
-        }
-        if want.names(&h) {
-            return check_desc(op, rank, want, f);
-        }
-        let collective = matches!(h.kind, FrameKind::Data | FrameKind::Check);
-        if collective && h.seq == op.seq && h.desc != op.desc && want.kind != FrameKind::P2p {
-            return Err(op.mismatch(
-                rank,
-                Some(h.desc),
-                format!(
-                    "rank {rank} called {} where this rank called {}",
-                    h.desc, op.desc
-                ),
-            ));
-        }
-        let later = match h.kind {
-            FrameKind::P2p => true,
-            FrameKind::Data | FrameKind::Check if want.kind == FrameKind::P2p => true,
-            FrameKind::Data | FrameKind::Check => {
-                h.seq > want.seq
-                    || (h.kind == FrameKind::Data
-                        && (want.kind == FrameKind::Check || h.step > want.step))
-            }
-            _ => false,
-        };
-        if !later {
-            return Err(op.mismatch(
-                rank,
-                Some(h.desc),
-                format!("rank {rank} sent {:?} frame (collective #{}, message {}) where this rank expected collective #{} message {}", h.kind, h.seq, h.step, want.seq, want.step),
-            ));
-        }
-        if rx.stash.len() >= MAX_STASH {
-            return Err(op.mismatch(
-                rank,
-                Some(h.desc),
-                format!("rank {rank} ran more than {MAX_STASH} frames ahead"),
-            ));
-        }
-        rx.stash.push_back(f);
-    }
-}
-
-fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
-    if f.header.desc != want.desc {
-        return Err(op.mismatch(
-            rank,
-            Some(f.header.desc),
-            format!(
-                "rank {rank} called {} where this rank called {}",
-                f.header.desc, want.desc
-            ),
-        ));
-    }
-    Ok(f)
-}
-
-/// Receives one message of `total` bytes from `rank`, handing each frame's payload to
-/// `piece` with its byte offset.
-pub(crate) async fn recv_msg<F>(
-    op: &Op<'_>,
-    rx: &mut PeerRx,
-    rank: u32,
-    want: Want,
-    total: usize,
-    mut piece: F,
-) -> Result<()>
-where
-    F: FnMut(usize, PooledBuf) -> Result<()>,
-{
-    let elem = want.desc.dtype.size();
-    let (mut got, mut frames) = (0usize, 0usize);
-    while frames == 0 || got < total {
-        let f = next_frame(op, rx, rank, want).await?;
-        let (off, len) = (f.header.offset as usize, f.header.len as usize);
-        let fits = off % elem == 0
-            && len % elem == 0
-            && off.checked_add(len).is_some_and(|e| e <= total)
-            && got + len <= total;
-        if !fits {
-            return Err(op.mismatch(
-                rank,
-                Some(f.header.desc),
-                format!("rank {rank} sent {len} bytes at offset {off} of a {total}-byte message"),
-            ));
-        }
-        got += len;
-        frames += 1;
-        piece(off, f.payload)?;
-    }
-    Ok(())
 }
 
 /// Runs `sched`. On error the caller breaks the epoch; buffers may hold partial results
@@ -377,6 +168,7 @@ pub(crate) async fn run(
                 seq: op.seq,
                 step,
                 desc: op.desc,
+                tag: 0,
             };
             // SAFETY (all get/get_mut below): the schedule was validated, so within a step
             // no two primitives write overlapping regions and none reads what another writes.
@@ -591,108 +383,4 @@ unsafe fn local(op: &Op<'_>, p: &Prim, bufs: &Bufs) -> Result<()> {
         _ => {}
     }
     Ok(())
-}
-
-/// The check that precedes rooted collectives: every rank sends its descriptor to every
-/// other rank and waits for theirs, so that ranks that disagree on the root (and so would
-/// not exchange any data with each other) still fail with `Mismatch` instead of passing.
-pub(crate) async fn check_round(op: &Op<'_>, links: &mut [Option<PeerLink>]) -> Result<()> {
-    let h = op.header(FrameKind::Check, op.seq, 0, op.desc);
-    let want = Want {
-        kind: FrameKind::Check,
-        seq: op.seq,
-        step: 0,
-        desc: op.desc,
-    };
-    let futs = links
-        .iter_mut()
-        .enumerate()
-        .filter_map(|(r, l)| l.as_mut().map(|l| (r as u32, l)))
-        .map(|(r, l)| async move {
-            let PeerLink { tx, rx } = l;
-            let send = async {
-                tx.send_frame(h, &[], op.timeout)
-                    .await
-                    .map_err(|e| op.link_err(r, e))
-            };
-            let recv = async { next_frame(op, rx, r, want).await.map(|_| ()) };
-            tokio::try_join!(send, recv).map(|_| ())
-        });
-    let all = try_join_all(futs);
-    tokio::select! {
-        biased;
-        r = all => r.map(|_| ()),
-        e = op.abort.wait(op.epoch) => Err(e),
-    }
-}
-
-/// Tells every peer that this rank aborted collective `seq` (best effort, briefly
-/// bounded: the peers may be gone).
-pub(crate) async fn broadcast_abort(
-    epoch: u64,
-    seq: u64,
-    desc: Descriptor,
-    cause: eccl_protocol::frame::AbortCause,
-    reason: &str,
-    links: &mut [Option<PeerLink>],
-) {
-    let h = FrameHeader {
-        kind: FrameKind::Abort,
-        epoch,
-        seq,
-        step: cause as u32,
-        len: 0,
-        desc,
-        offset: 0,
-    };
-    let reason = reason.as_bytes();
-    let reason = &reason[..reason.len().min(1024)];
-    let futs = links
-        .iter_mut()
-        .flatten()
-        .filter(|l| !l.tx.is_poisoned())
-        .map(|l| l.tx.send_frame(h, reason, Duration::from_millis(200)));
-    let _ = futures::future::join_all(futs).await;
-}
-
-/// A point-to-point message.
-pub(crate) async fn send_p2p(
-    op: &Op<'_>,
-    link: &mut PeerLink,
-    rank: u32,
-    data: &[u8],
-) -> Result<()> {
-    let h = op.header(FrameKind::P2p, op.seq, 0, op.desc);
-    let send = link
-        .tx
-        .send_region(h, data, op.frame_bytes, op.elem(), op.timeout);
-    tokio::select! {
-        biased;
-        r = send => r.map_err(|e| op.link_err(rank, e)),
-        e = op.abort.wait(op.epoch) => Err(e),
-    }
-}
-
-pub(crate) async fn recv_p2p(
-    op: &Op<'_>,
-    link: &mut PeerLink,
-    rank: u32,
-    out: &mut [u8],
-) -> Result<()> {
-    let want = Want {
-        kind: FrameKind::P2p,
-        seq: op.seq,
-        step: 0,
-        desc: op.desc,
-    };
-    let total = out.len();
-    let recv = recv_msg(op, &mut link.rx, rank, want, total, |off, b| {
-        out[off..off + b.len()].copy_from_slice(b.as_bytes());
-        Ok(())
-    });
-    tokio::select! {
-        biased;
-        r = recv => r,
-        e = op.abort.wait(op.epoch) => Err(e),
-    }
 }

@@ -1,0 +1,316 @@
+//! Collectives: check a call, pick its algorithm, build (or reuse) its schedule and run
+//! it over the links; on failure, break the epoch and tell everyone why.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use eccl_algorithms::{buffer_lens, build, choose_algo};
+use eccl_protocol::frame::AbortCause;
+use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, PeerId, PeerRequest, Rank, ReduceOp};
+use eccl_transport::pool::AlignedBuf;
+
+use super::Communicator;
+use crate::error::{Error, Result};
+use crate::executor::{self, Bufs, Op};
+
+/// What a successful collective reports (G3): the epoch it ran in and who took part, so
+/// that a caller can, for example, weight an average by the members that contributed.
+#[derive(Clone, Debug)]
+pub struct OpInfo {
+    pub epoch: u64,
+    /// Number of the collective in its epoch (point-to-point: of the message on its
+    /// pair and tag).
+    pub seq: u64,
+    pub rank: Rank,
+    pub world_size: u32,
+    pub members: Arc<[PeerId]>,
+    pub algo: Algo,
+}
+
+/// Arguments of one collective, untyped (the Python layer and eccl-bench use this form).
+#[derive(Clone, Copy, Debug)]
+pub struct CollArgs {
+    pub kind: CollectiveKind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub root: Rank,
+    /// Element count, NCCL's convention (see [`Descriptor`]).
+    pub count: usize,
+}
+
+impl CollArgs {
+    /// The arguments of a collective of `kind` over buffers of `input` and `output`
+    /// elements in a world of `world` ranks, with the count in NCCL's convention. A rank
+    /// of a rooted collective passes `None` for a buffer it does not use (gather's output
+    /// or scatter's input off the root); an in-place call passes its buffer as both.
+    pub fn for_buffers(
+        kind: CollectiveKind,
+        dtype: DType,
+        op: ReduceOp,
+        root: Rank,
+        input: Option<usize>,
+        output: Option<usize>,
+        world: u32,
+    ) -> CollArgs {
+        use CollectiveKind::*;
+        let (i, o) = (input.unwrap_or(0), output.unwrap_or(0));
+        let count = match kind {
+            Broadcast | Scatter | ReduceScatter => o,
+            Reduce | AllReduce | Gather | AllGather | SendRecv => i,
+            AllToAll => i / world.max(1) as usize,
+            Barrier => 0,
+        };
+        CollArgs {
+            kind,
+            dtype,
+            op,
+            root,
+            count,
+        }
+    }
+}
+
+impl Communicator {
+    /// Runs one collective, out of place, on byte buffers. `input` and `output` hold
+    /// exactly the elements [`buffer_lens`] names for this rank; on ranks that do not
+    /// read the input (or write the output) of a rooted collective, any length is
+    /// accepted and ignored.
+    pub async fn collective(
+        &mut self,
+        args: CollArgs,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<OpInfo> {
+        let forced = self.cfg.algo;
+        let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let c = self.cur.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("no world yet: call update_topology() first".into())
+        })?;
+        let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
+        let seq = c.seq;
+        c.seq += 1;
+        let elem = args.dtype.size();
+        let choice = choose_algo(args.kind, args.count.saturating_mul(elem), world, forced);
+        let desc = Descriptor {
+            kind: args.kind,
+            dtype: args.dtype,
+            op: if args.kind.reduces() {
+                args.op
+            } else {
+                ReduceOp::Sum
+            },
+            algo: choice.algo,
+            root: args.root.0,
+            count: args.count as u64,
+        };
+        // A call that is wrong on its own says so, even if the epoch is already broken.
+        let (in_len, out_len) = match validate(&args, world, rank, input.len(), output.len()) {
+            Ok(l) => l,
+            Err(e) => return Err(self.fail(epoch, seq, desc, e).await),
+        };
+        if let Some(e) = self.abort.check(epoch) {
+            return Err(e);
+        }
+        let result = async {
+            let key = (desc, rank.0, world);
+            let sched = match self.schedules.get(&key) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = build(&desc, rank.0, world).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    s.validate().map_err(|e| Error::InvalidArgument(format!("internal schedule error: {e}")))?;
+                    let s = Arc::new(s);
+                    if self.schedules.len() > 256 {
+                        self.schedules.clear();
+                    }
+                    self.schedules.insert(key, s.clone());
+                    s
+                }
+            };
+            if self.last_algo.insert(args.kind, choice.algo) != Some(choice.algo) {
+                tracing::info!(target: "eccl::coll", "{} bytes on {world} ranks: {}", args.count * elem, choice.reason);
+            }
+            self.scratch.set_len(sched.scratch_len * elem);
+            let c = self.cur.as_mut().expect("world checked at the start of the call");
+            let op = Op { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect };
+            if args.kind.is_rooted() && world > 1 {
+                executor::check_round(&op, &mut c.links).await?;
+            }
+            let bufs = Bufs::new(&input[..in_len * elem], &mut output[..out_len * elem], self.scratch.as_bytes_mut(), elem);
+            executor::run(&op, &mut c.links, &sched, &bufs).await
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                let c = self.cur.as_ref().expect("world present");
+                Ok(OpInfo {
+                    epoch,
+                    seq,
+                    rank,
+                    world_size: world,
+                    members: c.members.clone(),
+                    algo: choice.algo,
+                })
+            }
+            Err(e) => Err(self.fail(epoch, seq, desc, e).await),
+        }
+    }
+
+    /// Runs a collective in place on `buf`. The work happens in a scratch buffer that is
+    /// copied back only on success, so a failed call leaves `buf` as it was (G2).
+    pub async fn collective_inplace(&mut self, args: CollArgs, buf: &mut [u8]) -> Result<OpInfo> {
+        let elem = args.dtype.size();
+        let world = self.world_size().max(1);
+        let rank = self.rank().unwrap_or_default();
+        let (in_len, out_len) = buffer_lens(args.kind, args.count, world, rank.0, args.root.0);
+        let mut tmp = std::mem::take(&mut self.inplace);
+        tmp.set_len(out_len * elem);
+        let input_bytes = if in_len == 0 { 0 } else { buf.len() };
+        let r = self
+            .collective(args, &buf[..input_bytes.min(buf.len())], tmp.as_bytes_mut())
+            .await;
+        if r.is_ok() && out_len > 0 {
+            let n = (out_len * elem).min(buf.len());
+            buf[..n].copy_from_slice(&tmp.as_bytes()[..n]);
+        }
+        if tmp.capacity() <= 256 << 20 {
+            self.inplace = tmp;
+        }
+        r
+    }
+
+    /// All-reduces several buffers of one dtype as one collective (one descriptor, one
+    /// schedule, like gloo's `allreduce_coalesced`): they are packed into one buffer,
+    /// reduced, and copied back only on success, so a failure leaves every one of them
+    /// as it was (G2).
+    pub async fn all_reduce_coalesced(
+        &mut self,
+        dtype: DType,
+        op: ReduceOp,
+        bufs: &mut [&mut [u8]],
+    ) -> Result<OpInfo> {
+        let elem = dtype.size();
+        if let Some(b) = bufs.iter().find(|b| b.len() % elem != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "a buffer of {} bytes is not a whole number of {dtype} elements",
+                b.len()
+            )));
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut input = AlignedBuf::with_len(total);
+        let mut offset = 0;
+        for b in bufs.iter() {
+            input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
+            offset += b.len();
+        }
+        let mut output = AlignedBuf::with_len(total);
+        let args = CollArgs {
+            kind: CollectiveKind::AllReduce,
+            dtype,
+            op,
+            root: Rank(0),
+            count: total / elem,
+        };
+        let info = self
+            .collective(args, input.as_bytes(), output.as_bytes_mut())
+            .await?;
+        let mut offset = 0;
+        for b in bufs.iter_mut() {
+            let n = b.len();
+            b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
+            offset += n;
+        }
+        Ok(info)
+    }
+
+    /// Breaks the epoch after a failed call and tells the other ranks why, so that none
+    /// of them waits for this one.
+    pub(crate) async fn fail(&mut self, epoch: u64, seq: u64, desc: Descriptor, e: Error) -> Error {
+        if let Some(first) = self.abort.check(epoch) {
+            // The caller's own mistake is the more useful answer to give it.
+            return if matches!(e, Error::InvalidArgument(_)) {
+                e
+            } else {
+                first
+            };
+        }
+        let cause = match &e {
+            Error::Mismatch { .. } => AbortCause::Mismatch,
+            Error::InvalidArgument(_) => AbortCause::InvalidArgument,
+            Error::Timeout { .. } => AbortCause::Timeout,
+            _ => AbortCause::LinkFailure,
+        };
+        self.abort.raise(epoch, e.clone());
+        let suspect = self.suspect.swap(executor::NO_SUSPECT, Ordering::Relaxed);
+        if let Some(c) = self.cur.as_mut() {
+            let reason = format!("rank {}: {e}", c.rank);
+            executor::broadcast_abort(epoch, seq, desc, cause, &reason, &mut c.links).await;
+            // A broken link or a silent peer is the master's business: it evicts the
+            // peer if its lease agrees, and aborts the epoch on everyone otherwise.
+            if matches!(cause, AbortCause::LinkFailure | AbortCause::Timeout) {
+                let suspect = c.world.member(Rank(suspect)).map(|m| m.peer_id);
+                let report = PeerRequest::ReportFault {
+                    peer_id: self.peer_id,
+                    epoch,
+                    suspect,
+                    reason: e.to_string(),
+                };
+                if let Err(err) = self.master.notify(report).await {
+                    tracing::warn!(target: "eccl::coll", "could not report the fault to the master: {err}");
+                }
+            }
+        }
+        e
+    }
+}
+
+/// Checks a call's arguments against this rank's part; returns the element counts of
+/// input and output the schedule uses.
+fn validate(
+    a: &CollArgs,
+    world: u32,
+    rank: Rank,
+    in_bytes: usize,
+    out_bytes: usize,
+) -> Result<(usize, usize)> {
+    let elem = a.dtype.size();
+    if a.kind == CollectiveKind::SendRecv {
+        return Err(Error::InvalidArgument(
+            "send/recv is not a collective; use send() and recv()".into(),
+        ));
+    }
+    if a.kind.reduces() && !a.op.valid_for(a.dtype) {
+        return Err(Error::InvalidArgument(format!(
+            "{} is not defined for {} (avg needs a floating type, band/bor/bxor an integer type)",
+            a.op, a.dtype
+        )));
+    }
+    if a.kind.is_rooted() && a.root.0 >= world {
+        return Err(Error::InvalidArgument(format!(
+            "root {} is not a rank of this world of {world}",
+            a.root
+        )));
+    }
+    if in_bytes % elem != 0 || out_bytes % elem != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "buffer lengths must be whole {} elements",
+            a.dtype
+        )));
+    }
+    let (need_in, need_out) = buffer_lens(a.kind, a.count, world, rank.0, a.root.0);
+    let check = |what: &str, got: usize, need: usize| {
+        if got == need || (need == 0 && a.kind.is_rooted()) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "{} on rank {rank} of {world}: {what} has {got} elements, expected {need}",
+                a.kind,
+            )))
+        }
+    };
+    check("input", in_bytes / elem, need_in)?;
+    check("output", out_bytes / elem, need_out)?;
+    Ok((need_in, need_out))
+}

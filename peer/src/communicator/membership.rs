@@ -1,0 +1,260 @@
+//! Membership: registering with the master, the lease (heartbeats) and the master's
+//! events, the votes that move the world to its next epoch, and leaving.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eccl_protocol::{
+    MasterEvent, MasterReply, PeerRequest, Rank, RegisterRequest, World, PROTOCOL_VERSION,
+};
+use eccl_transport::pool::AlignedBuf;
+use tokio::sync::mpsc;
+
+use super::{Communicator, Current};
+use crate::abort::AbortState;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::executor;
+use crate::links::LinkManager;
+use crate::master_client::{reply_error, MasterClient};
+
+/// The outcome of `update_topology()`: the world this peer is in now.
+#[derive(Clone, Debug)]
+pub struct WorldUpdate {
+    pub epoch: u64,
+    /// Whether a new epoch began (someone joined or left, or the last one was aborted).
+    pub changed: bool,
+    pub rank: Rank,
+    pub world_size: u32,
+    /// Links to other members carried over from the previous epoch (after a clean
+    /// epoch, only links to newcomers are connected).
+    pub links_kept: u32,
+}
+
+impl Communicator {
+    /// Registers with the master named in `cfg`. The peer is pending until its first
+    /// `update_topology()`.
+    pub async fn connect(cfg: Config) -> Result<Communicator> {
+        cfg.validate()?;
+        let secret = cfg
+            .secret
+            .clone()
+            .ok_or_else(|| Error::InvalidArgument("no job secret: set ECCL_SECRET or ECCL_SECRET_FILE (eccl-master prints where it keeps one)".into()))?;
+        let abort = AbortState::new();
+        let links = LinkManager::bind(&cfg, &abort).await?;
+        let (etx, erx) = mpsc::unbounded_channel();
+        let master = MasterClient::connect(&cfg.master, &secret, cfg.connect_timeout, etx).await?;
+        let reply = master
+            .request(
+                PeerRequest::Register(RegisterRequest {
+                    listen_port: links.local_addr.port(),
+                    advertise_host: links.advertise_host.clone(),
+                    host: cfg.host.clone(),
+                    rank_hint: cfg.rank_hint,
+                    protocol_version: PROTOCOL_VERSION,
+                }),
+                cfg.connect_timeout,
+            )
+            .await?;
+        let (peer_id, heartbeat_ms) = match reply {
+            MasterReply::Registered {
+                peer_id,
+                heartbeat_ms,
+                ..
+            } => (peer_id, heartbeat_ms),
+            other => return Err(reply_error(&cfg.master, 0, other)),
+        };
+        let master = Arc::new(master);
+        // Heartbeats renew the master's lease on this peer. They run on the runtime's
+        // worker threads, apart from the caller, so a peer busy in a long collective
+        // stays alive; only a peer that is really stuck (stopped, wedged) loses its lease.
+        let heartbeat = {
+            let master = master.clone();
+            let every = Duration::from_millis(heartbeat_ms.max(10));
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    if master
+                        .notify(PeerRequest::Heartbeat { peer_id })
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            })
+        };
+        tracing::info!(target: "eccl::init", "registered with master {} as peer {peer_id}", cfg.master);
+        let evicted = Arc::new(std::sync::Mutex::new(None));
+        let events = tokio::spawn(watch_master(erx, abort.clone(), evicted.clone()));
+        Ok(Communicator {
+            cfg,
+            master,
+            peer_id,
+            links,
+            cur: None,
+            abort,
+            evicted,
+            suspect: AtomicU32::new(executor::NO_SUSPECT),
+            events,
+            heartbeat,
+            scratch: AlignedBuf::default(),
+            inplace: AlignedBuf::default(),
+            schedules: HashMap::new(),
+            last_algo: HashMap::new(),
+        })
+    }
+
+    /// Votes for the next epoch and waits until every live member has voted. Pending
+    /// peers are admitted and departed ones dropped; the links are reconnected when the
+    /// world changed.
+    pub async fn update_topology(&mut self) -> Result<WorldUpdate> {
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let epoch = self.epoch();
+        let aborted = self.abort.check(epoch).is_some() && epoch > 0;
+        let req = PeerRequest::UpdateTopology {
+            peer_id: self.peer_id,
+            epoch,
+            min_world: self.cfg.min_world,
+            aborted,
+        };
+        let reply = self.master.request(req, self.cfg.join_timeout).await?;
+        let (world, changed, reuse) = match reply {
+            MasterReply::World {
+                world,
+                changed,
+                reuse_links,
+            } => (world, changed, reuse_links),
+            other => return Err(reply_error(&self.cfg.master, epoch, other)),
+        };
+        let mut links_kept = 0;
+        if changed || world.epoch != epoch {
+            links_kept = self.install(world, reuse).await?;
+        } else if let Some(c) = &self.cur {
+            links_kept = c.links.iter().flatten().count() as u32;
+        }
+        let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
+            epoch,
+            cause: "no world".into(),
+        })?;
+        Ok(WorldUpdate {
+            epoch: c.world.epoch,
+            changed,
+            rank: c.rank,
+            world_size: c.size(),
+            links_kept,
+        })
+    }
+
+    /// Enters `world`; returns how many links were kept from the previous epoch.
+    async fn install(&mut self, world: World, reuse: bool) -> Result<u32> {
+        // The master's word is checked like any other input from the network before
+        // anything is indexed by rank.
+        world.validate().map_err(|e| Error::MasterUnavailable {
+            addr: self.cfg.master.clone(),
+            reason: format!("the master sent an invalid world: {e}"),
+        })?;
+        let rank = world.rank_of(self.peer_id).ok_or_else(|| Error::Evicted {
+            reason: format!("not a member of epoch {}", world.epoch),
+        })?;
+        // After a clean epoch the links between members of both worlds carry on; frames
+        // of the old epoch that are still queued are dropped by their epoch number.
+        // Other old links close: their peers' observers no longer watch that epoch.
+        let mut keep = HashMap::new();
+        if let Some(old) = self.cur.take() {
+            if reuse && old.world.epoch + 1 == world.epoch {
+                for (m, link) in old.world.members.iter().zip(old.links) {
+                    if let Some(mut link) = link.filter(|_| world.rank_of(m.peer_id).is_some()) {
+                        link.rx.stash.retain(|f| f.header.epoch >= world.epoch);
+                        keep.insert(m.peer_id, link);
+                    }
+                }
+            }
+        }
+        self.schedules.clear();
+        tracing::info!(
+            target: "eccl::init",
+            "epoch {}: rank {rank} of {} (members {:?})",
+            world.epoch,
+            world.size(),
+            world.peer_ids()
+        );
+        let kept = keep.len() as u32;
+        let links = match self
+            .links
+            .connect_world(&world, self.peer_id, &self.cfg, keep)
+            .await
+        {
+            Ok(l) => l,
+            Err(e) => {
+                self.abort.raise(world.epoch, e.clone());
+                self.cur = Some(Current::new(world, rank, Vec::new()));
+                return Err(e);
+            }
+        };
+        self.cur = Some(Current::new(world, rank, links));
+        Ok(kept)
+    }
+
+    /// Are peers waiting to be admitted? Every member of the epoch gets the same answer,
+    /// so all of them can skip `update_topology()` together.
+    pub async fn are_peers_pending(&mut self) -> Result<bool> {
+        let epoch = self.epoch();
+        let req = PeerRequest::ArePeersPending {
+            peer_id: self.peer_id,
+            epoch,
+        };
+        match self.master.request(req, self.cfg.join_timeout).await? {
+            MasterReply::PeersPending(p) => Ok(p),
+            other => Err(reply_error(&self.cfg.master, epoch, other)),
+        }
+    }
+
+    /// Leaves the job on purpose; the other members see a new world at their next
+    /// `update_topology()`.
+    pub async fn leave(self) -> Result<()> {
+        let req = PeerRequest::Leave {
+            peer_id: self.peer_id,
+        };
+        match self.master.request(req, self.cfg.connect_timeout).await? {
+            MasterReply::Ok => Ok(()),
+            other => Err(reply_error(&self.cfg.master, 0, other)),
+        }
+    }
+}
+
+/// Acts on what the master pushes: an aborted epoch (and the peer evicted with it), or
+/// this peer's own eviction.
+async fn watch_master(
+    mut events: mpsc::UnboundedReceiver<MasterEvent>,
+    abort: Arc<AbortState>,
+    evicted: Arc<std::sync::Mutex<Option<String>>>,
+) {
+    while let Some(ev) = events.recv().await {
+        match ev {
+            MasterEvent::AbortEpoch {
+                epoch,
+                cause,
+                evicted,
+            } => {
+                if let Some(p) = evicted {
+                    abort.peer_gone(p);
+                }
+                abort.raise(epoch, Error::Aborted { epoch, cause })
+            }
+            MasterEvent::Evicted { reason } => {
+                tracing::warn!(target: "eccl::init", "evicted by the master: {reason}");
+                if let Ok(mut e) = evicted.lock() {
+                    *e = Some(reason.clone());
+                }
+                abort.evicted(reason);
+            }
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! The `Communicator`: one peer's membership in a job, its current world and the links
+//! of that world. Its methods live in one file per job:
+//!
+//! | file | job |
+//! |---|---|
+//! | `membership.rs` | connect, `update_topology`, `are_peers_pending`, `leave`, leases |
+//! | `collective.rs` | running a schedule over the links, in place and out of place |
+//! | `p2p.rs` | tagged `send` / `recv` |
+//! | `retry.rs` | [`RetryPolicy`], `recover` and the `*_with_retry` helpers |
+//! | `typed.rs` | the typed API (`all_reduce(&mut [f32], op)`, ...) over [`Element`](crate::Element) |
+//!
+//! Collectives take `&mut self`: within an epoch every member calls the same collectives
+//! in the same order, and the borrow checker keeps one caller from interleaving two.
+
+mod collective;
+mod membership;
+mod p2p;
+mod retry;
+mod typed;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+
+use eccl_algorithms::Schedule;
+use eccl_protocol::{Algo, CollectiveKind, Descriptor, PeerId, Rank, World};
+use eccl_transport::pool::AlignedBuf;
+
+use crate::abort::AbortState;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::links::{LinkManager, PeerLink};
+use crate::master_client::MasterClient;
+
+pub use collective::{CollArgs, OpInfo};
+pub use membership::WorldUpdate;
+pub use retry::RetryPolicy;
+
+/// The world this peer is in, and what it keeps per epoch.
+pub(crate) struct Current {
+    pub world: World,
+    pub rank: Rank,
+    pub members: Arc<[PeerId]>,
+    /// Indexed by rank; `None` at our own rank.
+    pub links: Vec<Option<PeerLink>>,
+    /// Collectives so far in this epoch; names the frames of each.
+    seq: u64,
+    /// Point-to-point messages so far in this epoch, per (peer, tag) and direction.
+    p2p_sent: HashMap<(Rank, u32), u64>,
+    p2p_recvd: HashMap<(Rank, u32), u64>,
+    /// Shared-state syncs so far in this epoch; names the frames of each round.
+    pub sync_round: u64,
+}
+
+impl Current {
+    fn new(world: World, rank: Rank, links: Vec<Option<PeerLink>>) -> Current {
+        let members: Arc<[PeerId]> = world.peer_ids().into();
+        Current {
+            world,
+            rank,
+            members,
+            links,
+            seq: 0,
+            p2p_sent: HashMap::new(),
+            p2p_recvd: HashMap::new(),
+            sync_round: 0,
+        }
+    }
+
+    pub fn size(&self) -> u32 {
+        self.world.size() as u32
+    }
+}
+
+pub struct Communicator {
+    pub(crate) cfg: Config,
+    pub(crate) master: Arc<MasterClient>,
+    peer_id: PeerId,
+    links: LinkManager,
+    pub(crate) cur: Option<Current>,
+    pub(crate) abort: Arc<AbortState>,
+    evicted: Arc<std::sync::Mutex<Option<String>>>,
+    /// Rank blamed by the collective that failed last (see `fail`).
+    suspect: AtomicU32,
+    events: tokio::task::JoinHandle<()>,
+    heartbeat: tokio::task::JoinHandle<()>,
+    /// Scratch of the running schedule, and the buffer in-place calls work in.
+    scratch: AlignedBuf,
+    inplace: AlignedBuf,
+    schedules: HashMap<(Descriptor, u32, u32), Arc<Schedule>>,
+    last_algo: HashMap<CollectiveKind, Algo>,
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.events.abort();
+        self.heartbeat.abort();
+    }
+}
+
+impl Communicator {
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+    pub fn rank(&self) -> Option<Rank> {
+        self.cur.as_ref().map(|c| c.rank)
+    }
+    pub fn world_size(&self) -> u32 {
+        self.cur.as_ref().map_or(0, Current::size)
+    }
+    pub fn epoch(&self) -> u64 {
+        self.cur.as_ref().map_or(0, |c| c.world.epoch)
+    }
+    pub fn world(&self) -> Option<&World> {
+        self.cur.as_ref().map(|c| &c.world)
+    }
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    fn evicted_error(&self) -> Option<Error> {
+        self.evicted
+            .lock()
+            .ok()
+            .and_then(|e| e.clone())
+            .map(|reason| Error::Evicted { reason })
+    }
+
+    /// The current world, if this peer may run a call in it now.
+    fn ready(&mut self) -> Result<&mut Current> {
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let c = self.cur.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("no world yet: call update_topology() first".into())
+        })?;
+        if let Some(e) = self.abort.check(c.world.epoch) {
+            return Err(e);
+        }
+        Ok(c)
+    }
+}

@@ -1,0 +1,123 @@
+//! Frames outside the schedule: the descriptor check before rooted collectives, abort
+//! notices, and point-to-point messages.
+
+use std::time::Duration;
+
+use eccl_protocol::frame::{FrameHeader, FrameKind};
+use eccl_protocol::Descriptor;
+use futures::future::try_join_all;
+
+use super::frames::{next_frame, recv_msg, Want};
+use super::Op;
+use crate::error::Result;
+use crate::links::PeerLink;
+
+/// The check that precedes rooted collectives: every rank sends its descriptor to every
+/// other rank and waits for theirs, so that ranks that disagree on the root (and so would
+/// not exchange any data with each other) still fail with `Mismatch` instead of passing.
+pub(crate) async fn check_round(op: &Op<'_>, links: &mut [Option<PeerLink>]) -> Result<()> {
+    let h = op.header(FrameKind::Check, op.seq, 0, op.desc);
+    let want = Want {
+        kind: FrameKind::Check,
+        seq: op.seq,
+        step: 0,
+        desc: op.desc,
+        tag: 0,
+    };
+    let futs = links
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(r, l)| l.as_mut().map(|l| (r as u32, l)))
+        .map(|(r, l)| async move {
+            let PeerLink { tx, rx } = l;
+            let send = async {
+                tx.send_frame(h, &[], op.timeout)
+                    .await
+                    .map_err(|e| op.link_err(r, e))
+            };
+            let recv = async { next_frame(op, rx, r, want).await.map(|_| ()) };
+            tokio::try_join!(send, recv).map(|_| ())
+        });
+    let all = try_join_all(futs);
+    tokio::select! {
+        biased;
+        r = all => r.map(|_| ()),
+        e = op.abort.wait(op.epoch) => Err(e),
+    }
+}
+
+/// Tells every peer that this rank aborted collective `seq` (best effort, briefly
+/// bounded: the peers may be gone).
+pub(crate) async fn broadcast_abort(
+    epoch: u64,
+    seq: u64,
+    desc: Descriptor,
+    cause: eccl_protocol::frame::AbortCause,
+    reason: &str,
+    links: &mut [Option<PeerLink>],
+) {
+    let h = FrameHeader {
+        kind: FrameKind::Abort,
+        epoch,
+        seq,
+        step: cause as u32,
+        len: 0,
+        desc,
+        offset: 0,
+        tag: 0,
+    };
+    let reason = reason.as_bytes();
+    let reason = &reason[..reason.len().min(1024)];
+    let futs = links
+        .iter_mut()
+        .flatten()
+        .filter(|l| !l.tx.is_poisoned())
+        .map(|l| l.tx.send_frame(h, reason, Duration::from_millis(200)));
+    let _ = futures::future::join_all(futs).await;
+}
+
+/// A point-to-point message with tag `tag`.
+pub(crate) async fn send_p2p(
+    op: &Op<'_>,
+    link: &mut PeerLink,
+    rank: u32,
+    tag: u32,
+    data: &[u8],
+) -> Result<()> {
+    let mut h = op.header(FrameKind::P2p, op.seq, 0, op.desc);
+    h.tag = tag;
+    let send = link
+        .tx
+        .send_region(h, data, op.frame_bytes, op.elem(), op.timeout);
+    tokio::select! {
+        biased;
+        r = send => r.map_err(|e| op.link_err(rank, e)),
+        e = op.abort.wait(op.epoch) => Err(e),
+    }
+}
+
+pub(crate) async fn recv_p2p(
+    op: &Op<'_>,
+    link: &mut PeerLink,
+    rank: u32,
+    tag: u32,
+    out: &mut [u8],
+) -> Result<()> {
+    let want = Want {
+        kind: FrameKind::P2p,
+        seq: op.seq,
+        step: 0,
+        desc: op.desc,
+        tag,
+    };
+    let total = out.len();
+    let recv = recv_msg(op, &mut link.rx, rank, want, total, |off, b| {
+        out[off..off + b.len()].copy_from_slice(b.as_bytes());
+        Ok(())
+    });
+    tokio::select! {
+        biased;
+        r = recv => r,
+        e = op.abort.wait(op.epoch) => Err(e),
+    }
+}

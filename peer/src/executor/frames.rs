@@ -1,0 +1,227 @@
+//! Receiving: the next frame a primitive waits for (early arrivals wait in the link's
+//! stash; a frame that can never be right fails the call with `Mismatch`), and whole
+//! messages assembled from frames at their offsets, each byte covered exactly once.
+
+use std::collections::BTreeMap;
+
+use eccl_protocol::frame::{FrameHeader, FrameKind};
+use eccl_protocol::Descriptor;
+use eccl_transport::link::{Incoming, LinkEvent};
+use eccl_transport::pool::PooledBuf;
+
+use super::Op;
+use crate::error::{Error, Result};
+use crate::links::PeerRx;
+
+/// Frames a link may hold for later steps before we call the peer runaway.
+const MAX_STASH: usize = 4096;
+
+/// What a receive waits for.
+#[derive(Clone, Copy)]
+pub(crate) struct Want {
+    pub kind: FrameKind,
+    pub seq: u64,
+    pub step: u32,
+    pub desc: Descriptor,
+    /// Point-to-point only: the message's tag.
+    pub tag: u32,
+}
+
+impl Want {
+    fn names(&self, h: &FrameHeader) -> bool {
+        h.kind == self.kind
+            && h.seq == self.seq
+            && if self.kind == FrameKind::P2p {
+                h.tag == self.tag
+            } else {
+                h.step == self.step
+            }
+    }
+}
+
+/// Next frame from `rank` that `want` names, taking early arrivals from the stash.
+pub(crate) async fn next_frame(
+    op: &Op<'_>,
+    rx: &mut PeerRx,
+    rank: u32,
+    want: Want,
+) -> Result<Incoming> {
+    if let Some(i) = rx.stash.iter().position(|f| want.names(&f.header)) {
+        let f = rx.stash.remove(i).expect("index from position");
+        return check_desc(op, rank, want, f);
+    }
+    loop {
+        let f = match tokio::time::timeout(op.timeout, rx.link.next()).await {
+            Err(_) => {
+                op.blame(rank);
+                return Err(op.timeout_err(format!("waiting for rank {rank} in {}", want.desc)));
+            }
+            Ok(None) => return Err(op.link_err(rank, "closed")),
+            Ok(Some(LinkEvent::Failed(e))) => return Err(op.link_err(rank, e)),
+            Ok(Some(LinkEvent::Frame(f))) => f,
+        };
+        let h = f.header;
+        if h.epoch < op.epoch
+            || matches!(
+                h.kind,
+                FrameKind::StateReq | FrameKind::StateData | FrameKind::StateDone
+            )
+        {
+            // Left over from an earlier epoch, or from a shared-state sync that is over
+            // (a late answer to a request that another source already served).
+            continue;
+        }
+        if h.epoch > op.epoch {
+            return Err(Error::Aborted {
+                epoch: op.epoch,
+                cause: format!("rank {rank} is already in epoch {}", h.epoch),
+            });
+        }
+        if want.names(&h) {
+            return check_desc(op, rank, want, f);
+        }
+        let collective = matches!(h.kind, FrameKind::Data | FrameKind::Check);
+        if collective && h.seq == op.seq && h.desc != op.desc && want.kind != FrameKind::P2p {
+            return Err(op.mismatch(
+                rank,
+                Some(h.desc),
+                format!(
+                    "rank {rank} called {} where this rank called {}",
+                    h.desc, op.desc
+                ),
+            ));
+        }
+        let later = match h.kind {
+            FrameKind::P2p => true,
+            FrameKind::Data | FrameKind::Check if want.kind == FrameKind::P2p => true,
+            FrameKind::Data | FrameKind::Check => {
+                h.seq > want.seq
+                    || (h.kind == FrameKind::Data
+                        && (want.kind == FrameKind::Check || h.step > want.step))
+            }
+            _ => false,
+        };
+        if !later {
+            return Err(op.mismatch(
+                rank,
+                Some(h.desc),
+                format!("rank {rank} sent {:?} frame (collective #{}, message {}) where this rank expected collective #{} message {}", h.kind, h.seq, h.step, want.seq, want.step),
+            ));
+        }
+        if rx.stash.len() >= MAX_STASH {
+            return Err(op.mismatch(
+                rank,
+                Some(h.desc),
+                format!("rank {rank} ran more than {MAX_STASH} frames ahead"),
+            ));
+        }
+        rx.stash.push_back(f);
+    }
+}
+
+fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
+    if f.header.desc != want.desc {
+        return Err(op.mismatch(
+            rank,
+            Some(f.header.desc),
+            format!(
+                "rank {rank} called {} where this rank called {}",
+                f.header.desc, want.desc
+            ),
+        ));
+    }
+    Ok(f)
+}
+
+/// Receives one message of `total` bytes from `rank`, handing each frame's payload to
+/// `piece` with its byte offset.
+pub(crate) async fn recv_msg<F>(
+    op: &Op<'_>,
+    rx: &mut PeerRx,
+    rank: u32,
+    want: Want,
+    total: usize,
+    mut piece: F,
+) -> Result<()>
+where
+    F: FnMut(usize, PooledBuf) -> Result<()>,
+{
+    let elem = want.desc.dtype.size();
+    let mut covered = Coverage::default();
+    while !covered.complete(total) {
+        let f = next_frame(op, rx, rank, want).await?;
+        let (off, len) = (f.header.offset as usize, f.header.len as usize);
+        let aligned = off % elem == 0 && len % elem == 0;
+        if !aligned || !covered.add(off, len, total) {
+            return Err(op.mismatch(
+                rank,
+                Some(f.header.desc),
+                format!("rank {rank} sent {len} bytes at offset {off} of a {total}-byte message, overlapping or outside what it sent before"),
+            ));
+        }
+        piece(off, f.payload)?;
+    }
+    Ok(())
+}
+
+/// The byte ranges of a message received so far. A range that overlaps one received
+/// before is refused, so duplicate frames can never make a message with gaps look
+/// complete.
+#[derive(Default)]
+struct Coverage {
+    /// start -> end of each range received.
+    ranges: BTreeMap<usize, usize>,
+    bytes: usize,
+    frames: usize,
+}
+
+impl Coverage {
+    /// Records `off..off + len` of a `total`-byte message; false if it is outside the
+    /// message or overlaps a range already received. An empty message is one empty
+    /// frame at offset 0.
+    fn add(&mut self, off: usize, len: usize, total: usize) -> bool {
+        let Some(end) = off.checked_add(len).filter(|e| *e <= total) else {
+            return false;
+        };
+        if len == 0 {
+            let ok = total == 0 && off == 0 && self.frames == 0;
+            self.frames += ok as usize;
+            return ok;
+        }
+        let before = self.ranges.range(..end).next_back();
+        if before.is_some_and(|(_, e)| *e > off) {
+            return false;
+        }
+        self.ranges.insert(off, end);
+        self.bytes += len;
+        self.frames += 1;
+        true
+    }
+
+    fn complete(&self, total: usize) -> bool {
+        self.frames > 0 && self.bytes == total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Coverage;
+
+    #[test]
+    fn duplicates_and_overlaps_never_complete_a_message() {
+        let mut c = Coverage::default();
+        assert!(c.add(0, 4, 8));
+        assert!(!c.add(0, 4, 8), "the same frame twice");
+        assert!(!c.add(2, 4, 8), "an overlap");
+        assert!(!c.complete(8));
+        assert!(!c.add(6, 4, 8), "past the end");
+        assert!(c.add(4, 4, 8));
+        assert!(c.complete(8));
+        let mut e = Coverage::default();
+        assert!(!e.complete(0));
+        assert!(e.add(0, 0, 0) && e.complete(0));
+        assert!(!e.add(0, 0, 0), "a second empty frame");
+        let mut r = Coverage::default();
+        assert!(r.add(8, 8, 16) && r.add(0, 8, 16) && r.complete(16));
+    }
+}
