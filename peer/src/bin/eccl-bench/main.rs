@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use eccl::config::parse_size;
+use std::sync::LazyLock;
+
 use eccl::{CollArgs, CollectiveKind, Communicator, Config, DType, ReduceOp};
 use serde::Serialize;
 
@@ -53,11 +55,9 @@ struct Args {
     /// Check every element of the result (1) or not (0); `-c` alone means 1.
     #[arg(short = 'c', long = "check", default_value_t = 0, num_args = 0..=1, default_missing_value = "1")]
     check: u8,
-    /// Element type: float, double, half, bfloat16, int8, uint8, int32, int64.
-    #[arg(short = 'd', long = "datatype", default_value = "float", value_parser = dtype)]
+    #[arg(short = 'd', long = "datatype", default_value = "float", value_parser = dtype, help = DTYPE_HELP.as_str())]
     dtype: DType,
-    /// Reduction: sum, prod, min, max, avg, band, bor, bxor.
-    #[arg(short = 'o', long = "op", default_value = "sum", value_parser = op)]
+    #[arg(short = 'o', long = "op", default_value = "sum", value_parser = op, help = OP_HELP.as_str())]
     op: ReduceOp,
     /// Root rank of rooted collectives.
     #[arg(short = 'r', long = "root", default_value_t = 0)]
@@ -76,11 +76,21 @@ struct Args {
 fn size(s: &str) -> Result<usize, String> {
     parse_size(s).ok_or_else(|| format!("{s:?} is not a size (like 8, 64K, 128M)"))
 }
+/// The names `-d` and `-o` take, from eccl's tables.
+fn dtype_names() -> String {
+    DType::ALL.map(|d| d.nccl_name()).join(", ")
+}
+fn op_names() -> String {
+    ReduceOp::ALL.map(|o| o.name()).join(", ")
+}
+static DTYPE_HELP: LazyLock<String> = LazyLock::new(|| format!("Element type: {}", dtype_names()));
+static OP_HELP: LazyLock<String> = LazyLock::new(|| format!("Reduction: {}", op_names()));
+
 fn dtype(s: &str) -> Result<DType, String> {
-    DType::parse(s).ok_or_else(|| format!("unknown datatype {s:?}"))
+    DType::parse(s).ok_or_else(|| format!("unknown datatype {s:?} (have {})", dtype_names()))
 }
 fn op(s: &str) -> Result<ReduceOp, String> {
-    ReduceOp::parse(s).ok_or_else(|| format!("unknown op {s:?}"))
+    ReduceOp::parse(s).ok_or_else(|| format!("unknown op {s:?} (have {})", op_names()))
 }
 
 #[derive(Serialize)]
