@@ -108,21 +108,15 @@ impl Coordinator {
     /// Registers a peer and remembers its connection for later events.
     pub async fn register(
         &self,
-        addr: String,
-        host: String,
-        rank_hint: Option<u32>,
+        reg: Command,
         conn: mpsc::UnboundedSender<MasterMessage>,
     ) -> Result<PeerId, MasterReply> {
+        let addr = match &reg {
+            Command::Register { addr, .. } => addr.clone(),
+            _ => String::new(),
+        };
         let mut st = self.state.lock().await;
-        match self
-            .raft
-            .propose(Command::Register {
-                addr: addr.clone(),
-                host,
-                rank_hint,
-            })
-            .await
-        {
+        match self.raft.propose(reg).await {
             Ok(Outcome::Registered(id)) => {
                 tracing::info!(target: "eccl::master", "peer {id} registered from {addr}");
                 st.conns.insert(id, conn);

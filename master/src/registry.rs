@@ -25,6 +25,8 @@ pub enum PeerState {
 pub struct PeerRecord {
     pub addr: String,
     pub host: String,
+    pub quic: Option<String>,
+    pub shm: Option<String>,
     pub rank_hint: Option<u32>,
     pub state: PeerState,
 }
@@ -34,6 +36,8 @@ pub enum Command {
     Register {
         addr: String,
         host: String,
+        quic: Option<String>,
+        shm: Option<String>,
         rank_hint: Option<u32>,
     },
     /// Commit the next epoch if the current one is still `expected_epoch` (a
@@ -87,6 +91,8 @@ impl Registry {
             Command::Register {
                 addr,
                 host,
+                quic,
+                shm,
                 rank_hint,
             } => {
                 let id = PeerId(self.next_peer_id.0.max(1));
@@ -96,6 +102,8 @@ impl Registry {
                     PeerRecord {
                         addr: addr.clone(),
                         host: host.clone(),
+                        quic: quic.clone(),
+                        shm: shm.clone(),
                         rank_hint: *rank_hint,
                         state: PeerState::Pending,
                     },
@@ -188,6 +196,8 @@ impl Registry {
                         rank: eccl_protocol::Rank(rank as u32),
                         addr: rec.addr.clone(),
                         host: rec.host.clone(),
+                        quic: rec.quic.clone(),
+                        shm: rec.shm.clone(),
                     }
                 })
                 .collect(),
@@ -239,6 +249,8 @@ mod tests {
         match r.apply(&Command::Register {
             addr: "127.0.0.1:1".into(),
             host: "h".into(),
+            quic: None,
+            shm: None,
             rank_hint: hint,
         }) {
             Outcome::Registered(id) => id,

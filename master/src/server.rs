@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::coordinator::{Coordinator, ReplyTo};
 use crate::raft::serve_raft_conn;
+use crate::registry::Command;
 
 /// Accepts connections until the task is aborted.
 pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secret) {
@@ -125,12 +126,28 @@ async fn serve_peer(
                     },
                     r.listen_port,
                 );
-                let addr = if host.parse::<std::net::IpAddr>().is_ok() {
-                    addr.to_string()
-                } else {
-                    format!("{host}:{}", r.listen_port)
+                let at = |port: u16| {
+                    if host.parse::<std::net::IpAddr>().is_ok() {
+                        SocketAddr::new(addr.ip(), port).to_string()
+                    } else {
+                        format!("{host}:{port}")
+                    }
                 };
-                match coord.register(addr, r.host, r.rank_hint, out.clone()).await {
+                let reg = Command::Register {
+                    addr: at(r.listen_port),
+                    quic: r.quic_port.map(at),
+                    shm: r.shm_name.clone(),
+                    host: r.host.clone(),
+                    rank_hint: r.rank_hint,
+                };
+                if let Some(why) = bad_registration(&r) {
+                    reply.send(MasterReply::Error {
+                        code: ErrorCode::InvalidArgument,
+                        message: why,
+                    });
+                    continue;
+                }
+                match coord.register(reg, out.clone()).await {
                     Ok(id) => {
                         me = Some(id);
                         reply.send(MasterReply::Registered {
@@ -237,4 +254,26 @@ async fn serve_peer(
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Why a registration's fields cannot be taken as they are: names that would make every
+/// world message huge, or a shm socket name that is not a plain token.
+fn bad_registration(r: &eccl_protocol::RegisterRequest) -> Option<String> {
+    let token = |s: &str| {
+        s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+    };
+    if r.host.len() > 256 || !token(&r.host) {
+        return Some("host identity must be at most 256 characters of [A-Za-z0-9-_.:]".into());
+    }
+    if r.advertise_host.as_ref().is_some_and(|h| h.len() > 256) {
+        return Some("advertised host must be at most 256 characters".into());
+    }
+    if r.shm_name
+        .as_ref()
+        .is_some_and(|n| n.len() > 100 || !token(n))
+    {
+        return Some("shm socket name must be at most 100 characters of [A-Za-z0-9-_.:]".into());
+    }
+    None
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use eccl_protocol::auth::Secret;
 use eccl_protocol::Algo;
+pub use eccl_transport::Transport;
 
 use crate::error::{Error, Result};
 
@@ -33,12 +34,16 @@ pub struct Config {
     pub nstreams: usize,
     /// Force an algorithm (`ECCL_ALGO`: ring, direct, tree).
     pub algo: Option<Algo>,
-    /// Transport backend (`ECCL_TRANSPORT`); only `tcp` is built in so far.
-    pub transport: String,
+    /// Which transport links use (`ECCL_TRANSPORT`: auto, tcp, shm, quic; default auto).
+    pub transport: TransportChoice,
+    /// TLS 1.3 on TCP links (`ECCL_TLS=1`); this peer then refuses plaintext links.
+    pub tls: bool,
     /// Interface to listen on for links (`ECCL_SOCKET_IFNAME`); default: all interfaces,
     /// advertised with the address the master sees.
     pub socket_ifname: Option<String>,
-    /// Host identity; peers with the same one are on the same machine.
+    /// Host identity (`ECCL_HOST_ID`; default: the hostname, the boot id and the network
+    /// namespace): peers with the same one can share memory. Two containers that share a
+    /// hostname but not a network namespace get different identities.
     pub host: String,
     /// Preferred rank at admission (`ECCL_RANK_HINT`, or torchrun's `RANK`).
     pub rank_hint: Option<u32>,
@@ -78,6 +83,41 @@ pub fn secret_from_env() -> Result<Option<Secret>> {
     Ok(None)
 }
 
+/// How a peer picks the transport of each of its links.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory between peers of one host, TCP (TLS with `ECCL_TLS=1`) otherwise.
+    #[default]
+    Auto,
+    Tcp,
+    /// Shared memory between peers of one host; links to other hosts use TCP.
+    Shm,
+    Quic,
+}
+
+impl TransportChoice {
+    pub const ALL: [TransportChoice; 4] = [
+        TransportChoice::Auto,
+        TransportChoice::Tcp,
+        TransportChoice::Shm,
+        TransportChoice::Quic,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Shm => "shm",
+            TransportChoice::Quic => "quic",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TransportChoice> {
+        let s = s.trim().to_ascii_lowercase();
+        TransportChoice::ALL.into_iter().find(|t| t.name() == s)
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
@@ -85,6 +125,40 @@ fn hostname() -> String {
         .filter(|s| !s.is_empty())
         .or_else(|| env("HOSTNAME"))
         .unwrap_or_else(|| "localhost".into())
+}
+
+/// Who can share memory with whom: shm links need the two processes to reach each other's
+/// abstract unix socket, which lives in a network namespace, on one running kernel.
+fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| {
+            s.trim()
+                .replace('-', "")
+                .chars()
+                .take(12)
+                .collect::<String>()
+        })
+        .unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| {
+            p.to_string_lossy()
+                .chars()
+                .filter(char::is_ascii_digit)
+                .collect::<String>()
+        })
+        .unwrap_or_default();
+    let name: String = hostname()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(64)
+        .collect();
+    format!("{name}:{boot}:{netns}")
 }
 
 impl Default for Config {
@@ -98,9 +172,10 @@ impl Default for Config {
             buffsize: 1 << 20,
             nstreams: 1,
             algo: None,
-            transport: "tcp".into(),
+            transport: TransportChoice::Auto,
+            tls: false,
             socket_ifname: None,
-            host: hostname(),
+            host: host_identity(),
             rank_hint: None,
             min_world: 1,
         }
@@ -138,7 +213,25 @@ impl Config {
             })?);
         }
         if let Some(t) = env("ECCL_TRANSPORT") {
-            c.transport = t.to_ascii_lowercase();
+            c.transport = TransportChoice::parse(&t).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "ECCL_TRANSPORT={t:?}: expected auto, tcp, shm or quic"
+                ))
+            })?;
+        }
+        if let Some(t) = env("ECCL_TLS") {
+            c.tls = match t.trim() {
+                "1" | "true" | "yes" | "on" => true,
+                "0" | "false" | "no" | "off" => false,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "ECCL_TLS={t:?}: expected 1 or 0"
+                    )))
+                }
+            };
+        }
+        if let Some(h) = env("ECCL_HOST_ID") {
+            c.host = h;
         }
         c.socket_ifname = env("ECCL_SOCKET_IFNAME");
         c.rank_hint = env_parse("ECCL_RANK_HINT")?;
@@ -163,10 +256,14 @@ impl Config {
                 eccl_protocol::MAX_FRAME_PAYLOAD
             )));
         }
-        if self.transport != "tcp" {
+        let token = |s: &str| {
+            s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+        };
+        if self.host.is_empty() || self.host.len() > 256 || !token(&self.host) {
             return Err(Error::InvalidArgument(format!(
-                "ECCL_TRANSPORT={:?}: this build has only the tcp transport",
-                self.transport
+                "ECCL_HOST_ID={:?} must be 1 to 256 characters of [A-Za-z0-9-_.:]",
+                self.host
             )));
         }
         Ok(())

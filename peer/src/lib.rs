@@ -17,7 +17,7 @@ mod master_client;
 pub mod shared_state;
 
 pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, WorldUpdate};
-pub use config::Config;
+pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{
     auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, NumClass, OpDomain, PeerId,

@@ -287,10 +287,14 @@ async fn garbage_and_strangers_on_sockets_are_refused() {
     // A stranger that sends garbage to the master and to a peer's link port, and one
     // that connects and says nothing: none of them reaches the registry or a link.
     let mut silent = tokio::net::TcpStream::connect(&link_addr).await.unwrap();
-    for addr in [m.addr.clone(), link_addr.clone()] {
+    // The master speaks first (a random nonce); a link port waits for the dialer's mode
+    // byte, and learns nothing it would tell a stranger.
+    for (addr, speaks_first) in [(m.addr.clone(), true), (link_addr.clone(), false)] {
         let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        let mut hello = [0u8; 42];
-        s.read_exact(&mut hello).await.unwrap();
+        if speaks_first {
+            let mut hello = [0u8; 42];
+            s.read_exact(&mut hello).await.unwrap();
+        }
         let _ = s.write_all(&[0x5a; 300]).await;
         let mut rest = Vec::new();
         let n = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;

@@ -75,6 +75,17 @@ impl Secret {
         Ok(Secret(trimmed))
     }
 
+    /// This secret tied to one TLS or QUIC session, from the session's exported keying
+    /// material: both ends of one session derive the same key, and a man in the middle,
+    /// who holds two sessions with different material, cannot relay proofs between them.
+    pub fn bind(&self, session: &[u8]) -> Secret {
+        let mut m =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        m.update(b"eccl-session-binding-v1");
+        m.update(session);
+        Secret(m.finalize().into_bytes().to_vec())
+    }
+
     fn mac(
         &self,
         label: &[u8],

@@ -11,12 +11,16 @@ use crate::types::{PeerId, World};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterRequest {
-    /// Port where this peer accepts links from other peers.
+    /// Port where this peer accepts TCP (and TLS) links from other peers.
     pub listen_port: u16,
+    /// UDP port of this peer's QUIC endpoint.
+    pub quic_port: Option<u16>,
+    /// Name of this peer's abstract unix socket for shm links (same host only).
+    pub shm_name: Option<String>,
     /// Address other peers should dial; if `None` the master uses the source address of
     /// this connection (which is right unless NAT or several interfaces are involved).
     pub advertise_host: Option<String>,
-    /// Host identity; peers on one host share it.
+    /// Host identity: peers that share it can share memory (see `Config::host`).
     pub host: String,
     /// Preferred rank (torchrun's RANK, `eccl-bench --local`'s child index). Honoured
     /// among the peers admitted together; never displaces an existing member.

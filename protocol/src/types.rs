@@ -397,10 +397,15 @@ impl fmt::Display for Rank {
 pub struct Member {
     pub peer_id: PeerId,
     pub rank: Rank,
-    /// Address where the peer accepts links from other peers.
+    /// Address where the peer accepts TCP (and TLS) links from other peers.
     pub addr: String,
-    /// Host identity (peers on the same host sit next to each other in the ring).
+    /// Host identity: peers with the same one can share memory (and sit next to each
+    /// other in the ring).
     pub host: String,
+    /// The peer's QUIC endpoint, if it has one.
+    pub quic: Option<String>,
+    /// The peer's abstract unix socket for shm links, if it has one.
+    pub shm: Option<String>,
 }
 
 /// The world of one epoch: who is in it, their ranks and the ring order. Every member

@@ -36,6 +36,10 @@ pub enum TransportError {
     Poisoned { peer: String },
     #[error("bad link hello from {peer}: {reason}")]
     BadHello { peer: String, reason: String },
+    #[error("TLS with {peer} failed: {reason}")]
+    Tls { peer: String, reason: String },
+    #[error("QUIC with {peer} failed: {reason}")]
+    Quic { peer: String, reason: String },
 }
 
 impl TransportError {

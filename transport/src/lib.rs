@@ -1,20 +1,32 @@
 //! Authenticated connections between eccl processes.
 //!
-//! - [`handshake`]: the HMAC challenge-response every connection runs first.
-//! - [`control`]: length-prefixed control messages (peer <-> master, master <-> master).
-//! - [`link`]: data links between two peers; [`tcp`] is the default backend.
+//! | module | job |
+//! |---|---|
+//! | [`handshake`] | the HMAC challenge-response every connection runs first |
+//! | [`tls`] | TLS 1.3 and the binding of the job secret to a TLS or QUIC session |
+//! | [`control`] | length-prefixed control messages (peer <-> master, master <-> master) |
+//! | [`link`] | a data link to one peer, as the executor sees it, over any transport |
+//! | [`connect`], [`listen`] | dialing and accepting data links over TCP, TLS, shm and QUIC |
+//! | [`shm`] | the shared-memory transport (rings in a sealed memfd) |
+//! | [`quic`] | QUIC endpoints and links (quinn) |
+//! | [`pool`] | receive buffers |
 //!
-//! A link is split into a sending half ([`LinkTx`]) that the caller drives directly, and
-//! a receiving half whose reader task always reads the socket, so that an `Abort` frame
-//! or a closed socket is noticed even while the caller waits on another link.
+//! A link is split into a sending half ([`LinkTx`]) that the caller drives directly and a
+//! receiving half ([`LinkRx`]); an `Abort` frame or a dead peer is noticed even while the
+//! caller waits on another link (stream links have reader tasks, shm links a watcher on
+//! their unix socket).
 
+pub mod connect;
 pub mod control;
 pub mod error;
 pub mod handshake;
 pub mod link;
+pub mod listen;
 pub mod logging;
 pub mod pool;
-pub mod tcp;
+pub mod quic;
+pub mod shm;
+pub mod tls;
 
 pub use error::TransportError;
-pub use link::{Incoming, LinkEvent, LinkRx, LinkTx};
+pub use link::{Incoming, LinkEvent, LinkRx, LinkTx, Payload, Transport};

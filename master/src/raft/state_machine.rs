@@ -216,6 +216,8 @@ mod tests {
         let reg = Command::Register {
             addr: "a:1".into(),
             host: "h".into(),
+            quic: None,
+            shm: None,
             rank_hint: None,
         };
         let out = sm

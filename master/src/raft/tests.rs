@@ -17,6 +17,8 @@ fn register(i: u32) -> Command {
     Command::Register {
         addr: format!("10.0.0.{i}:7000"),
         host: format!("h{i}"),
+        quic: None,
+        shm: None,
         rank_hint: Some(i),
     }
 }

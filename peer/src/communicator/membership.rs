@@ -50,6 +50,8 @@ impl Communicator {
             .request(
                 PeerRequest::Register(RegisterRequest {
                     listen_port: links.local_addr.port(),
+                    quic_port: links.quic_port(),
+                    shm_name: links.shm_name(),
                     advertise_host: links.advertise_host.clone(),
                     host: cfg.host.clone(),
                     rank_hint: cfg.rank_hint,

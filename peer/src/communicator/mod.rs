@@ -118,6 +118,34 @@ impl Communicator {
         &self.cfg
     }
 
+    /// The transport of each link of the current world, by rank (`None` at this rank).
+    pub fn link_transports(&self) -> Vec<Option<eccl_transport::Transport>> {
+        self.cur.as_ref().map_or_else(Vec::new, |c| {
+            c.links
+                .iter()
+                .map(|l| l.as_ref().map(|l| l.tx.transport()))
+                .collect()
+        })
+    }
+
+    /// What this peer's links run on, as `eccl-bench` reports it: `shm`, `tcp`,
+    /// `shm+tcp` for a mixed world, `local` in a world of one.
+    pub fn transport_summary(&self) -> String {
+        let mut names: Vec<&str> = self
+            .link_transports()
+            .into_iter()
+            .flatten()
+            .map(|t| t.name())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        if names.is_empty() {
+            "local".into()
+        } else {
+            names.join("+")
+        }
+    }
+
     fn evicted_error(&self) -> Option<Error> {
         self.evicted
             .lock()

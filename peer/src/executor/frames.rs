@@ -6,8 +6,7 @@ use std::collections::BTreeMap;
 
 use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
-use eccl_transport::link::{Incoming, LinkEvent};
-use eccl_transport::pool::PooledBuf;
+use eccl_transport::link::{Incoming, LinkEvent, Payload};
 
 use super::Op;
 use crate::error::{Error, Result};
@@ -115,7 +114,12 @@ pub(crate) async fn next_frame(
                 format!("rank {rank} ran more than {MAX_STASH} frames ahead"),
             ));
         }
-        rx.stash.push_back(f);
+        // Kept in memory of its own: a slot or pool permit held here could be the one the
+        // sender needs to deliver the frame we wait for.
+        rx.stash.push_back(Incoming {
+            header: f.header,
+            payload: f.payload.detach(),
+        });
     }
 }
 
@@ -144,7 +148,7 @@ pub(crate) async fn recv_msg<F>(
     mut piece: F,
 ) -> Result<()>
 where
-    F: FnMut(usize, PooledBuf) -> Result<()>,
+    F: FnMut(usize, Payload) -> Result<()>,
 {
     let elem = want.desc.dtype.size();
     let mut covered = Coverage::default();

@@ -30,7 +30,7 @@ use eccl_algorithms::{Prim, Schedule};
 use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
 use eccl_transport::link::LinkTx;
-use eccl_transport::pool::PooledBuf;
+use eccl_transport::link::Payload;
 use futures::future::{try_join_all, BoxFuture, FutureExt};
 use tokio::sync::mpsc;
 
@@ -332,9 +332,9 @@ async fn forward<'a, F>(
     mut piece: F,
 ) -> Result<()>
 where
-    F: FnMut(usize, &mut PooledBuf) -> Result<()> + Send + 'a,
+    F: FnMut(usize, &mut Payload) -> Result<()> + Send + 'a,
 {
-    let (ftx, mut frx) = mpsc::unbounded_channel::<(usize, PooledBuf)>();
+    let (ftx, mut frx) = mpsc::unbounded_channel::<(usize, Payload)>();
     let recv = async move {
         recv_msg(op, rx, from, want, total, move |off, mut b| {
             piece(off, &mut b)?;

@@ -350,11 +350,12 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
     let show = rank == 0 && !quiet;
     if show {
         println!(
-            "# eccl-bench {}: {n} ranks, dtype {}, op {}, root {}, transport tcp, {}",
+            "# eccl-bench {}: {n} ranks, dtype {}, op {}, root {}, transport {}, {}",
             kind,
             args.dtype.nccl_name(),
             args.op,
             args.root,
+            comm.transport_summary(),
             if args.inplace {
                 "in place"
             } else {
@@ -506,7 +507,7 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
                 world_size: n as u32,
                 dtype: args.dtype.name().into(),
                 op: args.op.name().into(),
-                transport: "tcp".into(),
+                transport: comm.transport_summary(),
                 rows,
             };
             let text = serde_json::to_string_pretty(&report)

@@ -1,5 +1,5 @@
-//! A data link to one peer: a sending half driven by the caller and a receiving half fed
-//! by one reader task per stream.
+//! Links over byte streams (TCP, TLS over TCP, QUIC streams): a sending half driven by
+//! the caller and a receiving half fed by one reader task per stream.
 //!
 //! A link may have several streams (`ECCL_NSTREAMS`): the frames of one region are dealt
 //! round-robin across them and written concurrently, which helps when one TCP connection
@@ -16,39 +16,19 @@ use futures::future::try_join_all;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use crate::pool::{Pool, PooledBuf};
+use super::{Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload, Transport};
+use crate::pool::Pool;
 use crate::TransportError;
 
 /// Frames a stream's reader may hold before the executor consumes them.
 const POOL_FRAMES: usize = 8;
 
-/// A received frame.
-pub struct Incoming {
-    pub header: FrameHeader,
-    pub payload: PooledBuf,
-}
+/// One direction of a byte stream, whatever its type (TCP, TLS, a QUIC stream).
+pub type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
 
-/// What a link's reader tasks deliver.
-pub enum LinkEvent {
-    Frame(Incoming),
-    /// The link is gone: the peer closed it, a read failed, or it sent a bad header.
-    Failed(Arc<TransportError>),
-}
-
-/// Told about control events as soon as a reader sees them, whatever the executor is
-/// waiting on at the time.
-pub trait LinkObserver: Send + Sync + 'static {
-    /// The peer sent an `Abort` frame.
-    fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str);
-    /// The link failed.
-    fn on_failure(&self, peer: &str, error: &TransportError);
-}
-
-type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
-type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
-
-/// Sending half of a link.
-pub struct LinkTx {
+/// Sending half of a stream link.
+pub(crate) struct StreamTx {
     streams: Vec<BoxWrite>,
     peer: String,
     /// Set while a frame is being written; still set afterwards means the write was
@@ -56,17 +36,13 @@ pub struct LinkTx {
     poisoned: bool,
 }
 
-impl LinkTx {
+impl StreamTx {
     pub fn peer(&self) -> &str {
         &self.peer
     }
 
     pub fn is_poisoned(&self) -> bool {
         self.poisoned
-    }
-
-    pub fn nstreams(&self) -> usize {
-        self.streams.len()
     }
 
     /// Sends `payload` as frames of at most `frame_bytes` bytes (a multiple of
@@ -213,14 +189,16 @@ async fn write_frame(
     w.write_all(p).await
 }
 
-/// Receiving half of a link: frames from every stream, merged.
-pub struct LinkRx {
+/// Receiving half of a stream link: frames from every stream, merged.
+pub(crate) struct StreamRx {
     events: mpsc::Receiver<LinkEvent>,
     readers: Vec<tokio::task::JoinHandle<()>>,
     peer: String,
+    /// Whatever must live as long as the link (a QUIC connection).
+    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
-impl LinkRx {
+impl StreamRx {
     pub fn peer(&self) -> &str {
         &self.peer
     }
@@ -236,7 +214,7 @@ impl LinkRx {
     }
 }
 
-impl Drop for LinkRx {
+impl Drop for StreamRx {
     fn drop(&mut self) {
         for r in &self.readers {
             r.abort();
@@ -245,12 +223,15 @@ impl Drop for LinkRx {
 }
 
 /// Builds a link from already authenticated byte streams (one or more, same order on
-/// both sides). Spawns one reader task per stream on the current tokio runtime.
+/// both sides). Spawns one reader task per stream on the current tokio runtime. `keep`
+/// is held as long as the receiving half (a QUIC connection, which closes when dropped).
 pub fn link_from_streams<R, W>(
     peer: String,
+    transport: Transport,
     streams: Vec<(R, W)>,
     observer: Arc<dyn LinkObserver>,
     keep_buf_max: usize,
+    keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 ) -> (LinkTx, LinkRx)
 where
     R: AsyncRead + Send + Unpin + 'static,
@@ -271,18 +252,18 @@ where
         };
         readers.push(tokio::spawn(read_loop(Box::new(r), ctx)));
     }
-    (
-        LinkTx {
-            streams: writers,
-            peer: peer.clone(),
-            poisoned: false,
-        },
-        LinkRx {
-            events: rx,
-            readers,
-            peer,
-        },
-    )
+    let tx = StreamTx {
+        streams: writers,
+        peer: peer.clone(),
+        poisoned: false,
+    };
+    let rx = StreamRx {
+        events: rx,
+        readers,
+        peer,
+        _keep: keep,
+    };
+    (LinkTx::stream(tx, transport), LinkRx::stream(rx))
 }
 
 struct ReaderCtx {
@@ -340,6 +321,7 @@ async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
             observer.on_abort(&peer, &header, &reason);
             continue;
         }
+        let payload = Payload::Pooled(payload);
         if tx
             .send(LinkEvent::Frame(Incoming { header, payload }))
             .await
@@ -391,7 +373,14 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let (ar, aw) = tokio::io::split(a);
         let seen = Arc::new(Seen::default());
-        let (tx, rx) = link_from_streams("peer".into(), vec![(ar, aw)], seen.clone(), 1 << 20);
+        let (tx, rx) = link_from_streams(
+            "peer".into(),
+            Transport::Tcp,
+            vec![(ar, aw)],
+            seen.clone(),
+            1 << 20,
+            None,
+        );
         (tx, rx, b, seen)
     }
 
@@ -401,8 +390,22 @@ mod tests {
         let (ar, aw) = tokio::io::split(a);
         let (br, bw) = tokio::io::split(b);
         let seen = Arc::new(Seen::default());
-        let (mut tx, _rx_a) = link_from_streams("b".into(), vec![(ar, aw)], seen.clone(), 1 << 20);
-        let (_tx_b, mut rx) = link_from_streams("a".into(), vec![(br, bw)], seen, 1 << 20);
+        let (mut tx, _rx_a) = link_from_streams(
+            "b".into(),
+            Transport::Tcp,
+            vec![(ar, aw)],
+            seen.clone(),
+            1 << 20,
+            None,
+        );
+        let (_tx_b, mut rx) = link_from_streams(
+            "a".into(),
+            Transport::Tcp,
+            vec![(br, bw)],
+            seen,
+            1 << 20,
+            None,
+        );
         let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
         let send = tx.send_region(header(0), &data, 4096, 4, Duration::from_secs(5));
         let recv = async {

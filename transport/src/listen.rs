@@ -1,0 +1,332 @@
+//! Where a peer accepts data links: a TCP listener (plain or TLS, told apart by the
+//! dialer's first byte), an abstract unix socket for shared memory, and a QUIC
+//! endpoint. Every connection must authenticate and introduce itself within the
+//! handshake timeout before it reaches the caller; at most [`MAX_PENDING`] may be doing
+//! so at once, so a flood of strangers cannot tie up a peer.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use eccl_protocol::auth::Secret;
+use eccl_protocol::LinkHello;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::connect::{expect_link_role, read_hello, MODE_PLAIN, MODE_TLS};
+use crate::link::stream::{BoxRead, BoxWrite};
+use crate::link::Transport;
+use crate::quic::QuicLink;
+use crate::{handshake, quic, tls, TransportError};
+
+/// Connections that may be authenticating at once, over all listeners.
+pub const MAX_PENDING: usize = 64;
+
+/// An authenticated, introduced data connection, not yet part of a link.
+pub struct Accepted {
+    pub hello: LinkHello,
+    pub remote: String,
+    pub conn: Conn,
+}
+
+pub enum Conn {
+    /// One stream of a link over TCP or TLS (each of a link's streams is a connection).
+    Stream {
+        transport: Transport,
+        read: BoxRead,
+        write: BoxWrite,
+    },
+    /// A whole shm link, whose segment is passed next ([`crate::shm::accept_link`]).
+    Shm(UnixStream),
+    /// A whole QUIC link.
+    Quic(QuicLink),
+}
+
+impl Conn {
+    pub fn transport(&self) -> Transport {
+        match self {
+            Conn::Stream { transport, .. } => *transport,
+            Conn::Shm(_) => Transport::Shm,
+            Conn::Quic(_) => Transport::Quic,
+        }
+    }
+}
+
+/// What to accept.
+#[derive(Clone, Debug)]
+pub struct ListenOptions {
+    pub bind: IpAddr,
+    pub secret: Secret,
+    /// Refuse plaintext TCP links (this peer runs with `ECCL_TLS=1`).
+    pub require_tls: bool,
+    /// Name of the abstract unix socket for shm links; `None`: no shm listener.
+    pub shm_name: Option<String>,
+    /// Open a QUIC endpoint.
+    pub quic: bool,
+}
+
+/// The listeners of one peer; dropping it stops them.
+pub struct Listeners {
+    pub tcp_addr: SocketAddr,
+    pub shm_name: Option<String>,
+    pub quic_addr: Option<SocketAddr>,
+    /// The QUIC endpoint, also used to dial.
+    pub quic: Option<quinn::Endpoint>,
+    pub accepted: mpsc::Receiver<Accepted>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Listeners {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Some(e) = &self.quic {
+            e.close(0u32.into(), b"bye");
+        }
+    }
+}
+
+/// Opens every listener `opts` asks for.
+pub async fn listen(opts: ListenOptions) -> Result<Listeners, TransportError> {
+    let (tx, rx) = mpsc::channel(256);
+    let pending = Arc::new(Semaphore::new(MAX_PENDING));
+    let tcp = TcpListener::bind((opts.bind, 0))
+        .await
+        .map_err(|e| TransportError::io(opts.bind, e))?;
+    let tcp_addr = tcp
+        .local_addr()
+        .map_err(|e| TransportError::io(opts.bind, e))?;
+    let mut tasks = vec![tokio::spawn(accept_tcp(
+        tcp,
+        opts.clone(),
+        tx.clone(),
+        pending.clone(),
+    ))];
+    let shm_name = match &opts.shm_name {
+        Some(name) => {
+            let addr =
+                crate::connect::abstract_addr(name).map_err(|e| TransportError::io(name, e))?;
+            let std = std::os::unix::net::UnixListener::bind_addr(&addr)
+                .map_err(|e| TransportError::io(name, e))?;
+            std.set_nonblocking(true)
+                .map_err(|e| TransportError::io(name, e))?;
+            let l = UnixListener::from_std(std).map_err(|e| TransportError::io(name, e))?;
+            tasks.push(tokio::spawn(accept_shm(
+                l,
+                opts.secret.clone(),
+                tx.clone(),
+                pending.clone(),
+            )));
+            Some(name.clone())
+        }
+        None => None,
+    };
+    let (quic, quic_addr) = if opts.quic {
+        let ep = quic::endpoint(SocketAddr::new(opts.bind, 0))?;
+        let addr = ep
+            .local_addr()
+            .map_err(|e| TransportError::io(opts.bind, e))?;
+        tasks.push(tokio::spawn(accept_quic(
+            ep.clone(),
+            opts.secret.clone(),
+            tx,
+            pending,
+        )));
+        (Some(ep), Some(addr))
+    } else {
+        (None, None)
+    };
+    Ok(Listeners {
+        tcp_addr,
+        shm_name,
+        quic_addr,
+        quic,
+        accepted: rx,
+        tasks,
+    })
+}
+
+/// Runs `work` for one connection if a pending slot is free; a connection that finds
+/// none is dropped at once.
+fn handle<F>(pending: &Arc<Semaphore>, what: String, work: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let Ok(permit) = pending.clone().try_acquire_owned() else {
+        tracing::warn!(target: "eccl::net", "dropping {what}: {MAX_PENDING} connections are already authenticating");
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        work.await
+    });
+}
+
+async fn accept_tcp(
+    listener: TcpListener,
+    opts: ListenOptions,
+    out: mpsc::Sender<Accepted>,
+    pending: Arc<Semaphore>,
+) {
+    loop {
+        let (stream, remote) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(target: "eccl::net", "accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (opts, out2) = (opts.clone(), out.clone());
+        handle(
+            &pending,
+            format!("a connection from {remote}"),
+            async move {
+                let r = tcp_one(stream, remote, &opts).await;
+                deliver(r, &out2, &remote.to_string()).await
+            },
+        );
+    }
+}
+
+/// Hands an accepted connection on, or logs why it was refused.
+async fn deliver(r: Result<Accepted, TransportError>, out: &mpsc::Sender<Accepted>, remote: &str) {
+    match r {
+        Ok(a) => {
+            // The receiver is gone only when the peer is shutting down.
+            let _ = out.send(a).await;
+        }
+        Err(e) => tracing::warn!(target: "eccl::net", "refused data connection from {remote}: {e}"),
+    }
+}
+
+async fn tcp_one(
+    mut stream: TcpStream,
+    remote: SocketAddr,
+    opts: &ListenOptions,
+) -> Result<Accepted, TransportError> {
+    let name = remote.to_string();
+    stream
+        .set_nodelay(true)
+        .map_err(|e| TransportError::io(&name, e))?;
+    let mut mode = [0u8; 1];
+    tokio::time::timeout(handshake::HANDSHAKE_TIMEOUT, stream.read_exact(&mut mode))
+        .await
+        .map_err(|_| TransportError::Timeout(name.clone()))?
+        .map_err(|e| TransportError::io(&name, e))?;
+    let (hello, transport, read, write): (LinkHello, Transport, BoxRead, BoxWrite) = match mode[0] {
+        MODE_TLS => {
+            let (role, mut s) = tls::accept(stream, &opts.secret, &name).await?;
+            expect_link_role(role, &name)?;
+            let hello = read_hello(&mut s, &name).await?;
+            let (r, w) = tokio::io::split(s);
+            (hello, Transport::Tls, Box::new(r), Box::new(w))
+        }
+        MODE_PLAIN if !opts.require_tls => {
+            let role = handshake::accept(&mut stream, &opts.secret, &name).await?;
+            expect_link_role(role, &name)?;
+            let hello = read_hello(&mut stream, &name).await?;
+            let (r, w) = stream.into_split();
+            (hello, Transport::Tcp, Box::new(r), Box::new(w))
+        }
+        MODE_PLAIN => {
+            return Err(TransportError::BadHello {
+                peer: name,
+                reason: "a plaintext link, and this peer requires TLS (ECCL_TLS=1 on every peer)"
+                    .into(),
+            })
+        }
+        other => {
+            return Err(TransportError::BadHello {
+                peer: name,
+                reason: format!("unknown mode byte {other:#04x} (not an eccl peer?)"),
+            })
+        }
+    };
+    Ok(Accepted {
+        hello,
+        remote: name,
+        conn: Conn::Stream {
+            transport,
+            read,
+            write,
+        },
+    })
+}
+
+async fn accept_shm(
+    listener: UnixListener,
+    secret: Secret,
+    out: mpsc::Sender<Accepted>,
+    pending: Arc<Semaphore>,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(target: "eccl::net", "shm accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (secret, out2) = (secret.clone(), out.clone());
+        handle(&pending, "a local connection".into(), async move {
+            let r = shm_one(stream, &secret).await;
+            deliver(r, &out2, "a local process").await
+        });
+    }
+}
+
+async fn shm_one(mut stream: UnixStream, secret: &Secret) -> Result<Accepted, TransportError> {
+    let name = match stream.peer_cred() {
+        Ok(c) => format!("local pid {}", c.pid().unwrap_or(0)),
+        Err(_) => "a local process".to_string(),
+    };
+    let mut mode = [0u8; 1];
+    tokio::time::timeout(handshake::HANDSHAKE_TIMEOUT, stream.read_exact(&mut mode))
+        .await
+        .map_err(|_| TransportError::Timeout(name.clone()))?
+        .map_err(|e| TransportError::io(&name, e))?;
+    if mode[0] != MODE_PLAIN {
+        return Err(TransportError::BadHello {
+            peer: name,
+            reason: format!("mode byte {:#04x} on a shm link", mode[0]),
+        });
+    }
+    let role = handshake::accept(&mut stream, secret, &name).await?;
+    expect_link_role(role, &name)?;
+    let hello = read_hello(&mut stream, &name).await?;
+    Ok(Accepted {
+        hello,
+        remote: name,
+        conn: Conn::Shm(stream),
+    })
+}
+
+async fn accept_quic(
+    endpoint: quinn::Endpoint,
+    secret: Secret,
+    out: mpsc::Sender<Accepted>,
+    pending: Arc<Semaphore>,
+) {
+    while let Some(incoming) = endpoint.accept().await {
+        let remote = incoming.remote_address().to_string();
+        let (secret, out2) = (secret.clone(), out.clone());
+        handle(
+            &pending,
+            format!("a QUIC connection from {remote}"),
+            async move {
+                let r = quic::accept(incoming, &secret)
+                    .await
+                    .map(|(hello, link, remote)| Accepted {
+                        hello,
+                        remote,
+                        conn: Conn::Quic(link),
+                    });
+                deliver(r, &out2, &remote).await
+            },
+        );
+    }
+}

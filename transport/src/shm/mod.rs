@@ -1,0 +1,606 @@
+//! Shared memory between two peers of one host, after NCCL's SHM transport: the sender
+//! copies a frame into a slot of a ring in memory both processes map, the receiver reads
+//! (and reduces from) the slot where it lies and releases it. One copy per hop, and no
+//! system call per frame while both sides keep up.
+//!
+//! - **Set-up.** The dialer connects to the acceptor's abstract unix socket (nothing on
+//!   the filesystem), both authenticate with the job secret, and the dialer passes a
+//!   sealed memfd and four eventfds with `SCM_RIGHTS`. Nothing is left behind when any
+//!   process dies: the memory goes with the last descriptor.
+//! - **Waiting** never burns a core for long: a side that finds nothing to do spins for
+//!   [`SPIN`], then sets its `waiting` flag and sleeps on an eventfd, which the other
+//!   side writes only when it sees the flag (a Dekker-style exchange on `SeqCst`
+//!   atomics, so no wake-up is lost).
+//! - **Liveness.** A segment does not close when its owner dies, so the unix socket
+//!   stays open as the link's liveness channel: a dead peer's socket reaches EOF, which
+//!   fails the link after the frames it published are read. It also carries `Abort` and
+//!   `Close` frames, seen at once by a watcher task whatever the executor waits on; a
+//!   stopped peer is the master's to catch (its lease), like on every transport.
+
+mod fds;
+mod segment;
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use eccl_protocol::frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::sync::Notify;
+
+use crate::link::{Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload};
+use crate::TransportError;
+pub(crate) use segment::Geometry;
+use segment::{Mapping, NSLOTS};
+
+/// How long a side that has nothing to do spins before it sleeps on its eventfd. Long
+/// enough to catch a peer running on another core mid-message (a 1 KiB hop takes a few
+/// microseconds), short enough that a waiting process leaves the core to others.
+pub const SPIN: Duration = Duration::from_micros(30);
+
+/// The slot size for frames of `frame_bytes`: whole pages, at least a shared-state chunk.
+pub fn slot_bytes(frame_bytes: usize) -> usize {
+    frame_bytes
+        .clamp(segment::MIN_SLOT, segment::MAX_SLOT)
+        .div_ceil(4096)
+        * 4096
+}
+
+/// Link state as the watcher sees the unix socket.
+struct Liveness {
+    /// 0 up, 1 closed on purpose, 2 failed.
+    state: AtomicU8,
+    error: Mutex<Option<Arc<TransportError>>>,
+    notify: Notify,
+}
+
+impl Liveness {
+    fn down(&self, error: TransportError, closed: bool) {
+        if let Ok(mut e) = self.error.lock() {
+            e.get_or_insert_with(|| Arc::new(error));
+        }
+        self.state
+            .store(if closed { 1 } else { 2 }, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    fn error(&self) -> Option<Arc<TransportError>> {
+        if self.state.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        self.error.lock().ok().and_then(|e| e.clone())
+    }
+}
+
+/// What both halves of a link share.
+struct Shared {
+    map: Mapping,
+    peer: String,
+    live: Arc<Liveness>,
+    /// Wakes the peer's receiver of our sending ring, and the peer's sender of our
+    /// receiving ring (when a slot is released).
+    wake_reader: OwnedFd,
+    wake_writer: OwnedFd,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+/// Why a wait ended without what it waited for.
+enum WaitEnd {
+    Down(Arc<TransportError>),
+    Timeout,
+}
+
+/// Spins, then sleeps on `fd` (with `flag` raised) until `ready()` holds, the link goes
+/// down, or `deadline` passes.
+async fn wait_for(
+    ready: impl Fn() -> bool,
+    flag: &std::sync::atomic::AtomicU32,
+    fd: &AsyncFd<OwnedFd>,
+    live: &Liveness,
+    deadline: Option<tokio::time::Instant>,
+) -> Result<(), WaitEnd> {
+    let spin_until = Instant::now() + SPIN;
+    while Instant::now() < spin_until {
+        for _ in 0..64 {
+            if ready() {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+    }
+    loop {
+        let notified = live.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        flag.store(1, Ordering::SeqCst);
+        if ready() {
+            flag.store(0, Ordering::SeqCst);
+            return Ok(());
+        }
+        if let Some(e) = live.error() {
+            flag.store(0, Ordering::SeqCst);
+            return Err(WaitEnd::Down(e));
+        }
+        let sleep = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = fd.readable() => {
+                if let Ok(mut guard) = r {
+                    fds::drain(fd.get_ref().as_raw_fd());
+                    guard.clear_ready();
+                }
+            }
+            _ = &mut notified => {}
+            _ = sleep => {
+                flag.store(0, Ordering::SeqCst);
+                return Err(WaitEnd::Timeout);
+            }
+        }
+        flag.store(0, Ordering::SeqCst);
+    }
+}
+
+/// Sending half: writes frames into the ring the peer reads.
+pub(crate) struct ShmTx {
+    shared: Arc<Shared>,
+    ring: usize,
+    next: u64,
+    space: AsyncFd<OwnedFd>,
+    control: OwnedWriteHalf,
+}
+
+impl ShmTx {
+    pub fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    fn err_down(&self, e: Arc<TransportError>) -> TransportError {
+        match &*e {
+            TransportError::Closed { .. } => TransportError::Closed {
+                peer: self.shared.peer.clone(),
+            },
+            other => TransportError::Io {
+                peer: self.shared.peer.clone(),
+                source: std::io::Error::other(other.to_string()),
+            },
+        }
+    }
+
+    /// Publishes one frame: waits for the next slot to be free, copies `data` into it,
+    /// writes the header and moves the ring's head.
+    async fn publish(
+        &mut self,
+        mut header: FrameHeader,
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        let slot = (self.next % NSLOTS as u64) as usize;
+        let map = &self.shared.map;
+        if data.len() > map.geometry().slot_bytes {
+            return Err(TransportError::Io {
+                peer: self.shared.peer.clone(),
+                source: std::io::Error::other(format!(
+                    "a {}-byte frame does not fit a {}-byte slot",
+                    data.len(),
+                    map.geometry().slot_bytes
+                )),
+            });
+        }
+        let busy = map.busy(self.ring, slot);
+        let free = || busy.load(Ordering::Acquire) == 0;
+        if !free() {
+            let deadline = tokio::time::Instant::now() + timeout;
+            let flag = map.writer_waiting(self.ring);
+            match wait_for(free, flag, &self.space, &self.shared.live, Some(deadline)).await {
+                Ok(()) => {}
+                Err(WaitEnd::Down(e)) => return Err(self.err_down(e)),
+                Err(WaitEnd::Timeout) => {
+                    return Err(TransportError::Timeout(self.shared.peer.clone()))
+                }
+            }
+        }
+        if let Some(e) = self.shared.live.error() {
+            return Err(self.err_down(e));
+        }
+        // From here to the head's move nothing awaits: a cancelled send never leaves a
+        // half-written frame published.
+        // SAFETY: `busy` is 0, so this side owns the slot (see `Mapping::slot`).
+        let dst = unsafe { map.slot(self.ring, slot) };
+        dst[..data.len()].copy_from_slice(data);
+        header.len = data.len() as u32;
+        map.write_header(self.ring, slot, &header.encode());
+        busy.store(1, Ordering::Relaxed);
+        self.next += 1;
+        map.head(self.ring).store(self.next, Ordering::SeqCst);
+        if map.reader_waiting(self.ring).load(Ordering::SeqCst) != 0 {
+            fds::signal(&self.shared.wake_reader);
+        }
+        Ok(())
+    }
+
+    pub async fn send_region(
+        &mut self,
+        header: FrameHeader,
+        payload: &[u8],
+        frame_bytes: usize,
+        align: usize,
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        let align = align.max(1);
+        let slot = self.shared.map.geometry().slot_bytes;
+        let frame = (frame_bytes.clamp(align, slot) / align * align).max(align);
+        if payload.is_empty() {
+            return self.publish(header, &[], timeout).await;
+        }
+        for (i, part) in payload.chunks(frame).enumerate() {
+            let mut h = header;
+            h.offset = (i * frame) as u64;
+            self.publish(h, part, timeout).await?;
+        }
+        Ok(())
+    }
+
+    /// `Abort` and `Close` go over the unix socket, where the peer's watcher sees them
+    /// at once; every other frame goes through the ring.
+    pub async fn send_frame(
+        &mut self,
+        header: FrameHeader,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        match header.kind {
+            FrameKind::Abort | FrameKind::Close => {
+                let mut h = header;
+                h.len = payload.len() as u32;
+                let write = async {
+                    self.control.write_all(&h.encode()).await?;
+                    self.control.write_all(payload).await
+                };
+                match tokio::time::timeout(timeout, write).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(TransportError::io(&self.shared.peer, e)),
+                    Err(_) => Err(TransportError::Timeout(self.shared.peer.clone())),
+                }
+            }
+            _ => self.publish(header, payload, timeout).await,
+        }
+    }
+
+    pub async fn close(mut self, header: FrameHeader) {
+        let mut h = header;
+        h.kind = FrameKind::Close;
+        let _ = self.send_frame(h, &[], Duration::from_millis(200)).await;
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.control.shutdown()).await;
+    }
+}
+
+/// Receiving half: reads frames from the ring the peer writes.
+pub(crate) struct ShmRx {
+    shared: Arc<Shared>,
+    ring: usize,
+    next: u64,
+    data: AsyncFd<OwnedFd>,
+    /// The failure was reported; nothing more comes.
+    done: bool,
+}
+
+/// A received frame's slot. Dropping it hands the slot back to the sender.
+pub struct Slot {
+    shared: Arc<Shared>,
+    ring: usize,
+    index: usize,
+    len: usize,
+}
+
+impl Slot {
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: the receiver owns a taken slot until this `Slot` is dropped.
+        unsafe { &self.shared.map.slot(self.ring, self.index)[..self.len] }
+    }
+
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_bytes`; `&mut self` keeps this the only view.
+        unsafe { &mut self.shared.map.slot(self.ring, self.index)[..self.len] }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let map = &self.shared.map;
+        map.busy(self.ring, self.index).store(0, Ordering::SeqCst);
+        if map.writer_waiting(self.ring).load(Ordering::SeqCst) != 0 {
+            fds::signal(&self.shared.wake_writer);
+        }
+    }
+}
+
+impl ShmRx {
+    pub fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    fn failed(&mut self, e: TransportError) -> LinkEvent {
+        self.done = true;
+        self.shared.live.down(
+            TransportError::Closed {
+                peer: self.shared.peer.clone(),
+            },
+            false,
+        );
+        LinkEvent::Failed(Arc::new(e))
+    }
+
+    /// The next published frame, if there is one.
+    fn take(&mut self) -> Option<LinkEvent> {
+        let map = &self.shared.map;
+        let head = map.head(self.ring).load(Ordering::Acquire);
+        if head <= self.next {
+            return None;
+        }
+        if head - self.next > NSLOTS as u64 {
+            let peer = self.shared.peer.clone();
+            return Some(self.failed(TransportError::Io {
+                peer,
+                source: std::io::Error::other("the peer published past the end of the ring"),
+            }));
+        }
+        let index = (self.next % NSLOTS as u64) as usize;
+        let raw: [u8; FRAME_HEADER_LEN] = map.read_header(self.ring, index);
+        let header = match FrameHeader::decode(&raw) {
+            Ok(h) if (h.len as usize) <= map.geometry().slot_bytes => h,
+            Ok(h) => {
+                let peer = self.shared.peer.clone();
+                return Some(self.failed(TransportError::Io {
+                    peer,
+                    source: std::io::Error::other(format!(
+                        "a frame of {} bytes in a slot of {}",
+                        h.len,
+                        map.geometry().slot_bytes
+                    )),
+                }));
+            }
+            Err(source) => {
+                let peer = self.shared.peer.clone();
+                return Some(self.failed(TransportError::Header { peer, source }));
+            }
+        };
+        self.next += 1;
+        let slot = Slot {
+            shared: self.shared.clone(),
+            ring: self.ring,
+            index,
+            len: header.len as usize,
+        };
+        Some(LinkEvent::Frame(Incoming {
+            header,
+            payload: Payload::Shm(slot),
+        }))
+    }
+
+    pub async fn next(&mut self) -> Option<LinkEvent> {
+        loop {
+            if self.done {
+                return None;
+            }
+            if let Some(ev) = self.take() {
+                return Some(ev);
+            }
+            // Down, and every frame published before is taken: report it once.
+            if let Some(e) = self.shared.live.error() {
+                if let Some(ev) = self.take() {
+                    return Some(ev);
+                }
+                self.done = true;
+                return Some(LinkEvent::Failed(e));
+            }
+            let map = &self.shared.map;
+            let (ring, next) = (self.ring, self.next);
+            let ready = || map.head(ring).load(Ordering::Acquire) > next;
+            let flag = map.reader_waiting(ring);
+            let _ = wait_for(ready, flag, &self.data, &self.shared.live, None).await;
+        }
+    }
+
+    pub fn try_next(&mut self) -> Option<LinkEvent> {
+        if self.done {
+            return None;
+        }
+        if let Some(ev) = self.take() {
+            return Some(ev);
+        }
+        let e = self.shared.live.error()?;
+        self.done = true;
+        Some(LinkEvent::Failed(e))
+    }
+}
+
+/// Reads the unix socket until it ends: `Abort` frames go to the observer at once, a
+/// `Close` or the end of the socket takes the link down.
+async fn watch(
+    mut r: OwnedReadHalf,
+    live: Arc<Liveness>,
+    observer: Arc<dyn LinkObserver>,
+    peer: String,
+) {
+    loop {
+        let mut hb = [0u8; FRAME_HEADER_LEN];
+        if let Err(e) = r.read_exact(&mut hb).await {
+            let e = TransportError::io(&peer, e);
+            let closed = matches!(e, TransportError::Closed { .. });
+            if !closed {
+                observer.on_failure(&peer, &e);
+            }
+            return live.down(e, closed);
+        }
+        let h = match FrameHeader::decode(&hb) {
+            Ok(h) if matches!(h.kind, FrameKind::Abort | FrameKind::Close) && h.len <= 4096 => h,
+            _ => {
+                let e = TransportError::Io {
+                    peer: peer.clone(),
+                    source: std::io::Error::other("a bad frame on the shm control socket"),
+                };
+                observer.on_failure(&peer, &e);
+                return live.down(e, false);
+            }
+        };
+        let mut reason = vec![0u8; h.len as usize];
+        if let Err(e) = r.read_exact(&mut reason).await {
+            return live.down(TransportError::io(&peer, e), false);
+        }
+        if h.kind == FrameKind::Close {
+            return live.down(TransportError::Closed { peer }, true);
+        }
+        observer.on_abort(&peer, &h, &String::from_utf8_lossy(&reason));
+    }
+}
+
+/// An eventfd registered with the runtime, to sleep on until it is written.
+fn readable(fd: OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: the `AsyncFd` owns the `OwnedFd`, so the descriptor stays open and names
+    // the same eventfd for the `AsyncFd`'s whole life.
+    unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)
+}
+
+/// Builds the two halves of a link over a mapped segment. `ring` is the ring this side
+/// sends on (0 for the dialer).
+fn build(
+    stream: UnixStream,
+    map: Mapping,
+    fds: fds::LinkFds,
+    ring: usize,
+    peer: String,
+    observer: Arc<dyn LinkObserver>,
+) -> std::io::Result<(LinkTx, LinkRx)> {
+    let other = 1 - ring;
+    let fds::LinkFds {
+        segment,
+        data: [d0, d1],
+        space: [s0, s1],
+    } = fds;
+    drop(segment); // the mapping keeps the memory
+    let (mut data, mut space) = ([Some(d0), Some(d1)], [Some(s0), Some(s1)]);
+    let take = |v: &mut [Option<OwnedFd>; 2], i: usize| v[i].take().expect("each fd once");
+    let wake_reader = take(&mut data, ring);
+    let wait_data = take(&mut data, other);
+    let wait_space = take(&mut space, ring);
+    let wake_writer = take(&mut space, other);
+    let (r, w) = stream.into_split();
+    let live = Arc::new(Liveness {
+        state: AtomicU8::new(0),
+        error: Mutex::new(None),
+        notify: Notify::new(),
+    });
+    let watcher = tokio::spawn(watch(r, live.clone(), observer, peer.clone()));
+    let shared = Arc::new(Shared {
+        map,
+        peer,
+        live,
+        wake_reader,
+        wake_writer,
+        watcher,
+    });
+    let tx = ShmTx {
+        shared: shared.clone(),
+        ring,
+        next: 0,
+        space: readable(wait_space)?,
+        control: w,
+    };
+    let rx = ShmRx {
+        shared,
+        ring: other,
+        next: 0,
+        data: readable(wait_data)?,
+        done: false,
+    };
+    Ok((LinkTx::shm(tx), LinkRx::shm(rx)))
+}
+
+/// The set-up message: slot size and slot count, little-endian.
+type Setup = [u8; 8];
+
+fn setup_err(peer: &str, why: impl std::fmt::Display) -> TransportError {
+    TransportError::BadHello {
+        peer: peer.to_string(),
+        reason: format!("shm set-up: {why}"),
+    }
+}
+
+/// Dialer side, on an authenticated and introduced unix stream: creates the segment,
+/// passes it, waits for the acceptor to have mapped it.
+pub async fn dial_link(
+    mut stream: UnixStream,
+    frame_bytes: usize,
+    peer: String,
+    observer: Arc<dyn LinkObserver>,
+    timeout: Duration,
+) -> Result<(LinkTx, LinkRx), TransportError> {
+    let geo = Geometry::new(slot_bytes(frame_bytes))
+        .ok_or_else(|| setup_err(&peer, "no valid slot size"))?;
+    let fds = fds::LinkFds::create(geo).map_err(|e| TransportError::io(&peer, e))?;
+    let map = Mapping::map(&fds.segment, geo).map_err(|e| TransportError::io(&peer, e))?;
+    let mut setup: Setup = [0; 8];
+    setup[..4].copy_from_slice(&(geo.slot_bytes as u32).to_le_bytes());
+    setup[4..].copy_from_slice(&(NSLOTS as u32).to_le_bytes());
+    let exchange = async {
+        fds::send(&stream, &setup, &fds).await?;
+        let mut ack = [0u8; 1];
+        stream.read_exact(&mut ack).await?;
+        Ok::<_, std::io::Error>(ack[0])
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(Ok(1)) => {}
+        Ok(Ok(_)) => return Err(setup_err(&peer, "the acceptor refused the segment")),
+        Ok(Err(e)) => return Err(TransportError::io(&peer, e)),
+        Err(_) => return Err(TransportError::Timeout(peer)),
+    }
+    build(stream, map, fds, 0, peer, observer).map_err(|e| TransportError::io("shm", e))
+}
+
+/// Acceptor side: receives the segment, checks and maps it, and acknowledges.
+pub async fn accept_link(
+    mut stream: UnixStream,
+    peer: String,
+    observer: Arc<dyn LinkObserver>,
+    timeout: Duration,
+) -> Result<(LinkTx, LinkRx), TransportError> {
+    let (setup, fds) = match tokio::time::timeout(timeout, fds::recv::<8>(&stream)).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return Err(setup_err(&peer, e)),
+        Err(_) => return Err(TransportError::Timeout(peer)),
+    };
+    let slot = u32::from_le_bytes([setup[0], setup[1], setup[2], setup[3]]) as usize;
+    let nslots = u32::from_le_bytes([setup[4], setup[5], setup[6], setup[7]]) as usize;
+    let geo = match Geometry::new(slot).filter(|_| nslots == NSLOTS) {
+        Some(g) => g,
+        None => {
+            let _ = stream.write_all(&[0]).await;
+            return Err(setup_err(&peer, format!("{nslots} slots of {slot} bytes")));
+        }
+    };
+    if let Err(why) = segment::check(&fds.segment, geo) {
+        let _ = stream.write_all(&[0]).await;
+        return Err(setup_err(&peer, why));
+    }
+    let map = Mapping::map(&fds.segment, geo).map_err(|e| TransportError::io(&peer, e))?;
+    stream
+        .write_all(&[1])
+        .await
+        .map_err(|e| TransportError::io(&peer, e))?;
+    build(stream, map, fds, 1, peer, observer).map_err(|e| TransportError::io("shm", e))
+}

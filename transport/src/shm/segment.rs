@@ -1,0 +1,238 @@
+//! The shared segment of one shm link: a sealed memfd holding two rings, one per
+//! direction, and the raw accessors to it. This file and `fds.rs` are the shm
+//! transport's `unsafe`; everything above them works with safe views.
+//!
+//! ```text
+//! ring (every part page-aligned):
+//!   0                control: head: u64 (frames published, written by the sender)
+//!                             reader_waiting: u32, writer_waiting: u32 (own cache lines)
+//!   PAGE             NSLOTS descriptors of DESC bytes: header [u8; 64], busy: u32
+//!   PAGE + DESCS     NSLOTS slots of slot_bytes each
+//! segment = ring 0 (dialer -> acceptor) then ring 1 (acceptor -> dialer)
+//! ```
+//!
+//! The segment is sealed against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW`)
+//! before the acceptor maps it, and the acceptor checks the seals and the size: a peer
+//! cannot make an access beyond the end of the file raise SIGBUS in another process.
+
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+
+/// Slots per ring: enough frames in flight to keep a ring pipeline busy, few enough that
+/// a world of many local peers does not reserve gigabytes.
+pub(crate) const NSLOTS: usize = 8;
+const PAGE: usize = 4096;
+const DESC: usize = 128;
+const DESCS: usize = (NSLOTS * DESC).div_ceil(PAGE) * PAGE;
+
+/// Smallest and largest slot: a shared-state chunk must fit (1 MiB), and a frame is at
+/// most the protocol's limit.
+pub(crate) const MIN_SLOT: usize = eccl_protocol::STATE_CHUNK;
+pub(crate) const MAX_SLOT: usize = eccl_protocol::MAX_FRAME_PAYLOAD;
+
+/// The shape of a segment, which both ends compute from `slot_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub slot_bytes: usize,
+}
+
+impl Geometry {
+    /// The geometry for slots of `slot_bytes`, if it is a page multiple within bounds.
+    pub fn new(slot_bytes: usize) -> Option<Geometry> {
+        (slot_bytes % PAGE == 0 && (MIN_SLOT..=MAX_SLOT).contains(&slot_bytes))
+            .then_some(Geometry { slot_bytes })
+    }
+
+    fn ring_bytes(&self) -> usize {
+        PAGE + DESCS + NSLOTS * self.slot_bytes
+    }
+
+    pub fn segment_bytes(&self) -> usize {
+        2 * self.ring_bytes()
+    }
+}
+
+/// The seals every segment carries before it is shared.
+pub(crate) fn seals() -> SealFlag {
+    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW
+}
+
+/// Seals a segment the caller created, so that nobody can change its size any more.
+pub(crate) fn seal(fd: &OwnedFd) -> std::io::Result<()> {
+    fcntl(
+        fd.as_raw_fd(),
+        FcntlArg::F_ADD_SEALS(seals() | SealFlag::F_SEAL_SEAL),
+    )?;
+    Ok(())
+}
+
+/// Checks a segment received from a peer: sealed against resizing, and of the size
+/// `geo` needs.
+pub(crate) fn check(fd: &OwnedFd, geo: Geometry) -> Result<(), String> {
+    let got = fcntl(fd.as_raw_fd(), FcntlArg::F_GET_SEALS)
+        .map_err(|e| format!("cannot read the segment's seals: {e}"))?;
+    if SealFlag::from_bits_truncate(got) & seals() != seals() {
+        return Err("the segment is not sealed against resizing".into());
+    }
+    let st = nix::sys::stat::fstat(fd.as_raw_fd())
+        .map_err(|e| format!("cannot stat the segment: {e}"))?;
+    if st.st_size as u64 != geo.segment_bytes() as u64 {
+        return Err(format!(
+            "the segment has {} bytes, {} expected",
+            st.st_size,
+            geo.segment_bytes()
+        ));
+    }
+    Ok(())
+}
+
+/// A segment mapped into this process.
+pub(crate) struct Mapping {
+    base: NonNull<u8>,
+    geo: Geometry,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through atomics or
+// through slot views whose ownership the ring protocol hands from one side to the other
+// (see `Mapping::slot`), so it may be used from any thread.
+unsafe impl Send for Mapping {}
+// SAFETY: as for Send.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps a segment that `check` accepted (or that this process created and sealed).
+    pub fn map(fd: &OwnedFd, geo: Geometry) -> std::io::Result<Mapping> {
+        let len = NonZeroUsize::new(geo.segment_bytes()).expect("segments are never empty");
+        // SAFETY: a fresh shared mapping of a file whose size equals `len` and cannot
+        // change (sealed); nothing else in this process refers to the address yet.
+        let base = unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
+        }?;
+        Ok(Mapping {
+            base: base.cast(),
+            geo,
+        })
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    fn ring(&self, ring: usize) -> *mut u8 {
+        debug_assert!(ring < 2);
+        // In bounds: ring < 2 and the segment holds two rings.
+        self.base
+            .as_ptr()
+            .wrapping_add((ring & 1) * self.geo.ring_bytes())
+    }
+
+    fn atomic_u64(&self, p: *mut u8) -> &AtomicU64 {
+        // SAFETY: `p` is an 8-aligned offset inside the live mapping (offsets below are
+        // multiples of 64 from a page-aligned base); an AtomicU64 has the layout of a
+        // u64 and may be shared with another process, which only touches it atomically.
+        unsafe { &*(p as *const AtomicU64) }
+    }
+
+    fn atomic_u32(&self, p: *mut u8) -> &AtomicU32 {
+        // SAFETY: as in `atomic_u64`, for a 4-aligned offset.
+        unsafe { &*(p as *const AtomicU32) }
+    }
+
+    /// Frames the sender of `ring` has published.
+    pub fn head(&self, ring: usize) -> &AtomicU64 {
+        self.atomic_u64(self.ring(ring))
+    }
+
+    /// Set by the receiver of `ring` before it sleeps on the data eventfd.
+    pub fn reader_waiting(&self, ring: usize) -> &AtomicU32 {
+        self.atomic_u32(self.ring(ring).wrapping_add(64))
+    }
+
+    /// Set by the sender of `ring` before it sleeps on the space eventfd.
+    pub fn writer_waiting(&self, ring: usize) -> &AtomicU32 {
+        self.atomic_u32(self.ring(ring).wrapping_add(128))
+    }
+
+    fn desc(&self, ring: usize, slot: usize) -> *mut u8 {
+        self.ring(ring).wrapping_add(PAGE + (slot % NSLOTS) * DESC)
+    }
+
+    /// 1 while the slot holds a published frame the receiver has not released.
+    pub fn busy(&self, ring: usize, slot: usize) -> &AtomicU32 {
+        self.atomic_u32(self.desc(ring, slot).wrapping_add(64))
+    }
+
+    /// Writes a frame header into the descriptor of `slot`.
+    ///
+    /// The caller is the ring's sender and owns the slot (its `busy` is 0).
+    pub fn write_header(&self, ring: usize, slot: usize, header: &[u8; 64]) {
+        // SAFETY: the descriptor's first 64 bytes are inside the mapping; the sender
+        // owns them while `busy` is 0, so the receiver does not read them meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.desc(ring, slot), 64) }
+    }
+
+    /// Reads the frame header of `slot` (a copy: what is decoded cannot change after).
+    ///
+    /// The caller is the ring's receiver and the frame is published.
+    pub fn read_header(&self, ring: usize, slot: usize) -> [u8; 64] {
+        let mut h = [0u8; 64];
+        // SAFETY: inside the mapping; the sender does not write a published frame's
+        // descriptor until the receiver releases it.
+        unsafe { std::ptr::copy_nonoverlapping(self.desc(ring, slot), h.as_mut_ptr(), 64) };
+        h
+    }
+
+    /// The bytes of `slot`.
+    ///
+    /// # Safety
+    /// The caller must own the slot for as long as the slice lives: the ring's sender
+    /// while its `busy` is 0, the receiver from taking a published frame until it
+    /// releases it. The ring protocol makes these two periods disjoint, so neither side
+    /// aliases a slice the other holds. (A peer that broke the protocol could only
+    /// scribble on plain bytes of its own frames; it cannot move the bounds.)
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot(&self, ring: usize, slot: usize) -> &mut [u8] {
+        let p = self
+            .ring(ring)
+            .wrapping_add(PAGE + DESCS + (slot % NSLOTS) * self.geo.slot_bytes);
+        std::slice::from_raw_parts_mut(p, self.geo.slot_bytes)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let len = self.geo.segment_bytes();
+        // SAFETY: the base and length of the mapping made in `map`; no view of it
+        // outlives the `Mapping`, which every view holds through an `Arc`.
+        if let Err(e) = unsafe { munmap(self.base.cast(), len) } {
+            tracing::warn!(target: "eccl::net", "munmap of a shm segment failed: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_bounds() {
+        assert!(Geometry::new(1 << 20).is_some());
+        assert!(Geometry::new(4096).is_none(), "a state chunk must fit");
+        assert!(Geometry::new((1 << 20) + 1).is_none(), "whole pages");
+        assert!(Geometry::new(128 << 20).is_none());
+        let g = Geometry::new(1 << 20).unwrap();
+        assert_eq!(g.segment_bytes(), 2 * (4096 + DESCS + NSLOTS * (1 << 20)));
+    }
+}
