@@ -165,6 +165,7 @@ impl LinkManager {
             .ok_or_else(|| Error::Evicted {
                 reason: format!("not a member of epoch {epoch}"),
             })?;
+        shm::plan_spin(world.members.iter().filter(|m| m.host == mine.host).count());
         self.observer.enter(
             epoch,
             world

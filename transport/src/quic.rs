@@ -21,8 +21,8 @@ use crate::connect::{expect_link_role, read_hello, write_hello, MODE_QUIC};
 use crate::link::stream::{BoxRead, BoxWrite};
 use crate::{handshake, tls, TransportError};
 
-/// A QUIC endpoint (quinn's): accepts links and dials them.
-pub use quinn::Endpoint;
+/// quinn's types, as the links and probes use them.
+pub use quinn::{Endpoint, RecvStream, SendStream};
 
 /// Largest UDP payload quinn may send: ten of them per GSO call fit in 64 KiB.
 const MAX_PACKET: u16 = 6500;
@@ -107,7 +107,8 @@ pub fn endpoint(bind: SocketAddr) -> Result<quinn::Endpoint, TransportError> {
     .map_err(|e| TransportError::io(&name, e))
 }
 
-fn client_config(peer: &str) -> Result<quinn::ClientConfig, TransportError> {
+/// The client side of eccl's QUIC configuration (for dialing, and for probes).
+pub fn client_config(peer: &str) -> Result<quinn::ClientConfig, TransportError> {
     let client = tls::client_config().map_err(|e| quic_err(peer, e))?;
     let client = QuicClientConfig::try_from(client).map_err(|e| quic_err(peer, e))?;
     let mut c = quinn::ClientConfig::new(Arc::new(client));

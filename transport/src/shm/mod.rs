@@ -8,7 +8,7 @@
 //!   sealed memfd and four eventfds with `SCM_RIGHTS`. Nothing is left behind when any
 //!   process dies: the memory goes with the last descriptor.
 //! - **Waiting** never burns a core for long: a side that finds nothing to do spins for
-//!   [`SPIN`], then sets its `waiting` flag and sleeps on an eventfd, which the other
+//!   a little (see [`plan_spin`]), then sets its `waiting` flag and sleeps on an eventfd, which the other
 //!   side writes only when it sees the flag (a Dekker-style exchange on `SeqCst`
 //!   atomics, so no wake-up is lost).
 //! - **Liveness.** A segment does not close when its owner dies, so the unix socket
@@ -21,7 +21,7 @@ mod fds;
 mod segment;
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,10 +37,39 @@ use crate::TransportError;
 pub(crate) use segment::Geometry;
 use segment::{Mapping, NSLOTS};
 
-/// How long a side that has nothing to do spins before it sleeps on its eventfd. Long
-/// enough to catch a peer running on another core mid-message (a 1 KiB hop takes a few
-/// microseconds), short enough that a waiting process leaves the core to others.
-pub const SPIN: Duration = Duration::from_micros(30);
+/// Microseconds a waiting side spins before it sleeps; see [`plan_spin`].
+static SPIN_US: AtomicU64 = AtomicU64::new(SPIN_IDLE_CORES_US);
+/// When every local peer can have a core: long enough to catch a peer on another core
+/// mid-message (a 1 KiB hop takes a few microseconds; a 1 MiB frame a few dozen).
+const SPIN_IDLE_CORES_US: u64 = 100;
+/// When local peers outnumber the cores, spinning takes the core from the very peer we
+/// wait for: sleep almost at once.
+const SPIN_SHARED_CORES_US: u64 = 2;
+
+/// Sets how long waiting sides spin, from how many peers of one job share this host:
+/// `ECCL_SHM_SPIN_US` if set, else long when each can have a core and short when they
+/// outnumber the cores. The link manager calls it for every world.
+pub fn plan_spin(local_peers: usize) {
+    let us = match std::env::var("ECCL_SHM_SPIN_US")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        Some(us) => us.min(100_000),
+        None => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if local_peers <= cores {
+                SPIN_IDLE_CORES_US
+            } else {
+                SPIN_SHARED_CORES_US
+            }
+        }
+    };
+    SPIN_US.store(us, Ordering::Relaxed);
+}
+
+fn spin() -> Duration {
+    Duration::from_micros(SPIN_US.load(Ordering::Relaxed))
+}
 
 /// The slot size for frames of `frame_bytes`: whole pages, at least a shared-state chunk.
 pub fn slot_bytes(frame_bytes: usize) -> usize {
@@ -109,7 +138,7 @@ async fn wait_for(
     live: &Liveness,
     deadline: Option<tokio::time::Instant>,
 ) -> Result<(), WaitEnd> {
-    let spin_until = Instant::now() + SPIN;
+    let spin_until = Instant::now() + spin();
     while Instant::now() < spin_until {
         for _ in 0..64 {
             if ready() {

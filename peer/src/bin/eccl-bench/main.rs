@@ -5,6 +5,7 @@
 //! `--master ADDR` makes this process one peer of a job (start one per rank).
 
 mod check;
+mod probe;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -114,6 +115,11 @@ struct Report {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("probe") {
+        eccl::logging::init();
+        return probe::main(&argv[2..]);
+    }
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
