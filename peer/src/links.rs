@@ -135,6 +135,19 @@ impl LinkManager {
         })
     }
 
+    /// Waits (at most two seconds) until the QUIC endpoint has sent what its closed
+    /// connections still owe the peers, the close notices included: they leave from
+    /// this process's own buffers, which do not outlive it as a TCP socket's do.
+    pub fn quiesce(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let ep = self.listeners.quic.clone();
+        async move {
+            if let Some(ep) = ep {
+                let _ =
+                    tokio::time::timeout(std::time::Duration::from_secs(2), ep.wait_idle()).await;
+            }
+        }
+    }
+
     pub fn quic_port(&self) -> Option<u16> {
         self.listeners.quic_addr.map(|a| a.port())
     }
@@ -300,14 +313,14 @@ impl LinkManager {
                         done.push((rank, link));
                     }
                     Conn::Quic(q) => {
-                        let (all, conn) = q.into_parts();
+                        let (all, guard) = q.into_parts();
                         let link = stream_link(
                             peer.clone(),
                             Transport::Quic,
                             all,
                             observer.clone(),
                             KEEP_BUF_MAX,
-                            Some(Box::new(conn)),
+                            Some(guard),
                         );
                         done.push((rank, link));
                     }
@@ -428,14 +441,14 @@ impl Dialer<'_> {
                 let link = connect::dial_quic(ep, addr, self.secret, &h, timeout)
                     .await
                     .map_err(|e| cannot(&e))?;
-                let (all, conn) = link.into_parts();
+                let (all, guard) = link.into_parts();
                 Ok(stream_link(
                     peer,
                     Transport::Quic,
                     all,
                     self.observer.clone(),
                     KEEP_BUF_MAX,
-                    Some(Box::new(conn)),
+                    Some(guard),
                 ))
             }
         }

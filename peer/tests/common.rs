@@ -101,6 +101,27 @@ pub fn run_bench(
     env: &[(&str, &str)],
     limit: Duration,
 ) -> Vec<(Option<i32>, String)> {
+    run_bench_ranks(
+        master,
+        n,
+        args,
+        |_| {
+            env.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        },
+        limit,
+    )
+}
+
+/// As [`run_bench`], with each rank's own environment.
+pub fn run_bench_ranks(
+    master: &str,
+    n: u32,
+    args: &[&str],
+    env: impl Fn(u32) -> Vec<(String, String)>,
+    limit: Duration,
+) -> Vec<(Option<i32>, String)> {
     let mut procs: Vec<Proc> = (0..n)
         .map(|r| {
             let mut c = Command::new(bench_bin());
@@ -116,7 +137,7 @@ pub fn run_bench(
                 .env("ECCL_SECRET", SECRET)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            for (k, v) in env {
+            for (k, v) in env(r) {
                 c.env(k, v);
             }
             Proc(c.spawn().expect("start eccl-bench"))

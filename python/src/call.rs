@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 
 use eccl::{CollArgs, CollectiveKind, DType, Rank, ReduceOp, SharedTensor, SyncStrategy};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 use crate::buffer::{Claim, HostBuffer, WritableBuffer};
 use crate::work::{Completer, Done, Outcome};
@@ -77,22 +77,34 @@ pub(crate) struct Job {
 }
 
 /// What Python reads without waiting for the queue: the state after the last call.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Info {
     pub peer_id: u64,
     pub rank: Option<u32>,
     pub world_size: u32,
     pub epoch: u64,
+    pub transport: String,
 }
 
-/// Runs a communicator's calls in the order they were queued, until the queue closes or
-/// the communicator leaves.
+/// Runs a communicator's calls in the order they were queued, until the queue closes,
+/// the communicator leaves, or `stop` asks it to (interpreter exit: a call in flight is
+/// cancelled, its Work reports `AbortedError`). Then the links close in order.
 pub(crate) async fn serve(
     mut comm: eccl::Communicator,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     info: Arc<Mutex<Info>>,
+    stop: Arc<Notify>,
 ) {
-    while let Some(Job { id, mut call, done }) = jobs.recv().await {
+    loop {
+        let job = tokio::select! {
+            biased;
+            _ = stop.notified() => break,
+            job = jobs.recv() => match job {
+                Some(job) => job,
+                None => break,
+            },
+        };
+        let Job { id, mut call, done } = job;
         if let Call::Leave = call {
             done.complete(comm.leave().await.map(|_| Done::Left));
             jobs.close();
@@ -103,19 +115,27 @@ pub(crate) async fn serve(
             }
             return;
         }
-        let out = run(&mut comm, id, &mut call).await;
+        let out = tokio::select! {
+            biased;
+            out = run(&mut comm, id, &mut call) => out,
+            // Dropping the call's future stops it; `done` then reports the stop.
+            _ = stop.notified() => break,
+        };
         if let Ok(mut i) = info.lock() {
             *i = Info {
                 peer_id: comm.peer_id().0,
                 rank: comm.rank().map(|r| r.0),
                 world_size: comm.world_size(),
                 epoch: comm.epoch(),
+                transport: comm.transport_summary(),
             };
         }
         done.complete(out);
         // Only now, with the library done with them, may the buffers go.
         drop(call);
     }
+    jobs.close();
+    comm.close().await;
 }
 
 async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome {

@@ -78,7 +78,7 @@ impl Communicator {
     }
 
     fn info(&self) -> Info {
-        self.info.lock().map(|i| *i).unwrap_or_default()
+        self.info.lock().map(|i| i.clone()).unwrap_or_default()
     }
 
     fn inplace(
@@ -137,7 +137,7 @@ impl Communicator {
     /// Registers with the master. Arguments beat the `ECCL_*` variables (`ECCL_MASTER`,
     /// `ECCL_SECRET`, `ECCL_TIMEOUT_MS`, ...).
     #[new]
-    #[pyo3(signature = (master=None, secret=None, *, rank_hint=None, min_world=None, timeout_ms=None, connect_timeout_ms=None, join_timeout_ms=None))]
+    #[pyo3(signature = (master=None, secret=None, *, rank_hint=None, min_world=None, timeout_ms=None, connect_timeout_ms=None, join_timeout_ms=None, transport=None, tls=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -148,8 +148,18 @@ impl Communicator {
         timeout_ms: Option<u64>,
         connect_timeout_ms: Option<u64>,
         join_timeout_ms: Option<u64>,
+        transport: Option<&str>,
+        tls: Option<bool>,
     ) -> PyResult<Communicator> {
         let mut cfg = Config::from_env().or_raise()?;
+        if let Some(t) = transport {
+            cfg.transport = eccl::TransportChoice::parse(t).ok_or_else(|| {
+                invalid(format!("transport {t:?}: expected auto, tcp, shm or quic"))
+            })?;
+        }
+        if let Some(t) = tls {
+            cfg.tls = t;
+        }
         if let Some(m) = master {
             cfg.master = m;
         }
@@ -179,7 +189,11 @@ impl Communicator {
             ..Default::default()
         }));
         let (tx, rx) = mpsc::unbounded_channel();
-        track(runtime().spawn(serve(comm, rx, info.clone())));
+        let stop = Arc::new(tokio::sync::Notify::new());
+        track(
+            runtime().spawn(serve(comm, rx, info.clone(), stop.clone())),
+            stop,
+        );
         Ok(Communicator { jobs: tx, info })
     }
 
@@ -199,6 +213,12 @@ impl Communicator {
     #[getter]
     fn epoch(&self) -> u64 {
         self.info().epoch
+    }
+    /// What this peer's links run on now: "shm", "tcp", "tls", "quic", "shm+tcp" for a
+    /// mixed world, "local" in a world of one.
+    #[getter]
+    fn transport(&self) -> String {
+        self.info().transport.clone()
     }
 
     // -- membership -----------------------------------------------------------------

@@ -1,9 +1,11 @@
 //! The tokio runtime that every communicator and embedded master of this process runs
 //! on, and the stop at interpreter exit.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use pyo3::prelude::*;
+use tokio::sync::Notify;
 
 /// The runtime of this process. A child made by `fork()` (multiprocessing's default on
 /// Linux) inherits the parent's runtime without its threads, so it gets one of its own.
@@ -30,9 +32,13 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     }
 }
 
-/// Each live communicator's task, with the pid that started it (a forked child must
-/// leave its parent's alone).
-type Tasks = Mutex<Vec<(u32, tokio::task::JoinHandle<()>)>>;
+/// A live communicator's task: the pid that started it (a forked child must leave its
+/// parent's alone), its handle, and the signal that asks it to stop.
+type Tasks = Mutex<Vec<(u32, tokio::task::JoinHandle<()>, Arc<Notify>)>>;
+
+/// How long interpreter exit lets communicators close their links in order (so that
+/// what a QUIC send handed over is delivered) before it stops them outright.
+const ORDERLY_EXIT: Duration = Duration::from_secs(3);
 
 fn live_tasks() -> &'static Tasks {
     static TASKS: OnceLock<Tasks> = OnceLock::new();
@@ -40,18 +46,20 @@ fn live_tasks() -> &'static Tasks {
 }
 
 /// Remembers a communicator's task so that [`_shutdown`] can stop it.
-pub(crate) fn track(task: tokio::task::JoinHandle<()>) {
+pub(crate) fn track(task: tokio::task::JoinHandle<()>, stop: Arc<Notify>) {
     if let Ok(mut t) = live_tasks().lock() {
-        t.retain(|(_, h)| !h.is_finished());
-        t.push((std::process::id(), task));
+        t.retain(|(_, h, _)| !h.is_finished());
+        t.push((std::process::id(), task, stop));
     }
 }
 
 /// Stops every communicator of this process (the package registers this with
-/// `atexit`): calls in flight end where they are and their Works report `AbortedError`.
-/// Returns only once every task has stopped, so that nothing writes into memory the
-/// interpreter frees after this. A task stops at its next await, which is never far:
-/// the library does no blocking work between awaits beyond one frame's copy or reduce.
+/// `atexit`): calls in flight end where they are and their Works report `AbortedError`;
+/// each communicator then closes its links in order, for at most [`ORDERLY_EXIT`], after
+/// which the ones still closing are cancelled. Returns only once every task has
+/// stopped, so that nothing writes into memory the interpreter frees after this. A
+/// cancelled task stops at its next await, which is never far: the library does no
+/// blocking work between awaits beyond one frame's copy or reduce.
 #[pyfunction]
 pub(crate) fn _shutdown(py: Python<'_>) {
     let pid = std::process::id();
@@ -59,8 +67,11 @@ pub(crate) fn _shutdown(py: Python<'_>) {
         .lock()
         .map(|mut t| {
             t.drain(..)
-                .filter(|(p, _)| *p == pid)
-                .map(|(_, h)| h)
+                .filter(|(p, _, _)| *p == pid)
+                .map(|(_, h, stop)| {
+                    stop.notify_one();
+                    h
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -70,13 +81,14 @@ pub(crate) fn _shutdown(py: Python<'_>) {
     }
     py.detach(|| {
         runtime().block_on(async {
-            for t in &tasks {
-                t.abort();
-            }
-            for t in tasks {
-                // Cancelled or finished, the task's future (and every buffer it owned)
-                // has been dropped when this returns.
-                let _ = t.await;
+            let deadline = tokio::time::Instant::now() + ORDERLY_EXIT;
+            for mut t in tasks {
+                if tokio::time::timeout_at(deadline, &mut t).await.is_err() {
+                    t.abort();
+                    // Cancelled or finished, the task's future (and every buffer it
+                    // owned) has been dropped when this returns.
+                    let _ = t.await;
+                }
             }
         })
     });

@@ -162,6 +162,26 @@ def test_a_dropped_work_never_writes_into_reused_memory():
     assert [r["changed"] for r in res] == [0, 0]
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm", "quic"])
+def test_a_send_just_before_exit_is_delivered(transport):
+    """Rank 0 sends and its interpreter exits at once: at exit its links close in order,
+    so the message arrives on every transport (QUIC's send buffers live in the process,
+    unlike a TCP socket's)."""
+    body = """
+    def main(comm, rank, n):
+        x = np.arange(1 << 20, dtype=np.float32)
+        if rank == 0:
+            comm.send(x, 1)
+            return {"transport": comm.transport}
+        y = np.empty_like(x)
+        comm.recv(y, 0)
+        return {"intact": bool((y == x).all()), "transport": comm.transport}
+    """
+    res = _run_ranks(2, body, {"ECCL_TRANSPORT": transport})
+    assert res[1]["intact"]
+    assert [r["transport"] for r in res] == [transport, transport]
+
+
 def test_bad_input_raises_typed_errors():
     master = eccl.Master()
     try:

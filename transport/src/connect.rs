@@ -173,7 +173,7 @@ pub fn stream_link(
     streams: Vec<(BoxRead, BoxWrite)>,
     observer: Arc<dyn LinkObserver>,
     keep_buf_max: usize,
-    keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+    guard: Option<Arc<dyn crate::link::stream::LinkGuard>>,
 ) -> (LinkTx, LinkRx) {
-    crate::link::stream::link_from_streams(peer, transport, streams, observer, keep_buf_max, keep)
+    crate::link::stream::link_from_streams(peer, transport, streams, observer, keep_buf_max, guard)
 }

@@ -18,7 +18,7 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{MtuDiscoveryConfig, TransportConfig, VarInt};
 
 use crate::connect::{expect_link_role, read_hello, write_hello, MODE_QUIC};
-use crate::link::stream::{BoxRead, BoxWrite};
+use crate::link::stream::{BoxRead, BoxWrite, LinkGuard};
 use crate::{handshake, tls, TransportError};
 
 /// quinn's types, as the links and probes use them.
@@ -33,6 +33,10 @@ const CONN_WINDOW: u32 = 64 << 20;
 /// UDP socket buffers asked for (the kernel caps them at `net.core.*mem_max`).
 const SOCKET_BUFFER: usize = 16 << 20;
 
+/// Application close code of a connection whose eccl handshake failed: the dialer reads
+/// it as "the acceptor refused our proof" rather than as a lost connection.
+const AUTH_REFUSED: u32 = 0xecc1;
+
 /// A QUIC link as set up: the connection (closed when dropped) and its streams in order.
 pub struct QuicLink {
     pub conn: quinn::Connection,
@@ -40,14 +44,53 @@ pub struct QuicLink {
 }
 
 impl QuicLink {
-    /// The streams as byte-stream halves, and the connection to keep alive with them.
-    pub fn into_parts(self) -> (Vec<(BoxRead, BoxWrite)>, quinn::Connection) {
+    /// The streams as byte-stream halves, and the guard that ends the connection in
+    /// order (see [`LinkGuard`]).
+    pub fn into_parts(self) -> (Vec<(BoxRead, BoxWrite)>, Arc<dyn LinkGuard>) {
         let streams = self
             .streams
             .into_iter()
             .map(|(r, w)| (Box::new(r) as BoxRead, Box::new(w) as BoxWrite))
             .collect();
-        (streams, self.conn)
+        let guard = Arc::new(ConnGuard {
+            conn: self.conn,
+            ends: std::sync::atomic::AtomicU8::new(0),
+        });
+        (streams, guard)
+    }
+}
+
+/// Closes a link's connection once both sides are done sending: this side has sent its
+/// `Close` frames and read the peer's on every stream. Until then the connection (and
+/// the data in its send buffers) stays, however early the process wants to go.
+struct ConnGuard {
+    conn: quinn::Connection,
+    /// Bit 0: done sending; bit 1: drained.
+    ends: std::sync::atomic::AtomicU8,
+}
+
+impl ConnGuard {
+    fn end(&self, bit: u8) {
+        let before = self.ends.fetch_or(bit, std::sync::atomic::Ordering::AcqRel);
+        tracing::trace!(target: "eccl::net", "quic link to {}: end bit {bit}, before {before}", self.conn.remote_address());
+        if before | bit == 3 && before != 3 {
+            self.conn.close(VarInt::from_u32(0), b"done");
+        }
+    }
+}
+
+impl LinkGuard for ConnGuard {
+    fn done_sending(&self) {
+        self.end(1);
+    }
+    fn drained(&self) {
+        self.end(2);
+    }
+    fn closed(&self) -> futures::future::BoxFuture<'static, ()> {
+        let c = self.conn.clone();
+        Box::pin(async move {
+            c.closed().await;
+        })
     }
 }
 
@@ -144,7 +187,20 @@ pub(crate) async fn dial(
         .map_err(|e| quic_err(peer, e))?;
     let bound = secret.bind(&binding(&conn, peer)?);
     let mut s = tokio::io::join(r, w);
-    handshake::dial(&mut s, &bound, Role::PeerLink, peer).await?;
+    if let Err(e) = handshake::dial(&mut s, &bound, Role::PeerLink, peer).await {
+        let refused = matches!(
+            conn.close_reason(),
+            Some(quinn::ConnectionError::ApplicationClosed(c)) if c.error_code == VarInt::from_u32(AUTH_REFUSED)
+        );
+        return Err(if refused {
+            TransportError::Auth {
+                peer: peer.to_string(),
+                source: eccl_protocol::auth::AuthError::Rejected,
+            }
+        } else {
+            e
+        });
+    }
     write_hello(&mut s, hello, peer).await?;
     let (r, w) = s.into_inner();
     let mut streams = vec![(r, w)];
@@ -180,7 +236,13 @@ pub(crate) async fn accept(
         }
         let bound = secret.bind(&binding(&conn, peer)?);
         let mut s = tokio::io::join(r, w);
-        let role = handshake::accept(&mut s, &bound, peer).await?;
+        let role = match handshake::accept(&mut s, &bound, peer).await {
+            Ok(r) => r,
+            Err(e) => {
+                conn.close(VarInt::from_u32(AUTH_REFUSED), b"authentication refused");
+                return Err(e);
+            }
+        };
         expect_link_role(role, peer)?;
         let hello = read_hello(&mut s, peer).await?;
         if hello.nstreams == 0 || hello.nstreams > 64 {

@@ -224,10 +224,31 @@ impl Communicator {
         let req = PeerRequest::Leave {
             peer_id: self.peer_id,
         };
-        match self.master.request(req, self.cfg.connect_timeout).await? {
+        let r = match self.master.request(req, self.cfg.connect_timeout).await? {
             MasterReply::Ok => Ok(()),
             other => Err(reply_error(&self.cfg.master, 0, other)),
-        }
+        };
+        self.close().await;
+        r
+    }
+
+    /// Closes this peer's links in order, so that what its sends handed to them reaches
+    /// the peers (a QUIC link keeps its connection until both sides are done; TCP and
+    /// shared memory deliver what was sent in any case). Dropping a `Communicator`
+    /// instead closes the links at once. Bounded: a peer that never finishes does not
+    /// hold this up for more than a few seconds.
+    pub async fn close(mut self) {
+        let Some(cur) = self.cur.take() else { return };
+        let epoch = cur.world.epoch;
+        let closes = cur.links.into_iter().flatten().map(|l| async move {
+            let crate::links::PeerLink { tx, rx } = l;
+            tx.close(executor::close_header(epoch)).await;
+            drop(rx);
+        });
+        let t = std::time::Instant::now();
+        futures::future::join_all(closes).await;
+        self.links.quiesce().await;
+        tracing::debug!(target: "eccl::net", "links of epoch {epoch} closed in {:?}", t.elapsed());
     }
 }
 

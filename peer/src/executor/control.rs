@@ -121,3 +121,24 @@ pub(crate) async fn recv_p2p(
         e = op.abort.wait(op.epoch) => Err(e),
     }
 }
+
+/// The header of the frame that closes a link on purpose.
+pub(crate) fn close_header(epoch: u64) -> FrameHeader {
+    FrameHeader {
+        kind: FrameKind::Close,
+        epoch,
+        seq: 0,
+        step: 0,
+        len: 0,
+        desc: Descriptor {
+            kind: eccl_protocol::CollectiveKind::Barrier,
+            dtype: eccl_protocol::DType::U8,
+            op: eccl_protocol::ReduceOp::Sum,
+            algo: eccl_protocol::Algo::Direct,
+            root: 0,
+            count: 0,
+        },
+        offset: 0,
+        tag: 0,
+    }
+}

@@ -35,7 +35,7 @@ use futures::future::{try_join_all, BoxFuture, FutureExt};
 use tokio::sync::mpsc;
 
 pub(crate) use bufs::Bufs;
-pub(crate) use control::{broadcast_abort, check_round, recv_p2p, send_p2p};
+pub(crate) use control::{broadcast_abort, check_round, close_header, recv_p2p, send_p2p};
 use frames::{recv_msg, Want};
 
 use crate::abort::AbortState;

@@ -23,6 +23,22 @@ use crate::TransportError;
 /// Frames a stream's reader may hold before the executor consumes them.
 const POOL_FRAMES: usize = 8;
 
+/// What carries a stream link's streams, when that needs an orderly end (a QUIC
+/// connection: its send buffers live in this process, so closing it early would drop
+/// data that a returned send promised to deliver, which a TCP socket's kernel buffer
+/// would not).
+pub trait LinkGuard: Send + Sync + 'static {
+    /// This side sent `Close` on every stream.
+    fn done_sending(&self);
+    /// Every stream delivered the peer's `Close`: the peer sends nothing more.
+    fn drained(&self);
+    /// Resolves when the carrier has closed (both sides done).
+    fn closed(&self) -> futures::future::BoxFuture<'static, ()>;
+}
+
+/// How long a closing link waits for the peer to take what it sent.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
 /// One direction of a byte stream, whatever its type (TCP, TLS, a QUIC stream).
 pub type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
 pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
@@ -31,6 +47,7 @@ pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
 pub(crate) struct StreamTx {
     streams: Vec<BoxWrite>,
     peer: String,
+    guard: Option<Arc<dyn LinkGuard>>,
     /// Set while a frame is being written; still set afterwards means the write was
     /// interrupted and the peer's reader would lose its place in the stream.
     poisoned: bool,
@@ -139,6 +156,12 @@ impl StreamTx {
             }
             let _ = tokio::time::timeout(Duration::from_millis(200), w.shutdown()).await;
         }
+        if let Some(g) = self.guard.take() {
+            g.done_sending();
+            if tokio::time::timeout(CLOSE_WAIT, g.closed()).await.is_err() {
+                tracing::debug!(target: "eccl::net", "link to {}: the peer did not finish its side within {CLOSE_WAIT:?}", self.peer);
+            }
+        }
     }
 }
 
@@ -194,8 +217,8 @@ pub(crate) struct StreamRx {
     events: mpsc::Receiver<LinkEvent>,
     readers: Vec<tokio::task::JoinHandle<()>>,
     peer: String,
-    /// Whatever must live as long as the link (a QUIC connection).
-    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// Whatever carries the streams, kept as long as the link (a QUIC connection).
+    _guard: Option<Arc<dyn LinkGuard>>,
 }
 
 impl StreamRx {
@@ -223,15 +246,15 @@ impl Drop for StreamRx {
 }
 
 /// Builds a link from already authenticated byte streams (one or more, same order on
-/// both sides). Spawns one reader task per stream on the current tokio runtime. `keep`
-/// is held as long as the receiving half (a QUIC connection, which closes when dropped).
+/// both sides). Spawns one reader task per stream on the current tokio runtime. `guard`
+/// is what carries the streams, if their end must be orderly (see [`LinkGuard`]).
 pub fn link_from_streams<R, W>(
     peer: String,
     transport: Transport,
     streams: Vec<(R, W)>,
     observer: Arc<dyn LinkObserver>,
     keep_buf_max: usize,
-    keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+    guard: Option<Arc<dyn LinkGuard>>,
 ) -> (LinkTx, LinkRx)
 where
     R: AsyncRead + Send + Unpin + 'static,
@@ -249,19 +272,21 @@ where
             observer: observer.clone(),
             peer: peer.clone(),
             live: live.clone(),
+            guard: guard.clone(),
         };
         readers.push(tokio::spawn(read_loop(Box::new(r), ctx)));
     }
     let tx = StreamTx {
         streams: writers,
         peer: peer.clone(),
+        guard: guard.clone(),
         poisoned: false,
     };
     let rx = StreamRx {
         events: rx,
         readers,
         peer,
-        _keep: keep,
+        _guard: guard,
     };
     (LinkTx::stream(tx, transport), LinkRx::stream(rx))
 }
@@ -273,6 +298,7 @@ struct ReaderCtx {
     peer: String,
     /// Readers of this link still running.
     live: Arc<AtomicUsize>,
+    guard: Option<Arc<dyn LinkGuard>>,
 }
 
 async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
@@ -282,6 +308,7 @@ async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
         observer,
         peer,
         live,
+        guard,
     } = ctx;
     let fail = |e: TransportError| async {
         let last = live.fetch_sub(1, Ordering::AcqRel) == 1;
@@ -290,6 +317,11 @@ async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
         // delivered. A broken stream is reported at once.
         if matches!(e, TransportError::Closed { .. }) && !last {
             return;
+        }
+        if last {
+            if let Some(g) = &guard {
+                g.drained();
+            }
         }
         observer.on_failure(&peer, &e);
         let _ = tx.send(LinkEvent::Failed(Arc::new(e))).await;

@@ -235,4 +235,36 @@ mod tests {
         let g = Geometry::new(1 << 20).unwrap();
         assert_eq!(g.segment_bytes(), 2 * (4096 + DESCS + NSLOTS * (1 << 20)));
     }
+
+    fn memfd(len: usize, sealed: bool) -> OwnedFd {
+        use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+        let fd = memfd_create(c"t", MemFdCreateFlag::MFD_ALLOW_SEALING).unwrap();
+        nix::unistd::ftruncate(&fd, len as libc::off_t).unwrap();
+        if sealed {
+            seal(&fd).unwrap();
+        }
+        fd
+    }
+
+    #[test]
+    fn a_segment_must_be_sealed_and_of_the_right_size() {
+        let g = Geometry::new(1 << 20).unwrap();
+        assert!(check(&memfd(g.segment_bytes(), true), g).is_ok());
+        let e = check(&memfd(g.segment_bytes(), false), g).unwrap_err();
+        assert!(e.contains("sealed"), "{e}");
+        let e = check(&memfd(g.segment_bytes() - 4096, true), g).unwrap_err();
+        assert!(e.contains("bytes"), "{e}");
+        // Sealed means sealed: the creator cannot shrink it under a mapping either.
+        let fd = memfd(g.segment_bytes(), true);
+        assert!(nix::unistd::ftruncate(&fd, 4096).is_err());
+        let m = Mapping::map(&fd, g).unwrap();
+        m.head(1).store(7, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            Mapping::map(&fd, g)
+                .unwrap()
+                .head(1)
+                .load(std::sync::atomic::Ordering::SeqCst),
+            7
+        );
+    }
 }

@@ -1,0 +1,435 @@
+//! Every transport's links, end to end in one process: frames in order and intact over
+//! slot and stream reuse, abort frames seen at once, clean and unclean ends reported
+//! after the frames sent before them, the job secret required (and its absence named),
+//! and garbage refused without harm to the listener.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use eccl_protocol::auth::{AuthError, Secret};
+use eccl_protocol::frame::{FrameHeader, FrameKind};
+use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, LinkHello, PeerId, ReduceOp};
+use eccl_transport::connect::{dial_quic, dial_shm, dial_tcp};
+use eccl_transport::link::{LinkEvent, LinkObserver, LinkRx, LinkTx, Transport};
+use eccl_transport::listen::{listen, Accepted, Conn, ListenOptions, Listeners};
+use eccl_transport::{shm, TransportError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SECRET: &str = "transport-test-secret-0123456789";
+const T: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+struct Seen(Mutex<Vec<String>>);
+
+impl LinkObserver for Seen {
+    fn on_abort(&self, _: &str, _: &FrameHeader, reason: &str) {
+        self.0.lock().unwrap().push(format!("abort {reason}"));
+    }
+    fn on_failure(&self, _: &str, e: &TransportError) {
+        self.0.lock().unwrap().push(format!("failure {e}"));
+    }
+}
+
+fn secret() -> Secret {
+    Secret::new(SECRET).unwrap()
+}
+
+fn header(kind: FrameKind, seq: u64) -> FrameHeader {
+    FrameHeader {
+        kind,
+        epoch: 1,
+        seq,
+        step: 0,
+        len: 0,
+        desc: Descriptor {
+            kind: CollectiveKind::AllReduce,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            algo: Algo::Ring,
+            root: 0,
+            count: 0,
+        },
+        offset: 0,
+        tag: 0,
+    }
+}
+
+fn hello(stream: u16, nstreams: u16) -> LinkHello {
+    LinkHello {
+        from: PeerId(1),
+        to: PeerId(2),
+        epoch: 1,
+        stream,
+        nstreams,
+    }
+}
+
+async fn listeners(require_tls: bool) -> Listeners {
+    listen(ListenOptions {
+        bind: "127.0.0.1".parse().unwrap(),
+        secret: secret(),
+        require_tls,
+        shm_name: Some(format!(
+            "eccl-test-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        )),
+        quic: true,
+    })
+    .await
+    .expect("listen")
+}
+
+async fn next_accepted(l: &mut Listeners) -> Accepted {
+    tokio::time::timeout(T, l.accepted.recv())
+        .await
+        .expect("an accepted link in time")
+        .expect("listener alive")
+}
+
+/// A link over `t` from a dialer to an acceptor: (dialer's halves, acceptor's halves).
+async fn pair(t: Transport, observer: Arc<Seen>) -> ((LinkTx, LinkRx), (LinkTx, LinkRx)) {
+    let mut l = listeners(false).await;
+    let obs: Arc<dyn LinkObserver> = observer;
+    match t {
+        Transport::Tcp | Transport::Tls => {
+            let addr = l.tcp_addr.to_string();
+            let mut dialed = Vec::new();
+            for s in 0..2 {
+                dialed.push(
+                    dial_tcp(&addr, &secret(), &hello(s, 2), t == Transport::Tls, T)
+                        .await
+                        .unwrap(),
+                );
+            }
+            let mut accepted = Vec::new();
+            for _ in 0..2 {
+                let a = next_accepted(&mut l).await;
+                assert_eq!(a.conn.transport(), t);
+                match a.conn {
+                    Conn::Stream { read, write, .. } => {
+                        accepted.push((a.hello.stream, read, write))
+                    }
+                    _ => panic!("a stream connection"),
+                }
+            }
+            accepted.sort_by_key(|(s, _, _)| *s);
+            let accepted = accepted.into_iter().map(|(_, r, w)| (r, w)).collect();
+            let d = eccl_transport::connect::stream_link(
+                "acceptor".into(),
+                t,
+                dialed,
+                obs.clone(),
+                1 << 26,
+                None,
+            );
+            let a = eccl_transport::connect::stream_link(
+                "dialer".into(),
+                t,
+                accepted,
+                obs,
+                1 << 26,
+                None,
+            );
+            (d, a)
+        }
+        Transport::Shm => {
+            let name = l.shm_name.clone().unwrap();
+            let (sec, h) = (secret(), hello(0, 1));
+            let dial = dial_shm(&name, &sec, &h, 1 << 20, "acceptor".into(), obs.clone(), T);
+            let accept = async {
+                let a = next_accepted(&mut l).await;
+                match a.conn {
+                    Conn::Shm(s) => shm::accept_link(s, "dialer".into(), obs.clone(), T)
+                        .await
+                        .unwrap(),
+                    _ => panic!("a shm connection"),
+                }
+            };
+            let (d, a) = tokio::join!(dial, accept);
+            (d.unwrap(), a)
+        }
+        Transport::Quic => {
+            let ep = l.quic.clone().unwrap();
+            let addr = l.quic_addr.unwrap();
+            let q = dial_quic(&ep, addr, &secret(), &hello(0, 3), T)
+                .await
+                .unwrap();
+            let a = next_accepted(&mut l).await;
+            let Conn::Quic(qa) = a.conn else {
+                panic!("a QUIC connection")
+            };
+            assert_eq!(qa.streams.len(), 3);
+            let (ds, dc) = q.into_parts();
+            let (as_, ac) = qa.into_parts();
+            let d = eccl_transport::connect::stream_link(
+                "acceptor".into(),
+                t,
+                ds,
+                obs.clone(),
+                1 << 26,
+                Some(dc),
+            );
+            let a = eccl_transport::connect::stream_link(
+                "dialer".into(),
+                t,
+                as_,
+                obs,
+                1 << 26,
+                Some(ac),
+            );
+            // Keep the listeners' endpoint (it carries both connections) alive.
+            std::mem::forget(l);
+            (d, a)
+        }
+    }
+}
+
+/// Receives one message of `total` bytes (frames at their offsets).
+async fn recv_message(rx: &mut LinkRx, total: usize) -> Vec<u8> {
+    let mut got = vec![0u8; total];
+    let mut n = 0;
+    let mut frames = 0;
+    while frames == 0 || n < total {
+        match tokio::time::timeout(T, rx.next())
+            .await
+            .expect("a frame in time")
+        {
+            Some(LinkEvent::Frame(f)) => {
+                let off = f.header.offset as usize;
+                got[off..off + f.payload.len()].copy_from_slice(f.payload.as_bytes());
+                n += f.payload.len();
+                frames += 1;
+            }
+            Some(LinkEvent::Failed(e)) => panic!("link failed: {e}"),
+            None => panic!("link ended"),
+        }
+    }
+    got
+}
+
+async fn round_trip(t: Transport) {
+    let seen = Arc::new(Seen::default());
+    let ((mut dtx, mut drx), (mut atx, mut arx)) = pair(t, seen.clone()).await;
+    // Messages larger than a slot (so slots are reused) and odd-sized ones, both ways.
+    for (i, len) in [0usize, 1, 4095, 3 << 20, 11 << 20].into_iter().enumerate() {
+        let data: Vec<u8> = (0..len).map(|k| (k * 31 + i) as u8).collect();
+        let h = header(FrameKind::Data, i as u64);
+        let send = dtx.send_region(h, &data, 1 << 20, 4, T);
+        let recv = recv_message(&mut arx, len);
+        let (s, got) = tokio::join!(send, recv);
+        s.unwrap();
+        assert!(got == data, "{t}: message {i} of {len} bytes intact");
+        let back = atx.send_region(h, &data, 256 << 10, 1, T);
+        let recv = recv_message(&mut drx, len);
+        let (s, got) = tokio::join!(back, recv);
+        s.unwrap();
+        assert!(got == data, "{t}: reply {i} intact");
+    }
+    // An abort is seen by the other side's observer without anyone reading the link.
+    atx.send_frame(header(FrameKind::Abort, 9), b"stop now", T)
+        .await
+        .unwrap();
+    tokio::time::timeout(T, async {
+        while !seen.0.lock().unwrap().iter().any(|s| s == "abort stop now") {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the abort reaches the observer");
+    // A clean close ends the link after the frames sent before it; both sides close,
+    // and each close returns once both are done (QUIC keeps the connection till then).
+    dtx.send_region(header(FrameKind::Data, 10), &[5u8; 100], 1 << 20, 1, T)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let dialer_side = dtx.close(header(FrameKind::Close, 0));
+    let acceptor_side = async {
+        assert_eq!(recv_message(&mut arx, 100).await, vec![5u8; 100]);
+        match tokio::time::timeout(T, arx.next())
+            .await
+            .expect("the end in time")
+        {
+            Some(LinkEvent::Failed(e)) => {
+                assert!(matches!(*e, TransportError::Closed { .. }), "{t}: {e}")
+            }
+            Some(LinkEvent::Frame(f)) => panic!("{t}: a frame after close: {:?}", f.header),
+            None => {}
+        }
+        atx.close(header(FrameKind::Close, 0)).await;
+    };
+    tokio::join!(dialer_side, acceptor_side);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{t}: closing took {:?}",
+        started.elapsed()
+    );
+    drop(drx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_links_round_trip() {
+    round_trip(Transport::Tcp).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_links_round_trip() {
+    round_trip(Transport::Tls).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_links_round_trip() {
+    round_trip(Transport::Shm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_links_round_trip() {
+    round_trip(Transport::Quic).await;
+}
+
+/// A peer that vanishes (its process killed: every descriptor closed) fails the shm link
+/// after the frames it published, and a sender blocked on a full ring is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_shm_peer_fails_the_link_after_its_frames() {
+    let seen = Arc::new(Seen::default());
+    let ((mut dtx, drx), (atx, mut arx)) = pair(Transport::Shm, seen.clone()).await;
+    dtx.send_region(header(FrameKind::Data, 1), &[7u8; 5000], 1 << 20, 1, T)
+        .await
+        .unwrap();
+    drop((dtx, drx));
+    assert_eq!(recv_message(&mut arx, 5000).await, vec![7u8; 5000]);
+    match tokio::time::timeout(T, arx.next())
+        .await
+        .expect("the end in time")
+    {
+        Some(LinkEvent::Failed(_)) | None => {}
+        Some(LinkEvent::Frame(_)) => panic!("no frame after the end"),
+    }
+    // The other direction: fill the vanished peer's ring; the send fails, never hangs.
+    let mut atx = atx;
+    let big = vec![1u8; 1 << 20];
+    let r = tokio::time::timeout(Duration::from_secs(3), async {
+        for i in 0..64 {
+            atx.send_region(header(FrameKind::Data, i), &big, 1 << 20, 1, T)
+                .await?;
+        }
+        Ok::<(), TransportError>(())
+    })
+    .await
+    .expect("a full ring to a dead peer fails promptly");
+    assert!(r.is_err(), "sending to a dead peer must fail");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_is_refused_on_every_transport_and_says_why() {
+    let mut l = listeners(false).await;
+    let wrong = Secret::new("not-the-secret-of-this-job-00000").unwrap();
+    let h = hello(0, 1);
+    let is_auth = |e: &TransportError| {
+        matches!(
+            e,
+            TransportError::Auth {
+                source: AuthError::Rejected | AuthError::BadProof,
+                ..
+            }
+        ) && e.to_string().contains("secret")
+    };
+    for tls in [false, true] {
+        match dial_tcp(&l.tcp_addr.to_string(), &wrong, &h, tls, T).await {
+            Err(e) => assert!(is_auth(&e), "tls={tls}: {e}"),
+            Ok(_) => panic!("tls={tls}: a wrong secret got a link"),
+        }
+    }
+    let obs: Arc<dyn LinkObserver> = Arc::new(Seen::default());
+    match dial_shm(
+        l.shm_name.as_ref().unwrap(),
+        &wrong,
+        &h,
+        1 << 20,
+        "x".into(),
+        obs,
+        T,
+    )
+    .await
+    {
+        Err(e) => assert!(is_auth(&e), "shm: {e}"),
+        Ok(_) => panic!("shm: a wrong secret got a link"),
+    }
+    let ep = l.quic.clone().unwrap();
+    match dial_quic(&ep, l.quic_addr.unwrap(), &wrong, &h, T).await {
+        Err(e) => assert!(is_auth(&e), "quic: {e}"),
+        Ok(_) => panic!("quic: a wrong secret got a link"),
+    }
+    // Nothing reached the caller of the listeners.
+    assert!(l.accepted.try_recv().is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_truncation_and_plaintext_are_refused_and_the_listeners_go_on() {
+    let mut l = listeners(true).await;
+    let tcp = l.tcp_addr;
+    // Garbage instead of a mode byte; a TLS mode byte then garbage records; a TLS mode
+    // byte then nothing; and plaintext at a peer that requires TLS.
+    for bytes in [
+        &[0x5au8; 300][..],
+        &[b'T', 0x16, 3, 3, 0xff, 0xff, 1, 2, 3][..],
+        &[b'T'][..],
+        &[b'P'][..],
+    ] {
+        let mut s = tokio::net::TcpStream::connect(tcp).await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        let _ = s.shutdown().await;
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(T, s.read_to_end(&mut rest)).await;
+    }
+    let plain = dial_tcp(&tcp.to_string(), &secret(), &hello(0, 1), false, T).await;
+    assert!(
+        plain.is_err(),
+        "plaintext must be refused where TLS is required"
+    );
+    // Garbage and truncated datagrams at the QUIC endpoint.
+    let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let q = l.quic_addr.unwrap();
+    for len in [1usize, 7, 1200, 1500, 6000] {
+        let junk: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+        udp.send_to(&junk, q).await.unwrap();
+    }
+    // Garbage on the shm socket.
+    {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(
+            l.shm_name.as_ref().unwrap().as_bytes(),
+        )
+        .unwrap();
+        let mut s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        use std::io::Write;
+        let _ = s.write_all(&[0x42; 100]);
+    }
+    // Every listener still takes a real link.
+    let h = hello(0, 1);
+    dial_tcp(&tcp.to_string(), &secret(), &h, true, T)
+        .await
+        .expect("a TLS link after the garbage");
+    assert_eq!(next_accepted(&mut l).await.conn.transport(), Transport::Tls);
+    let ep = l.quic.clone().unwrap();
+    let q = dial_quic(&ep, l.quic_addr.unwrap(), &secret(), &h, T)
+        .await
+        .expect("a QUIC link after the garbage");
+    assert_eq!(
+        next_accepted(&mut l).await.conn.transport(),
+        Transport::Quic
+    );
+    drop(q);
+    let obs: Arc<dyn LinkObserver> = Arc::new(Seen::default());
+    let name = l.shm_name.clone().unwrap();
+    let sec = secret();
+    let dial = dial_shm(&name, &sec, &h, 1 << 20, "a".into(), obs.clone(), T);
+    let accept = async {
+        let a = next_accepted(&mut l).await;
+        let Conn::Shm(s) = a.conn else { panic!("shm") };
+        shm::accept_link(s, "d".into(), obs.clone(), T).await
+    };
+    let (d, a) = tokio::join!(dial, accept);
+    d.expect("a shm link after the garbage");
+    a.expect("accepted");
+}
