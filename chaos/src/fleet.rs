@@ -64,6 +64,8 @@ pub struct WorkerSpec {
     pub step_ms: u64,
     /// Let children write their logs to our stderr.
     pub verbose: bool,
+    /// `--transport`: `tls` is TCP with ECCL_TLS=1.
+    pub transport: String,
 }
 
 pub struct Fleet {
@@ -133,6 +135,22 @@ impl Fleet {
             .args(["--step-ms", &self.spec.step_ms.to_string()])
             .args(["--min-world", &min_world.to_string()])
             .env("ECCL_SECRET", &self.secret)
+            .env(
+                "ECCL_TRANSPORT",
+                if self.spec.transport == "tls" {
+                    "tcp"
+                } else {
+                    &self.spec.transport
+                },
+            )
+            .env(
+                "ECCL_TLS",
+                if self.spec.transport == "tls" {
+                    "1"
+                } else {
+                    "0"
+                },
+            )
             .env_remove("ECCL_FAULT_INJECT")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -104,6 +104,9 @@ pub struct RunArgs {
     /// Let the master and the workers log to stderr (ECCL_DEBUG sets the level).
     #[arg(long)]
     pub verbose: bool,
+    /// Transport of the workers' links: auto, tcp, tls (TCP with TLS), shm or quic.
+    #[arg(long, env = "ECCL_TRANSPORT", default_value = "auto", value_parser = ["auto", "tcp", "tls", "shm", "quic"])]
+    pub transport: String,
 }
 
 impl RunArgs {

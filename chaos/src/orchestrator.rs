@@ -44,17 +44,19 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
             elements: args.elements,
             step_ms: args.step_ms,
             verbose: args.verbose,
+            transport: args.transport.clone(),
         },
     )?;
     let faults: Vec<&str> = args.faults.iter().map(|k| k.name()).collect();
     println!(
-        "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements, master {}",
+        "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements, transport {}, master {}",
         args.peers,
         args.duration_ms() / 1e3,
         if faults.is_empty() { "none".into() } else { faults.join(",") },
         args.lease_ms,
         args.state_mb,
         args.elements,
+        args.transport,
         fleet.master_addr
     );
     let mut run = Run::new(args, fleet, rx);
@@ -509,6 +511,7 @@ impl<'a> Run<'a> {
             seed,
             peers: self.args.peers,
             duration_s,
+            transport: self.args.transport.clone(),
         })
     }
 }

@@ -40,6 +40,8 @@ pub struct RunLog {
     pub seed: u64,
     pub peers: u32,
     pub duration_s: f64,
+    /// The workers' `--transport`.
+    pub transport: String,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -80,6 +82,7 @@ pub struct Report {
     pub duration_s: f64,
     pub seed: u64,
     pub peers: u32,
+    pub transport: String,
 }
 
 /// Nearest-rank percentile of sorted samples.
@@ -188,6 +191,7 @@ pub fn analyse(log: &RunLog) -> Report {
         duration_s: log.duration_s,
         seed: log.seed,
         peers: log.peers,
+        transport: log.transport.clone(),
     }
 }
 
@@ -396,8 +400,8 @@ fn fmt_stats(s: &Stats) -> String {
 /// The table printed at the end of a run.
 pub fn summary(r: &Report) -> String {
     let mut out = format!(
-        "\n# eccl-chaos: seed {}, {} peers, {:.1} s, {} steps\n",
-        r.seed, r.peers, r.duration_s, r.steps
+        "\n# eccl-chaos: seed {}, {} peers, {:.1} s, {} steps, transport {}\n",
+        r.seed, r.peers, r.duration_s, r.steps, r.transport
     );
     out += "#               abort latency (ms)     recovery (ms)\n";
     out += "# fault  count    p50    p99    max    p50    p99    max\n";
@@ -493,6 +497,7 @@ mod tests {
             hang_limit_ms: 3000.0,
             seed: 1,
             peers: 2,
+            transport: "auto".into(),
             duration_s: 1.0,
         }
     }

@@ -43,10 +43,15 @@ fn recorded(report: &Value, path: &[&str]) -> f64 {
         .unwrap_or_else(|| panic!("{path:?} not recorded in {report:#}"))
 }
 
-/// One kill of initial worker 1 at `spec`, on a world of four with ring-sized buffers.
+/// One kill of initial worker 1 at `spec`, on a world of four with ring-sized buffers
+/// (links on the default transport: shared memory, all workers being on this host).
 fn one_kill(name: &str, spec: &str) -> Value {
+    one_kill_over(name, spec, "auto")
+}
+
+fn one_kill_over(name: &str, spec: &str, transport: &str) -> Value {
     let args = format!(
-        "--peers 4 --duration 10 --faults none --seed 1 --elements 65536 --inject 1={spec}"
+        "--peers 4 --duration 10 --faults none --seed 1 --elements 65536 --transport {transport} --inject 1={spec}"
     );
     let r = chaos(name, &args);
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
@@ -106,6 +111,59 @@ fn a_stopped_peer_holding_its_sockets_is_evicted_within_the_lease() {
         "survivors waited {abort} ms for a peer stopped under a 1000 ms lease"
     );
     recorded(&r, &["recovery_ms", "hang", "max"]);
+}
+
+/// The same kill and stop in the middle of a ring, with links over TCP and over QUIC
+/// (the default run above uses shared memory).
+#[test]
+fn kill_and_stop_mid_ring_over_tcp_and_quic() {
+    for t in ["tcp", "quic"] {
+        let r = one_kill_over(&format!("mid-ring-{t}"), "mid-ring:kill@5", t);
+        assert_eq!(r["transport"], t, "{r:#}");
+        let r = chaos(
+            &format!("mid-ring-stop-{t}"),
+            &format!("--peers 3 --duration 8 --faults none --seed 1 --lease-ms 1000 --elements 65536 --transport {t} --inject 1=mid-ring:stop@5"),
+        );
+        assert_eq!(r["faults"]["hang"], 1, "{t}: {r:#}");
+        let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
+        assert!(
+            abort <= 1500.0,
+            "{t}: survivors waited {abort} ms under a 1000 ms lease"
+        );
+    }
+}
+
+/// Shared memory leaves nothing behind: after a run with kills and hangs, /dev/shm holds
+/// what it held before and no process of the run is left.
+#[test]
+fn nothing_is_left_behind_after_kills_over_shm() {
+    let listing = || {
+        let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let before = listing();
+    let r = chaos(
+        "shm-residue",
+        "--peers 4 --duration 12 --faults kill,hang,join --interval-ms 1500 --seed 3 --transport shm",
+    );
+    assert!(r["faults"]["kill"].as_u64() >= Some(1), "{r:#}");
+    assert_eq!(listing(), before, "/dev/shm changed");
+    let exe = env!("CARGO_BIN_EXE_eccl-chaos");
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.starts_with(exe) && (c.contains(" worker ") || c.contains(" master ")))
+        .collect();
+    assert!(left.is_empty(), "processes of the run are left: {left:?}");
 }
 
 #[test]
