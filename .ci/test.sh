@@ -45,11 +45,18 @@ else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
 
-step "smoke: eccl-bench all_reduce --local 4 -c"
-target/release/eccl-bench all_reduce --local 4 -b 8 -e 8M -f 8 -n 3 -w 1 -c
+step "smoke: eccl-bench all_reduce --local 4 -c over every transport"
+for t in tcp shm quic; do
+    ECCL_TRANSPORT=$t target/release/eccl-bench all_reduce --local 4 -b 8 -e 8M -f 8 -n 3 -w 1 -c
+done
 
-step "chaos: 60 s of kills, hangs, joins and leaves on 4 peers (exit 1 on any violation)"
-target/release/eccl-chaos --peers 4 --duration 60 --seed "${ECCL_CHAOS_SEED:-$RANDOM}"
+seed="${ECCL_CHAOS_SEED:-$RANDOM}"
+step "chaos: 45 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
+target/release/eccl-chaos --peers 4 --duration 45 --seed "$seed" --transport shm
+for t in tcp quic tls; do
+    step "chaos: 20 s over $t"
+    target/release/eccl-chaos --peers 4 --duration 20 --seed "$seed" --transport "$t"
+done
 
 if [ -n "${ECCL_SOAK:-}" ]; then
     step "soak: the issue-3 target run (6 peers, 5 minutes) and the 10-minute soak"

@@ -433,3 +433,55 @@ async fn garbage_truncation_and_plaintext_are_refused_and_the_listeners_go_on() 
     d.expect("a shm link after the garbage");
     a.expect("accepted");
 }
+
+/// A man in the middle who terminates TLS on both sides and relays every byte between
+/// the two sessions (he needs no secret to relay) cannot splice them: each end binds its
+/// proof to its own session's keying material, so the acceptor refuses the relayed one
+/// and the dialer learns that authentication failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_between_two_tls_sessions_is_refused() {
+    use eccl_transport::tls;
+    use tokio_rustls::rustls::pki_types::ServerName;
+    use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+    let mut l = listeners(false).await;
+    let target = l.tcp_addr;
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let mitm = tokio::spawn(async move {
+        let (mut inbound, _) = relay.accept().await.unwrap();
+        let mut mode = [0u8; 1];
+        inbound.read_exact(&mut mode).await.unwrap();
+        let tls_in = TlsAcceptor::from(tls::server_config().unwrap())
+            .accept(inbound)
+            .await
+            .unwrap();
+        let mut outbound = tokio::net::TcpStream::connect(target).await.unwrap();
+        outbound.write_all(&mode).await.unwrap();
+        let tls_out = TlsConnector::from(tls::client_config().unwrap())
+            .connect(ServerName::try_from("eccl").unwrap(), outbound)
+            .await
+            .unwrap();
+        // Relay both ways, passing each end on as a proxy does.
+        let (mut ir, mut iw) = tokio::io::split(tls_in);
+        let (mut or, mut ow) = tokio::io::split(tls_out);
+        let up = async {
+            let _ = tokio::io::copy(&mut ir, &mut ow).await;
+            let _ = ow.shutdown().await;
+        };
+        let down = async {
+            let _ = tokio::io::copy(&mut or, &mut iw).await;
+            let _ = iw.shutdown().await;
+        };
+        tokio::join!(up, down);
+    });
+    match dial_tcp(&relay_addr.to_string(), &secret(), &hello(0, 1), true, T).await {
+        Err(e) => assert!(
+            matches!(e, TransportError::Auth { .. }),
+            "the relayed handshake must fail authentication: {e}"
+        ),
+        Ok(_) => panic!("a spliced TLS session got a link"),
+    }
+    assert!(l.accepted.try_recv().is_err(), "nothing reached the acceptor's caller");
+    mitm.abort();
+}

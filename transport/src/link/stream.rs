@@ -187,7 +187,9 @@ async fn send_one(
     }
 }
 
-/// Writes header and payload with as few system calls as the socket allows.
+/// Writes header and payload with as few system calls as the socket allows, then
+/// flushes: free on a TCP socket, but a TLS stream may otherwise keep the frame's last
+/// records in its buffer until something else is written, which may be never.
 async fn write_frame(
     w: &mut BoxWrite,
     header: &[u8; FRAME_HEADER_LEN],
@@ -209,7 +211,8 @@ async fn write_frame(
             h = &[];
         }
     }
-    w.write_all(p).await
+    w.write_all(p).await?;
+    w.flush().await
 }
 
 /// Receiving half of a stream link: frames from every stream, merged.
