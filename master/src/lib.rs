@@ -19,17 +19,32 @@ use eccl_protocol::auth::Secret;
 use tokio::net::TcpListener;
 
 pub use coordinator::{Coordinator, Timing};
-pub use raft::{RaftRegistry, RaftTiming};
+pub use raft::{MasterNode, RaftRegistry, RaftTiming};
+
+/// A replicated master's cluster: the other masters and how raft reaches them.
+#[derive(Clone)]
+pub struct ClusterOptions {
+    /// Where this master accepts raft connections from the others (etcd's 2380).
+    pub raft_listen: String,
+    /// The cluster's own secret: raft connections use it, never the job's, and the
+    /// client listener never accepts it. Only masters hold it.
+    pub secret: Secret,
+    /// Every master of the cluster, this one included, by raft node id.
+    pub members: BTreeMap<u64, MasterNode>,
+}
 
 pub struct MasterOptions {
-    /// Address to listen on for peers and other masters.
+    /// Client listener: peers, the command line, stores (etcd's 2379).
     pub listen: String,
+    /// The client address other masters give clients for this one; default: this
+    /// master's entry in the cluster, or the address `listen` bound.
+    pub advertise: Option<String>,
+    /// The job's secret, which peers and clients hold.
     pub secret: Secret,
     /// This master's raft node id.
     pub node_id: u64,
-    /// Every master of the cluster, by node id (this one included). Empty: a one-node
-    /// cluster.
-    pub masters: BTreeMap<u64, String>,
+    /// `None`: a single master (a one-node raft cluster with no raft listener).
+    pub cluster: Option<ClusterOptions>,
     pub timing: Timing,
     pub raft_timing: RaftTiming,
 }
@@ -38,9 +53,10 @@ impl MasterOptions {
     pub fn new(listen: impl Into<String>, secret: Secret) -> MasterOptions {
         MasterOptions {
             listen: listen.into(),
+            advertise: None,
             secret,
             node_id: 1,
-            masters: BTreeMap::new(),
+            cluster: None,
             timing: Timing::default(),
             raft_timing: RaftTiming::default(),
         }
@@ -49,24 +65,28 @@ impl MasterOptions {
 
 /// A running master; dropping it stops it.
 pub struct MasterHandle {
+    /// The client listener's address.
     pub addr: SocketAddr,
+    /// The raft listener's address, for a master of a cluster.
+    pub raft_addr: Option<SocketAddr>,
     pub coordinator: Arc<Coordinator>,
-    server: tokio::task::JoinHandle<()>,
-    leases: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl MasterHandle {
-    pub async fn shutdown(self) {
-        self.server.abort();
-        self.leases.abort();
+    pub async fn shutdown(mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
         self.coordinator.raft.shutdown().await;
     }
 }
 
 impl Drop for MasterHandle {
     fn drop(&mut self) {
-        self.server.abort();
-        self.leases.abort();
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }
 
@@ -76,30 +96,73 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
-    let mut masters = opts.masters.clone();
-    if masters.is_empty() {
-        masters.insert(opts.node_id, addr.to_string());
-    }
-    let raft = RaftRegistry::start(
-        opts.node_id,
-        addr.to_string(),
-        masters,
-        opts.secret.clone(),
-        opts.raft_timing,
-    )
-    .await?;
-    let coordinator = Coordinator::new(Arc::new(raft), opts.timing.clone());
-    let leases = coordinator.spawn_lease_checker();
-    let server = tokio::spawn(server::serve(
+    let (members, raft_secret, raft_listener) = match &opts.cluster {
+        Some(c) => {
+            let Some(me) = c.members.get(&opts.node_id) else {
+                anyhow::bail!(
+                    "the cluster does not list this master's node id {}",
+                    opts.node_id
+                );
+            };
+            let l = TcpListener::bind(&c.raft_listen)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen for raft on {}: {e}", c.raft_listen))?;
+            let mut members = c.members.clone();
+            let client = opts.advertise.clone().unwrap_or_else(|| me.client.clone());
+            members.insert(opts.node_id, MasterNode::new(client, me.raft.clone()));
+            (members, c.secret.clone(), Some(l))
+        }
+        None => {
+            // A one-node cluster speaks raft to nobody: its cluster secret is random and
+            // it opens no raft listener.
+            let client = opts.advertise.clone().unwrap_or_else(|| addr.to_string());
+            let secret = Secret::new(secret::generate())
+                .map_err(|e| anyhow::anyhow!("cannot make a cluster secret: {e}"))?;
+            (
+                BTreeMap::from([(opts.node_id, MasterNode::new(client, String::new()))]),
+                secret,
+                None,
+            )
+        }
+    };
+    let me = members[&opts.node_id].clone();
+    let raft = Arc::new(
+        RaftRegistry::start(
+            opts.node_id,
+            me,
+            members,
+            raft_secret.clone(),
+            opts.raft_timing,
+        )
+        .await?,
+    );
+    let coordinator = Coordinator::new(raft.clone(), opts.timing.clone());
+    let mut tasks = vec![coordinator.spawn_lease_checker()];
+    tasks.push(tokio::spawn(server::serve(
         listener,
         coordinator.clone(),
         opts.secret.clone(),
-    ));
-    tracing::info!(target: "eccl::master", "master {} listening on {addr}", opts.node_id);
+    )));
+    let raft_addr = match raft_listener {
+        Some(l) => {
+            let raft_addr = l.local_addr()?;
+            let r = raft.clone();
+            let is_master = Arc::new(move |id| r.is_master(id));
+            tasks.push(tokio::spawn(raft::serve_raft_listener(
+                l,
+                raft.raft.clone(),
+                raft_secret,
+                is_master,
+            )));
+            Some(raft_addr)
+        }
+        None => None,
+    };
+    tracing::info!(target: "eccl::master", "master {} listening on {addr} (raft: {raft_addr:?})", opts.node_id);
     Ok(MasterHandle {
         addr,
+        raft_addr,
         coordinator,
-        server,
-        leases,
+        tasks,
     })
 }

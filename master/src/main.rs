@@ -5,30 +5,48 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use eccl_master::{secret, MasterOptions, RaftTiming, Timing};
+use eccl_master::{secret, ClusterOptions, MasterNode, MasterOptions, RaftTiming, Timing};
 use eccl_protocol::auth::Secret;
 
 /// The master of an eccl job: admits peers, commits epochs, evicts the dead.
 ///
 /// One master is a one-node raft cluster; start three with the same --masters list to
-/// survive the loss of one. Every connection must prove it holds the job secret.
+/// survive the loss of one. Peers and clients connect to the client listener with the
+/// job secret; masters speak raft to each other on their raft listeners with a cluster
+/// secret of their own, which the client listener never accepts. Every connection is
+/// TLS with the secret bound to the session.
 #[derive(Parser, Debug)]
 #[command(name = "eccl-master", version)]
 struct Args {
-    /// Address to listen on for peers and other masters.
+    /// Client listener: peers, the command line, stores.
     #[arg(long, default_value = "127.0.0.1:48148", env = "ECCL_MASTER_LISTEN")]
     listen: String,
-    /// File holding the job secret; created with a new random secret if missing.
-    /// Ignored when ECCL_SECRET is set. Default: ~/.eccl/secret.
+    /// The client address other masters give clients for this one (default: this
+    /// master's client address in --masters, or what --listen bound).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// File holding the job secret; created with a new random secret if missing, and
+    /// refused if its group or others may read it. Ignored when ECCL_SECRET is set.
+    /// Default: ~/.eccl/secret.
     #[arg(long, env = "ECCL_SECRET_FILE")]
     secret_file: Option<PathBuf>,
     /// This master's raft node id (with --masters).
     #[arg(long, default_value_t = 1)]
     node_id: u64,
-    /// Every master of a replicated cluster, as id=host:port pairs separated by commas
-    /// (this one included), e.g. 1=10.0.0.1:48148,2=10.0.0.2:48148,3=10.0.0.3:48148.
+    /// Every master of a replicated cluster (this one included) as id=CLIENT/RAFT
+    /// entries separated by commas: the client address peers use and the raft address
+    /// masters use, e.g. 1=10.0.0.1:48148/10.0.0.1:48149,2=10.0.0.2:48148/10.0.0.2:48149.
+    /// The raft address may be just :PORT on the client address's host.
     #[arg(long, value_parser = parse_masters)]
-    masters: Option<BTreeMap<u64, String>>,
+    masters: Option<BTreeMap<u64, MasterNode>>,
+    /// Raft listener (default: this master's raft address in --masters).
+    #[arg(long)]
+    raft_listen: Option<String>,
+    /// File holding the cluster secret that masters share (and peers never see); needed
+    /// with --masters, created with a new random secret if missing (copy it to every
+    /// master). Default: ~/.eccl/cluster-secret.
+    #[arg(long, env = "ECCL_CLUSTER_SECRET_FILE")]
+    cluster_secret_file: Option<PathBuf>,
     /// Lease on each peer in milliseconds: a peer silent for this long is evicted.
     #[arg(long, env = "ECCL_LEASE_MS", default_value_t = 2000)]
     lease_ms: u64,
@@ -37,17 +55,33 @@ struct Args {
     heartbeat_ms: u64,
 }
 
-fn parse_masters(s: &str) -> Result<BTreeMap<u64, String>, String> {
+fn parse_masters(s: &str) -> Result<BTreeMap<u64, MasterNode>, String> {
     let mut m = BTreeMap::new();
     for part in s.split(',').filter(|p| !p.trim().is_empty()) {
-        let (id, addr) = part
+        let (id, addrs) = part
             .split_once('=')
-            .ok_or_else(|| format!("{part:?} is not id=host:port"))?;
+            .ok_or_else(|| format!("{part:?} is not id=CLIENT/RAFT"))?;
         let id: u64 = id
             .trim()
             .parse()
             .map_err(|_| format!("{id:?} is not a node id"))?;
-        m.insert(id, addr.trim().to_string());
+        let (client, raft) = addrs.split_once('/').ok_or_else(|| {
+            format!("{part:?} is not id=CLIENT/RAFT (each master has a client and a raft address)")
+        })?;
+        let (client, raft) = (client.trim(), raft.trim());
+        let raft = match raft.strip_prefix(':') {
+            Some(port) => {
+                let host = client
+                    .rsplit_once(':')
+                    .map(|(h, _)| h)
+                    .ok_or_else(|| format!("{client:?} is not host:port"))?;
+                format!("{host}:{port}")
+            }
+            None => raft.to_string(),
+        };
+        if m.insert(id, MasterNode::new(client, raft)).is_some() {
+            return Err(format!("master {id} is listed twice"));
+        }
     }
     if m.is_empty() {
         return Err("no masters given".into());
@@ -94,14 +128,26 @@ fn run(args: Args) -> anyhow::Result<()> {
     };
     let mut opts = MasterOptions::new(args.listen.clone(), secret);
     opts.node_id = args.node_id;
+    opts.advertise = args.advertise.clone();
     if let Some(m) = &args.masters {
-        if !m.contains_key(&args.node_id) {
+        let Some(me) = m.get(&args.node_id) else {
             anyhow::bail!(
                 "--masters does not list this master's --node-id {}",
                 args.node_id
             );
-        }
-        opts.masters = m.clone();
+        };
+        let path = args
+            .cluster_secret_file
+            .clone()
+            .unwrap_or_else(|| secret::default_secret_file().with_file_name("cluster-secret"));
+        let cluster_secret = secret::load_or_create(&path)?;
+        opts.cluster = Some(ClusterOptions {
+            raft_listen: args.raft_listen.clone().unwrap_or_else(|| me.raft.clone()),
+            secret: cluster_secret,
+            members: m.clone(),
+        });
+    } else if args.raft_listen.is_some() || args.cluster_secret_file.is_some() {
+        anyhow::bail!("--raft-listen and --cluster-secret-file go with --masters");
     }
     opts.timing = Timing {
         lease: Duration::from_millis(args.lease_ms),
@@ -115,10 +161,16 @@ fn run(args: Args) -> anyhow::Result<()> {
     rt.block_on(async move {
         let master = eccl_master::start(opts).await?;
         // Tools (eccl-bench --local, eccl-chaos) read this line to find the port.
-        println!(
-            "eccl-master listening on {} (secret: {source})",
-            master.addr
-        );
+        match master.raft_addr {
+            Some(r) => println!(
+                "eccl-master listening on {} (secret: {source}; raft on {r})",
+                master.addr
+            ),
+            None => println!(
+                "eccl-master listening on {} (secret: {source})",
+                master.addr
+            ),
+        }
         use std::io::Write;
         let _ = std::io::stdout().flush();
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -21,13 +21,11 @@ pub fn generate() -> String {
     hex::encode(b)
 }
 
-/// Reads `path`, or creates it with a new secret.
+/// Reads `path` (refused if others may read it), or creates it with a new secret,
+/// readable by its owner only.
 pub fn load_or_create(path: &Path) -> anyhow::Result<Secret> {
     if path.exists() {
-        let bytes = std::fs::read(path)
-            .map_err(|e| anyhow::anyhow!("cannot read secret file {}: {e}", path.display()))?;
-        return Secret::new(bytes)
-            .map_err(|e| anyhow::anyhow!("secret file {}: {e}", path.display()));
+        return Secret::read_file(path).map_err(|e| anyhow::anyhow!("secret file {e}"));
     }
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;

@@ -1,5 +1,7 @@
-//! The master's listener: every connection authenticates first, then is either a peer's
-//! control connection or raft traffic from another master.
+//! The master's client listener: every connection runs TLS and authenticates with the
+//! job secret first (at most [`MAX_PENDING`] at once, see
+//! `eccl_transport::admission`), and is then a peer's control connection. Raft between
+//! masters has a listener and a secret of its own and is refused here.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,17 +10,20 @@ use eccl_protocol::auth::{Role, Secret};
 use eccl_protocol::{
     ErrorCode, MasterMessage, MasterReply, PeerId, PeerRequest, Request, PROTOCOL_VERSION,
 };
-use eccl_transport::control::ControlConn;
-use eccl_transport::handshake;
-use tokio::net::{TcpListener, TcpStream};
+use eccl_transport::admission::Admission;
+use eccl_transport::control::{self, ControlConn};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::coordinator::{Coordinator, ReplyTo};
-use crate::raft::serve_raft_conn;
 use crate::registry::Command;
+
+/// Connections that may be authenticating at once.
+pub const MAX_PENDING: usize = 64;
 
 /// Accepts connections until the task is aborted.
 pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secret) {
+    let pending = Admission::new(MAX_PENDING);
     loop {
         let (stream, remote) = match listener.accept().await {
             Ok(x) => x,
@@ -29,41 +34,28 @@ pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secre
             }
         };
         let (coord, secret) = (coord.clone(), secret.clone());
-        tokio::spawn(async move {
-            if let Err(e) = handle(stream, remote, coord, secret).await {
-                tracing::warn!(target: "eccl::master", "connection from {remote}: {e}");
-            }
-        });
-    }
-}
-
-async fn handle(
-    mut stream: TcpStream,
-    remote: SocketAddr,
-    coord: Arc<Coordinator>,
-    secret: Secret,
-) -> anyhow::Result<()> {
-    let _ = stream.set_nodelay(true);
-    let role = match handshake::accept(&mut stream, &secret, &remote.to_string()).await {
-        Ok(r) => r,
-        Err(e) => {
-            // Nothing but a random nonce was sent; the connection never reaches the
-            // registry.
-            tracing::warn!(target: "eccl::master", "refused connection from {remote}: {e}");
-            return Ok(());
-        }
-    };
-    let conn = ControlConn::new(stream, remote.to_string())?;
-    match role {
-        Role::MasterToMaster => {
-            serve_raft_conn(coord.raft.raft.clone(), conn).await;
-            Ok(())
-        }
-        Role::PeerToMaster => serve_peer(conn, remote, coord).await,
-        Role::PeerLink => {
-            tracing::warn!(target: "eccl::master", "{remote} opened a peer link to the master; closing");
-            Ok(())
-        }
+        pending.admit(
+            async move {
+                match control::accept(stream, &secret).await {
+                    Ok((Role::PeerToMaster, conn)) => Some(conn),
+                    Ok((role, _)) => {
+                        tracing::warn!(target: "eccl::master", "refused a {role:?} connection from {remote} on the client listener");
+                        None
+                    }
+                    // Nothing but TLS and a random nonce was sent; the connection never
+                    // reaches the registry.
+                    Err(e) => {
+                        tracing::warn!(target: "eccl::master", "refused connection from {remote}: {e}");
+                        None
+                    }
+                }
+            },
+            move |conn| async move {
+                if let Err(e) = serve_peer(conn, remote, coord).await {
+                    tracing::warn!(target: "eccl::master", "connection from {remote}: {e}");
+                }
+            },
+        );
     }
 }
 

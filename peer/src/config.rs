@@ -74,11 +74,9 @@ pub fn secret_from_env() -> Result<Option<Secret>> {
             .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET: {e}")));
     }
     if let Some(path) = env("ECCL_SECRET_FILE") {
-        let bytes = std::fs::read(&path)
-            .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET_FILE {path}: {e}")))?;
-        return Secret::new(bytes)
+        return Secret::read_file(std::path::Path::new(&path))
             .map(Some)
-            .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET_FILE {path}: {e}")));
+            .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET_FILE {e}")));
     }
     Ok(None)
 }

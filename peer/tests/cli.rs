@@ -73,11 +73,22 @@ fn master_rejects_bad_flags_and_unknown_masters() {
             "--node-id",
             "4",
             "--masters",
-            "1=127.0.0.1:1",
+            "1=127.0.0.1:1/:2",
         ],
     );
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--node-id"), "{err}");
+    // Each master has a client and a raft address.
+    let (code, err) = run(master_bin(), &["--masters", "1=127.0.0.1:1"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("CLIENT/RAFT"), "{err}");
+    // The cluster's own flags go with --masters.
+    let (code, err) = run(
+        master_bin(),
+        &["--listen", "127.0.0.1:0", "--raft-listen", "127.0.0.1:0"],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--masters"), "{err}");
     let (code, _) = run(master_bin(), &["--help"]);
     assert_eq!(code, Some(0));
 }

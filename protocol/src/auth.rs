@@ -52,9 +52,18 @@ impl Role {
 pub struct Secret(Vec<u8>);
 
 impl Secret {
-    /// Minimum length of a secret; shorter ones are too easy to guess.
-    pub const MIN_LEN: usize = 16;
+    /// A secret this long is used as it is (what `eccl-master` and `eccl.Master` make:
+    /// 32 random bytes, hex-encoded).
+    pub const KEY_LEN: usize = 32;
+    /// Shortest passphrase taken; from this up to [`Self::KEY_LEN`] it is stretched with
+    /// PBKDF2, so that guessing it offline costs [`Self::KDF_ROUNDS`] HMACs a try.
+    pub const MIN_LEN: usize = 12;
+    pub const KDF_ROUNDS: u32 = 100_000;
 
+    /// The job secret from what a user gave: at least [`Self::KEY_LEN`] bytes are used as
+    /// they are; a shorter passphrase (at least [`Self::MIN_LEN`]) is stretched with
+    /// PBKDF2-HMAC-SHA256; shorter than that is refused. Surrounding whitespace (a file's
+    /// newline) is ignored.
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Secret, AuthError> {
         let bytes: Vec<u8> = bytes.into();
         let trimmed: Vec<u8> = {
@@ -72,7 +81,17 @@ impl Secret {
         if trimmed.len() < Self::MIN_LEN {
             return Err(AuthError::WeakSecret(trimmed.len()));
         }
-        Ok(Secret(trimmed))
+        if trimmed.len() >= Self::KEY_LEN {
+            return Ok(Secret(trimmed));
+        }
+        let mut key = [0u8; 32];
+        pbkdf2::pbkdf2_hmac::<Sha256>(
+            &trimmed,
+            b"eccl-job-passphrase-v1",
+            Self::KDF_ROUNDS,
+            &mut key,
+        );
+        Ok(Secret(key.to_vec()))
     }
 
     /// This secret tied to one TLS or QUIC session, from the session's exported keying
@@ -95,7 +114,10 @@ impl Secret {
     ) -> Hmac<Sha256> {
         let mut m =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        m.update(b"eccl-auth-v1");
+        // The protocol version is inside the proof, so a connection cannot be talked down
+        // to an older version without the secret.
+        m.update(b"eccl-auth-v2");
+        m.update(&crate::PROTOCOL_VERSION.to_le_bytes());
         m.update(label);
         m.update(&[role as u8]);
         m.update(n1);
@@ -154,6 +176,27 @@ impl Secret {
     }
 }
 
+impl Secret {
+    /// Reads a secret file, as ssh reads a private key: a file that its group or others
+    /// may read (or write) is refused, since anyone who can read it can join the job.
+    pub fn read_file(path: &std::path::Path) -> Result<Secret, String> {
+        let shown = path.display();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let meta = std::fs::metadata(path).map_err(|e| format!("{shown}: {e}"))?;
+            let mode = meta.permissions().mode() & 0o777;
+            if mode & 0o077 != 0 {
+                return Err(format!(
+                    "{shown}: permissions {mode:04o} are too open; the secret file must be readable by its owner only (chmod 600 {shown})"
+                ));
+            }
+        }
+        let bytes = std::fs::read(path).map_err(|e| format!("{shown}: {e}"))?;
+        Secret::new(bytes).map_err(|e| format!("{shown}: {e}"))
+    }
+}
+
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Secret(<{} bytes>)", self.0.len())
@@ -162,7 +205,7 @@ impl std::fmt::Debug for Secret {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
-    #[error("the job secret has {0} bytes; at least 16 are required")]
+    #[error("the job secret has {0} bytes: give at least 32 random bytes (eccl-master makes such a file) or a passphrase of at least 12 characters")]
     WeakSecret(usize),
     #[error("not an eccl handshake (bad magic)")]
     BadMagic,

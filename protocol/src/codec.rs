@@ -61,6 +61,8 @@ mod tests {
     fn round_trip_and_garbage() {
         let m = PeerRequest::Register(RegisterRequest {
             listen_port: 4000,
+            quic_port: Some(4001),
+            shm_name: Some("eccl-1-2".into()),
             advertise_host: Some("10.0.0.1".into()),
             host: "node-a".into(),
             rank_hint: Some(3),

@@ -23,8 +23,11 @@ pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest payload of one data frame. A header announcing more closes the link.
 pub const MAX_FRAME_PAYLOAD: usize = 64 << 20;
 
-/// Largest control message (peer <-> master, master <-> master).
-pub const MAX_CONTROL_MSG: usize = 64 << 20;
+/// Largest control message (peer <-> master, master <-> master). The largest real ones
+/// are a shared-state report (32 bytes per MiB of state: 3 MiB for 100 GiB) and a world
+/// of thousands of members; receivers read bodies as the bytes arrive, so an announced
+/// length costs nothing until it is sent.
+pub const MAX_CONTROL_MSG: usize = 16 << 20;
 
 /// Largest world eccl accepts. Ranks are u32 on the wire; this bounds memory a hostile
 /// message can make us allocate.

@@ -1,4 +1,7 @@
-//! Control connections: authenticated TCP carrying length-prefixed bincode messages.
+//! Control connections (peer <-> master, master <-> master): TLS 1.3 over TCP, always,
+//! with the job's (or the master cluster's) secret bound to the session (see
+//! [`crate::tls`]), carrying length-prefixed bincode messages. They carry little traffic
+//! and decide who is in the job, so every byte of them is encrypted and authenticated.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -6,11 +9,16 @@ use std::time::Duration;
 use eccl_protocol::auth::{Role, Secret};
 use eccl_protocol::codec;
 use serde::{de::DeserializeOwned, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, ToSocketAddrs};
 
-use crate::{handshake, TransportError};
+use crate::link::stream::{BoxRead, BoxWrite};
+use crate::TransportError;
+
+/// Bytes of a control message read at a time.
+const BODY_PIECE: usize = 64 << 10;
+/// How long the body of a control message may take once its length has arrived.
+const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Opens a TCP connection with `TCP_NODELAY` set (control messages are small and
 /// latency-bound; Nagle's algorithm would add tens of milliseconds).
@@ -29,16 +37,31 @@ pub async fn tcp_connect<A: ToSocketAddrs>(
     Ok(stream)
 }
 
-/// Connects to `addr`, authenticates for `role`, and returns the framed connection.
+/// Connects to `addr` over TLS, authenticates for `role`, and returns the framed
+/// connection.
 pub async fn connect(
     addr: &str,
     secret: &Secret,
     role: Role,
     timeout: Duration,
 ) -> Result<ControlConn, TransportError> {
-    let mut stream = tcp_connect(addr, addr, timeout).await?;
-    handshake::dial(&mut stream, secret, role, addr).await?;
-    ControlConn::new(stream, addr.to_string())
+    let stream = tcp_connect(addr, addr, timeout).await?;
+    let peer_addr = stream.peer_addr().ok();
+    let tls = crate::tls::connect(stream, secret, role, addr).await?;
+    Ok(ControlConn::new(tls, addr.to_string(), peer_addr))
+}
+
+/// Accepts a control connection on `stream`: TLS, then the handshake with `secret`.
+/// Returns the role the dialer authenticated for and the framed connection.
+pub async fn accept(
+    stream: TcpStream,
+    secret: &Secret,
+) -> Result<(Role, ControlConn), TransportError> {
+    let peer_addr = stream.peer_addr().ok();
+    let name = peer_addr.map_or_else(|| "?".to_string(), |a| a.to_string());
+    let _ = stream.set_nodelay(true);
+    let (role, tls) = crate::tls::accept(stream, secret, &name).await?;
+    Ok((role, ControlConn::new(tls, name, peer_addr)))
 }
 
 /// A framed control connection; split it to read and write from different tasks.
@@ -49,19 +72,24 @@ pub struct ControlConn {
 }
 
 impl ControlConn {
-    pub fn new(stream: TcpStream, name: String) -> Result<ControlConn, TransportError> {
-        let peer_addr = stream.peer_addr().ok();
-        let _ = stream.set_nodelay(true);
-        let (r, w) = stream.into_split();
-        Ok(ControlConn {
+    /// Frames an authenticated stream.
+    pub fn new<S>(stream: S, name: String, peer_addr: Option<SocketAddr>) -> ControlConn
+    where
+        S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        let (r, w) = tokio::io::split(stream);
+        ControlConn {
             rx: ControlRx {
-                r,
+                r: Box::new(r),
                 name: name.clone(),
                 buf: Vec::new(),
             },
-            tx: ControlTx { w, name },
+            tx: ControlTx {
+                w: Box::new(w),
+                name,
+            },
             peer_addr,
-        })
+        }
     }
 
     pub async fn send<T: Serialize>(&mut self, msg: &T) -> Result<(), TransportError> {
@@ -74,7 +102,7 @@ impl ControlConn {
 }
 
 pub struct ControlTx {
-    w: OwnedWriteHalf,
+    w: BoxWrite,
     name: String,
 }
 
@@ -84,15 +112,16 @@ impl ControlTx {
             peer: self.name.clone(),
             source: e,
         })?;
-        self.w
-            .write_all(&bytes)
-            .await
-            .map_err(|e| TransportError::io(&self.name, e))
+        let write = async {
+            self.w.write_all(&bytes).await?;
+            self.w.flush().await
+        };
+        write.await.map_err(|e| TransportError::io(&self.name, e))
     }
 }
 
 pub struct ControlRx {
-    r: OwnedReadHalf,
+    r: BoxRead,
     name: String,
     buf: Vec<u8>,
 }
@@ -111,11 +140,22 @@ impl ControlRx {
             peer: self.name.clone(),
             source: e,
         })?;
-        self.buf.resize(len, 0);
-        self.r
-            .read_exact(&mut self.buf)
-            .await
-            .map_err(|e| TransportError::io(&self.name, e))?;
+        // The body is read as it arrives, in pieces: memory follows the bytes received,
+        // not the length announced, and a body that stalls ends the connection.
+        self.buf.clear();
+        let body = async {
+            while self.buf.len() < len {
+                let start = self.buf.len();
+                let piece = (len - start).min(BODY_PIECE);
+                self.buf.resize(start + piece, 0);
+                self.r.read_exact(&mut self.buf[start..]).await?;
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        match tokio::time::timeout(BODY_TIMEOUT, body).await {
+            Ok(r) => r.map_err(|e| TransportError::io(&self.name, e))?,
+            Err(_) => return Err(TransportError::Timeout(self.name.clone())),
+        }
         let msg = codec::decode(&self.buf).map_err(|e| TransportError::Codec {
             peer: self.name.clone(),
             source: e,

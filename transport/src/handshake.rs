@@ -97,14 +97,14 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         let mut buf = [0u8; CLIENT_AUTH_LEN];
         stream.read_exact(&mut buf).await.map_err(io)?;
         let msg = ClientAuth::decode(&buf).map_err(auth)?;
-        if !secret.verify_dialer(msg.role, &my_nonce, &msg.nonce, &msg.proof) {
-            return Err(auth(AuthError::BadProof));
-        }
         if msg.version != PROTOCOL_VERSION {
             return Err(auth(AuthError::Version {
                 ours: PROTOCOL_VERSION,
                 theirs: msg.version,
             }));
+        }
+        if !secret.verify_dialer(msg.role, &my_nonce, &msg.nonce, &msg.proof) {
+            return Err(auth(AuthError::BadProof));
         }
         let proof = secret.acceptor_proof(msg.role, &msg.nonce, &my_nonce);
         stream.write_all(&proof).await.map_err(io)?;

@@ -10,12 +10,14 @@
 //! | [`shm`] | the shared-memory transport (rings in a sealed memfd) |
 //! | [`quic`] | QUIC endpoints and links (quinn) |
 //! | [`pool`] | receive buffers |
+//! | [`admission`] | how many connections may be authenticating at once |
 //!
 //! A link is split into a sending half ([`LinkTx`]) that the caller drives directly and a
 //! receiving half ([`LinkRx`]); an `Abort` frame or a dead peer is noticed even while the
 //! caller waits on another link (stream links have reader tasks, shm links a watcher on
 //! their unix socket).
 
+pub mod admission;
 pub mod connect;
 pub mod control;
 pub mod error;

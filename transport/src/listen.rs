@@ -2,7 +2,7 @@
 //! dialer's first byte), an abstract unix socket for shared memory, and a QUIC
 //! endpoint. Every connection must authenticate and introduce itself within the
 //! handshake timeout before it reaches the caller; at most [`MAX_PENDING`] may be doing
-//! so at once, so a flood of strangers cannot tie up a peer.
+//! so at once (see [`crate::admission`]: a flood of strangers cannot lock peers out).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -12,7 +12,9 @@ use eccl_protocol::auth::Secret;
 use eccl_protocol::LinkHello;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
+
+use crate::admission::Admission;
 
 use crate::connect::{expect_link_role, read_hello, MODE_PLAIN, MODE_TLS};
 use crate::link::stream::{BoxRead, BoxWrite};
@@ -91,7 +93,7 @@ impl Drop for Listeners {
 /// Opens every listener `opts` asks for.
 pub async fn listen(opts: ListenOptions) -> Result<Listeners, TransportError> {
     let (tx, rx) = mpsc::channel(256);
-    let pending = Arc::new(Semaphore::new(MAX_PENDING));
+    let pending = Admission::new(MAX_PENDING);
     let tcp = TcpListener::bind((opts.bind, 0))
         .await
         .map_err(|e| TransportError::io(opts.bind, e))?;
@@ -148,27 +150,34 @@ pub async fn listen(opts: ListenOptions) -> Result<Listeners, TransportError> {
     })
 }
 
-/// Runs `work` for one connection if a pending slot is free; a connection that finds
-/// none is dropped at once.
-fn handle<F>(pending: &Arc<Semaphore>, what: String, work: F)
+/// Runs the introduction of one connection under the admission cap, and hands what it
+/// produced to the link manager (or logs why it was refused).
+fn handle<F>(pending: &Arc<Admission>, out: mpsc::Sender<Accepted>, remote: String, work: F)
 where
-    F: std::future::Future<Output = ()> + Send + 'static,
+    F: std::future::Future<Output = Result<Accepted, TransportError>> + Send + 'static,
 {
-    let Ok(permit) = pending.clone().try_acquire_owned() else {
-        tracing::warn!(target: "eccl::net", "dropping {what}: {MAX_PENDING} connections are already authenticating");
-        return;
-    };
-    tokio::spawn(async move {
-        let _permit = permit;
-        work.await
-    });
+    pending.admit(
+        async move {
+            match work.await {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    tracing::warn!(target: "eccl::net", "refused data connection from {remote}: {e}");
+                    None
+                }
+            }
+        },
+        move |a| async move {
+            // The receiver is gone only when the peer is shutting down.
+            let _ = out.send(a).await;
+        },
+    );
 }
 
 async fn accept_tcp(
     listener: TcpListener,
     opts: ListenOptions,
     out: mpsc::Sender<Accepted>,
-    pending: Arc<Semaphore>,
+    pending: Arc<Admission>,
 ) {
     loop {
         let (stream, remote) = match listener.accept().await {
@@ -179,26 +188,10 @@ async fn accept_tcp(
                 continue;
             }
         };
-        let (opts, out2) = (opts.clone(), out.clone());
-        handle(
-            &pending,
-            format!("a connection from {remote}"),
-            async move {
-                let r = tcp_one(stream, remote, &opts).await;
-                deliver(r, &out2, &remote.to_string()).await
-            },
-        );
-    }
-}
-
-/// Hands an accepted connection on, or logs why it was refused.
-async fn deliver(r: Result<Accepted, TransportError>, out: &mpsc::Sender<Accepted>, remote: &str) {
-    match r {
-        Ok(a) => {
-            // The receiver is gone only when the peer is shutting down.
-            let _ = out.send(a).await;
-        }
-        Err(e) => tracing::warn!(target: "eccl::net", "refused data connection from {remote}: {e}"),
+        let opts = opts.clone();
+        handle(&pending, out.clone(), remote.to_string(), async move {
+            tcp_one(stream, remote, &opts).await
+        });
     }
 }
 
@@ -260,7 +253,7 @@ async fn accept_shm(
     listener: UnixListener,
     secret: Secret,
     out: mpsc::Sender<Accepted>,
-    pending: Arc<Semaphore>,
+    pending: Arc<Admission>,
 ) {
     loop {
         let stream = match listener.accept().await {
@@ -271,11 +264,13 @@ async fn accept_shm(
                 continue;
             }
         };
-        let (secret, out2) = (secret.clone(), out.clone());
-        handle(&pending, "a local connection".into(), async move {
-            let r = shm_one(stream, &secret).await;
-            deliver(r, &out2, "a local process").await
-        });
+        let secret = secret.clone();
+        handle(
+            &pending,
+            out.clone(),
+            "a local process".into(),
+            async move { shm_one(stream, &secret).await },
+        );
     }
 }
 
@@ -309,24 +304,19 @@ async fn accept_quic(
     endpoint: quinn::Endpoint,
     secret: Secret,
     out: mpsc::Sender<Accepted>,
-    pending: Arc<Semaphore>,
+    pending: Arc<Admission>,
 ) {
     while let Some(incoming) = endpoint.accept().await {
         let remote = incoming.remote_address().to_string();
-        let (secret, out2) = (secret.clone(), out.clone());
-        handle(
-            &pending,
-            format!("a QUIC connection from {remote}"),
-            async move {
-                let r = quic::accept(incoming, &secret)
-                    .await
-                    .map(|(hello, link, remote)| Accepted {
-                        hello,
-                        remote,
-                        conn: Conn::Quic(link),
-                    });
-                deliver(r, &out2, &remote).await
-            },
-        );
+        let secret = secret.clone();
+        handle(&pending, out.clone(), remote, async move {
+            quic::accept(incoming, &secret)
+                .await
+                .map(|(hello, link, remote)| Accepted {
+                    hello,
+                    remote,
+                    conn: Conn::Quic(link),
+                })
+        });
     }
 }

@@ -482,6 +482,9 @@ async fn a_relay_between_two_tls_sessions_is_refused() {
         ),
         Ok(_) => panic!("a spliced TLS session got a link"),
     }
-    assert!(l.accepted.try_recv().is_err(), "nothing reached the acceptor's caller");
+    assert!(
+        l.accepted.try_recv().is_err(),
+        "nothing reached the acceptor's caller"
+    );
     mitm.abort();
 }

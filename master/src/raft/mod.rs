@@ -4,8 +4,9 @@
 //!   timing and the errors.
 //! - [`log_store`]: the in-memory raft log.
 //! - [`state_machine`]: the [`Registry`] as a raft state machine, with snapshots.
-//! - [`network`]: raft RPCs over authenticated `Role::MasterToMaster` control
-//!   connections, client and server side.
+//! - [`network`]: raft RPCs over TLS control connections authenticated with the
+//!   cluster's own secret (`Role::MasterToMaster`), between configured masters only;
+//!   client and server side.
 //!
 //! [`RaftRegistry`] ties them together: one master is a one-node cluster that leads
 //! from the start; three masters survive the loss of one.
@@ -40,12 +41,15 @@ use std::time::Duration;
 
 use eccl_protocol::auth::Secret;
 use openraft::error::{ClientWriteError, RaftError};
-use openraft::{BasicNode, Config, SnapshotPolicy};
+use openraft::{Config, SnapshotPolicy};
 
 pub use log_store::LogStore;
 pub use network::{serve_raft_conn, serve_raft_listener, MasterNetwork};
 pub use state_machine::{SmData, SmHandle, StateMachineStore};
-pub use types::{MasterId, ProposeError, RaftNode, RaftRpc, RaftRpcReply, RaftTiming, TypeConfig};
+pub use types::{
+    MasterId, MasterNode, ProposeError, RaftHello, RaftNode, RaftRpc, RaftRpcReply, RaftTiming,
+    TypeConfig, TERM_LIMIT,
+};
 
 use crate::registry::{Command, Outcome, Registry};
 
@@ -59,8 +63,8 @@ const SNAPSHOT_EVERY: u64 = 1000;
 pub struct RaftRegistry {
     pub raft: RaftNode,
     pub node_id: MasterId,
-    addr: String,
-    members: BTreeMap<MasterId, String>,
+    node: MasterNode,
+    members: BTreeMap<MasterId, MasterNode>,
     registry: SmHandle,
     network: MasterNetwork,
     bootstrap: Option<tokio::task::JoinHandle<()>>,
@@ -70,7 +74,7 @@ impl std::fmt::Debug for RaftRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RaftRegistry")
             .field("node_id", &self.node_id)
-            .field("addr", &self.addr)
+            .field("node", &self.node)
             .finish_non_exhaustive()
     }
 }
@@ -88,37 +92,31 @@ fn raft_config(timing: RaftTiming) -> anyhow::Result<Config> {
     Ok(config.validate()?)
 }
 
-fn nodes_of(members: &BTreeMap<MasterId, String>) -> BTreeMap<MasterId, BasicNode> {
-    members
-        .iter()
-        .map(|(id, addr)| (*id, BasicNode::new(addr.clone())))
-        .collect()
-}
-
 impl RaftRegistry {
-    /// Starts master `node_id` listening (elsewhere) on `addr`. `members` lists all
-    /// masters, `(id, addr)`, including this one (its entry is set to `addr`); every
-    /// master must be given the same list. The caller serves incoming raft connections
-    /// with [`serve_raft_conn`] (or [`serve_raft_listener`]).
+    /// Starts master `node_id`, reached by other masters and clients as `node` says.
+    /// `members` lists all masters including this one (its entry is set to `node`);
+    /// every master must be given the same list. `secret` is the cluster's, which raft
+    /// connections use and clients never hold. The caller serves incoming raft
+    /// connections with [`serve_raft_listener`].
     ///
     /// A single master initializes itself and is leader when this returns.
     pub async fn start(
         node_id: MasterId,
-        addr: String,
-        members: BTreeMap<MasterId, String>,
+        node: MasterNode,
+        members: BTreeMap<MasterId, MasterNode>,
         secret: Secret,
         timing: RaftTiming,
     ) -> anyhow::Result<RaftRegistry> {
         let mut members = members;
-        members.insert(node_id, addr.clone());
+        members.insert(node_id, node.clone());
         let config = Arc::new(raft_config(timing)?);
         let sm = StateMachineStore::new();
         let registry = sm.handle();
-        let network = MasterNetwork::new(secret);
+        let network = MasterNetwork::new(secret, node_id);
         let raft =
             openraft::Raft::new(node_id, config, network.clone(), LogStore::new(), sm).await?;
 
-        let nodes = nodes_of(&members);
+        let nodes = members.clone();
         let lowest = members.keys().next().copied() == Some(node_id);
         let mut bootstrap = None;
         if lowest {
@@ -142,7 +140,7 @@ impl RaftRegistry {
         let me = RaftRegistry {
             raft,
             node_id,
-            addr,
+            node,
             members,
             registry,
             network,
@@ -167,7 +165,7 @@ impl RaftRegistry {
             Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
                 let leader_addr = f
                     .leader_node
-                    .map(|n| n.addr)
+                    .map(|n| n.client)
                     .or_else(|| f.leader_id.and_then(|id| self.addr_of(id)));
                 Err(ProposeError::NotLeader {
                     leader_id: f.leader_id,
@@ -218,7 +216,7 @@ impl RaftRegistry {
         m.state.is_leader() && m.current_leader == Some(self.node_id)
     }
 
-    /// The leader this master knows of, with its address.
+    /// The leader this master knows of, with its client address.
     pub fn leader(&self) -> Option<(MasterId, String)> {
         let id = self.raft.metrics().borrow().current_leader?;
         Some((id, self.addr_of(id)?))
@@ -240,14 +238,29 @@ impl RaftRegistry {
         tokio::time::timeout(timeout, wait).await.ok().flatten()
     }
 
-    pub fn addr(&self) -> &str {
-        &self.addr
+    pub fn node(&self) -> &MasterNode {
+        &self.node
     }
 
-    pub fn members(&self) -> &BTreeMap<MasterId, String> {
+    pub fn members(&self) -> &BTreeMap<MasterId, MasterNode> {
         &self.members
     }
 
+    /// Whether `id` is a master of this cluster (as configured, or as raft now knows it):
+    /// only those may speak raft to it.
+    pub fn is_master(&self, id: MasterId) -> bool {
+        self.members.contains_key(&id)
+            || self
+                .raft
+                .metrics()
+                .borrow()
+                .membership_config
+                .membership()
+                .get_node(&id)
+                .is_some()
+    }
+
+    /// The client address of master `id`.
     fn addr_of(&self, id: MasterId) -> Option<String> {
         let m = self.raft.metrics();
         let from_membership = m
@@ -255,8 +268,8 @@ impl RaftRegistry {
             .membership_config
             .membership()
             .get_node(&id)
-            .map(|n| n.addr.clone());
-        from_membership.or_else(|| self.members.get(&id).cloned())
+            .map(|n| n.client.clone());
+        from_membership.or_else(|| self.members.get(&id).map(|n| n.client.clone()))
     }
 
     /// Stops the raft node. Other masters see it as unreachable.
@@ -272,7 +285,7 @@ impl RaftRegistry {
 }
 
 /// Initializes a pristine node with `nodes`; "already initialized" is fine.
-async fn initialize(raft: &RaftNode, nodes: BTreeMap<MasterId, BasicNode>) -> anyhow::Result<()> {
+async fn initialize(raft: &RaftNode, nodes: BTreeMap<MasterId, MasterNode>) -> anyhow::Result<()> {
     match raft.initialize(nodes).await {
         Ok(()) => Ok(()),
         Err(RaftError::APIError(openraft::error::InitializeError::NotAllowed(_))) => Ok(()),

@@ -1,5 +1,8 @@
-//! Raft RPCs between masters over authenticated control connections
-//! (`Role::MasterToMaster`), as length-prefixed bincode [`RaftRpc`] / [`RaftRpcReply`].
+//! Raft RPCs between masters over control connections (TLS, authenticated with the
+//! cluster's secret for `Role::MasterToMaster`), as length-prefixed bincode [`RaftRpc`]
+//! / [`RaftRpcReply`]. Each connection starts with a [`RaftHello`] naming the master
+//! that dials; the server takes connections only from masters of the cluster and
+//! requests only in that master's name, with sane terms.
 //!
 //! Client side: one pool of idle connections per target master. Openraft asks for a
 //! new client for every heartbeat round and every election, and it cancels an RPC that
@@ -22,7 +25,6 @@ use std::time::{Duration, Instant};
 
 use eccl_protocol::auth::{Role, Secret};
 use eccl_transport::control::{self, ControlConn};
-use eccl_transport::handshake;
 use openraft::error::{
     Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
@@ -31,11 +33,11 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::{BasicNode, RaftNetwork, RaftNetworkFactory};
+use openraft::{RaftNetwork, RaftNetworkFactory};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use super::types::{MasterId, RaftNode, RaftRpc, RaftRpcReply, TypeConfig};
+use super::types::{MasterId, MasterNode, RaftHello, RaftNode, RaftRpc, RaftRpcReply, TypeConfig};
 
 /// Bound on dialing a master: TCP connect plus handshake.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(1);
@@ -68,7 +70,7 @@ enum NetError {
 }
 
 impl NetError {
-    fn into_rpc<E: std::error::Error>(self) -> RPCError<MasterId, BasicNode, E> {
+    fn into_rpc<E: std::error::Error>(self) -> RPCError<MasterId, MasterNode, E> {
         match self {
             e @ (NetError::Unreachable { .. } | NetError::Stopped { .. }) => {
                 RPCError::Unreachable(Unreachable::new(&e))
@@ -81,8 +83,11 @@ impl NetError {
 /// Connections to one target master.
 struct PeerConns {
     target: MasterId,
+    /// The target's raft listener.
     addr: String,
     secret: Secret,
+    /// This master's id, announced on every connection.
+    me: MasterId,
     idle: Mutex<Vec<ControlConn>>,
     /// Serializes dials; holds the time and reason of the last failed dial.
     dial: tokio::sync::Mutex<Option<(Instant, String)>>,
@@ -119,11 +124,14 @@ impl PeerConns {
                 return Err(self.unreachable(msg.clone()));
             }
         }
-        let res = tokio::time::timeout(
-            DIAL_TIMEOUT,
-            control::connect(&self.addr, &self.secret, Role::MasterToMaster, DIAL_TIMEOUT),
-        )
-        .await;
+        let dial = async {
+            let mut c =
+                control::connect(&self.addr, &self.secret, Role::MasterToMaster, DIAL_TIMEOUT)
+                    .await?;
+            c.send(&RaftHello { from: self.me }).await?;
+            Ok::<_, eccl_transport::TransportError>(c)
+        };
+        let res = tokio::time::timeout(DIAL_TIMEOUT, dial).await;
         let err = match res {
             Ok(Ok(conn)) => {
                 *last_failure = None;
@@ -201,13 +209,15 @@ impl PeerConns {
 #[derive(Clone)]
 pub struct MasterNetwork {
     secret: Secret,
+    me: MasterId,
     pools: Arc<Mutex<BTreeMap<(MasterId, String), Arc<PeerConns>>>>,
 }
 
 impl MasterNetwork {
-    pub fn new(secret: Secret) -> MasterNetwork {
+    pub fn new(secret: Secret, me: MasterId) -> MasterNetwork {
         MasterNetwork {
             secret,
+            me,
             pools: Arc::new(Mutex::new(BTreeMap::new())),
         }
     }
@@ -221,6 +231,7 @@ impl MasterNetwork {
                     target,
                     addr: addr.to_string(),
                     secret: self.secret.clone(),
+                    me: self.me,
                     idle: Mutex::new(Vec::new()),
                     dial: tokio::sync::Mutex::new(None),
                 })
@@ -246,11 +257,11 @@ impl fmt::Debug for MasterNetwork {
 impl RaftNetworkFactory<TypeConfig> for MasterNetwork {
     type Network = MasterClient;
 
-    async fn new_client(&mut self, target: MasterId, node: &BasicNode) -> MasterClient {
+    async fn new_client(&mut self, target: MasterId, node: &MasterNode) -> MasterClient {
         MasterClient {
             target,
             node: node.clone(),
-            conns: self.pool(target, &node.addr),
+            conns: self.pool(target, &node.raft),
         }
     }
 }
@@ -258,7 +269,7 @@ impl RaftNetworkFactory<TypeConfig> for MasterNetwork {
 /// Sends raft RPCs to one master.
 pub struct MasterClient {
     target: MasterId,
-    node: BasicNode,
+    node: MasterNode,
     conns: Arc<PeerConns>,
 }
 
@@ -266,11 +277,11 @@ impl MasterClient {
     fn mismatch<E: std::error::Error>(
         &self,
         rpc: &'static str,
-    ) -> RPCError<MasterId, BasicNode, E> {
+    ) -> RPCError<MasterId, MasterNode, E> {
         NetError::Io {
             rpc,
             target: self.target,
-            addr: self.node.addr.clone(),
+            addr: self.node.raft.clone(),
             msg: "reply does not match the request".into(),
         }
         .into_rpc()
@@ -279,10 +290,10 @@ impl MasterClient {
     fn stopped<E: std::error::Error>(
         &self,
         fatal: Fatal<MasterId>,
-    ) -> RPCError<MasterId, BasicNode, E> {
+    ) -> RPCError<MasterId, MasterNode, E> {
         NetError::Stopped {
             target: self.target,
-            addr: self.node.addr.clone(),
+            addr: self.node.raft.clone(),
             msg: fatal.to_string(),
         }
         .into_rpc()
@@ -294,7 +305,7 @@ impl RaftNetwork<TypeConfig> for MasterClient {
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         _option: RPCOption,
-    ) -> Result<AppendEntriesResponse<MasterId>, RPCError<MasterId, BasicNode, RaftError<MasterId>>>
+    ) -> Result<AppendEntriesResponse<MasterId>, RPCError<MasterId, MasterNode, RaftError<MasterId>>>
     {
         match self
             .conns
@@ -314,7 +325,7 @@ impl RaftNetwork<TypeConfig> for MasterClient {
         _option: RPCOption,
     ) -> Result<
         InstallSnapshotResponse<MasterId>,
-        RPCError<MasterId, BasicNode, RaftError<MasterId, InstallSnapshotError>>,
+        RPCError<MasterId, MasterNode, RaftError<MasterId, InstallSnapshotError>>,
     > {
         match self
             .conns
@@ -335,7 +346,7 @@ impl RaftNetwork<TypeConfig> for MasterClient {
         &mut self,
         rpc: VoteRequest<MasterId>,
         _option: RPCOption,
-    ) -> Result<VoteResponse<MasterId>, RPCError<MasterId, BasicNode, RaftError<MasterId>>> {
+    ) -> Result<VoteResponse<MasterId>, RPCError<MasterId, MasterNode, RaftError<MasterId>>> {
         match self
             .conns
             .call(&RaftRpc::Vote(rpc))
@@ -361,9 +372,11 @@ fn fatal_of(e: RaftError<MasterId>) -> Fatal<MasterId> {
     }
 }
 
-/// Serves raft RPCs from another master on `conn` (already authenticated for
-/// `Role::MasterToMaster`) until the connection closes or `raft` shuts down.
-pub async fn serve_raft_conn(raft: RaftNode, mut conn: ControlConn) {
+/// Serves raft RPCs from master `from` on `conn` (authenticated with the cluster secret
+/// and introduced by its hello) until the connection closes or `raft` shuts down. A
+/// request in another master's name, or with an absurd term, ends the connection
+/// unanswered.
+pub async fn serve_raft_conn(raft: RaftNode, mut conn: ControlConn, from: MasterId) {
     let peer = conn.peer_addr;
     loop {
         let req: RaftRpc = match conn.recv().await {
@@ -373,6 +386,10 @@ pub async fn serve_raft_conn(raft: RaftNode, mut conn: ControlConn) {
                 return;
             }
         };
+        if let Some(why) = req.refuse(from) {
+            tracing::warn!(target: "eccl::master", "refused raft request from master {from} ({peer:?}): {why}");
+            return;
+        }
         let (reply, stopped) = match req {
             RaftRpc::AppendEntries(r) => {
                 let res = raft.append_entries(r).await.map_err(fatal_of);
@@ -397,13 +414,19 @@ pub async fn serve_raft_conn(raft: RaftNode, mut conn: ControlConn) {
     }
 }
 
-/// Accepts connections on `listener`, authenticates them with `secret`, and serves
-/// those that authenticated as `Role::MasterToMaster` with [`serve_raft_conn`]; others
-/// are dropped. Runs until the task is aborted. (A master that shares its listener
-/// between peers and masters runs its own accept loop and calls [`serve_raft_conn`].)
-pub async fn serve_raft_listener(listener: TcpListener, raft: RaftNode, secret: Secret) {
+/// Accepts other masters' connections on `listener` (this master's raft listener):
+/// TLS, the handshake with the cluster's `secret` for `Role::MasterToMaster`, and a
+/// hello from a master that `is_master` knows; then serves them with
+/// [`serve_raft_conn`]. Anything else is dropped. Runs until the task is aborted.
+pub async fn serve_raft_listener(
+    listener: TcpListener,
+    raft: RaftNode,
+    secret: Secret,
+    is_master: Arc<dyn Fn(MasterId) -> bool + Send + Sync>,
+) {
+    let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_RAFT));
     loop {
-        let (mut stream, from) = match listener.accept().await {
+        let (stream, from_addr) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(error = %e, "raft listener accept failed");
@@ -411,20 +434,36 @@ pub async fn serve_raft_listener(listener: TcpListener, raft: RaftNode, secret: 
                 continue;
             }
         };
-        let raft = raft.clone();
-        let secret = secret.clone();
+        let Ok(permit) = pending.clone().try_acquire_owned() else {
+            continue;
+        };
+        let (raft, secret, is_master) = (raft.clone(), secret.clone(), is_master.clone());
         tokio::spawn(async move {
-            let name = from.to_string();
-            match handshake::accept(&mut stream, &secret, &name).await {
-                Ok(Role::MasterToMaster) => match ControlConn::new(stream, name) {
-                    Ok(conn) => serve_raft_conn(raft, conn).await,
-                    Err(e) => tracing::debug!(error = %e, "raft connection setup failed"),
-                },
-                Ok(role) => {
-                    tracing::debug!(?role, %from, "not a master-to-master connection; dropped")
+            let start = async {
+                let (role, mut conn) = control::accept(stream, &secret).await?;
+                if role != Role::MasterToMaster {
+                    anyhow::bail!("a {role:?} connection on the raft listener");
                 }
-                Err(e) => tracing::debug!(error = %e, %from, "raft handshake failed"),
+                let hello: RaftHello = tokio::time::timeout(DIAL_TIMEOUT, conn.recv())
+                    .await
+                    .map_err(|_| anyhow::anyhow!("no hello"))??;
+                if !is_master(hello.from) {
+                    anyhow::bail!("master {} is not a member of this cluster", hello.from);
+                }
+                Ok::<_, anyhow::Error>((conn, hello.from))
+            };
+            match start.await {
+                Ok((conn, from)) => {
+                    drop(permit);
+                    serve_raft_conn(raft, conn, from).await
+                }
+                Err(e) => {
+                    tracing::warn!(target: "eccl::master", "refused raft connection from {from_addr}: {e}")
+                }
             }
         });
     }
 }
+
+/// Raft connections that may be authenticating at once.
+const MAX_PENDING_RAFT: usize = 16;

@@ -6,13 +6,13 @@ use std::io::Cursor;
 use std::sync::{Arc, Mutex, RwLock};
 
 use openraft::storage::RaftStateMachine;
-use openraft::BasicNode;
 use openraft::{
     AnyError, Entry, EntryPayload, LogId, RaftSnapshotBuilder, Snapshot, SnapshotMeta,
     StorageError, StorageIOError, StoredMembership,
 };
 use serde::{Deserialize, Serialize};
 
+use super::types::MasterNode;
 use super::types::{MasterId, TypeConfig};
 use crate::registry::{Outcome, Registry};
 
@@ -21,7 +21,7 @@ use crate::registry::{Outcome, Registry};
 pub struct SmData {
     pub registry: Registry,
     pub last_applied: Option<LogId<MasterId>>,
-    pub membership: StoredMembership<MasterId, BasicNode>,
+    pub membership: StoredMembership<MasterId, MasterNode>,
 }
 
 /// Shared read access to the state machine, for the leader's reads that need not go
@@ -30,7 +30,7 @@ pub type SmHandle = Arc<RwLock<SmData>>;
 
 #[derive(Debug)]
 struct StoredSnapshot {
-    meta: SnapshotMeta<MasterId, BasicNode>,
+    meta: SnapshotMeta<MasterId, MasterNode>,
     data: Vec<u8>,
 }
 
@@ -122,7 +122,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     ) -> Result<
         (
             Option<LogId<MasterId>>,
-            StoredMembership<MasterId, BasicNode>,
+            StoredMembership<MasterId, MasterNode>,
         ),
         StorageError<MasterId>,
     > {
@@ -164,7 +164,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<MasterId, BasicNode>,
+        meta: &SnapshotMeta<MasterId, MasterNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError<MasterId>> {
         let bytes = snapshot.into_inner();

@@ -50,13 +50,13 @@ async fn register_three_and_commit(r: &RaftRegistry, expected_epoch: u64) -> u64
 
 #[tokio::test]
 async fn single_node_leads_at_once_and_applies_proposals() {
-    let addr = "127.0.0.1:1".to_string();
-    let members = BTreeMap::from([(7u64, addr.clone())]);
-    let r = RaftRegistry::start(7, addr.clone(), members, secret(), RaftTiming::default())
+    let node = MasterNode::new("127.0.0.1:1", "");
+    let members = BTreeMap::from([(7u64, node.clone())]);
+    let r = RaftRegistry::start(7, node, members, secret(), RaftTiming::default())
         .await
         .unwrap();
     assert!(r.is_leader());
-    assert_eq!(r.leader(), Some((7, addr)));
+    assert_eq!(r.leader(), Some((7, "127.0.0.1:1".to_string())));
     assert_eq!(r.wait_leader(Duration::from_millis(10)).await, Some(7));
 
     let epoch = register_three_and_commit(&r, 0).await;
@@ -88,7 +88,7 @@ async fn single_node_leads_at_once_and_applies_proposals() {
 }
 
 struct Node {
-    reg: RaftRegistry,
+    reg: Arc<RaftRegistry>,
     listener: JoinHandle<()>,
 }
 
@@ -98,12 +98,33 @@ impl Node {
     }
 }
 
-async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, String>) -> Node {
-    let addr = listener.local_addr().unwrap().to_string();
-    let reg = RaftRegistry::start(id, addr, members.clone(), secret(), RaftTiming::default())
-        .await
-        .unwrap();
-    let listener = tokio::spawn(serve_raft_listener(listener, reg.raft.clone(), secret()));
+/// Master `id`'s node: its raft listener's address, and a client address that names it.
+fn node_at(id: u64, raft: &TcpListener) -> MasterNode {
+    MasterNode::new(
+        format!("client-of-{id}:48148"),
+        raft.local_addr().unwrap().to_string(),
+    )
+}
+
+async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, MasterNode>) -> Node {
+    let reg = RaftRegistry::start(
+        id,
+        members[&id].clone(),
+        members.clone(),
+        secret(),
+        RaftTiming::default(),
+    )
+    .await
+    .unwrap();
+    let reg = Arc::new(reg);
+    let r = reg.clone();
+    let is_master = Arc::new(move |m| r.is_master(m));
+    let listener = tokio::spawn(serve_raft_listener(
+        listener,
+        reg.raft.clone(),
+        secret(),
+        is_master,
+    ));
     Node { reg, listener }
 }
 
@@ -136,7 +157,7 @@ async fn three_masters_replicate_redirect_and_fail_over() {
     let mut members = BTreeMap::new();
     for id in 1..=3u64 {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        members.insert(id, l.local_addr().unwrap().to_string());
+        members.insert(id, node_at(id, &l));
         listeners.push((id, l));
     }
     let mut nodes = BTreeMap::new();
@@ -194,7 +215,11 @@ async fn three_masters_replicate_redirect_and_fail_over() {
             leader_addr,
         }) => {
             assert_eq!(l, Some(leader_id));
-            assert_eq!(leader_addr.as_deref(), Some(members[&leader_id].as_str()));
+            // The leader's client address: what a follower tells a client.
+            assert_eq!(
+                leader_addr.as_deref(),
+                Some(members[&leader_id].client.as_str())
+            );
         }
         other => panic!("expected a redirect, got {other:?}"),
     }
@@ -269,7 +294,7 @@ async fn three_masters_replicate_redirect_and_fail_over() {
 
     // The dead master comes back as a fresh node at the same address and catches up
     // without disturbing the leader.
-    let listener = TcpListener::bind(&members[&leader_id]).await.unwrap();
+    let listener = TcpListener::bind(&members[&leader_id].raft).await.unwrap();
     let back = start_node(leader_id, listener, &members).await;
     let back_handle = back.reg.handle();
     let stop2 = Arc::new(AtomicBool::new(false));
@@ -312,7 +337,7 @@ async fn a_wrong_secret_cannot_join_and_the_cluster_forms_without_the_lowest_id(
     let mut listeners = Vec::new();
     for id in 1..=3u64 {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        members.insert(id, l.local_addr().unwrap().to_string());
+        members.insert(id, node_at(id, &l));
         listeners.push((id, l));
     }
     let mut nodes = Vec::new();
@@ -336,7 +361,7 @@ async fn a_wrong_secret_cannot_join_and_the_cluster_forms_without_the_lowest_id(
     // A dialer with the wrong secret is refused by the raft listener.
     let bad = Secret::new(b"another-secret-0123456789".to_vec()).unwrap();
     let res = eccl_transport::control::connect(
-        &members[&leader],
+        &members[&leader].raft,
         &bad,
         eccl_protocol::auth::Role::MasterToMaster,
         Duration::from_secs(1),
@@ -344,6 +369,104 @@ async fn a_wrong_secret_cannot_join_and_the_cluster_forms_without_the_lowest_id(
     .await;
     assert!(res.is_err());
     for n in nodes {
+        n.listener.abort();
+        n.reg.shutdown().await;
+    }
+}
+
+/// What a holder of the cluster secret who is not a master, or a master speaking in
+/// another's name, can do to the raft listener: nothing. Unknown ids are dropped before
+/// any request; a vote in another master's name and an append-entries with term
+/// 2^64-1 (which once made openraft panic on `term + 1`) end the connection
+/// unanswered; the leader and its term stay, and the cluster goes on committing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_probes_are_refused_and_the_cluster_goes_on() {
+    use eccl_protocol::auth::Role;
+    use eccl_transport::control;
+    use openraft::raft::{AppendEntriesRequest, VoteRequest};
+    use openraft::Vote;
+
+    let mut members = BTreeMap::new();
+    let mut listeners = Vec::new();
+    for id in 1..=3u64 {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        members.insert(id, node_at(id, &l));
+        listeners.push((id, l));
+    }
+    let mut nodes = BTreeMap::new();
+    for (id, l) in listeners {
+        nodes.insert(id, start_node(id, l, &members).await);
+    }
+    let leader = nodes[&1]
+        .reg
+        .wait_leader(Duration::from_secs(5))
+        .await
+        .unwrap();
+    wait_until(
+        "every master knows the leader",
+        Duration::from_secs(5),
+        || {
+            nodes
+                .values()
+                .all(|n| n.reg.leader().map(|l| l.0) == Some(leader))
+        },
+    )
+    .await;
+    let term = nodes[&leader].reg.raft.metrics().borrow().current_term;
+    let target = nodes.keys().copied().find(|id| *id != leader).unwrap();
+    let probe = |from: u64, rpc: RaftRpc| {
+        let addr = members[&target].raft.clone();
+        async move {
+            let mut c = control::connect(
+                &addr,
+                &secret(),
+                Role::MasterToMaster,
+                Duration::from_secs(2),
+            )
+            .await
+            .expect("the cluster secret opens the raft listener");
+            c.send(&RaftHello { from }).await.unwrap();
+            let _ = c.send(&rpc).await;
+            tokio::time::timeout(Duration::from_secs(2), c.recv::<RaftRpcReply>()).await
+        }
+    };
+    // A node outside the cluster asks for votes, at a term that would win.
+    let vote = |term, id| RaftRpc::Vote(VoteRequest::new(Vote::new(term, id), None));
+    let r = probe(99, vote(term + 5, 99)).await;
+    assert!(
+        matches!(r, Ok(Err(_))),
+        "an unknown master is answered nothing: {r:?}"
+    );
+    // A master's connection asks in another master's name.
+    let r = probe(target % 3 + 1, vote(term + 5, leader)).await;
+    assert!(
+        matches!(r, Ok(Err(_))),
+        "a vote in another's name is answered nothing: {r:?}"
+    );
+    // An append-entries at term 2^64-1 in the sender's own name.
+    let append = RaftRpc::AppendEntries(AppendEntriesRequest {
+        vote: Vote::new(u64::MAX, leader),
+        prev_log_id: None,
+        entries: vec![],
+        leader_commit: None,
+    });
+    let r = probe(leader, append).await;
+    assert!(
+        matches!(r, Ok(Err(_))),
+        "an absurd term is answered nothing: {r:?}"
+    );
+    // Nothing moved: the same leader at the same term, and it still commits.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for n in nodes.values() {
+        assert_eq!(n.reg.leader().map(|l| l.0), Some(leader));
+        assert!(n.reg.raft.metrics().borrow().current_term < TERM_LIMIT);
+    }
+    assert_eq!(
+        nodes[&leader].reg.raft.metrics().borrow().current_term,
+        term
+    );
+    assert_eq!(register_three_and_commit(&nodes[&leader].reg, 0).await, 1);
+    for n in nodes.into_values() {
         n.listener.abort();
         n.reg.shutdown().await;
     }

@@ -8,19 +8,52 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use serde::{Deserialize, Serialize};
 
 use crate::registry::{Command, Outcome};
 
+/// A master as the cluster knows it: where other masters reach it (its raft listener)
+/// and where clients do (its client listener, which a follower names when it redirects
+/// a client to the leader).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MasterNode {
+    pub raft: String,
+    pub client: String,
+}
+
+impl MasterNode {
+    pub fn new(client: impl Into<String>, raft: impl Into<String>) -> MasterNode {
+        MasterNode {
+            raft: raft.into(),
+            client: client.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for MasterNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (raft {})", self.client, self.raft)
+    }
+}
+
+/// The first message on a raft connection after authentication: which master dials.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RaftHello {
+    pub from: MasterId,
+}
+
+/// Terms at or above this are refused: no real cluster comes near it, and one more than
+/// the largest term overflows.
+pub const TERM_LIMIT: u64 = 1 << 48;
+
 openraft::declare_raft_types!(
     /// Raft types of the master cluster: the log carries registry [`Command`]s, applying
-    /// one yields an [`Outcome`]; a node is addressed by its master listen address.
+    /// one yields an [`Outcome`]; a node is a [`MasterNode`].
     pub TypeConfig:
         D = Command,
         R = Outcome,
         NodeId = u64,
-        Node = BasicNode,
+        Node = MasterNode,
         Entry = openraft::Entry<TypeConfig>,
         SnapshotData = Cursor<Vec<u8>>,
         AsyncRuntime = openraft::TokioRuntime,
@@ -61,6 +94,27 @@ impl RaftRpc {
             RaftRpc::Vote(_) => "vote",
             RaftRpc::InstallSnapshot(_) => "install_snapshot",
         }
+    }
+
+    /// Why a request cannot come from master `from`: it claims another sender, or a term
+    /// no real cluster reaches (a term of 2^64-1 once made openraft panic on `term + 1`).
+    pub fn refuse(&self, from: MasterId) -> Option<String> {
+        let leader = match self {
+            RaftRpc::AppendEntries(r) => &r.vote.leader_id,
+            RaftRpc::Vote(r) => &r.vote.leader_id,
+            RaftRpc::InstallSnapshot(r) => &r.vote.leader_id,
+        };
+        if leader.node_id != from {
+            return Some(format!(
+                "{} in the name of master {} on master {from}'s connection",
+                self.kind(),
+                leader.node_id
+            ));
+        }
+        if leader.term >= TERM_LIMIT {
+            return Some(format!("{} with term {}", self.kind(), leader.term));
+        }
+        None
     }
 }
 
