@@ -16,15 +16,25 @@ use crate::registry::{Command, Outcome, PeerState};
 use crate::sync::{self, Report};
 
 /// Where the answer to one request goes.
+/// What the master sends a peer, queued for the connection's writer. Bounded: a peer
+/// that does not read what it asked for loses what does not fit (its requests time out
+/// on its side) instead of making the master hold it.
+pub type Outbox = mpsc::Sender<MasterMessage>;
+
+/// Messages a peer's outbox holds.
+pub const OUTBOX: usize = 1024;
+
 #[derive(Clone)]
 pub struct ReplyTo {
-    pub conn: mpsc::UnboundedSender<MasterMessage>,
+    pub conn: Outbox,
     pub id: u64,
 }
 
 impl ReplyTo {
     pub fn send(&self, body: MasterReply) {
-        let _ = self.conn.send(MasterMessage::Reply { id: self.id, body });
+        let _ = self
+            .conn
+            .try_send(MasterMessage::Reply { id: self.id, body });
     }
 }
 
@@ -43,7 +53,7 @@ struct SyncEntry {
 
 #[derive(Default)]
 struct State {
-    conns: HashMap<PeerId, mpsc::UnboundedSender<MasterMessage>>,
+    conns: HashMap<PeerId, Outbox>,
     votes: HashMap<PeerId, Vote>,
     queries: HashMap<PeerId, (ReplyTo, u64)>,
     syncs: HashMap<PeerId, SyncEntry>,
@@ -106,11 +116,7 @@ impl Coordinator {
     }
 
     /// Registers a peer and remembers its connection for later events.
-    pub async fn register(
-        &self,
-        reg: Command,
-        conn: mpsc::UnboundedSender<MasterMessage>,
-    ) -> Result<PeerId, MasterReply> {
+    pub async fn register(&self, reg: Command, conn: Outbox) -> Result<PeerId, MasterReply> {
         let addr = match &reg {
             Command::Register { addr, .. } => addr.clone(),
             _ => String::new(),
@@ -123,6 +129,10 @@ impl Coordinator {
                 st.leases.insert(id, Instant::now());
                 Ok(id)
             }
+            Ok(Outcome::Rejected(why)) => Err(MasterReply::Error {
+                code: ErrorCode::InvalidArgument,
+                message: why,
+            }),
             Ok(o) => Err(MasterReply::Error {
                 code: ErrorCode::Internal,
                 message: format!("register: {o:?}"),
@@ -345,7 +355,7 @@ impl Coordinator {
         };
         for m in self.raft.read(|r| r.live_members()) {
             if let Some(c) = st.conns.get(&m) {
-                let _ = c.send(MasterMessage::Event(ev.clone()));
+                let _ = c.try_send(MasterMessage::Event(ev.clone()));
             }
         }
     }
@@ -403,6 +413,7 @@ impl Coordinator {
                 if let Some(v) = st.votes.remove(&m) {
                     // Its links are older than the others' idea of "previous epoch".
                     v.reply.send(MasterReply::World {
+                        keys: self.raft.link_keys(&w, m),
                         world: w.clone(),
                         changed: true,
                         reuse_links: false,
@@ -456,6 +467,7 @@ impl Coordinator {
                 for m in &members {
                     if let Some(v) = st.votes.remove(m) {
                         v.reply.send(MasterReply::World {
+                            keys: self.raft.link_keys(&w, *m),
                             world: w.clone(),
                             changed: false,
                             reuse_links: true,
@@ -486,6 +498,7 @@ impl Coordinator {
                 for m in w.peer_ids() {
                     if let Some(v) = st.votes.remove(&m) {
                         v.reply.send(MasterReply::World {
+                            keys: self.raft.link_keys(&w, m),
                             world: w.clone(),
                             changed: true,
                             reuse_links,
@@ -569,7 +582,7 @@ impl Coordinator {
                 tracing::info!(target: "eccl::master", "peer {peer} removed ({reason}); member of epoch {epoch}: {was_member}");
                 if let Some(c) = st.conns.remove(&peer) {
                     if !leave {
-                        let _ = c.send(MasterMessage::Event(MasterEvent::Evicted {
+                        let _ = c.try_send(MasterMessage::Event(MasterEvent::Evicted {
                             reason: reason.to_string(),
                         }));
                     }
@@ -600,7 +613,7 @@ impl Coordinator {
                         evicted: Some(peer),
                     };
                     for c in st.conns.values() {
-                        let _ = c.send(MasterMessage::Event(ev.clone()));
+                        let _ = c.try_send(MasterMessage::Event(ev.clone()));
                     }
                 }
                 self.try_commit(&mut st).await;

@@ -85,8 +85,37 @@ pub struct Registry {
     state_revision: Option<(u64, u64, [u8; 32])>,
 }
 
+/// Departed peers remembered (so that their late requests are told they are gone);
+/// older ones are forgotten and get "unknown peer" instead.
+pub const MAX_GONE: usize = 1024;
+/// Peers registered and not gone at once: a job of the largest world, with room for
+/// newcomers, and a bound on what registrations can make a master hold.
+pub const MAX_LIVE: usize = 4 * eccl_protocol::MAX_WORLD_SIZE;
+
 impl Registry {
     pub fn apply(&mut self, cmd: &Command) -> Outcome {
+        let out = self.apply_one(cmd);
+        self.prune();
+        out
+    }
+
+    /// Forgets all but the [`MAX_GONE`] most recent departed peers. Deterministic, so
+    /// every replica prunes alike.
+    fn prune(&mut self) {
+        let gone: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, r)| matches!(r.state, PeerState::Gone { .. }))
+            .map(|(p, _)| *p)
+            .collect();
+        if gone.len() > MAX_GONE {
+            for p in &gone[..gone.len() - MAX_GONE] {
+                self.peers.remove(p);
+            }
+        }
+    }
+
+    fn apply_one(&mut self, cmd: &Command) -> Outcome {
         match cmd {
             Command::Register {
                 addr,
@@ -95,6 +124,16 @@ impl Registry {
                 shm,
                 rank_hint,
             } => {
+                let live = self
+                    .peers
+                    .values()
+                    .filter(|r| !matches!(r.state, PeerState::Gone { .. }))
+                    .count();
+                if live >= MAX_LIVE {
+                    return Outcome::Rejected(format!(
+                        "{live} peers are registered already (at most {MAX_LIVE})"
+                    ));
+                }
                 let id = PeerId(self.next_peer_id.0.max(1));
                 self.next_peer_id = PeerId(id.0 + 1);
                 self.peers.insert(

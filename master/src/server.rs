@@ -12,14 +12,14 @@ use eccl_protocol::{
 };
 use eccl_transport::admission::Admission;
 use eccl_transport::control::{self, ControlConn};
+use eccl_transport::logging;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::coordinator::{Coordinator, ReplyTo};
 use crate::registry::Command;
 
-/// Connections that may be authenticating at once.
-pub const MAX_PENDING: usize = 64;
+pub use eccl_transport::admission::MAX_PENDING;
 
 /// Accepts connections until the task is aborted.
 pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secret) {
@@ -39,13 +39,17 @@ pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secre
                 match control::accept(stream, &secret).await {
                     Ok((Role::PeerToMaster, conn)) => Some(conn),
                     Ok((role, _)) => {
-                        tracing::warn!(target: "eccl::master", "refused a {role:?} connection from {remote} on the client listener");
+                        if let Some(held) = logging::limit("master: wrong role") {
+                            tracing::warn!(target: "eccl::master", "refused a {role:?} connection from {remote} on the client listener{}", logging::held_note(held));
+                        }
                         None
                     }
                     // Nothing but TLS and a random nonce was sent; the connection never
                     // reaches the registry.
                     Err(e) => {
-                        tracing::warn!(target: "eccl::master", "refused connection from {remote}: {e}");
+                        if let Some(held) = logging::limit("master: refused") {
+                            tracing::warn!(target: "eccl::master", "refused connection from {remote}: {e}{}", logging::held_note(held));
+                        }
                         None
                     }
                 }
@@ -65,7 +69,7 @@ async fn serve_peer(
     coord: Arc<Coordinator>,
 ) -> anyhow::Result<()> {
     let ControlConn { mut rx, mut tx, .. } = conn;
-    let (out, mut out_rx) = mpsc::unbounded_channel::<MasterMessage>();
+    let (out, mut out_rx) = mpsc::channel::<MasterMessage>(crate::coordinator::OUTBOX);
     let writer = tokio::spawn(async move {
         while let Some(m) = out_rx.recv().await {
             if tx.send(&m).await.is_err() {
@@ -172,6 +176,17 @@ async fn serve_peer(
                 }
                 let coord = coord.clone();
                 match body {
+                    PeerRequest::UpdateTopology { min_world, .. }
+                        if min_world as usize > eccl_protocol::MAX_WORLD_SIZE =>
+                    {
+                        reply.send(MasterReply::Error {
+                            code: ErrorCode::InvalidArgument,
+                            message: format!(
+                                "min_world {min_world} is larger than any world ({})",
+                                eccl_protocol::MAX_WORLD_SIZE
+                            ),
+                        });
+                    }
                     PeerRequest::UpdateTopology {
                         epoch,
                         min_world,

@@ -254,6 +254,18 @@ impl Config {
                 eccl_protocol::MAX_FRAME_PAYLOAD
             )));
         }
+        let max = eccl_protocol::MAX_WORLD_SIZE;
+        if self.min_world as usize > max {
+            return Err(Error::InvalidArgument(format!(
+                "min_world (ECCL_MIN_WORLD) = {} is more than a world can hold ({max})",
+                self.min_world
+            )));
+        }
+        if let Some(r) = self.rank_hint.filter(|&r| r as usize >= max) {
+            return Err(Error::InvalidArgument(format!(
+                "rank_hint (ECCL_RANK_HINT) = {r} is past any world (at most {max} members)"
+            )));
+        }
         let token = |s: &str| {
             s.chars()
                 .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))

@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use eccl_protocol::auth::Secret;
+use eccl_protocol::auth::{LinkKeys, Secret};
 use eccl_protocol::{LinkHello, Member, PeerId, World};
 use eccl_transport::connect::{self, stream_link};
 use eccl_transport::link::stream::{BoxRead, BoxWrite};
@@ -22,6 +22,8 @@ use crate::error::{Error, Result};
 
 /// Receive buffers larger than this are not kept for reuse.
 const KEEP_BUF_MAX: usize = 64 << 20;
+/// Connections for the next epoch kept until this peer gets there.
+const MAX_EARLY: usize = 1024;
 
 pub(crate) struct PeerRx {
     pub link: LinkRx,
@@ -162,6 +164,7 @@ impl LinkManager {
     pub async fn connect_world(
         &mut self,
         world: &World,
+        keys: &LinkKeys,
         me: PeerId,
         cfg: &Config,
         mut keep: HashMap<PeerId, PeerLink>,
@@ -197,6 +200,7 @@ impl LinkManager {
         let kept = keep.len();
 
         let dialer = Dialer {
+            keys,
             secret: &self.secret,
             quic: self.listeners.quic.as_ref(),
             cfg,
@@ -244,7 +248,9 @@ impl LinkManager {
                     })?,
                 };
                 let h = &a.hello;
-                if h.epoch > epoch {
+                // The next epoch's links wait for it (a member may get there first);
+                // any other epoch's are dropped.
+                if h.epoch == epoch + 1 && later.len() < MAX_EARLY {
                     later.push(a);
                     continue;
                 }
@@ -259,11 +265,18 @@ impl LinkManager {
                     }
                     _ => {
                         if h.epoch == epoch {
-                            tracing::warn!(target: "eccl::net", "dropping unexpected link from {} ({:?})", a.remote, h);
+                            tracing::warn!(target: "eccl::net", "dropping unexpected link from {} (from {}, to {}, stream {} of {})", a.remote, h.from, h.to, h.stream, h.nstreams);
                         }
                         continue;
                     }
                 };
+                // Only the member the master admitted holds the proof for this link.
+                if !keys.verify(h.from, me, epoch, &h.proof) {
+                    if let Some(held) = eccl_transport::logging::limit("link impostor") {
+                        tracing::warn!(target: "eccl::net", "refused a link from {} claiming to be peer {} in epoch {epoch}: its proof is not the master's{}", a.remote, h.from, eccl_transport::logging::held_note(held));
+                    }
+                    continue;
+                }
                 if done.iter().any(|(r, _)| *r == rank) {
                     continue;
                 }
@@ -360,6 +373,7 @@ impl LinkManager {
 
 /// What dialing one link needs.
 struct Dialer<'a> {
+    keys: &'a LinkKeys,
     secret: &'a Secret,
     quic: Option<&'a eccl_transport::quic::Endpoint>,
     cfg: &'a Config,
@@ -377,6 +391,9 @@ impl Dialer<'_> {
             epoch: self.epoch,
             stream,
             nstreams: self.nstreams,
+            // Missing only if the master's world and keys disagree; the acceptor then
+            // refuses the link and the epoch's connection deadline reports it.
+            proof: self.keys.proof_for(to).unwrap_or_default(),
         }
     }
 

@@ -197,6 +197,100 @@ impl Secret {
     }
 }
 
+impl Secret {
+    /// A key derived from this secret for one purpose (`label`); the secret itself is
+    /// never used for two things.
+    pub fn derive(&self, label: &[u8]) -> [u8; 32] {
+        let mut m =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        m.update(b"eccl-derive-v1");
+        m.update(label);
+        m.finalize().into_bytes().into()
+    }
+}
+
+/// What a member needs to prove, per epoch, that it is the member the master admitted
+/// when it dials another, and to check who dials it. Only masters hold the key these
+/// come from, and each member gets only its own, over its TLS control connection: a
+/// process that holds the job secret but is not a member of the epoch (an evicted peer,
+/// a stranger that registered) cannot pass for one, and a member can only forge links
+/// to itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LinkKeys {
+    /// Checks the proofs of members that dial this one.
+    pub accept: [u8; 32],
+    /// This member's proof for each member it dials (those with a larger peer id).
+    pub dial: Vec<(crate::PeerId, [u8; 32])>,
+}
+
+impl LinkKeys {
+    /// The acceptor key of member `acceptor` in `epoch`, from the masters' link key.
+    pub fn accept_key(master_key: &[u8; 32], epoch: u64, acceptor: crate::PeerId) -> [u8; 32] {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(master_key).expect("any key length");
+        m.update(b"eccl-link-accept-v1");
+        m.update(&epoch.to_le_bytes());
+        m.update(&acceptor.0.to_le_bytes());
+        m.finalize().into_bytes().into()
+    }
+
+    fn proof_mac(
+        accept: &[u8; 32],
+        from: crate::PeerId,
+        to: crate::PeerId,
+        epoch: u64,
+    ) -> Hmac<Sha256> {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(accept).expect("any key length");
+        m.update(b"eccl-link-dial-v1");
+        m.update(&from.0.to_le_bytes());
+        m.update(&to.0.to_le_bytes());
+        m.update(&epoch.to_le_bytes());
+        m
+    }
+
+    /// The proof that `from` may open a link to `to` in `epoch`, under `to`'s acceptor
+    /// key.
+    pub fn dial_proof(
+        accept: &[u8; 32],
+        from: crate::PeerId,
+        to: crate::PeerId,
+        epoch: u64,
+    ) -> [u8; 32] {
+        Self::proof_mac(accept, from, to, epoch)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Constant-time check of a dialer's proof against this member's acceptor key.
+    pub fn verify(&self, from: crate::PeerId, to: crate::PeerId, epoch: u64, proof: &[u8]) -> bool {
+        Self::proof_mac(&self.accept, from, to, epoch)
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    /// The keys the masters give member `me` of `world`.
+    pub fn for_member(master_key: &[u8; 32], world: &crate::World, me: crate::PeerId) -> LinkKeys {
+        let epoch = world.epoch;
+        LinkKeys {
+            accept: Self::accept_key(master_key, epoch, me),
+            dial: world
+                .members
+                .iter()
+                .filter(|m| m.peer_id > me)
+                .map(|m| {
+                    let theirs = Self::accept_key(master_key, epoch, m.peer_id);
+                    (m.peer_id, Self::dial_proof(&theirs, me, m.peer_id, epoch))
+                })
+                .collect(),
+        }
+    }
+
+    /// This member's proof for dialing `to`.
+    pub fn proof_for(&self, to: crate::PeerId) -> Option<[u8; 32]> {
+        self.dial.iter().find(|(p, _)| *p == to).map(|(_, t)| *t)
+    }
+}
+
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Secret(<{} bytes>)", self.0.len())

@@ -153,6 +153,8 @@ pub enum MasterReply {
     /// the current epoch because nobody joined or left.
     World {
         world: World,
+        /// This member's link keys for the epoch (see [`LinkKeys`]).
+        keys: crate::auth::LinkKeys,
         changed: bool,
         /// The previous epoch ended cleanly (nobody aborted or was evicted): members of
         /// both epochs keep the links between them and connect only to newcomers.
@@ -209,4 +211,6 @@ pub struct LinkHello {
     pub epoch: u64,
     pub stream: u16,
     pub nstreams: u16,
+    /// The dialer's proof that it is `from` in `epoch` (see [`LinkKeys`]).
+    pub proof: [u8; 32],
 }

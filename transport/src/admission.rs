@@ -14,6 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use tokio::task::AbortHandle;
 
+/// Connections that may be authenticating at once on one listener set (a master's
+/// client port, a peer's link listeners).
+pub const MAX_PENDING: usize = 64;
+
 pub struct Admission {
     cap: usize,
     pending: Mutex<VecDeque<(u64, AbortHandle)>>,

@@ -22,8 +22,7 @@ use crate::link::Transport;
 use crate::quic::QuicLink;
 use crate::{handshake, quic, tls, TransportError};
 
-/// Connections that may be authenticating at once, over all listeners.
-pub const MAX_PENDING: usize = 64;
+pub use crate::admission::MAX_PENDING;
 
 /// An authenticated, introduced data connection, not yet part of a link.
 pub struct Accepted {
@@ -161,14 +160,19 @@ where
             match work.await {
                 Ok(a) => Some(a),
                 Err(e) => {
-                    tracing::warn!(target: "eccl::net", "refused data connection from {remote}: {e}");
+                    if let Some(held) = crate::logging::limit("refused data connection") {
+                        tracing::warn!(target: "eccl::net", "refused data connection from {remote}: {e}{}", crate::logging::held_note(held));
+                    }
                     None
                 }
             }
         },
         move |a| async move {
-            // The receiver is gone only when the peer is shutting down.
-            let _ = out.send(a).await;
+            // A full queue means nobody is taking links now (no world is being connected)
+            // and many have come: drop this one rather than keep it waiting.
+            if out.try_send(a).is_err() {
+                tracing::debug!(target: "eccl::net", "dropping a link nobody is waiting for");
+            }
         },
     );
 }

@@ -60,3 +60,52 @@ pub fn init() {
         .with_target(true)
         .try_init();
 }
+
+/// Lines a site may log per second before it is held back.
+const LINES_PER_SECOND: u32 = 5;
+
+/// Whether a line of `site` may be logged now: at most a few a second per site, so that
+/// a flood of refused strangers does not become a flood of log lines. `Some(n)` lets it
+/// through, `n` being how many lines of the site were held back since the last one.
+pub fn limit(site: &'static str) -> Option<u64> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+    static SITES: Mutex<Option<HashMap<&'static str, (Instant, u32, u64)>>> = Mutex::new(None);
+    let mut sites = SITES.lock().unwrap_or_else(|e| e.into_inner());
+    let entry = sites
+        .get_or_insert_with(HashMap::new)
+        .entry(site)
+        .or_insert((Instant::now(), 0, 0));
+    if entry.0.elapsed() >= Duration::from_secs(1) {
+        entry.0 = Instant::now();
+        entry.1 = 0;
+    }
+    if entry.1 < LINES_PER_SECOND {
+        entry.1 += 1;
+        Some(std::mem::take(&mut entry.2))
+    } else {
+        entry.2 += 1;
+        None
+    }
+}
+
+/// The note a line let through by [`limit`] ends with: how many were held back.
+pub fn held_note(held: u64) -> String {
+    if held == 0 {
+        String::new()
+    } else {
+        format!(" ({held} more like it not shown)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_flood_of_lines_is_held_back_and_counted() {
+        let let_through = (0..100)
+            .filter(|_| super::limit("test flood").is_some())
+            .count();
+        assert_eq!(let_through, super::LINES_PER_SECOND as usize);
+    }
+}

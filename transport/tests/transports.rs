@@ -61,6 +61,7 @@ fn hello(stream: u16, nstreams: u16) -> LinkHello {
         epoch: 1,
         stream,
         nstreams,
+        proof: [0; 32],
     }
 }
 

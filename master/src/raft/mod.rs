@@ -63,6 +63,9 @@ const SNAPSHOT_EVERY: u64 = 1000;
 pub struct RaftRegistry {
     pub raft: RaftNode,
     pub node_id: MasterId,
+    /// The key members' link proofs come from; derived from the cluster secret, so every
+    /// master has it and no peer does.
+    link_key: [u8; 32],
     node: MasterNode,
     members: BTreeMap<MasterId, MasterNode>,
     registry: SmHandle,
@@ -112,6 +115,7 @@ impl RaftRegistry {
         let config = Arc::new(raft_config(timing)?);
         let sm = StateMachineStore::new();
         let registry = sm.handle();
+        let link_key = secret.derive(b"eccl-link-key");
         let network = MasterNetwork::new(secret, node_id);
         let raft =
             openraft::Raft::new(node_id, config, network.clone(), LogStore::new(), sm).await?;
@@ -140,6 +144,7 @@ impl RaftRegistry {
         let me = RaftRegistry {
             raft,
             node_id,
+            link_key,
             node,
             members,
             registry,
@@ -236,6 +241,15 @@ impl RaftRegistry {
             }
         };
         tokio::time::timeout(timeout, wait).await.ok().flatten()
+    }
+
+    /// The link keys of member `peer` of `world` (see [`eccl_protocol::auth::LinkKeys`]).
+    pub fn link_keys(
+        &self,
+        world: &eccl_protocol::World,
+        peer: eccl_protocol::PeerId,
+    ) -> eccl_protocol::auth::LinkKeys {
+        eccl_protocol::auth::LinkKeys::for_member(&self.link_key, world, peer)
     }
 
     pub fn node(&self) -> &MasterNode {

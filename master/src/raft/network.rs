@@ -458,7 +458,9 @@ pub async fn serve_raft_listener(
                     serve_raft_conn(raft, conn, from).await
                 }
                 Err(e) => {
-                    tracing::warn!(target: "eccl::master", "refused raft connection from {from_addr}: {e}")
+                    if let Some(held) = eccl_transport::logging::limit("raft: refused") {
+                        tracing::warn!(target: "eccl::master", "refused raft connection from {from_addr}: {e}{}", eccl_transport::logging::held_note(held))
+                    }
                 }
             }
         });

@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use eccl_protocol::auth::LinkKeys;
 use eccl_protocol::{
     MasterEvent, MasterReply, PeerRequest, Rank, RegisterRequest, World, PROTOCOL_VERSION,
 };
@@ -127,17 +128,18 @@ impl Communicator {
             aborted,
         };
         let reply = self.master.request(req, self.cfg.join_timeout).await?;
-        let (world, changed, reuse) = match reply {
+        let (world, keys, changed, reuse) = match reply {
             MasterReply::World {
                 world,
+                keys,
                 changed,
                 reuse_links,
-            } => (world, changed, reuse_links),
+            } => (world, keys, changed, reuse_links),
             other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
         let mut links_kept = 0;
         if changed || world.epoch != epoch {
-            links_kept = self.install(world, reuse).await?;
+            links_kept = self.install(world, keys, reuse).await?;
         } else if let Some(c) = &self.cur {
             links_kept = c.links.iter().flatten().count() as u32;
         }
@@ -154,8 +156,9 @@ impl Communicator {
         })
     }
 
-    /// Enters `world`; returns how many links were kept from the previous epoch.
-    async fn install(&mut self, world: World, reuse: bool) -> Result<u32> {
+    /// Enters `world`, whose links this peer proves and checks with `keys`; returns how
+    /// many links were kept from the previous epoch.
+    async fn install(&mut self, world: World, keys: LinkKeys, reuse: bool) -> Result<u32> {
         // The master's word is checked like any other input from the network before
         // anything is indexed by rank.
         world.validate().map_err(|e| Error::MasterUnavailable {
@@ -190,7 +193,7 @@ impl Communicator {
         let kept = keep.len() as u32;
         let links = match self
             .links
-            .connect_world(&world, self.peer_id, &self.cfg, keep)
+            .connect_world(&world, &keys, self.peer_id, &self.cfg, keep)
             .await
         {
             Ok(l) => l,

@@ -1,0 +1,258 @@
+//! Issue 9's attacks, each run against a real `eccl-master` process and real peers:
+//! what a holder of the job secret can no longer do to the master or to a job.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use eccl::{Communicator, Error, ReduceOp, Secret};
+use eccl_protocol::auth::Role;
+use eccl_protocol::{
+    MasterMessage, MasterReply, PeerRequest, RegisterRequest, Request, PROTOCOL_VERSION,
+};
+use eccl_transport::control;
+use futures::future::join_all;
+use tokio::io::AsyncWriteExt;
+
+fn secret() -> Secret {
+    Secret::new(SECRET).unwrap()
+}
+
+/// Resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// A control connection that registered, and the peer id it got.
+async fn registered(
+    addr: &str,
+    host: &str,
+) -> (control::ControlConn, Option<eccl::PeerId>, MasterReply) {
+    let mut c = control::connect(addr, &secret(), Role::PeerToMaster, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let reg = RegisterRequest {
+        listen_port: 1,
+        quic_port: None,
+        shm_name: None,
+        advertise_host: None,
+        host: host.to_string(),
+        rank_hint: None,
+        protocol_version: PROTOCOL_VERSION,
+    };
+    c.send(&Request {
+        id: 1,
+        body: PeerRequest::Register(reg),
+    })
+    .await
+    .unwrap();
+    let reply = loop {
+        match c.recv::<MasterMessage>().await.unwrap() {
+            MasterMessage::Reply { id: 1, body } => break body,
+            _ => continue,
+        }
+    };
+    let id = match &reply {
+        MasterReply::Registered { peer_id, .. } => Some(*peer_id),
+        _ => None,
+    };
+    (c, id, reply)
+}
+
+/// Eight authenticated connections announce control messages of 16 MiB (the limit) and
+/// send a few bytes of each: the master reads bodies as they arrive, so its memory
+/// grows by a few KiB per connection, not by what was announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_announcements_cost_the_master_almost_nothing() {
+    let m = start_master(&[]);
+    let pid = m.proc.0.id();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = rss(pid);
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let tcp = tokio::net::TcpStream::connect(&m.addr).await.unwrap();
+        let mut tls = eccl_transport::tls::connect(tcp, &secret(), Role::PeerToMaster, &m.addr)
+            .await
+            .unwrap();
+        let len = (eccl_protocol::MAX_CONTROL_MSG as u32).to_le_bytes();
+        tls.write_all(&len).await.unwrap();
+        tls.write_all(&[0u8; 1000]).await.unwrap();
+        tls.flush().await.unwrap();
+        held.push(tls);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let grew = rss(pid).saturating_sub(before);
+    assert!(grew < 16 << 20, "the master grew by {} MiB", grew >> 20);
+    // An announcement over the limit ends its connection at once.
+    let tcp = tokio::net::TcpStream::connect(&m.addr).await.unwrap();
+    let mut tls = eccl_transport::tls::connect(tcp, &secret(), Role::PeerToMaster, &m.addr)
+        .await
+        .unwrap();
+    tls.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut b = [0u8; 1];
+    let r = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::io::AsyncReadExt::read(&mut tls, &mut b),
+    )
+    .await;
+    assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "{r:?}");
+    // And the master serves the job meanwhile.
+    let mut comms = world(&m.addr, 2).await;
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![1.0f32; 1000];
+        c.all_reduce(&mut b, ReduceOp::Sum).await.map(|_| b[0])
+    }))
+    .await;
+    assert!(res.into_iter().all(|r| r.unwrap() == 2.0));
+    drop(held);
+}
+
+/// Fields no real peer sends: a vote with min_world 2^32-1 (it would hold the first
+/// world forever), an 8 MB host name, a rank hint past any world.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absurd_fields_are_refused_and_the_first_world_still_forms() {
+    let m = start_master(&[]);
+    let (_, _, reply) = registered(&m.addr, &"a".repeat(8 << 20)).await;
+    assert!(
+        matches!(&reply, MasterReply::Error { message, .. } if message.contains("host identity")),
+        "{reply:?}"
+    );
+    let (mut c, id, _) = registered(&m.addr, "host-x").await;
+    let id = id.unwrap();
+    let vote = PeerRequest::UpdateTopology {
+        peer_id: id,
+        epoch: 0,
+        min_world: u32::MAX,
+        aborted: false,
+    };
+    c.send(&Request { id: 2, body: vote }).await.unwrap();
+    let reply = loop {
+        match c.recv::<MasterMessage>().await.unwrap() {
+            MasterMessage::Reply { id: 2, body } => break body,
+            _ => continue,
+        }
+    };
+    assert!(
+        matches!(&reply, MasterReply::Error { message, .. } if message.contains("min_world")),
+        "{reply:?}"
+    );
+    drop(c);
+    // The peer's own library refuses it before sending anything.
+    let mut cfg = peer_cfg(&m.addr);
+    cfg.min_world = u32::MAX;
+    assert!(
+        matches!(Communicator::connect(cfg).await, Err(Error::InvalidArgument(m)) if m.contains("min_world"))
+    );
+    // And a real first world forms.
+    let comms = world(&m.addr, 2).await;
+    assert_eq!(comms[0].world_size(), 2);
+}
+
+/// Twice as many silent connections as the master lets authenticate at once: a real
+/// peer still registers, and within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_silent_connections_does_not_lock_a_peer_out() {
+    let m = start_master(&[]);
+    let mut flood = Vec::new();
+    for _ in 0..2 * eccl_transport::admission::MAX_PENDING {
+        flood.push(tokio::net::TcpStream::connect(&m.addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    let comm = Communicator::connect(peer_cfg(&m.addr))
+        .await
+        .expect("a real peer registers");
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "registering took {took:?}");
+    drop(comm);
+    drop(flood);
+}
+/// Issue 9: a process that holds the job secret but is not the member it claims to be
+/// dials a member's link port as that other member, for the next epoch, ahead of the
+/// real one. Its proof is not the master's, so it is refused; the real link is made and
+/// the next collective is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_impostor_racing_a_real_rank_is_refused() {
+    use eccl::PeerId;
+    use eccl_protocol::LinkHello;
+    use tokio::io::AsyncReadExt;
+
+    let m = start_master(&[]);
+    let mut cfgs = Vec::new();
+    for r in 0..2u32 {
+        let mut c = peer_cfg(&m.addr);
+        c.rank_hint = Some(r);
+        c.min_world = 2;
+        c.transport = eccl::TransportChoice::Tcp;
+        cfgs.push(c);
+    }
+    let mut comms = join_all(cfgs.into_iter().map(|c| async move {
+        let mut comm = Communicator::connect(c).await.unwrap();
+        comm.update_topology().await.unwrap();
+        comm
+    }))
+    .await;
+    comms.sort_by_key(|c| c.peer_id());
+    let w = comms[0].world().unwrap().clone();
+    let (dialer, acceptor) = (comms[0].peer_id(), comms[1].peer_id());
+    let acceptor_addr = w
+        .members
+        .iter()
+        .find(|m| m.peer_id == acceptor)
+        .unwrap()
+        .addr
+        .clone();
+    // Break epoch 1 (different counts) so that the next epoch makes every link afresh.
+    let res = join_all(comms.iter_mut().enumerate().map(|(i, c)| async move {
+        let mut b = vec![1.0f32; 10 + i];
+        c.all_reduce(&mut b, ReduceOp::Sum).await
+    }))
+    .await;
+    assert!(res.iter().all(|r| r.is_err()), "{res:?}");
+    // The impostor: the job secret, the dialer's identity, a proof of its own making.
+    let hello = LinkHello {
+        from: PeerId(dialer.0),
+        to: acceptor,
+        epoch: w.epoch + 1,
+        stream: 0,
+        nstreams: 1,
+        proof: [0x42; 32],
+    };
+    let secret = Secret::new(SECRET).unwrap();
+    let (mut imp_r, _imp_w) = eccl_transport::connect::dial_tcp(
+        &acceptor_addr,
+        &secret,
+        &hello,
+        false,
+        Duration::from_secs(5),
+    )
+    .await
+    .expect("the job secret opens the link port");
+    let epochs = join_all(comms.iter_mut().map(|c| c.update_topology())).await;
+    assert!(epochs.iter().all(|e| e.is_ok()), "{epochs:?}");
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![3.0f32; 100_000];
+        c.all_reduce(&mut b, ReduceOp::Sum).await.map(|_| b[0])
+    }))
+    .await;
+    assert!(
+        res.into_iter().all(|r| r.unwrap() == 6.0),
+        "exact over the real link"
+    );
+    // The impostor's connection was dropped, never used.
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), imp_r.read(&mut buf)).await;
+    assert!(
+        matches!(n, Ok(Ok(0)) | Ok(Err(_))),
+        "the impostor must be dropped: {n:?}"
+    );
+}
