@@ -9,6 +9,7 @@ pub mod auth;
 pub mod codec;
 pub mod frame;
 pub mod msg;
+pub mod seal;
 pub mod types;
 
 pub use frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};

@@ -89,11 +89,19 @@ class Master:
         import subprocess
         import sys
         secret = secret or _eccl_secret()
+        # The secret goes through the child's stdin, never its argv (which `ps` shows
+        # to every user of the machine); the child serves until stdin closes.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eccl.master", "--listen", listen, "--secret", secret,
+            [sys.executable, "-m", "eccl.master", "--listen", listen,
              "--lease-ms", str(lease_ms), "--heartbeat-ms", str(heartbeat_ms)],
             stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
-        line = proc.stdout.readline().strip() if proc.stdout else ""
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(secret + "\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        line = proc.stdout.readline().strip()
         if not line.startswith("eccl master listening on "):
             proc.kill()
             proc.wait()

@@ -1,5 +1,6 @@
 """`python -m eccl.master`: an eccl master in its own process (what `Master.spawn()`
-runs). Prints "eccl master listening on ADDR" and serves until stdin closes."""
+runs). Reads the job secret from the first line of stdin (so that it never shows in
+`ps`), prints "eccl master listening on ADDR" and serves until stdin closes."""
 
 import argparse
 import sys
@@ -10,11 +11,14 @@ from . import Master
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m eccl.master")
     p.add_argument("--listen", default="127.0.0.1:0")
-    p.add_argument("--secret", required=True)
     p.add_argument("--lease-ms", type=int, default=2000)
     p.add_argument("--heartbeat-ms", type=int, default=250)
     a = p.parse_args()
-    m = Master(a.listen, a.secret, lease_ms=a.lease_ms, heartbeat_ms=a.heartbeat_ms)
+    secret = sys.stdin.readline().strip()
+    if not secret:
+        print("eccl master: no job secret on the first line of stdin", flush=True)
+        sys.exit(2)
+    m = Master(a.listen, secret, lease_ms=a.lease_ms, heartbeat_ms=a.heartbeat_ms)
     print(f"eccl master listening on {m.addr}", flush=True)
     sys.stdin.read()
     m.shutdown()

@@ -3,10 +3,11 @@
     import torch.distributed as dist, eccl.torch
     dist.init_process_group("eccl")          # under torchrun, or with rank/world_size/store
 
-The eccl master runs inside rank 0 unless `ECCL_MASTER` names one; its address (and,
-when `ECCL_SECRET`/`ECCL_SECRET_FILE` are not set, a fresh job secret) reach the other
-ranks through torch's rendezvous store, so the store is then the trust boundary, as it
-is for gloo. Every collective torch.distributed offers for CPU tensors runs on eccl; CUDA
+The eccl master runs inside rank 0 unless `ECCL_MASTER` names one; its address reaches
+the other ranks through torch's rendezvous store. When `ECCL_SECRET`/`ECCL_SECRET_FILE`
+are not set, rank 0's fresh job secret goes through the store too, sealed to each rank
+(see `_share_secret`): a store reader learns nothing, a store writer posing as a rank is
+noticed by that rank. Every collective torch.distributed offers for CPU tensors runs on eccl; CUDA
 tensors are refused with `InvalidArgumentError` for now.
 """
 
@@ -332,6 +333,37 @@ def _store_get(store: Any, key: str, timeout: timedelta) -> str:
     return store.get(key).decode()
 
 
+def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
+                  timeout: timedelta) -> str:
+    """Rank 0's fresh job secret, handed to every other rank through the store sealed to
+    that rank alone: rank r publishes a one-use X25519 public key (write-once, with
+    `compare_set`), rank 0 answers with the secret encrypted to it. A process that reads
+    the store learns nothing; one that writes rank r's key first would get the box, so
+    the real rank r, finding another key there, stops with an error instead of running
+    beside it."""
+    from eccl import _eccl
+    if rank == 0:
+        assert secret is not None
+        keys = [f"eccl/key/{r}" for r in range(1, world_size)]
+        if keys:
+            store.wait(keys, timeout)
+        for r, k in enumerate(keys, start=1):
+            public = bytes.fromhex(store.get(k).decode())
+            box = _eccl.seal(public, secret.encode(), f"eccl/torch rank {r}".encode())
+            store.set(f"eccl/sealed/{r}", box.hex())
+        return secret
+    key = _eccl.OpenKey()
+    mine = key.public.hex()
+    stored = store.compare_set(f"eccl/key/{rank}", "", mine)
+    if (stored.decode() if isinstance(stored, bytes) else stored) != mine:
+        raise eccl.InvalidArgumentError(
+            f"another process published rank {rank}'s key in the rendezvous store before "
+            "this one: something else on the store is posing as this rank (or two "
+            "processes were started as the same rank)")
+    box = bytes.fromhex(_store_get(store, f"eccl/sealed/{rank}", timeout))
+    return key.open(box, f"eccl/torch rank {rank}".encode()).decode()
+
+
 def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupEccl:
     """The backend's constructor, as `init_process_group` calls it."""
     master_addr = os.environ.get("ECCL_MASTER")
@@ -341,20 +373,20 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Proce
             secret = f.read().strip()
     master = None
     if master_addr is None:
-        # Rank 0 hosts the master and publishes where it is (and the job secret, when
-        # none was given) through the rendezvous store.
+        # Rank 0 hosts the master and publishes where it is through the rendezvous
+        # store; when no job secret was given, rank 0's fresh one goes to each rank
+        # sealed to it.
+        fresh = secret is None
         if rank == 0:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
             bind = "127.0.0.1" if host in ("127.0.0.1", "localhost") else "0.0.0.0"
             master = eccl.Master(f"{bind}:0", secret)
             port = master.addr.rsplit(":", 1)[1]
             store.set("eccl/master", f"{host}:{port}")
-            if secret is None:
-                store.set("eccl/secret", master.secret)
             secret = master.secret
         master_addr = _store_get(store, "eccl/master", timeout)
-        if secret is None:
-            secret = _store_get(store, "eccl/secret", timeout)
+        if fresh:
+            secret = _share_secret(store, rank, world_size, secret, timeout)
     comm = eccl.Communicator(master_addr, secret, rank_hint=rank, min_world=world_size,
                              join_timeout_ms=int(timeout.total_seconds() * 1000))
     topo = comm.update_topology()

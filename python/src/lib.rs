@@ -11,6 +11,7 @@
 //! | `results.rs` | `OpInfo`, `WorldUpdate`, `SyncInfo` |
 //! | `errors.rs` | `EcclError` and one class per `eccl::ErrorKind` |
 //! | `master.rs` | an embedded master |
+//! | `seal.rs` | sealing the job secret to one rank (the torch store handoff) |
 //! | `runtime.rs` | the process's tokio runtime, and the stop at exit |
 
 mod buffer;
@@ -20,6 +21,7 @@ mod errors;
 mod master;
 mod results;
 mod runtime;
+mod seal;
 mod work;
 
 use eccl::{DType, ReduceOp, SyncStrategy};
@@ -43,6 +45,8 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<master::Master>()?;
     m.add_function(wrap_pyfunction!(runtime::_shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_of, m)?)?;
+    m.add_class::<seal::OpenKey>()?;
+    m.add_function(wrap_pyfunction!(seal::seal, m)?)?;
     // The single lists, which the Python package turns into its enums and exceptions.
     let dtypes: Vec<_> = DType::ALL
         .iter()

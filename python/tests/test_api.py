@@ -302,8 +302,11 @@ def test_exit_with_work_in_flight_neither_crashes_nor_hangs():
 
 
 def test_master_in_a_child_process():
+    """The child gets the secret on stdin: nothing on its command line shows it."""
     m = eccl.Master.spawn()
     try:
+        argv = open(f"/proc/{m._proc.pid}/cmdline", "rb").read()
+        assert b"eccl.master" in argv and m.secret.encode() not in argv
         comm = eccl.Communicator(m.addr, m.secret, min_world=1)
         assert comm.update_topology().world_size == 1
     finally:

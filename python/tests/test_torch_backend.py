@@ -206,6 +206,73 @@ def test_init_with_explicit_arguments(tmp_path):
         assert r == {"sum": [3.0, 3.0, 3.0], "backend": "eccl"}
 
 
+SEALED = textwrap.dedent("""
+    import sys, json, torch, torch.distributed as dist, eccl.torch
+    r, store = int(sys.argv[1]), sys.argv[2]
+    got = []
+    share = eccl.torch._share_secret
+    eccl.torch._share_secret = lambda *a: got.append(share(*a)) or got[-1]
+    dist.init_process_group("eccl", init_method=f"file://{store}", rank=r, world_size=3)
+    t = torch.ones(2) * (r + 1)
+    dist.all_reduce(t)
+    # Every key is in by now (every rank needed its box to join); the file goes away
+    # with the last rank, so look while all are here.
+    data = open(store, "rb").read()
+    found = got[0].encode() in data or bytes.fromhex(got[0]) in data
+    dist.barrier()
+    print("RESULT " + json.dumps({"sum": t.tolist(), "secret": got[0], "found": found,
+                                  "sealed": data.count(b"eccl/sealed/")}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_the_job_secret_never_sits_in_the_store_in_the_clear(tmp_path):
+    """Three ranks through a FileStore (whose file holds every key and value): each got
+    rank 0's secret, and neither it nor its bytes appear in the store."""
+    script = tmp_path / "sealed.py"
+    script.write_text(SEALED)
+    store = tmp_path / "store"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ECCL_SECRET", "ECCL_SECRET_FILE", "ECCL_MASTER")}
+    res = run_processes([([sys.executable, str(script), str(r), str(store)], env) for r in range(3)])
+    assert [r["sum"] for r in res] == [[6.0, 6.0]] * 3
+    secrets = {r["secret"] for r in res}
+    assert len(secrets) == 1 and len(secrets.pop()) == 64
+    assert [r["sealed"] for r in res] == [2] * 3
+    assert not any(r["found"] for r in res)
+
+
+def test_a_store_writer_posing_as_a_rank_is_noticed():
+    """_share_secret against a real store: a fresh key per rank, a sealed box per rank,
+    nothing readable in the store; and a rank whose key someone else published first
+    stops with an error instead of joining beside the impostor."""
+    import threading
+    from datetime import timedelta
+    import torch.distributed as dist
+    import eccl
+    from eccl.torch import _share_secret
+
+    timeout = timedelta(seconds=20)
+    store = dist.HashStore()
+    got = {}
+    ts = [threading.Thread(target=lambda r=r: got.__setitem__(
+        r, _share_secret(store, r, 3, "s" * 64 if r == 0 else None, timeout))) for r in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert got == {0: "s" * 64, 1: "s" * 64, 2: "s" * 64}
+    for k in ("eccl/key/1", "eccl/key/2", "eccl/sealed/1", "eccl/sealed/2"):
+        v = store.get(k)
+        assert b"s" * 8 not in v and bytes.fromhex(v.decode()).find(b"s" * 8) < 0
+    # An impostor publishes rank 1's key first.
+    store = dist.HashStore()
+    impostor = eccl._eccl.OpenKey()
+    store.set("eccl/key/1", impostor.public.hex())
+    with pytest.raises(eccl.InvalidArgumentError, match="posing as this rank"):
+        _share_secret(store, 1, 2, None, timeout)
+
+
 EXAMPLES = HERE.parents[1] / "examples"
 
 
