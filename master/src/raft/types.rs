@@ -114,6 +114,26 @@ impl RaftRpc {
         if leader.term >= TERM_LIMIT {
             return Some(format!("{} with term {}", self.kind(), leader.term));
         }
+        // Log ids from a term after the sender's own vote cannot be real.
+        let mut terms: Vec<u64> = Vec::new();
+        match self {
+            RaftRpc::AppendEntries(r) => {
+                terms.extend(r.prev_log_id.iter().map(|l| l.leader_id.term));
+                terms.extend(r.leader_commit.iter().map(|l| l.leader_id.term));
+                terms.extend(r.entries.iter().map(|e| e.log_id.leader_id.term));
+            }
+            RaftRpc::Vote(r) => terms.extend(r.last_log_id.iter().map(|l| l.leader_id.term)),
+            RaftRpc::InstallSnapshot(r) => {
+                terms.extend(r.meta.last_log_id.iter().map(|l| l.leader_id.term))
+            }
+        }
+        if let Some(t) = terms.into_iter().find(|t| *t > leader.term) {
+            return Some(format!(
+                "{} carrying a log id of term {t} from a sender at term {}",
+                self.kind(),
+                leader.term
+            ));
+        }
         None
     }
 }

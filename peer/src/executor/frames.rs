@@ -228,4 +228,62 @@ mod tests {
         let mut r = Coverage::default();
         assert!(r.add(8, 8, 16) && r.add(0, 8, 16) && r.complete(16));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
+            std::env::var("ECCL_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000)
+        ))]
+
+        /// Any sequence of frame offsets a peer may send, against a byte map: a frame is
+        /// taken exactly when it lies inside the message and touches no byte already
+        /// received, and the message is complete exactly when every byte is covered.
+        #[test]
+        fn coverage_matches_a_byte_map(
+            total in 0usize..200,
+            frames in proptest::collection::vec((0usize..220, 0usize..220), 0..40),
+        ) {
+            let mut c = Coverage::default();
+            let mut map = vec![false; total];
+            let mut empty_seen = false;
+            for (off, len) in frames {
+                let expect = if len == 0 {
+                    total == 0 && off == 0 && !empty_seen
+                } else {
+                    off + len <= total && !map[off..off + len].iter().any(|b| *b)
+                };
+                proptest::prop_assert_eq!(c.add(off, len, total), expect, "frame {}+{} of {}", off, len, total);
+                if expect {
+                    if len == 0 {
+                        empty_seen = true;
+                    }
+                    map[off..off + len].iter_mut().for_each(|b| *b = true);
+                }
+                let full = if total == 0 { empty_seen } else { map.iter().all(|b| *b) };
+                proptest::prop_assert_eq!(c.complete(total), full);
+            }
+        }
+
+        /// A message cut into frames that arrive in any order, some of them twice: the
+        /// repeats are refused, and it completes with the last new piece, not before.
+        #[test]
+        fn shuffled_frames_with_repeats_complete_once(
+            cuts in proptest::collection::btree_set(1usize..4096, 0..20),
+            order in proptest::collection::vec(proptest::prelude::any::<proptest::sample::Index>(), 0..60),
+        ) {
+            let total = 4096;
+            let mut bounds: Vec<usize> = std::iter::once(0).chain(cuts).chain(std::iter::once(total)).collect();
+            bounds.dedup();
+            let pieces: Vec<(usize, usize)> = bounds.windows(2).map(|w| (w[0], w[1] - w[0])).collect();
+            let mut c = Coverage::default();
+            let mut got = vec![false; pieces.len()];
+            let seq = order.iter().map(|i| i.index(pieces.len())).chain(0..pieces.len());
+            for i in seq {
+                let (off, len) = pieces[i];
+                proptest::prop_assert_eq!(c.add(off, len, total), !got[i]);
+                got[i] = true;
+                proptest::prop_assert_eq!(c.complete(total), got.iter().all(|g| *g));
+            }
+            proptest::prop_assert!(c.complete(total));
+        }
+    }
 }
