@@ -1,10 +1,80 @@
 //! The caller's buffers as the schedule's primitives see them: raw parts, so that the
 //! primitives of one step can borrow disjoint regions at the same time. This is the
 //! executor's one `unsafe` place; a validated schedule is what makes it sound.
+//!
+//! [`Bufs::borrow`] decides, for every communication primitive, which slices it holds
+//! while its step runs, and [`Bufs::run_local`] runs the local ones. The tests below
+//! borrow every step of every schedule at once and touch every slice, so that Miri
+//! (`cargo +nightly miri test -p eccl --lib executor::bufs`) checks the aliasing.
 
-use eccl_algorithms::{Buf, Region};
+use eccl_algorithms::{kernels, Buf, DType, Prim, ReduceOp, Region};
 
 use crate::error::{Error, Result};
+
+/// The memory one communication primitive works on for the length of its step.
+pub(crate) enum Mem<'a> {
+    /// `Send`: what it sends.
+    Read(&'a [u8]),
+    /// `Recv`, `RecvCopySend`: where the message lands.
+    Write(&'a mut [u8]),
+    /// `RecvReduce`, `RecvReduceSend`: `incoming ⊕ local`.
+    Reduce(Reduce<'a>),
+}
+
+/// The operands of a receive-reduce.
+pub(crate) enum Reduce<'a> {
+    /// `local` and the destination are different regions (a `RecvReduceSend` may keep
+    /// no result: `out` is `None`).
+    Apart {
+        local: &'a [u8],
+        out: Option<&'a mut [u8]>,
+    },
+    /// The destination is `local` itself: one slice, read then written piece by piece.
+    InPlace(&'a mut [u8]),
+}
+
+impl Reduce<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Reduce::Apart { local, .. } => local.len(),
+            Reduce::InPlace(b) => b.len(),
+        }
+    }
+
+    /// `piece = piece ⊕ local[off..]` for an incoming piece at `off`, then stores the
+    /// result at `off` when the primitive keeps one.
+    pub fn combine_into(&mut self, dtype: DType, op: ReduceOp, off: usize, piece: &mut [u8]) {
+        let n = piece.len();
+        match self {
+            Reduce::Apart { local, out } => {
+                kernels::reduce_inplace(dtype, op, piece, &local[off..off + n]);
+                if let Some(o) = out {
+                    o[off..off + n].copy_from_slice(piece);
+                }
+            }
+            Reduce::InPlace(b) => {
+                kernels::reduce_inplace(dtype, op, piece, &b[off..off + n]);
+                b[off..off + n].copy_from_slice(piece);
+            }
+        }
+    }
+
+    /// `out[off..] = incoming ⊕ local[off..]` for an incoming piece at `off`.
+    pub fn combine_from(&mut self, dtype: DType, op: ReduceOp, off: usize, piece: &[u8]) {
+        let n = piece.len();
+        match self {
+            Reduce::Apart {
+                local,
+                out: Some(o),
+            } => kernels::reduce_to(dtype, op, &mut o[off..off + n], piece, &local[off..off + n]),
+            // A receive-reduce that keeps nothing only forwards (`combine_into`).
+            Reduce::Apart { out: None, .. } => {}
+            Reduce::InPlace(b) => {
+                kernels::reduce_inplace_rev(dtype, op, &mut b[off..off + n], piece)
+            }
+        }
+    }
+}
 
 /// The caller's buffers as raw parts, so that the primitives of one step can borrow
 /// disjoint regions of them at the same time.
@@ -59,7 +129,7 @@ impl Bufs {
     /// # Safety
     /// No live mutable slice may overlap `r` (the schedule was validated: within a step
     /// no primitive reads what another writes).
-    pub unsafe fn get(&self, r: &Region) -> Result<&[u8]> {
+    unsafe fn get(&self, r: &Region) -> Result<&[u8]> {
         let (p, n) = self.span(r)?;
         Ok(if n == 0 {
             &[]
@@ -73,7 +143,7 @@ impl Bufs {
     // `&self` hands out `&mut`: the buffers are raw parts, and the validated schedule is
     // what keeps the regions of one step disjoint (see the Safety notes).
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn get_mut(&self, r: &Region) -> Result<&mut [u8]> {
+    unsafe fn get_mut(&self, r: &Region) -> Result<&mut [u8]> {
         if r.buf == Buf::Input {
             return Err(Error::InvalidArgument(
                 "a schedule may not write its input".into(),
@@ -85,5 +155,223 @@ impl Bufs {
         } else {
             std::slice::from_raw_parts_mut(p, n)
         })
+    }
+
+    /// The slices communication primitive `p` holds while its step runs.
+    ///
+    /// # Safety
+    /// `p` is a primitive of a step of a validated schedule, and no slice of the buffers
+    /// from an earlier step (or from `run_local`) is still alive. Validation keeps every
+    /// region a communication primitive writes apart from every region any other
+    /// primitive of the step touches, and a receive-reduce's `local` either apart from
+    /// its destination or equal to it (then it gets one slice, [`Reduce::InPlace`]); so
+    /// the slices of one step's primitives never alias.
+    pub unsafe fn borrow(&self, p: &Prim) -> Result<Mem<'_>> {
+        let reduce = |local: &Region, dst: Option<&Region>| -> Result<Mem<'_>> {
+            if let Some(d) = dst.filter(|d| d.len != local.len) {
+                return Err(Error::InvalidArgument(format!(
+                    "schedule reduces regions of different lengths ({local:?}, {d:?})"
+                )));
+            }
+            Ok(Mem::Reduce(match dst {
+                Some(d) if d == local => Reduce::InPlace(self.get_mut(d)?),
+                Some(d) => Reduce::Apart {
+                    local: self.get(local)?,
+                    out: Some(self.get_mut(d)?),
+                },
+                None => Reduce::Apart {
+                    local: self.get(local)?,
+                    out: None,
+                },
+            }))
+        };
+        match p {
+            Prim::Send { src, .. } => Ok(Mem::Read(self.get(src)?)),
+            Prim::Recv { dst, .. } | Prim::RecvCopySend { dst, .. } => {
+                Ok(Mem::Write(self.get_mut(dst)?))
+            }
+            Prim::RecvReduce { local, dst, .. } => reduce(local, Some(dst)),
+            Prim::RecvReduceSend { local, dst, .. } => reduce(local, dst.as_ref()),
+            Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => Err(
+                Error::InvalidArgument(format!("{p:?} is local: it runs before its step's links")),
+            ),
+        }
+    }
+
+    /// Runs local primitive `p` (others are refused).
+    ///
+    /// # Safety
+    /// No slice of the buffers is alive.
+    pub unsafe fn run_local(
+        &self,
+        p: &Prim,
+        dtype: DType,
+        op: ReduceOp,
+        world: usize,
+    ) -> Result<()> {
+        match p {
+            Prim::Copy { src, dst } | Prim::Reduce { src, dst } if src.overlaps(dst) => {
+                Err(Error::InvalidArgument(format!(
+                    "schedule combines overlapping regions ({src:?}, {dst:?})"
+                )))
+            }
+            Prim::Copy { src, dst } | Prim::Reduce { src, dst } if src.len != dst.len => {
+                Err(Error::InvalidArgument(format!(
+                    "schedule combines regions of different lengths ({src:?}, {dst:?})"
+                )))
+            }
+            Prim::Copy { src, dst } => {
+                self.get_mut(dst)?.copy_from_slice(self.get(src)?);
+                Ok(())
+            }
+            Prim::Reduce { src, dst } => {
+                kernels::reduce_inplace(dtype, op, self.get_mut(dst)?, self.get(src)?);
+                Ok(())
+            }
+            Prim::Finalize { region } => {
+                kernels::finalize(dtype, op, self.get_mut(region)?, world);
+                Ok(())
+            }
+            _ => Err(Error::InvalidArgument(format!(
+                "{p:?} is not a local primitive"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use eccl_algorithms::{available_algos, build, CollectiveKind, Descriptor};
+
+    use super::*;
+
+    /// Every step of every schedule, borrowed as the executor borrows it: the local
+    /// primitives run, then every communication primitive of the step holds its slices
+    /// at once, and each is used (written, read, combined) in turn, twice over. Under
+    /// Miri an aliasing `&mut` or a read past a buffer is an error; natively it checks
+    /// that every region of every schedule fits its buffer.
+    #[test]
+    fn every_schedule_borrows_disjoint_memory() {
+        let (worlds, counts): (u32, &[u64]) = if cfg!(miri) {
+            (4, &[5])
+        } else {
+            (7, &[0, 1, 5, 17])
+        };
+        let mut checked = 0;
+        for kind in CollectiveKind::ALL
+            .into_iter()
+            .filter(|k| *k != CollectiveKind::SendRecv)
+        {
+            for &algo in available_algos(kind) {
+                for world in 1..=worlds {
+                    for &count in counts {
+                        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                            let root = world / 2;
+                            let desc = Descriptor {
+                                kind,
+                                dtype: DType::F32,
+                                op,
+                                algo,
+                                root,
+                                count,
+                            };
+                            for rank in 0..world {
+                                let Ok(s) = build(&desc, rank, world) else {
+                                    continue;
+                                };
+                                s.validate_for(rank, world).unwrap();
+                                exercise(&s, &desc, world);
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 100, "only {checked} schedules");
+    }
+
+    fn exercise(s: &eccl_algorithms::Schedule, desc: &Descriptor, world: u32) {
+        let elem = desc.dtype.size();
+        let input: Vec<u8> = (0..s.input_len * elem).map(|i| i as u8).collect();
+        let mut output = vec![0u8; s.output_len * elem];
+        let mut scratch = vec![0u8; s.scratch_len * elem];
+        let bufs = Bufs::new(&input, &mut output, &mut scratch, elem);
+        for step in &s.steps {
+            for p in step.prims.iter().filter(|p| p.is_local()) {
+                // SAFETY: nothing else is borrowed.
+                unsafe {
+                    bufs.run_local(p, desc.dtype, desc.op, world as usize)
+                        .unwrap()
+                };
+            }
+            // SAFETY: a validated schedule, and the local slices are gone.
+            let mut mems: Vec<Mem<'_>> = step
+                .prims
+                .iter()
+                .filter(|p| !p.is_local())
+                .map(|p| unsafe { bufs.borrow(p).unwrap() })
+                .collect();
+            for _ in 0..2 {
+                for m in mems.iter_mut() {
+                    match m {
+                        Mem::Read(d) => {
+                            assert!(d.iter().map(|b| *b as usize).sum::<usize>() < usize::MAX)
+                        }
+                        Mem::Write(d) => d.fill(1),
+                        Mem::Reduce(r) => {
+                            let n = r.len();
+                            let mut piece = vec![0u8; n];
+                            r.combine_into(desc.dtype, desc.op, 0, &mut piece);
+                            r.combine_from(desc.dtype, desc.op, 0, &piece);
+                        }
+                    }
+                }
+            }
+        }
+        drop(bufs);
+        assert_eq!(output.len(), s.output_len * elem);
+    }
+
+    #[test]
+    fn regions_outside_their_buffer_and_local_misuse_are_errors() {
+        let input = [0u8; 8];
+        let (mut out, mut scr) = ([0u8; 8], [0u8; 0]);
+        let bufs = Bufs::new(&input, &mut out, &mut scr, 4);
+        let send = |r| Prim::Send { peer: 1, src: r };
+        // SAFETY: each borrow ends before the next (they are errors or dropped).
+        unsafe {
+            assert!(
+                bufs.borrow(&send(Region::input(1, 2))).is_err(),
+                "past the end"
+            );
+            assert!(
+                bufs.borrow(&send(Region::input(usize::MAX, 2))).is_err(),
+                "overflow"
+            );
+            assert!(
+                bufs.borrow(&Prim::Recv {
+                    peer: 1,
+                    dst: Region::input(0, 1)
+                })
+                .is_err(),
+                "writes the input"
+            );
+            let copy = Prim::Copy {
+                src: Region::new(Buf::Output, 0, 2),
+                dst: Region::new(Buf::Output, 1, 1),
+            };
+            assert!(
+                bufs.run_local(&copy, DType::F32, ReduceOp::Sum, 2).is_err(),
+                "different lengths"
+            );
+            assert!(
+                bufs.borrow(&copy).is_err(),
+                "a local primitive is not borrowed"
+            );
+            assert!(bufs
+                .run_local(&send(Region::input(0, 1)), DType::F32, ReduceOp::Sum, 2)
+                .is_err());
+        }
     }
 }

@@ -25,7 +25,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use eccl_algorithms::kernels;
 use eccl_algorithms::{Prim, Schedule};
 use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
@@ -35,6 +34,7 @@ use futures::future::{try_join_all, BoxFuture, FutureExt};
 use tokio::sync::mpsc;
 
 pub(crate) use bufs::Bufs;
+use bufs::Mem;
 pub(crate) use control::{broadcast_abort, check_round, close_header, recv_p2p, send_p2p};
 use frames::{recv_msg, Want};
 
@@ -136,8 +136,9 @@ pub(crate) async fn run(
             fault::hit(fault::Point::MidRing);
         }
         for p in step.prims.iter().filter(|p| p.is_local()) {
-            // SAFETY: local primitives run one at a time; `local` checks src/dst overlap.
-            unsafe { local(op, p, bufs)? };
+            // SAFETY: local primitives run one at a time, before the step's others
+            // borrow anything; `run_local` checks src/dst overlap.
+            unsafe { bufs.run_local(p, dtype, rop, world)? };
         }
         if step.prims.iter().all(Prim::is_local) {
             continue;
@@ -170,13 +171,13 @@ pub(crate) async fn run(
                 desc: op.desc,
                 tag: 0,
             };
-            // SAFETY (all get/get_mut below): the schedule was validated, so within a step
-            // no two primitives write overlapping regions and none reads what another writes.
-            match p {
-                Prim::Send { peer, src } => {
+            // SAFETY: the schedule was validated and the local primitives' slices are
+            // gone (see `Bufs::borrow`).
+            let mem = unsafe { bufs.borrow(p)? };
+            match (p, mem) {
+                (Prim::Send { peer, .. }, Mem::Read(data)) => {
                     let tx = take(&mut txs, *peer)?;
                     let h = op.header(FrameKind::Data, op.seq, next(&mut sent, *peer), op.desc);
-                    let data = unsafe { bufs.get(src)? };
                     let peer = *peer;
                     futs.push(
                         async move {
@@ -187,10 +188,9 @@ pub(crate) async fn run(
                         .boxed(),
                     );
                 }
-                Prim::Recv { peer, dst } => {
+                (Prim::Recv { peer, .. }, Mem::Write(out)) => {
                     let rx = take(&mut rxs, *peer)?;
                     let w = want(next(&mut recvd, *peer));
-                    let out = unsafe { bufs.get_mut(dst)? };
                     let peer = *peer;
                     futs.push(
                         async move {
@@ -203,40 +203,14 @@ pub(crate) async fn run(
                         .boxed(),
                     );
                 }
-                Prim::RecvReduce { peer, local, dst } => {
+                (Prim::RecvReduce { peer, .. }, Mem::Reduce(mut r)) => {
                     let rx = take(&mut rxs, *peer)?;
                     let w = want(next(&mut recvd, *peer));
-                    let out = unsafe { bufs.get_mut(dst)? };
-                    let lhs = if local == dst {
-                        None
-                    } else {
-                        Some(unsafe { bufs.get(local)? })
-                    };
-                    if lhs.is_some_and(|l| l.len() != out.len()) {
-                        return Err(Error::InvalidArgument(
-                            "schedule reduces regions of different lengths".into(),
-                        ));
-                    }
                     let peer = *peer;
                     futs.push(
                         async move {
-                            recv_msg(op, rx, peer, w, out.len(), |off, b| {
-                                let n = b.len();
-                                match lhs {
-                                    None => kernels::reduce_inplace_rev(
-                                        dtype,
-                                        rop,
-                                        &mut out[off..off + n],
-                                        b.as_bytes(),
-                                    ),
-                                    Some(l) => kernels::reduce_to(
-                                        dtype,
-                                        rop,
-                                        &mut out[off..off + n],
-                                        b.as_bytes(),
-                                        &l[off..off + n],
-                                    ),
-                                }
+                            recv_msg(op, rx, peer, w, r.len(), |off, b| {
+                                r.combine_from(dtype, rop, off, b.as_bytes());
                                 Ok(())
                             })
                             .await
@@ -244,12 +218,11 @@ pub(crate) async fn run(
                         .boxed(),
                     );
                 }
-                Prim::RecvCopySend { from, to, dst } => {
+                (Prim::RecvCopySend { from, to, .. }, Mem::Write(out)) => {
                     let rx = take(&mut rxs, *from)?;
                     let tx = take(&mut txs, *to)?;
                     let w = want(next(&mut recvd, *from));
                     let h = op.header(FrameKind::Data, op.seq, next(&mut sent, *to), op.desc);
-                    let out = unsafe { bufs.get_mut(dst)? };
                     let (from, to) = (*from, *to);
                     futs.push(
                         forward(op, rx, from, w, tx, to, h, out.len(), move |off, b| {
@@ -259,47 +232,27 @@ pub(crate) async fn run(
                         .boxed(),
                     );
                 }
-                Prim::RecvReduceSend {
-                    from,
-                    to,
-                    local,
-                    dst,
-                } => {
+                (Prim::RecvReduceSend { from, to, .. }, Mem::Reduce(mut r)) => {
                     let rx = take(&mut rxs, *from)?;
                     let tx = take(&mut txs, *to)?;
                     let w = want(next(&mut recvd, *from));
                     let h = op.header(FrameKind::Data, op.seq, next(&mut sent, *to), op.desc);
-                    let lhs = unsafe { bufs.get(local)? };
-                    let mut out = match dst {
-                        Some(d) => Some(unsafe { bufs.get_mut(d)? }),
-                        None => None,
-                    };
-                    if out.as_ref().is_some_and(|o| o.len() != lhs.len()) {
-                        return Err(Error::InvalidArgument(
-                            "schedule reduces regions of different lengths".into(),
-                        ));
-                    }
                     let (from, to) = (*from, *to);
                     futs.push(
-                        forward(op, rx, from, w, tx, to, h, lhs.len(), move |off, b| {
-                            let n = b.len();
-                            // incoming ⊕ local, computed in the received buffer so it can be
-                            // forwarded as is.
-                            kernels::reduce_inplace(
-                                dtype,
-                                rop,
-                                b.as_bytes_mut(),
-                                &lhs[off..off + n],
-                            );
-                            if let Some(o) = out.as_mut() {
-                                o[off..off + n].copy_from_slice(b.as_bytes());
-                            }
+                        // incoming ⊕ local, computed in the received buffer so that it
+                        // can be forwarded as is.
+                        forward(op, rx, from, w, tx, to, h, r.len(), move |off, b| {
+                            r.combine_into(dtype, rop, off, b.as_bytes_mut());
                             Ok(())
                         })
                         .boxed(),
                     );
                 }
-                Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => {}
+                (p, _) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "internal: {p:?} borrowed the wrong kind of memory"
+                    )))
+                }
             }
         }
         let all = try_join_all(futs);
@@ -354,33 +307,4 @@ where
         Ok(())
     };
     tokio::try_join!(recv, send).map(|_| ())
-}
-
-/// # Safety
-/// No other slice of the buffers may be live.
-unsafe fn local(op: &Op<'_>, p: &Prim, bufs: &Bufs) -> Result<()> {
-    let (dtype, rop) = (op.desc.dtype, op.desc.op);
-    match p {
-        Prim::Copy { src, dst } => {
-            if src.overlaps(dst) {
-                return Err(Error::InvalidArgument(
-                    "schedule copies between overlapping regions".into(),
-                ));
-            }
-            bufs.get_mut(dst)?.copy_from_slice(bufs.get(src)?);
-        }
-        Prim::Reduce { src, dst } => {
-            if src.overlaps(dst) {
-                return Err(Error::InvalidArgument(
-                    "schedule reduces overlapping regions".into(),
-                ));
-            }
-            kernels::reduce_inplace(dtype, rop, bufs.get_mut(dst)?, bufs.get(src)?);
-        }
-        Prim::Finalize { region } => {
-            kernels::finalize(dtype, rop, bufs.get_mut(region)?, op.world as usize)
-        }
-        _ => {}
-    }
-    Ok(())
 }
