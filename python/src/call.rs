@@ -135,7 +135,12 @@ pub(crate) async fn serve(
         drop(call);
     }
     jobs.close();
-    comm.close().await;
+    // The Python side let go of this communicator or the interpreter is exiting: the
+    // peer leaves on purpose. A departure is not an eviction, so the master does not
+    // abort the epoch under a peer that is still reading what this one sent last; the
+    // links close in order after it.
+    // A master that is gone cannot be told; nothing else is left to do then.
+    let _ = comm.leave().await;
 }
 
 async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome {

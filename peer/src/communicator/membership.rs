@@ -227,9 +227,11 @@ impl Communicator {
         let req = PeerRequest::Leave {
             peer_id: self.peer_id,
         };
-        let r = match self.master.request(req, self.cfg.connect_timeout).await? {
-            MasterReply::Ok => Ok(()),
-            other => Err(reply_error(&self.cfg.master, 0, other)),
+        // The links close in order whatever the master answers (or if it is gone).
+        let r = match self.master.request(req, self.cfg.connect_timeout).await {
+            Ok(MasterReply::Ok) => Ok(()),
+            Ok(other) => Err(reply_error(&self.cfg.master, 0, other)),
+            Err(e) => Err(e),
         };
         self.close().await;
         r
