@@ -35,7 +35,7 @@ use tokio::sync::Notify;
 use crate::link::{Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload};
 use crate::TransportError;
 pub(crate) use segment::Geometry;
-use segment::{Mapping, NSLOTS};
+use segment::{Mapping, Peek, NSLOTS};
 
 /// Microseconds a waiting side spins before it sleeps; see [`plan_spin`].
 static SPIN_US: AtomicU64 = AtomicU64::new(SPIN_IDLE_CORES_US);
@@ -217,7 +217,6 @@ impl ShmTx {
         data: &[u8],
         timeout: Duration,
     ) -> Result<(), TransportError> {
-        let slot = (self.next % NSLOTS as u64) as usize;
         let map = &self.shared.map;
         if data.len() > map.geometry().slot_bytes {
             return Err(TransportError::Io {
@@ -229,8 +228,8 @@ impl ShmTx {
                 )),
             });
         }
-        let busy = map.busy(self.ring, slot);
-        let free = || busy.load(Ordering::Acquire) == 0;
+        let (ring, next) = (self.ring, self.next);
+        let free = || map.slot_free(ring, next);
         if !free() {
             let deadline = tokio::time::Instant::now() + timeout;
             let flag = map.writer_waiting(self.ring);
@@ -245,16 +244,20 @@ impl ShmTx {
         if let Some(e) = self.shared.live.error() {
             return Err(self.err_down(e));
         }
+        header.len = data.len() as u32;
         // From here to the head's move nothing awaits: a cancelled send never leaves a
         // half-written frame published.
-        // SAFETY: `busy` is 0, so this side owns the slot (see `Mapping::slot`).
-        let dst = unsafe { map.slot(self.ring, slot) };
-        dst[..data.len()].copy_from_slice(data);
-        header.len = data.len() as u32;
-        map.write_header(self.ring, slot, &header.encode());
-        busy.store(1, Ordering::Relaxed);
+        // SAFETY: this `ShmTx` is the ring's only sender in this process (the halves are
+        // made once per link and not cloned), `self.next` counts what it published, and
+        // `data` fits a slot (checked above).
+        if !unsafe { map.try_publish(self.ring, self.next, &header.encode(), data) } {
+            // Only the sender marks a slot busy, so a slot seen free stays free.
+            return Err(TransportError::Io {
+                peer: self.shared.peer.clone(),
+                source: std::io::Error::other("a free slot was taken under its sender"),
+            });
+        }
         self.next += 1;
-        map.head(self.ring).store(self.next, Ordering::SeqCst);
         if map.reader_waiting(self.ring).load(Ordering::SeqCst) != 0 {
             fds::signal(&self.shared.wake_reader);
         }
@@ -350,7 +353,7 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let map = &self.shared.map;
-        map.busy(self.ring, self.index).store(0, Ordering::SeqCst);
+        map.release(self.ring, self.index);
         if map.writer_waiting(self.ring).load(Ordering::SeqCst) != 0 {
             fds::signal(&self.shared.wake_writer);
         }
@@ -376,19 +379,17 @@ impl ShmRx {
     /// The next published frame, if there is one.
     fn take(&mut self) -> Option<LinkEvent> {
         let map = &self.shared.map;
-        let head = map.head(self.ring).load(Ordering::Acquire);
-        if head <= self.next {
-            return None;
-        }
-        if head - self.next > NSLOTS as u64 {
-            let peer = self.shared.peer.clone();
-            return Some(self.failed(TransportError::Io {
-                peer,
-                source: std::io::Error::other("the peer published past the end of the ring"),
-            }));
-        }
-        let index = (self.next % NSLOTS as u64) as usize;
-        let raw: [u8; FRAME_HEADER_LEN] = map.read_header(self.ring, index);
+        let (index, raw) = match map.peek(self.ring, self.next) {
+            Peek::Empty => return None,
+            Peek::Overrun => {
+                let peer = self.shared.peer.clone();
+                return Some(self.failed(TransportError::Io {
+                    peer,
+                    source: std::io::Error::other("the peer published past the end of the ring"),
+                }));
+            }
+            Peek::Frame { index, header } => (index, header),
+        };
         let header = match FrameHeader::decode(&raw) {
             Ok(h) if (h.len as usize) <= map.geometry().slot_bytes => h,
             Ok(h) => {
