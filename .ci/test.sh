@@ -12,12 +12,16 @@ export CARGO_TERM_COLOR=never
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "system packages"
-if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-    fi
+step "system packages: python3-venv, valgrind"
+pkgs=()
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || pkgs+=(python3-venv)
+command -v valgrind >/dev/null 2>&1 || pkgs+=(valgrind)
+if [ ${#pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
 fi
+
+step "nightly toolchain with Miri (for the unsafe-code checks only)"
+rustup toolchain install nightly --profile minimal --component miri,rust-src --allow-downgrade
 
 step "python venv (.venv): pip, maturin, pytest, numpy, torch"
 if [ ! -x .venv/bin/python ]; then
@@ -37,6 +41,12 @@ step "python package: pip install ./python (maturin, abi3 wheel) into .venv"
 
 step "rust tests"
 cargo test --release --workspace
+
+step "miri: the executor's buffer borrows and the shared-memory ring between threads"
+# Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data
+# race; the Python layer's unsafe code calls into C, so valgrind checks it (pytest below).
+cargo +nightly miri test -p eccl --lib executor::bufs
+cargo +nightly miri test -p eccl-transport --lib shm::segment
 
 step "python tests"
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
