@@ -7,7 +7,11 @@
 //! - a divergence is two members of one epoch holding different states at the same
 //!   revision (after a sync or a commit), or final states that differ;
 //! - a lost step is a commit made by a worker that lived to the end which is not on the
-//!   history of the final state (walked back from the final hash through `prev`);
+//!   history of the final state (walked back from the final hash through `prev`). A commit
+//!   in the epoch a peer was evicted from is not held to this: a peer stopped in the last
+//!   step of an all_reduce may, when it wakes, finish the call its survivors aborted (its
+//!   result is exact, G3; no collective can make the last message atomic), and when it
+//!   registers again the next sync replaces its state;
 //! - a ghost (G4) is a peer that left a world, or was evicted, and is a member again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -294,10 +298,28 @@ fn divergences(events: &[(usize, Event)]) -> Vec<String> {
 fn lost_steps(events: &[(usize, Event)], finishers: &BTreeSet<usize>) -> BTreeSet<(u64, String)> {
     let mut prev_of: HashMap<&str, &str> = HashMap::new();
     let mut history: BTreeSet<&str> = BTreeSet::new();
+    // The last epoch each peer id took part in, and which of them were evicted.
+    let mut last_epoch: HashMap<PeerId, u64> = HashMap::new();
+    let mut evicted: BTreeSet<PeerId> = BTreeSet::new();
     for (_, e) in events {
         match e {
-            Event::Commit { prev, hash, .. } => {
+            Event::Commit {
+                peer,
+                prev,
+                hash,
+                epoch,
+                ..
+            } => {
                 prev_of.insert(hash, prev);
+                let last = last_epoch.entry(*peer).or_insert(*epoch);
+                *last = (*last).max(*epoch);
+            }
+            Event::Call(c) => {
+                let last = last_epoch.entry(c.peer).or_insert(c.epoch);
+                *last = (*last).max(c.epoch);
+            }
+            Event::Evicted { peer, .. } => {
+                evicted.insert(*peer);
             }
             Event::Final { hash, .. } => {
                 history.insert(hash);
@@ -316,11 +338,19 @@ fn lost_steps(events: &[(usize, Event)], finishers: &BTreeSet<usize>) -> BTreeSe
             }
         }
     }
+    let evicted_from =
+        |peer: &PeerId, epoch: &u64| evicted.contains(peer) && last_epoch.get(peer) == Some(epoch);
     events
         .iter()
         .filter(|(slot, _)| finishers.contains(slot))
         .filter_map(|(_, e)| match e {
-            Event::Commit { revision, hash, .. } if !history.contains(hash.as_str()) => {
+            Event::Commit {
+                peer,
+                epoch,
+                revision,
+                hash,
+                ..
+            } if !history.contains(hash.as_str()) && !evicted_from(peer, epoch) => {
                 Some((*revision, hash.clone()))
             }
             _ => None,
@@ -531,6 +561,33 @@ mod tests {
         let lost = lost_steps(&events, &[0, 1].into());
         assert_eq!(lost, [(2, "b2".to_string())].into());
         assert_eq!(analyse(&log(events)).lost_steps, 1);
+    }
+
+    #[test]
+    fn only_the_epoch_a_peer_was_evicted_from_may_end_off_the_history() {
+        let evicted = |peer| Event::Evicted {
+            peer,
+            t: 0.0,
+            reason: "lease".into(),
+        };
+        let mut events = vec![
+            (0, commit(1, 1, 1, "z", "a1")),
+            (1, commit(2, 1, 1, "z", "a1")),
+            // Peer 2 was stopped in the last step of revision 2's all_reduce; peer 1
+            // aborted it, and went on without it.
+            (1, commit(2, 1, 2, "a1", "b2")),
+            (0, commit(1, 2, 2, "a1", "a2")),
+            (1, evicted(2)),
+            (1, commit(3, 3, 3, "a2", "a3")),
+            (0, commit(1, 3, 3, "a2", "a3")),
+            (0, fin(1, "a3")),
+            (1, fin(3, "a3")),
+        ];
+        assert!(lost_steps(&events, &[0, 1].into()).is_empty());
+        // Had it been evicted from a later epoch, revision 2 would be a lost step.
+        events.insert(4, (1, call(2, Op::AllReduce, 0.0, 1.0, 2, &[1, 2])));
+        let lost = lost_steps(&events, &[0, 1].into());
+        assert_eq!(lost, [(2, "b2".to_string())].into());
     }
 
     #[test]
