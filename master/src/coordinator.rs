@@ -141,6 +141,71 @@ impl Coordinator {
         }
     }
 
+    /// Takes a peer back after a fail-over: its connection to the old leader is gone and
+    /// it shows the credential it was given at registration. A leader that has just
+    /// taken over answers only once it has applied everything its predecessors
+    /// committed, so it knows every peer they registered.
+    pub async fn attach(
+        &self,
+        peer: PeerId,
+        token: &[u8; 32],
+        conn: Outbox,
+    ) -> Result<(), MasterReply> {
+        if self.raft.raft.ensure_linearizable().await.is_err() {
+            return Err(MasterReply::NotLeader {
+                leader: self.raft.leader().map(|(_, a)| a),
+            });
+        }
+        let rec = self
+            .raft
+            .read(|r| r.peer(peer).map(|p| (p.state.clone(), p.token)));
+        match rec {
+            // blake3's Hash compares in constant time.
+            Some((state, t)) if blake3::Hash::from(t) == blake3::Hash::from(*token) => {
+                match state {
+                    PeerState::Gone { reason } => Err(MasterReply::Error {
+                        code: ErrorCode::Evicted,
+                        message: reason,
+                    }),
+                    _ => {
+                        let mut st = self.state.lock().await;
+                        st.conns.insert(peer, conn);
+                        st.leases.insert(peer, Instant::now());
+                        tracing::info!(target: "eccl::master", "peer {peer} attached");
+                        Ok(())
+                    }
+                }
+            }
+            _ => Err(MasterReply::Error {
+                code: ErrorCode::UnknownPeer,
+                message: format!("peer {peer} is not registered with this credential"),
+            }),
+        }
+    }
+
+    /// This master stopped leading: every round it held is answered with a redirect (the
+    /// peers send their part again to the next leader) and it forgets connections and
+    /// leases, which the next leader keeps.
+    async fn step_down(&self) {
+        let leader = self.raft.leader().map(|(_, a)| a);
+        let mut st = self.state.lock().await;
+        let redirect = || MasterReply::NotLeader {
+            leader: leader.clone(),
+        };
+        for (_, v) in st.votes.drain() {
+            v.reply.send(redirect());
+        }
+        for (_, (q, _)) in st.queries.drain() {
+            q.send(redirect());
+        }
+        for (_, s) in st.syncs.drain() {
+            s.reply.send(redirect());
+        }
+        st.conns.clear();
+        st.leases.clear();
+        tracing::info!(target: "eccl::master", "no longer the leader (leader now: {leader:?})");
+    }
+
     /// Renews a live peer's lease (a removed peer has none to renew).
     pub async fn heartbeat(&self, peer: PeerId) {
         if let Some(t) = self.state.lock().await.leases.get_mut(&peer) {
@@ -372,14 +437,22 @@ impl Coordinator {
                 tokio::time::sleep(period).await;
                 let Some(c) = me.upgrade() else { return };
                 if !c.raft.is_leader() {
+                    if was_leader {
+                        c.step_down().await;
+                    }
                     was_leader = false;
                     continue;
                 }
                 let expired: Vec<(PeerId, Duration)> = {
                     let mut st = c.state.lock().await;
                     if !was_leader {
+                        // A new leader gives every peer the registry knows a fresh lease:
+                        // nobody is evicted for the election gap, and a peer that never
+                        // comes back is evicted one lease after the gap.
                         let now = Instant::now();
-                        st.leases.values_mut().for_each(|t| *t = now);
+                        let live = c.raft.read(|r| r.live_peers());
+                        tracing::info!(target: "eccl::master", "leading now; {} peers get a fresh lease", live.len());
+                        st.leases = live.into_iter().map(|p| (p, now)).collect();
                         was_leader = true;
                     }
                     st.leases

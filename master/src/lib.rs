@@ -47,6 +47,8 @@ pub struct MasterOptions {
     pub cluster: Option<ClusterOptions>,
     pub timing: Timing,
     pub raft_timing: RaftTiming,
+    /// Where the raft log, vote and snapshots are kept (fsynced); `None`: in memory.
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 impl MasterOptions {
@@ -59,6 +61,7 @@ impl MasterOptions {
             cluster: None,
             timing: Timing::default(),
             raft_timing: RaftTiming::default(),
+            data_dir: None,
         }
     }
 }
@@ -133,6 +136,7 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
             members,
             raft_secret.clone(),
             opts.raft_timing,
+            opts.data_dir.as_deref(),
         )
         .await?,
     );

@@ -47,6 +47,11 @@ struct Args {
     /// master). Default: ~/.eccl/cluster-secret.
     #[arg(long, env = "ECCL_CLUSTER_SECRET_FILE")]
     cluster_secret_file: Option<PathBuf>,
+    /// Keep the raft log, vote and snapshots in this directory (fsynced before they are
+    /// acknowledged), so that a master that restarts rejoins with its log. Without it
+    /// the raft state is in memory only.
+    #[arg(long, env = "ECCL_MASTER_DATA_DIR")]
+    data_dir: Option<PathBuf>,
     /// Lease on each peer in milliseconds: a peer silent for this long is evicted.
     #[arg(long, env = "ECCL_LEASE_MS", default_value_t = 2000)]
     lease_ms: u64,
@@ -154,6 +159,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         heartbeat: Duration::from_millis(args.heartbeat_ms),
     };
     opts.raft_timing = RaftTiming::default();
+    opts.data_dir = args.data_dir.clone();
+    if opts.data_dir.is_none() {
+        eprintln!("eccl-master: no --data-dir: the raft log is kept in memory only, so a master that restarts rejoins empty");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -29,6 +29,8 @@ pub struct PeerRecord {
     pub shm: Option<String>,
     pub rank_hint: Option<u32>,
     pub state: PeerState,
+    /// The credential the peer attaches with after a master fail-over.
+    pub token: [u8; 32],
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +41,8 @@ pub enum Command {
         quic: Option<String>,
         shm: Option<String>,
         rank_hint: Option<u32>,
+        /// Chosen at random by the leader that took the registration.
+        token: [u8; 32],
     },
     /// Commit the next epoch if the current one is still `expected_epoch` (a
     /// compare-and-set, so a stale leader cannot commit over a newer epoch).
@@ -123,6 +127,7 @@ impl Registry {
                 quic,
                 shm,
                 rank_hint,
+                token,
             } => {
                 let live = self
                     .peers
@@ -145,6 +150,7 @@ impl Registry {
                         shm: shm.clone(),
                         rank_hint: *rank_hint,
                         state: PeerState::Pending,
+                        token: *token,
                     },
                 );
                 Outcome::Registered(id)
@@ -271,6 +277,16 @@ impl Registry {
             .collect()
     }
 
+    /// Every peer that is not gone (pending or member): the ones a new leader gives a
+    /// lease.
+    pub fn live_peers(&self) -> Vec<PeerId> {
+        self.peers
+            .iter()
+            .filter(|(_, r)| !matches!(r.state, PeerState::Gone { .. }))
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
     pub fn pending(&self) -> Vec<PeerId> {
         self.peers
             .iter()
@@ -291,6 +307,7 @@ mod tests {
             quic: None,
             shm: None,
             rank_hint: hint,
+            token: [7; 32],
         }) {
             Outcome::Registered(id) => id,
             o => panic!("{o:?}"),

@@ -129,12 +129,14 @@ async fn serve_peer(
                         format!("{host}:{port}")
                     }
                 };
+                let token: [u8; 32] = rand::random();
                 let reg = Command::Register {
                     addr: at(r.listen_port),
                     quic: r.quic_port.map(at),
                     shm: r.shm_name.clone(),
                     host: r.host.clone(),
                     rank_hint: r.rank_hint,
+                    token,
                 };
                 if let Some(why) = bad_registration(&r) {
                     reply.send(MasterReply::Error {
@@ -150,7 +152,24 @@ async fn serve_peer(
                             peer_id: id,
                             lease_ms: coord.timing.lease.as_millis() as u64,
                             heartbeat_ms: coord.timing.heartbeat.as_millis() as u64,
+                            token,
                         });
+                    }
+                    Err(r) => reply.send(r),
+                }
+            }
+            PeerRequest::Attach { peer_id, token } => {
+                if me.is_some() {
+                    reply.send(MasterReply::Error {
+                        code: ErrorCode::InvalidArgument,
+                        message: "already registered on this connection".into(),
+                    });
+                    continue;
+                }
+                match coord.attach(peer_id, &token, out.clone()).await {
+                    Ok(()) => {
+                        me = Some(peer_id);
+                        reply.send(MasterReply::Ok);
                     }
                     Err(r) => reply.send(r),
                 }
@@ -163,7 +182,9 @@ async fn serve_peer(
                     | PeerRequest::ReportFault { peer_id, .. }
                     | PeerRequest::Leave { peer_id }
                     | PeerRequest::SyncState { peer_id, .. } => *peer_id,
-                    PeerRequest::Register(_) => unreachable!("handled above"),
+                    PeerRequest::Register(_) | PeerRequest::Attach { .. } => {
+                        unreachable!("handled above")
+                    }
                 };
                 // A connection speaks only for the peer it registered: no one can vote,
                 // leave or report in another peer's name.
@@ -202,7 +223,12 @@ async fn serve_peer(
                             async move { coord.pending_query(claimed, epoch, reply).await },
                         );
                     }
-                    PeerRequest::Heartbeat { .. } => coord.heartbeat(claimed).await,
+                    PeerRequest::Heartbeat { .. } => {
+                        coord.heartbeat(claimed).await;
+                        // The answer tells the peer this master is alive and leads; a
+                        // peer that gets none in time looks for the next leader.
+                        reply.send(MasterReply::Ok);
+                    }
                     PeerRequest::ReportFault {
                         suspect,
                         reason,
@@ -237,7 +263,9 @@ async fn serve_peer(
                         me = None;
                         reply.send(MasterReply::Ok);
                     }
-                    PeerRequest::Register(_) => unreachable!("handled above"),
+                    PeerRequest::Register(_) | PeerRequest::Attach { .. } => {
+                        unreachable!("handled above")
+                    }
                 }
             }
         }

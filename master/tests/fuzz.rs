@@ -46,6 +46,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
                 quic: Some("10.0.0.1:7001".into()),
                 shm: None,
                 rank_hint: Some(0),
+                token: [9; 32],
             },
         ),
         entry(

@@ -1,69 +1,224 @@
-//! The peer's connection to the master: requests with ids, answered in any order, and
-//! events the master pushes (abort an epoch, you were evicted).
+//! The peer's connection to the masters: requests with ids, answered in any order, and
+//! events the leader pushes (abort an epoch, you were evicted).
+//!
+//! A peer knows a list of masters (`ECCL_MASTER=a:48148,b:48148,c:48148`). It talks to
+//! the raft leader: a follower answers `NotLeader` with the leader's client address, and
+//! the client goes there. When the connection is lost, or the master stops answering
+//! heartbeats (a hung leader), the client drops it and looks for the next leader across
+//! the list with a bounded backoff, re-attaches as the same peer (with the credential
+//! the master gave at registration) and sends the request again. Requests are safe to
+//! send again: a vote, a sync report or a query is answered by whichever leader holds
+//! the round, and a leader that committed the world before it died has it in the log the
+//! next one serves. After `deadline` without a leader a request fails with
+//! `MasterUnavailable`, never hangs.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use eccl_protocol::auth::{Role, Secret};
-use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerRequest, Request};
+use eccl_protocol::{
+    ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId, PeerRequest, Request,
+};
 use eccl_transport::control::{self, ControlTx};
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
 type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<MasterReply>>>>>;
 
-pub(crate) struct MasterClient {
+/// Longest pause between two rounds over the master list.
+const MAX_BACKOFF: Duration = Duration::from_millis(500);
+
+/// One authenticated connection to one master.
+struct Conn {
     addr: String,
     tx: tokio::sync::Mutex<ControlTx>,
     pending: Pending,
-    next_id: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
+    /// Counts connections, so that a request that saw this one fail drops only it.
+    serial: u64,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.reader.abort();
+        // Dropping the senders fails every request still waiting on this connection.
+        if let Ok(mut m) = self.pending.lock() {
+            *m = None;
+        }
+    }
+}
+
+/// Why one attempt on one connection did not produce an answer.
+enum Attempt {
+    /// The connection is gone (or was dropped as hung): try the next leader.
+    Lost(String),
+    /// No answer within the caller's timeout.
+    Timeout,
+}
+
+pub(crate) struct MasterClient {
+    /// The masters as the user listed them.
+    addrs: Vec<String>,
+    /// The list as one string, for errors.
+    list: String,
+    secret: Secret,
+    /// How long to look for a leader before a call fails with `MasterUnavailable`.
+    deadline: Duration,
+    events: mpsc::UnboundedSender<MasterEvent>,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    /// The leader a follower named last.
+    hint: Mutex<Option<String>>,
+    /// Who this peer is, once registered, and its credential to attach again.
+    me: Mutex<Option<(PeerId, [u8; 32])>>,
+    next_id: AtomicU64,
+    serial: AtomicU64,
 }
 
 impl MasterClient {
-    /// Connects and authenticates, retrying until `wait` has passed (the master may still
-    /// be starting). Events go to `events`.
+    /// Connects to a master of `list` (comma-separated client addresses), retrying until
+    /// `deadline` has passed (the masters may still be starting). Events go to `events`.
     pub async fn connect(
-        addr: &str,
+        list: &str,
         secret: &Secret,
-        wait: Duration,
+        deadline: Duration,
         events: mpsc::UnboundedSender<MasterEvent>,
     ) -> Result<MasterClient> {
-        let start = Instant::now();
+        let addrs = parse_list(list)?;
+        let c = MasterClient {
+            addrs,
+            list: list.to_string(),
+            secret: secret.clone(),
+            deadline,
+            events,
+            conn: tokio::sync::Mutex::new(None),
+            hint: Mutex::new(None),
+            me: Mutex::new(None),
+            next_id: AtomicU64::new(1),
+            serial: AtomicU64::new(0),
+        };
+        c.current(Instant::now() + deadline).await?;
+        Ok(c)
+    }
+
+    fn unavailable(&self, reason: impl ToString) -> Error {
+        Error::MasterUnavailable {
+            addr: self.list.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// The next leader no longer knows this peer (it was evicted meanwhile): the
+    /// communicator hears it as it would from the master itself.
+    fn evicted(&self, reason: String) -> Error {
+        let _ = self.events.send(MasterEvent::Evicted {
+            reason: reason.clone(),
+        });
+        Error::Evicted { reason }
+    }
+
+    /// Remembers who this peer is, so that a new connection attaches as it.
+    pub fn registered(&self, peer: PeerId, token: [u8; 32]) {
+        if let Ok(mut m) = self.me.lock() {
+            *m = Some((peer, token));
+        }
+    }
+
+    /// The connection in use, or a new one to the leader (found before `until`).
+    async fn current(&self, until: Instant) -> Result<Arc<Conn>> {
+        let mut slot = self.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.reader.is_finished() {
+                return Ok(c.clone());
+            }
+        }
+        *slot = None;
+        let c = Arc::new(self.find_leader(until).await?);
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Forgets connection `serial` (lost or hung), unless a newer one replaced it.
+    async fn drop_conn(&self, serial: u64, why: &str) {
+        let mut slot = self.conn.lock().await;
+        if slot.as_ref().is_some_and(|c| c.serial == serial) {
+            let c = slot.take();
+            if let Some(c) = c {
+                tracing::info!(target: "eccl::init", "leaving master {}: {why}", c.addr);
+            }
+        }
+    }
+
+    /// Tries the named leader first, then every master in turn, with a growing pause
+    /// between rounds, until one accepts this peer (a follower's redirect is followed
+    /// at once).
+    async fn find_leader(&self, until: Instant) -> Result<Conn> {
         let mut delay = Duration::from_millis(20);
-        let conn = loop {
-            let left = wait.saturating_sub(start.elapsed());
-            match control::connect(
-                addr,
-                secret,
-                Role::PeerToMaster,
-                left.max(Duration::from_millis(10)),
-            )
-            .await
-            {
-                Ok(c) => break c,
-                Err(e) => {
-                    // A wrong secret will not get better by retrying.
-                    if matches!(e, eccl_transport::TransportError::Auth { .. })
-                        || start.elapsed() + delay >= wait
-                    {
-                        return Err(Error::MasterUnavailable {
-                            addr: addr.to_string(),
-                            reason: e.to_string(),
-                        });
+        let mut last = String::from("no master tried");
+        loop {
+            let hinted = self.hint.lock().ok().and_then(|mut h| h.take());
+            let order: Vec<String> = hinted
+                .into_iter()
+                .chain(self.addrs.iter().cloned())
+                .collect();
+            for addr in order {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(self.unavailable(last));
+                }
+                match self.open(&addr, left).await {
+                    Ok(c) => return Ok(c),
+                    Err(Refused::Auth(e)) => return Err(self.unavailable(e)),
+                    Err(Refused::Evicted(reason)) => return Err(self.evicted(reason)),
+                    Err(Refused::Redirect(leader)) => {
+                        last = format!("{addr} is not the raft leader");
+                        if let Some(l) = leader.filter(|l| *l != addr) {
+                            // Follow the redirect before anything else.
+                            match self
+                                .open(&l, until.saturating_duration_since(Instant::now()))
+                                .await
+                            {
+                                Ok(c) => return Ok(c),
+                                Err(Refused::Auth(e)) => return Err(self.unavailable(e)),
+                                Err(Refused::Evicted(reason)) => return Err(self.evicted(reason)),
+                                Err(Refused::Redirect(_)) => {
+                                    last = format!("{l} is not the raft leader (yet)")
+                                }
+                                Err(Refused::Down(e)) => last = e,
+                            }
+                        }
                     }
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_millis(500));
+                    Err(Refused::Down(e)) => last = e,
                 }
             }
+            if Instant::now() + delay >= until {
+                return Err(self.unavailable(last));
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// Connects to `addr`, and if this peer is registered, attaches as it; a follower
+    /// says where the leader is.
+    async fn open(&self, addr: &str, wait: Duration) -> std::result::Result<Conn, Refused> {
+        let dial = wait.clamp(Duration::from_millis(10), Duration::from_secs(2));
+        let conn = match control::connect(addr, &self.secret, Role::PeerToMaster, dial).await {
+            Ok(c) => c,
+            // A wrong secret will not get better by retrying.
+            Err(e @ eccl_transport::TransportError::Auth { .. }) => {
+                return Err(Refused::Auth(e.to_string()))
+            }
+            Err(e) => return Err(Refused::Down(format!("{addr}: {e}"))),
         };
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let mut rx = conn.rx;
         let p2 = pending.clone();
         let name = addr.to_string();
+        let events = self.events.clone();
         let reader = tokio::spawn(async move {
             loop {
                 match rx.recv::<MasterMessage>().await {
@@ -80,8 +235,7 @@ impl MasterClient {
                         let _ = events.send(ev);
                     }
                     Err(e) => {
-                        tracing::warn!(target: "eccl::init", "lost the master at {name}: {e}");
-                        // Dropping the senders fails every request in flight.
+                        tracing::info!(target: "eccl::init", "lost master {name}: {e}");
                         if let Ok(mut m) = p2.lock() {
                             *m = None;
                         }
@@ -90,77 +244,242 @@ impl MasterClient {
                 }
             }
         });
-        Ok(MasterClient {
+        let c = Conn {
             addr: addr.to_string(),
             tx: tokio::sync::Mutex::new(conn.tx),
             pending,
-            next_id: AtomicU64::new(1),
             reader,
-        })
-    }
-
-    fn unavailable(&self, reason: impl ToString) -> Error {
-        Error::MasterUnavailable {
-            addr: self.addr.clone(),
-            reason: reason.to_string(),
+            serial: self.serial.fetch_add(1, Ordering::Relaxed) + 1,
+        };
+        let me = self.me.lock().ok().and_then(|m| *m);
+        // A registered peer attaches; one that is not registered yet asks a harmless
+        // question, so that a follower's redirect comes now and not with the first
+        // real request.
+        let probe = match me {
+            Some((peer_id, token)) => PeerRequest::Attach { peer_id, token },
+            None => PeerRequest::Heartbeat { peer_id: PeerId(0) },
+        };
+        match self.exchange(&c, probe, dial).await {
+            Ok(MasterReply::NotLeader { leader }) => Err(Refused::Redirect(leader)),
+            Ok(MasterReply::Error {
+                code: ErrorCode::Evicted | ErrorCode::UnknownPeer,
+                message,
+            }) if me.is_some() => Err(Refused::Evicted(message)),
+            Ok(MasterReply::Error {
+                code: ErrorCode::Internal,
+                message,
+            }) => Err(Refused::Down(format!("{addr}: {message}"))),
+            Ok(_) => {
+                if me.is_some() {
+                    tracing::info!(target: "eccl::init", "attached to master {addr}");
+                }
+                Ok(c)
+            }
+            Err(Attempt::Lost(e)) => Err(Refused::Down(format!("{addr}: {e}"))),
+            Err(Attempt::Timeout) => Err(Refused::Down(format!("{addr} did not answer"))),
         }
     }
 
-    /// Sends `body` without waiting for an answer (heartbeats, fault reports): id 0 is
-    /// never a request's, so a reply to it is dropped.
-    pub async fn notify(&self, body: PeerRequest) -> Result<()> {
-        self.tx
-            .lock()
-            .await
-            .send(&Request { id: 0, body })
-            .await
-            .map_err(|e| self.unavailable(e))
-    }
-
-    /// Sends `body` and waits for the answer, at most `timeout`.
-    pub async fn request(&self, body: PeerRequest, timeout: Duration) -> Result<MasterReply> {
-        let is_vote = matches!(body, PeerRequest::UpdateTopology { .. });
+    /// Sends one request on `c` and waits for its answer.
+    async fn exchange(
+        &self,
+        c: &Conn,
+        body: PeerRequest,
+        timeout: Duration,
+    ) -> std::result::Result<MasterReply, Attempt> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
-            let mut m = self
+            let mut m = c
                 .pending
                 .lock()
-                .map_err(|_| self.unavailable("internal lock poisoned"))?;
+                .map_err(|_| Attempt::Lost("lock poisoned".into()))?;
             match m.as_mut() {
                 Some(m) => m.insert(id, tx),
-                None => return Err(self.unavailable("the connection to the master is closed")),
+                None => return Err(Attempt::Lost("the connection is closed".into())),
             };
         }
-        let sent = self.tx.lock().await.send(&Request { id, body }).await;
-        if let Err(e) = sent {
-            return Err(self.unavailable(e));
-        }
-        if is_vote {
-            crate::fault::hit(crate::fault::Point::UpdateTopology);
+        if let Err(e) = c.tx.lock().await.send(&Request { id, body }).await {
+            return Err(Attempt::Lost(e.to_string()));
         }
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(_)) => Err(self.unavailable("the connection to the master closed")),
+            Ok(Err(_)) => Err(Attempt::Lost("the connection closed".into())),
             Err(_) => {
-                if let Ok(mut m) = self.pending.lock() {
+                if let Ok(mut m) = c.pending.lock() {
                     if let Some(m) = m.as_mut() {
                         m.remove(&id);
                     }
                 }
-                Err(Error::Timeout {
+                Err(Attempt::Timeout)
+            }
+        }
+    }
+
+    /// Sends `body` without waiting for an answer (fault reports): id 0 is never a
+    /// request's, so a reply to it is dropped. Fails at once, rather than wait for a
+    /// leader, when there is no connection now: a collective's error path calls this.
+    pub async fn notify(&self, body: PeerRequest) -> Result<()> {
+        let c = self
+            .conn
+            .lock()
+            .await
+            .clone()
+            .filter(|c| !c.reader.is_finished())
+            .ok_or_else(|| {
+                self.unavailable("no master connection now (a fail-over is under way)")
+            })?;
+        let sent = c.tx.lock().await.send(&Request { id: 0, body }).await;
+        sent.map_err(|e| self.unavailable(e))
+    }
+
+    /// Renews the lease: an answer within `within`, or the master is taken for lost
+    /// (dead or hung) and the next call looks for the leader.
+    pub async fn heartbeat(&self, peer_id: PeerId, within: Duration) -> Result<()> {
+        let c = self.current(Instant::now() + self.deadline).await?;
+        match self
+            .exchange(&c, PeerRequest::Heartbeat { peer_id }, within)
+            .await
+        {
+            Ok(MasterReply::NotLeader { leader }) => {
+                if let Ok(mut h) = self.hint.lock() {
+                    *h = leader;
+                }
+                self.drop_conn(c.serial, "it is not the leader any more")
+                    .await;
+                Ok(())
+            }
+            Ok(MasterReply::Error {
+                code: ErrorCode::Evicted | ErrorCode::UnknownPeer,
+                message,
+            }) => Err(self.evicted(message)),
+            Ok(_) => Ok(()),
+            Err(Attempt::Lost(e)) => {
+                self.drop_conn(c.serial, &e).await;
+                Ok(())
+            }
+            Err(Attempt::Timeout) => {
+                // Slow is not dead: leave this master only if another one names a
+                // different leader (a hung leader's followers elect a new one). Leaving
+                // a live leader would make it evict this peer for the lost connection.
+                if let Some(leader) = self.leader_elsewhere(&c.addr, within).await {
+                    let why = format!(
+                        "no answer to a heartbeat within {} ms, and {leader} leads now",
+                        within.as_millis()
+                    );
+                    if let Ok(mut h) = self.hint.lock() {
+                        *h = Some(leader);
+                    }
+                    self.drop_conn(c.serial, &why).await;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Asks the other masters who leads; returns a leader other than `current`, if one
+    /// of them names one (or is one).
+    async fn leader_elsewhere(&self, current: &str, wait: Duration) -> Option<String> {
+        for addr in self.addrs.iter().filter(|a| a.as_str() != current) {
+            let Ok(conn) = control::connect(addr, &self.secret, Role::PeerToMaster, wait).await
+            else {
+                continue;
+            };
+            let mut conn = conn;
+            let probe = Request {
+                id: 1,
+                body: PeerRequest::Heartbeat { peer_id: PeerId(0) },
+            };
+            if conn.tx.send(&probe).await.is_err() {
+                continue;
+            }
+            let reply = tokio::time::timeout(wait, conn.rx.recv::<MasterMessage>()).await;
+            match reply {
+                Ok(Ok(MasterMessage::Reply {
+                    body: MasterReply::NotLeader { leader: Some(l) },
+                    ..
+                })) if l != current => return Some(l),
+                // Past the leader check: this master leads.
+                Ok(Ok(MasterMessage::Reply {
+                    body: MasterReply::Error { .. },
+                    ..
+                })) => return Some(addr.clone()),
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// Sends `body` to the leader and waits for the answer, at most `timeout`; follows
+    /// fail-overs meanwhile (see the module's notes).
+    pub async fn request(&self, body: PeerRequest, timeout: Duration) -> Result<MasterReply> {
+        let is_vote = matches!(body, PeerRequest::UpdateTopology { .. });
+        let until = Instant::now() + timeout;
+        loop {
+            // Looking for a leader is bounded by the deadline and by the call's timeout.
+            let find_until = until.min(Instant::now() + self.deadline);
+            let c = self.current(find_until).await?;
+            if is_vote {
+                crate::fault::hit(crate::fault::Point::UpdateTopology);
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            match self.exchange(&c, body.clone(), left).await {
+                Ok(MasterReply::NotLeader { leader }) => {
+                    if let Ok(mut h) = self.hint.lock() {
+                        *h = leader;
+                    }
+                    self.drop_conn(c.serial, "it is not the leader any more")
+                        .await;
+                }
+                Ok(reply) => return Ok(reply),
+                Err(Attempt::Lost(e)) => self.drop_conn(c.serial, &e).await,
+                Err(Attempt::Timeout) => {
+                    return Err(Error::Timeout {
+                        what: "waiting for the master".into(),
+                        ms: timeout.as_millis() as u64,
+                    })
+                }
+            }
+            if Instant::now() >= until {
+                return Err(Error::Timeout {
                     what: "waiting for the master".into(),
                     ms: timeout.as_millis() as u64,
-                })
+                });
             }
         }
     }
 }
 
-impl Drop for MasterClient {
-    fn drop(&mut self) {
-        self.reader.abort();
+/// Why a master did not take this peer.
+enum Refused {
+    Auth(String),
+    Evicted(String),
+    Redirect(Option<String>),
+    Down(String),
+}
+
+/// The masters of `ECCL_MASTER` (comma-separated `host:port`).
+pub(crate) fn parse_list(list: &str) -> Result<Vec<String>> {
+    let addrs: Vec<String> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(str::to_string)
+        .collect();
+    if addrs.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "no master address in {list:?} (ECCL_MASTER takes host:port[,host:port...])"
+        )));
     }
+    if let Some(bad) = addrs.iter().find(|a| {
+        a.rsplit_once(':')
+            .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    }) {
+        return Err(Error::InvalidArgument(format!(
+            "master address {bad:?} is not host:port (ECCL_MASTER takes host:port[,host:port...])"
+        )));
+    }
+    Ok(addrs)
 }
 
 /// The error a caller gets for a reply that is not the one its request expects.

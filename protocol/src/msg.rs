@@ -64,6 +64,12 @@ pub enum PeerRequest {
     Leave {
         peer_id: PeerId,
     },
+    /// This connection speaks for `peer_id` again: the peer lost its master (a
+    /// fail-over) and shows the credential it was given at registration.
+    Attach {
+        peer_id: PeerId,
+        token: [u8; 32],
+    },
     /// One member's part of `sync_shared_state()`: what it holds. Answered with a
     /// [`MasterReply::SyncPlan`] once every live member of `epoch` has reported.
     SyncState {
@@ -148,6 +154,8 @@ pub enum MasterReply {
         /// The lease the master holds on this peer; heartbeat well within it.
         lease_ms: u64,
         heartbeat_ms: u64,
+        /// The peer's credential to attach again to whichever master leads next.
+        token: [u8; 32],
     },
     /// The world after an `UpdateTopology` vote; `changed` is false when the master kept
     /// the current epoch because nobody joined or left.

@@ -84,6 +84,10 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             epoch: 3,
         },
         PeerRequest::Heartbeat { peer_id: p },
+        PeerRequest::Attach {
+            peer_id: p,
+            token: [8; 32],
+        },
         PeerRequest::ReportFault {
             peer_id: p,
             epoch: 3,
@@ -108,6 +112,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             peer_id: p,
             lease_ms: 2000,
             heartbeat_ms: 250,
+            token: [6; 32],
         },
         MasterReply::World {
             world: world(4),

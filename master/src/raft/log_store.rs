@@ -1,10 +1,9 @@
-//! In-memory raft log store (storage-v2 `RaftLogStorage` + `RaftLogReader`).
+//! The raft log store (storage-v2 `RaftLogStorage` + `RaftLogReader`).
 //!
-//! Masters keep no state on disk: a restarted master starts with an empty log and an
-//! empty vote and rejoins the cluster as a fresh node that the leader catches up (by
-//! log replication or, once the log was purged, by a snapshot). The price is that a
-//! master which restarts forgets its vote and its log; see `raft/mod.rs` for what
-//! that means for safety.
+//! The log, vote and committed id live in memory; with a data directory every change is
+//! also written to [`Disk`] (fsynced) before openraft is told it is done, and read back
+//! at start. Without one, a restarted master starts with an empty log and an empty vote
+//! and rejoins as a fresh node (see `raft/mod.rs` for what that gives up).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -14,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{Entry, LogId, LogState, RaftLogReader, StorageError, Vote};
 
+use super::disk::{self, blocking, Disk};
 use super::types::{MasterId, TypeConfig};
 
 #[derive(Debug, Default)]
@@ -29,11 +29,35 @@ struct LogInner {
 #[derive(Debug, Clone, Default)]
 pub struct LogStore {
     inner: Arc<Mutex<LogInner>>,
+    disk: Option<Arc<Disk>>,
 }
 
 impl LogStore {
+    /// A log in memory only.
     pub fn new() -> LogStore {
         LogStore::default()
+    }
+
+    /// A log kept on `disk`, starting from what it holds.
+    pub fn open(disk: Arc<Disk>) -> anyhow::Result<LogStore> {
+        let l = disk.load().map_err(|e| {
+            anyhow::anyhow!("cannot read the raft log in {}: {e}", disk.path().display())
+        })?;
+        Ok(LogStore {
+            inner: Arc::new(Mutex::new(LogInner {
+                last_purged: l.last_purged,
+                entries: l.entries,
+                committed: l.committed,
+                vote: l.vote,
+            })),
+            disk: Some(disk),
+        })
+    }
+
+    /// Whether this master has taken part in a cluster before (it has a vote or a log).
+    pub fn has_state(&self) -> bool {
+        let inner = self.lock();
+        inner.vote.is_some() || !inner.entries.is_empty() || inner.last_purged.is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, LogInner> {
@@ -82,6 +106,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<MasterId>) -> Result<(), StorageError<MasterId>> {
+        if let Some(d) = &self.disk {
+            let v = *vote;
+            blocking(d, move |d| d.save_vote(&v))
+                .await
+                .map_err(|e| StorageError::from(openraft::StorageIOError::write_vote(e)))?;
+        }
         self.lock().vote = Some(*vote);
         Ok(())
     }
@@ -94,6 +124,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         &mut self,
         committed: Option<LogId<MasterId>>,
     ) -> Result<(), StorageError<MasterId>> {
+        if let Some(d) = &self.disk {
+            blocking(d, move |d| d.save_committed(&committed))
+                .await
+                .map_err(disk::write_err)?;
+        }
         self.lock().committed = committed;
         Ok(())
     }
@@ -111,19 +146,38 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
     {
+        let entries: Vec<_> = entries.into_iter().collect();
+        if let Some(d) = &self.disk {
+            let rows = entries
+                .iter()
+                .map(disk::encode_entry)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(disk::write_err)?;
+            if let Err(e) = blocking(d, move |d| d.append(&rows)).await {
+                let io = std::io::Error::other(e.to_string());
+                callback.log_io_completed(Err(io));
+                return Err(disk::write_err(e));
+            }
+        }
         {
             let mut inner = self.lock();
             for e in entries {
                 inner.entries.insert(e.log_id.index, e);
             }
         }
-        // In memory, an append is "flushed" as soon as it is in the map.
+        // Flushed: on disk (fsynced) when there is one, else in the map.
         callback.log_io_completed(Ok(()));
         Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId<MasterId>) -> Result<(), StorageError<MasterId>> {
         // Delete conflicting entries: `log_id.index` and everything after it.
+        if let Some(d) = &self.disk {
+            let index = log_id.index;
+            blocking(d, move |d| d.truncate(index))
+                .await
+                .map_err(disk::write_err)?;
+        }
         let mut inner = self.lock();
         let _ = inner.entries.split_off(&log_id.index);
         Ok(())
@@ -131,6 +185,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn purge(&mut self, log_id: LogId<MasterId>) -> Result<(), StorageError<MasterId>> {
         // Delete applied entries up to and including `log_id.index`.
+        if let Some(d) = &self.disk {
+            blocking(d, move |d| d.purge(&log_id))
+                .await
+                .map_err(disk::write_err)?;
+        }
         let mut inner = self.lock();
         if inner.last_purged.map_or(true, |p| p.index < log_id.index) {
             inner.last_purged = Some(log_id);

@@ -30,6 +30,7 @@
 //! are still pristine after a grace period (so a cluster forms even when the lowest id
 //! is down), staggered by their position in the list.
 
+pub mod disk;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;
@@ -109,21 +110,33 @@ impl RaftRegistry {
         members: BTreeMap<MasterId, MasterNode>,
         secret: Secret,
         timing: RaftTiming,
+        data_dir: Option<&std::path::Path>,
     ) -> anyhow::Result<RaftRegistry> {
         let mut members = members;
         members.insert(node_id, node.clone());
         let config = Arc::new(raft_config(timing)?);
-        let sm = StateMachineStore::new();
+        let (log, sm, restarted) = match data_dir {
+            Some(dir) => {
+                let disk = disk::Disk::open(dir)?;
+                let log = LogStore::open(disk.clone())?;
+                let restarted = log.has_state();
+                tracing::info!(target: "eccl::master", "master {node_id}: raft state in {} ({})", disk.path().display(),
+                    if restarted { "restarting with its log and vote" } else { "new" });
+                (log, StateMachineStore::open(disk)?, restarted)
+            }
+            None => (LogStore::new(), StateMachineStore::new(), false),
+        };
         let registry = sm.handle();
         let link_key = secret.derive(b"eccl-link-key");
         let network = MasterNetwork::new(secret, node_id);
-        let raft =
-            openraft::Raft::new(node_id, config, network.clone(), LogStore::new(), sm).await?;
+        let raft = openraft::Raft::new(node_id, config, network.clone(), log, sm).await?;
 
         let nodes = members.clone();
         let lowest = members.keys().next().copied() == Some(node_id);
         let mut bootstrap = None;
-        if lowest {
+        if restarted {
+            // It was part of the cluster: it rejoins with its log; nothing to form.
+        } else if lowest {
             initialize(&raft, nodes).await?;
         } else {
             // Fallback: if the lowest id never reaches us, form the cluster ourselves.

@@ -12,6 +12,7 @@ use openraft::{
 };
 use serde::{Deserialize, Serialize};
 
+use super::disk::{blocking, Disk};
 use super::types::MasterNode;
 use super::types::{MasterId, TypeConfig};
 use crate::registry::{Outcome, Registry};
@@ -40,6 +41,8 @@ pub struct StateMachineStore {
     data: SmHandle,
     current: Arc<Mutex<Option<StoredSnapshot>>>,
     snapshot_seq: Arc<std::sync::atomic::AtomicU64>,
+    /// Where snapshots are kept across restarts (with a data directory).
+    disk: Option<Arc<Disk>>,
 }
 
 fn bincode_config() -> impl bincode::config::Config {
@@ -66,6 +69,45 @@ fn decode_snapshot(bytes: &[u8]) -> Result<SmData, StorageIOError<MasterId>> {
 impl StateMachineStore {
     pub fn new() -> StateMachineStore {
         StateMachineStore::default()
+    }
+
+    /// A state machine whose snapshots are kept on `disk`, starting from the last one
+    /// there (openraft then applies the committed log entries after it).
+    pub fn open(disk: Arc<Disk>) -> anyhow::Result<StateMachineStore> {
+        let sm = StateMachineStore {
+            disk: Some(disk.clone()),
+            ..StateMachineStore::default()
+        };
+        let loaded = disk.load_snapshot().map_err(|e| {
+            anyhow::anyhow!("cannot read the snapshot in {}: {e}", disk.path().display())
+        })?;
+        if let Some((meta, bytes)) = loaded {
+            let mut data = decode_snapshot(&bytes).map_err(|e| {
+                anyhow::anyhow!("the snapshot in {} is damaged: {e}", disk.path().display())
+            })?;
+            data.last_applied = meta.last_log_id;
+            data.membership = meta.last_membership.clone();
+            *sm.write_data() = data;
+            *sm.current() = Some(StoredSnapshot { meta, data: bytes });
+        }
+        Ok(sm)
+    }
+
+    /// Keeps a snapshot on disk, when there is one, before it counts as taken.
+    async fn persist(
+        &self,
+        meta: &SnapshotMeta<MasterId, MasterNode>,
+        bytes: &[u8],
+    ) -> Result<(), StorageError<MasterId>> {
+        if let Some(d) = &self.disk {
+            let (m, b) = (meta.clone(), bytes.to_vec());
+            blocking(d, move |d| d.save_snapshot(&m, &b))
+                .await
+                .map_err(|e| {
+                    StorageError::from(StorageIOError::write_snapshot(Some(meta.signature()), e))
+                })?;
+        }
+        Ok(())
     }
 
     /// The shared state, for reads outside raft.
@@ -103,6 +145,7 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
             last_membership: data.membership,
             snapshot_id,
         };
+        self.persist(&meta, &bytes).await?;
         *self.current() = Some(StoredSnapshot {
             meta: meta.clone(),
             data: bytes.clone(),
@@ -174,6 +217,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 AnyError::error("undecodable snapshot"),
             )
         })?;
+        self.persist(meta, &bytes).await?;
         // The meta is authoritative for what the snapshot covers.
         data.last_applied = meta.last_log_id;
         data.membership = meta.last_membership.clone();
@@ -219,6 +263,7 @@ mod tests {
             quic: None,
             shm: None,
             rank_hint: None,
+            token: [7; 32],
         };
         let out = sm
             .apply(vec![

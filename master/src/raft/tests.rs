@@ -20,6 +20,7 @@ fn register(i: u32) -> Command {
         quic: None,
         shm: None,
         rank_hint: Some(i),
+        token: [i as u8; 32],
     }
 }
 
@@ -52,7 +53,7 @@ async fn register_three_and_commit(r: &RaftRegistry, expected_epoch: u64) -> u64
 async fn single_node_leads_at_once_and_applies_proposals() {
     let node = MasterNode::new("127.0.0.1:1", "");
     let members = BTreeMap::from([(7u64, node.clone())]);
-    let r = RaftRegistry::start(7, node, members, secret(), RaftTiming::default())
+    let r = RaftRegistry::start(7, node, members, secret(), RaftTiming::default(), None)
         .await
         .unwrap();
     assert!(r.is_leader());
@@ -113,6 +114,7 @@ async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, Mast
         members.clone(),
         secret(),
         RaftTiming::default(),
+        None,
     )
     .await
     .unwrap();
@@ -477,4 +479,60 @@ fn handle_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<RaftRegistry>();
     check::<SmHandle>();
+}
+
+/// A master started with a data directory comes back from a crash (here: a shutdown and
+/// a new process's worth of state: nothing but the directory is shared) with its
+/// registry: the peers, their credentials, the epoch; past a snapshot too, since more
+/// entries than `SNAPSHOT_EVERY` were written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_restarts_from_its_data_dir_with_its_registry() {
+    let dir = std::env::temp_dir().join(format!("eccl-raft-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let node = MasterNode::new("127.0.0.1:1", "");
+    let members = BTreeMap::from([(7u64, node.clone())]);
+    let start = || {
+        RaftRegistry::start(
+            7,
+            node.clone(),
+            members.clone(),
+            secret(),
+            RaftTiming::default(),
+            Some(&dir),
+        )
+    };
+    let r = start().await.unwrap();
+    let epoch = register_three_and_commit(&r, 0).await;
+    // Refused compare-and-sets are log entries like any other: enough of them for a
+    // snapshot and a purge of the log behind it.
+    for _ in 0..SNAPSHOT_EVERY + 50 {
+        let o = r
+            .propose(Command::CommitEpoch {
+                expected_epoch: 0,
+                admit: vec![],
+                remove: vec![],
+            })
+            .await
+            .unwrap();
+        assert!(matches!(o, Outcome::Rejected(_)));
+    }
+    let before = r.read(|reg| reg.clone());
+    r.shutdown().await;
+    drop(r);
+
+    let r = start().await.unwrap();
+    r.wait_leader(Duration::from_secs(5))
+        .await
+        .expect("leads again");
+    // The registry comes back once the restarted node has applied its log.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while r.read(|reg| reg.clone()) != before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(r.read(|reg| reg.clone()), before);
+    assert_eq!(r.read(|reg| reg.epoch()), epoch);
+    let o = r.propose(register(9)).await.unwrap();
+    assert!(matches!(o, Outcome::Registered(_)), "{o:?}");
+    r.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
 }

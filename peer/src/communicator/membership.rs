@@ -61,12 +61,16 @@ impl Communicator {
                 cfg.connect_timeout,
             )
             .await?;
-        let (peer_id, heartbeat_ms) = match reply {
+        let (peer_id, heartbeat_ms, lease_ms) = match reply {
             MasterReply::Registered {
                 peer_id,
                 heartbeat_ms,
-                ..
-            } => (peer_id, heartbeat_ms),
+                lease_ms,
+                token,
+            } => {
+                master.registered(peer_id, token);
+                (peer_id, heartbeat_ms, lease_ms)
+            }
             other => return Err(reply_error(&cfg.master, 0, other)),
         };
         let master = Arc::new(master);
@@ -76,17 +80,22 @@ impl Communicator {
         let heartbeat = {
             let master = master.clone();
             let every = Duration::from_millis(heartbeat_ms.max(10));
+            // A master that does not answer within half the lease is taken for dead or
+            // hung, so the peer is attached to the next leader well before the lease that
+            // leader grants runs out.
+            let within = Duration::from_millis((lease_ms / 2).max(50));
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(every);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tick.tick().await;
-                    if master
-                        .notify(PeerRequest::Heartbeat { peer_id })
-                        .await
-                        .is_err()
-                    {
-                        return;
+                    match master.heartbeat(peer_id, within).await {
+                        Ok(()) => {}
+                        // Evicted or refused for good: nothing left to renew.
+                        Err(Error::Evicted { .. } | Error::InvalidArgument(_)) => return,
+                        // No leader reachable now: keep trying, the lease of the next
+                        // one starts fresh.
+                        Err(_) => {}
                     }
                 }
             })

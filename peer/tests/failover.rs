@@ -1,0 +1,282 @@
+//! The master survives its own loss: three real `eccl-master` processes with data
+//! directories, peers given the list of all three. The leader is SIGKILLed while the
+//! peers run collectives (they go on; the next leader admits a newcomer); two of three
+//! masters die (membership calls fail with `MasterUnavailable` within the deadline,
+//! collectives go on) and come back from their data directories (service resumes).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use eccl::{Communicator, Error, ReduceOp};
+use futures::future::join_all;
+
+/// Three masters on fixed local ports, each with its own data directory and log.
+struct Cluster {
+    dir: PathBuf,
+    clients: Vec<String>,
+    spec: String,
+    procs: Vec<Option<Proc>>,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Cluster {
+    fn start(name: &str) -> Cluster {
+        let dir = std::env::temp_dir().join(format!("eccl-failover-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let secret = dir.join("cluster-secret");
+        std::fs::write(&secret, "cluster-test-secret-0123456789abcdef\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let clients: Vec<String> = ports
+            .iter()
+            .map(|(c, _)| format!("127.0.0.1:{c}"))
+            .collect();
+        let spec = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (c, r))| format!("{}=127.0.0.1:{c}/127.0.0.1:{r}", i + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cl = Cluster {
+            dir,
+            clients,
+            spec,
+            procs: vec![None, None, None],
+        };
+        for i in 0..3 {
+            cl.start_node(i);
+        }
+        cl
+    }
+
+    fn log(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("m{}.log", i + 1))
+    }
+
+    /// Starts master `i` (0-based) from its data directory; its log is appended to.
+    fn start_node(&mut self, i: usize) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log(i))
+            .unwrap();
+        let mut child = Command::new(master_bin())
+            .args(["--node-id", &(i + 1).to_string()])
+            .args(["--listen", &self.clients[i]])
+            .args(["--masters", &self.spec])
+            .arg("--cluster-secret-file")
+            .arg(self.dir.join("cluster-secret"))
+            .arg("--data-dir")
+            .arg(self.dir.join(format!("m{}", i + 1)))
+            .env("ECCL_SECRET", SECRET)
+            .env("ECCL_DEBUG", "INFO")
+            .env("ECCL_DEBUG_SUBSYS", "MASTER")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("start eccl-master");
+        let line = BufReader::new(child.stdout.take().unwrap())
+            .lines()
+            .next()
+            .unwrap()
+            .unwrap();
+        assert!(line.starts_with("eccl-master listening on"), "{line}");
+        self.procs[i] = Some(Proc(child));
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.procs[i].take() {
+            let _ = p.0.kill();
+            let _ = p.0.wait();
+        }
+    }
+
+    fn list(&self) -> String {
+        self.clients.join(",")
+    }
+
+    /// The live master that says it leads (it logged taking over more often than
+    /// stepping down), waiting up to `limit` for one.
+    fn leader(&self, limit: Duration) -> Option<usize> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            for i in 0..3 {
+                if self.procs[i].is_none() {
+                    continue;
+                }
+                let text = std::fs::read_to_string(self.log(i)).unwrap_or_default();
+                let up = text.matches("leading now").count();
+                let down = text.matches("no longer the leader").count();
+                if up > down {
+                    return Some(i);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..3 {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn cfg(list: &str) -> eccl::Config {
+    let mut c = peer_cfg(list);
+    c.connect_timeout = Duration::from_secs(4);
+    c
+}
+
+async fn members(list: &str, n: u32) -> Vec<Communicator> {
+    let mut comms = join_all((0..n).map(|r| async move {
+        let mut c = cfg(list);
+        c.rank_hint = Some(r);
+        c.min_world = n;
+        let mut comm = Communicator::connect(c).await.expect("connect");
+        comm.update_topology().await.expect("first world");
+        comm
+    }))
+    .await;
+    comms.sort_by_key(|c| c.rank());
+    comms
+}
+
+/// `rounds` all_reduces on every member; each must be exact.
+async fn all_reduce_rounds(comms: &mut [Communicator], rounds: usize) {
+    let n = comms.len() as f32;
+    for round in 0..rounds {
+        let res = join_all(comms.iter_mut().map(|c| async move {
+            let mut x = vec![round as f32 + 1.0; 1 << 14];
+            c.all_reduce(&mut x, ReduceOp::Sum).await.map(|_| x)
+        }))
+        .await;
+        for r in res {
+            let x = r.unwrap_or_else(|e| panic!("all_reduce {round} failed: {e}"));
+            assert!(
+                x.iter().all(|v| *v == n * (round as f32 + 1.0)),
+                "round {round}"
+            );
+        }
+    }
+}
+
+async fn update_all(comms: &mut [Communicator]) -> Vec<eccl::Result<eccl::WorldUpdate>> {
+    join_all(comms.iter_mut().map(|c| c.update_topology())).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_follow_the_next_leader_when_the_leader_dies() {
+    let mut cl = Cluster::start("leader");
+    let list = cl.list();
+    let old = cl.leader(Duration::from_secs(10)).expect("a leader");
+    let mut comms = members(&list, 3).await;
+    all_reduce_rounds(&mut comms, 5).await;
+
+    // The leader dies while collectives run: they do not need it.
+    let killed_at = Instant::now();
+    cl.kill(old);
+    all_reduce_rounds(&mut comms, 40).await;
+    let new = cl.leader(Duration::from_secs(10)).expect("a new leader");
+    assert_ne!(new, old);
+    eprintln!("new leader after {:?}", killed_at.elapsed());
+
+    // The next leader admits a newcomer: every member's vote reaches it.
+    let newcomer = tokio::spawn({
+        let list = list.clone();
+        async move {
+            let mut c = Communicator::connect(cfg(&list))
+                .await
+                .expect("newcomer connects");
+            c.update_topology().await.expect("newcomer admitted");
+            c
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for r in update_all(&mut comms).await {
+        let u = r.expect("members move to the next world");
+        assert_eq!(u.world_size, 4);
+    }
+    comms.push(newcomer.await.unwrap());
+    comms.sort_by_key(|c| c.rank());
+    all_reduce_rounds(&mut comms, 3).await;
+    // Nobody was evicted for the election gap.
+    assert!(comms.iter().all(|c| c.world_size() == 4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_quorum_membership_fails_in_time_and_resumes_with_it() {
+    let mut cl = Cluster::start("quorum");
+    let list = cl.list();
+    cl.leader(Duration::from_secs(10)).expect("a leader");
+    let mut comms = members(&list, 2).await;
+    let leader = cl.leader(Duration::from_secs(1)).unwrap();
+    // Two of three masters die, the leader among them.
+    let other = (0..3).find(|i| *i != leader).unwrap();
+    cl.kill(leader);
+    cl.kill(other);
+    all_reduce_rounds(&mut comms, 10).await;
+    let start = Instant::now();
+    for r in update_all(&mut comms).await {
+        match r {
+            Err(Error::MasterUnavailable { .. }) => {}
+            other => panic!("expected MasterUnavailable, got {other:?}"),
+        }
+    }
+    // The deadline (connect_timeout, 4 s) bounds it, with the raft proposal timeout.
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+    all_reduce_rounds(&mut comms, 5).await;
+
+    // The two come back from their data directories; service resumes.
+    cl.start_node(leader);
+    cl.start_node(other);
+    cl.leader(Duration::from_secs(15)).expect("a leader again");
+    let mut ok = false;
+    for _ in 0..10 {
+        let res = update_all(&mut comms).await;
+        if res.iter().all(|r| r.is_ok()) {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(ok, "update_topology works again once a quorum is back");
+    all_reduce_rounds(&mut comms, 3).await;
+}
+
+#[test]
+fn a_bad_master_list_is_refused_with_the_reason() {
+    for bad in ["", " , ", "127.0.0.1", "a:1,b"] {
+        let mut c = peer_cfg(bad);
+        c.connect_timeout = Duration::from_millis(200);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        match rt.block_on(Communicator::connect(c)) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("master"), "{m}"),
+            Err(e) => panic!("{bad:?}: expected InvalidArgument, got {e}"),
+            Ok(_) => panic!("{bad:?} accepted"),
+        }
+    }
+}
