@@ -4,6 +4,7 @@
 //! [`start`] runs a master inside the calling tokio runtime (the embedded default is a
 //! one-node raft cluster); the `eccl-master` binary wraps it.
 
+pub mod cluster_cli;
 pub mod coordinator;
 pub mod raft;
 pub mod registry;
@@ -31,6 +32,9 @@ pub struct ClusterOptions {
     pub secret: Secret,
     /// Every master of the cluster, this one included, by raft node id.
     pub members: BTreeMap<u64, MasterNode>,
+    /// Wait to be added to a running cluster (`eccl-master cluster add`) instead of
+    /// forming one with `members`.
+    pub join: bool,
 }
 
 pub struct MasterOptions {
@@ -99,6 +103,7 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;
     let addr = listener.local_addr()?;
+    let join = opts.cluster.as_ref().is_some_and(|c| c.join);
     let (members, raft_secret, raft_listener) = match &opts.cluster {
         Some(c) => {
             let Some(me) = c.members.get(&opts.node_id) else {
@@ -137,6 +142,7 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
             raft_secret.clone(),
             opts.raft_timing,
             opts.data_dir.as_deref(),
+            join,
         )
         .await?,
     );

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use eccl_master::{secret, ClusterOptions, MasterNode, MasterOptions, RaftTiming, Timing};
 use eccl_protocol::auth::Secret;
 
@@ -18,6 +18,8 @@ use eccl_protocol::auth::Secret;
 #[derive(Parser, Debug)]
 #[command(name = "eccl-master", version)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Cmd>,
     /// Client listener: peers, the command line, stores.
     #[arg(long, default_value = "127.0.0.1:48148", env = "ECCL_MASTER_LISTEN")]
     listen: String,
@@ -52,12 +54,65 @@ struct Args {
     /// the raft state is in memory only.
     #[arg(long, env = "ECCL_MASTER_DATA_DIR")]
     data_dir: Option<PathBuf>,
+    /// Start as a new master of a running cluster: form nothing, wait for
+    /// `eccl-master cluster add` (--masters then needs to list only this master).
+    #[arg(long)]
+    join: bool,
     /// Lease on each peer in milliseconds: a peer silent for this long is evicted.
     #[arg(long, env = "ECCL_LEASE_MS", default_value_t = 2000)]
     lease_ms: u64,
     /// How often peers renew their lease, in milliseconds.
     #[arg(long, env = "ECCL_HEARTBEAT_MS", default_value_t = 250)]
     heartbeat_ms: u64,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Show or change a running master cluster.
+    Cluster {
+        #[command(subcommand)]
+        op: ClusterOp,
+        /// The masters' client addresses, comma-separated (any of them will do).
+        #[arg(
+            long,
+            env = "ECCL_MASTER",
+            global = true,
+            default_value = "127.0.0.1:48148"
+        )]
+        master: String,
+        /// The job secret (default: $ECCL_SECRET, else ~/.eccl/secret).
+        #[arg(long, env = "ECCL_SECRET_FILE", global = true)]
+        secret_file: Option<PathBuf>,
+        /// The cluster secret, which add and remove are signed with (default:
+        /// ~/.eccl/cluster-secret).
+        #[arg(long, env = "ECCL_CLUSTER_SECRET_FILE", global = true)]
+        cluster_secret_file: Option<PathBuf>,
+        /// How long add and remove may take (adding waits for the new master to catch up).
+        #[arg(long, global = true, default_value_t = 30)]
+        timeout_s: u64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterOp {
+    /// Leader, term, masters (voters and learners) and live peers.
+    Status,
+    /// Add a master started with --join: it catches up as a learner, then votes.
+    Add {
+        #[arg(long)]
+        id: u64,
+        /// Its client address (peers and clients).
+        #[arg(long)]
+        client: String,
+        /// Its raft address (other masters).
+        #[arg(long)]
+        raft: String,
+    },
+    /// Remove a master (dead or alive) from the cluster.
+    Remove {
+        #[arg(long)]
+        id: u64,
+    },
 }
 
 fn parse_masters(s: &str) -> Result<BTreeMap<u64, MasterNode>, String> {
@@ -107,7 +162,79 @@ fn main() {
     std::process::exit(code);
 }
 
-fn run(args: Args) -> anyhow::Result<()> {
+/// The job secret: $ECCL_SECRET, else the secret file (created if missing).
+fn job_secret(file: Option<&PathBuf>) -> anyhow::Result<(Secret, String)> {
+    match std::env::var("ECCL_SECRET")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+    {
+        Some(s) => Ok((
+            Secret::new(s).map_err(|e| anyhow::anyhow!("ECCL_SECRET: {e}"))?,
+            "$ECCL_SECRET".to_string(),
+        )),
+        None => {
+            let path = file.cloned().unwrap_or_else(secret::default_secret_file);
+            Ok((secret::load_or_create(&path)?, path.display().to_string()))
+        }
+    }
+}
+
+fn cluster_command(cmd: Cmd) -> anyhow::Result<()> {
+    let Cmd::Cluster {
+        op,
+        master,
+        secret_file,
+        cluster_secret_file,
+        timeout_s,
+    } = cmd;
+    let masters: Vec<String> = master
+        .split(',')
+        .map(|a| a.trim().to_string())
+        .filter(|a| !a.is_empty())
+        .collect();
+    if masters.is_empty() {
+        anyhow::bail!("--master lists no address");
+    }
+    let (secret, _) = job_secret(secret_file.as_ref())?;
+    let change = match op {
+        ClusterOp::Status => None,
+        ClusterOp::Add { id, client, raft } => {
+            Some(eccl_protocol::ClusterChange::Add { id, client, raft })
+        }
+        ClusterOp::Remove { id } => Some(eccl_protocol::ClusterChange::Remove { id }),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let status = rt.block_on(async {
+        match change {
+            None => eccl_master::cluster_cli::status(&masters, &secret).await,
+            Some(change) => {
+                let path = cluster_secret_file.unwrap_or_else(|| {
+                    secret::default_secret_file().with_file_name("cluster-secret")
+                });
+                // Never created here: a new random secret could sign nothing.
+                let cluster =
+                    Secret::read_file(&path).map_err(|e| anyhow::anyhow!("cluster secret: {e}"))?;
+                eccl_master::cluster_cli::change(
+                    &masters,
+                    &secret,
+                    &cluster,
+                    change,
+                    Duration::from_secs(timeout_s),
+                )
+                .await
+            }
+        }
+    })?;
+    print!("{}", eccl_master::cluster_cli::render(&status));
+    Ok(())
+}
+
+fn run(mut args: Args) -> anyhow::Result<()> {
+    if let Some(cmd) = args.command.take() {
+        return cluster_command(cmd);
+    }
     if args.lease_ms == 0 || args.heartbeat_ms == 0 || args.heartbeat_ms >= args.lease_ms {
         anyhow::bail!(
             "--heartbeat-ms ({}) must be positive and below --lease-ms ({})",
@@ -115,22 +242,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             args.lease_ms
         );
     }
-    let (secret, source) = match std::env::var("ECCL_SECRET")
-        .ok()
-        .filter(|s| !s.trim().is_empty())
-    {
-        Some(s) => (
-            Secret::new(s).map_err(|e| anyhow::anyhow!("ECCL_SECRET: {e}"))?,
-            "$ECCL_SECRET".to_string(),
-        ),
-        None => {
-            let path = args
-                .secret_file
-                .clone()
-                .unwrap_or_else(secret::default_secret_file);
-            (secret::load_or_create(&path)?, path.display().to_string())
-        }
-    };
+    let (secret, source) = job_secret(args.secret_file.as_ref())?;
     let mut opts = MasterOptions::new(args.listen.clone(), secret);
     opts.node_id = args.node_id;
     opts.advertise = args.advertise.clone();
@@ -150,9 +262,10 @@ fn run(args: Args) -> anyhow::Result<()> {
             raft_listen: args.raft_listen.clone().unwrap_or_else(|| me.raft.clone()),
             secret: cluster_secret,
             members: m.clone(),
+            join: args.join,
         });
-    } else if args.raft_listen.is_some() || args.cluster_secret_file.is_some() {
-        anyhow::bail!("--raft-listen and --cluster-secret-file go with --masters");
+    } else if args.raft_listen.is_some() || args.cluster_secret_file.is_some() || args.join {
+        anyhow::bail!("--raft-listen, --cluster-secret-file and --join go with --masters");
     }
     opts.timing = Timing {
         lease: Duration::from_millis(args.lease_ms),

@@ -87,6 +87,11 @@ async fn serve_peer(
             conn: out.clone(),
             id: req.id,
         };
+        if matches!(req.body, PeerRequest::ClusterStatus) {
+            // Any master answers: the status is how an operator finds the leader.
+            reply.send(MasterReply::Cluster(coord.raft.status()));
+            continue;
+        }
         if !coord.raft.is_leader() {
             let leader = coord.raft.leader().map(|(_, a)| a);
             reply.send(MasterReply::NotLeader { leader });
@@ -174,6 +179,20 @@ async fn serve_peer(
                     Err(r) => reply.send(r),
                 }
             }
+            PeerRequest::ClusterChange { change, proof } => {
+                let coord = coord.clone();
+                tokio::spawn(async move {
+                    use crate::raft::admin::AdminError;
+                    reply.send(match coord.raft.change(&change, &proof).await {
+                        Ok(status) => MasterReply::Cluster(status),
+                        Err(AdminError::NotLeader(leader)) => MasterReply::NotLeader { leader },
+                        Err(AdminError::Refused(code, message)) => {
+                            tracing::warn!(target: "eccl::master", "cluster change {change:?} refused: {message}");
+                            MasterReply::Error { code, message }
+                        }
+                    })
+                });
+            }
             body => {
                 let claimed = match &body {
                     PeerRequest::UpdateTopology { peer_id, .. }
@@ -182,7 +201,10 @@ async fn serve_peer(
                     | PeerRequest::ReportFault { peer_id, .. }
                     | PeerRequest::Leave { peer_id }
                     | PeerRequest::SyncState { peer_id, .. } => *peer_id,
-                    PeerRequest::Register(_) | PeerRequest::Attach { .. } => {
+                    PeerRequest::Register(_)
+                    | PeerRequest::Attach { .. }
+                    | PeerRequest::ClusterStatus
+                    | PeerRequest::ClusterChange { .. } => {
                         unreachable!("handled above")
                     }
                 };
@@ -263,7 +285,10 @@ async fn serve_peer(
                         me = None;
                         reply.send(MasterReply::Ok);
                     }
-                    PeerRequest::Register(_) | PeerRequest::Attach { .. } => {
+                    PeerRequest::Register(_)
+                    | PeerRequest::Attach { .. }
+                    | PeerRequest::ClusterStatus
+                    | PeerRequest::ClusterChange { .. } => {
                         unreachable!("handled above")
                     }
                 }

@@ -145,9 +145,15 @@ impl MasterClient {
     async fn drop_conn(&self, serial: u64, why: &str) {
         let mut slot = self.conn.lock().await;
         if slot.as_ref().is_some_and(|c| c.serial == serial) {
-            let c = slot.take();
-            if let Some(c) = c {
+            if let Some(c) = slot.take() {
                 tracing::info!(target: "eccl::init", "leaving master {}: {why}", c.addr);
+                // Requests still waiting on it (a vote sent to a leader that hung) hear
+                // that it is lost now and go to the next leader, rather than wait out
+                // their timeout on a connection nobody reads.
+                c.reader.abort();
+                if let Ok(mut m) = c.pending.lock() {
+                    *m = None;
+                }
             }
         }
     }
@@ -205,7 +211,9 @@ impl MasterClient {
     /// Connects to `addr`, and if this peer is registered, attaches as it; a follower
     /// says where the leader is.
     async fn open(&self, addr: &str, wait: Duration) -> std::result::Result<Conn, Refused> {
-        let dial = wait.clamp(Duration::from_millis(10), Duration::from_secs(2));
+        // One master that does not answer (stopped, or on a host that is gone) must not
+        // use up the whole deadline: the others are tried after a second.
+        let dial = wait.clamp(Duration::from_millis(10), Duration::from_secs(1));
         let conn = match control::connect(addr, &self.secret, Role::PeerToMaster, dial).await {
             Ok(c) => c,
             // A wrong secret will not get better by retrying.

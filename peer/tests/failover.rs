@@ -5,141 +5,14 @@
 //! collectives go on) and come back from their data directories (service resumes).
 
 mod common;
+mod masters;
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
 use eccl::{Communicator, Error, ReduceOp};
 use futures::future::join_all;
-
-/// Three masters on fixed local ports, each with its own data directory and log.
-struct Cluster {
-    dir: PathBuf,
-    clients: Vec<String>,
-    spec: String,
-    procs: Vec<Option<Proc>>,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl Cluster {
-    fn start(name: &str) -> Cluster {
-        let dir = std::env::temp_dir().join(format!("eccl-failover-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let secret = dir.join("cluster-secret");
-        std::fs::write(&secret, "cluster-test-secret-0123456789abcdef\n").unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
-        let clients: Vec<String> = ports
-            .iter()
-            .map(|(c, _)| format!("127.0.0.1:{c}"))
-            .collect();
-        let spec = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (c, r))| format!("{}=127.0.0.1:{c}/127.0.0.1:{r}", i + 1))
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut cl = Cluster {
-            dir,
-            clients,
-            spec,
-            procs: vec![None, None, None],
-        };
-        for i in 0..3 {
-            cl.start_node(i);
-        }
-        cl
-    }
-
-    fn log(&self, i: usize) -> PathBuf {
-        self.dir.join(format!("m{}.log", i + 1))
-    }
-
-    /// Starts master `i` (0-based) from its data directory; its log is appended to.
-    fn start_node(&mut self, i: usize) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log(i))
-            .unwrap();
-        let mut child = Command::new(master_bin())
-            .args(["--node-id", &(i + 1).to_string()])
-            .args(["--listen", &self.clients[i]])
-            .args(["--masters", &self.spec])
-            .arg("--cluster-secret-file")
-            .arg(self.dir.join("cluster-secret"))
-            .arg("--data-dir")
-            .arg(self.dir.join(format!("m{}", i + 1)))
-            .env("ECCL_SECRET", SECRET)
-            .env("ECCL_DEBUG", "INFO")
-            .env("ECCL_DEBUG_SUBSYS", "MASTER")
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("start eccl-master");
-        let line = BufReader::new(child.stdout.take().unwrap())
-            .lines()
-            .next()
-            .unwrap()
-            .unwrap();
-        assert!(line.starts_with("eccl-master listening on"), "{line}");
-        self.procs[i] = Some(Proc(child));
-    }
-
-    fn kill(&mut self, i: usize) {
-        if let Some(mut p) = self.procs[i].take() {
-            let _ = p.0.kill();
-            let _ = p.0.wait();
-        }
-    }
-
-    fn list(&self) -> String {
-        self.clients.join(",")
-    }
-
-    /// The live master that says it leads (it logged taking over more often than
-    /// stepping down), waiting up to `limit` for one.
-    fn leader(&self, limit: Duration) -> Option<usize> {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            for i in 0..3 {
-                if self.procs[i].is_none() {
-                    continue;
-                }
-                let text = std::fs::read_to_string(self.log(i)).unwrap_or_default();
-                let up = text.matches("leading now").count();
-                let down = text.matches("no longer the leader").count();
-                if up > down {
-                    return Some(i);
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for i in 0..3 {
-            self.kill(i);
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+use masters::Cluster;
 
 fn cfg(list: &str) -> eccl::Config {
     let mut c = peer_cfg(list);

@@ -79,6 +79,82 @@ pub enum PeerRequest {
         strategy: SyncStrategy,
         tensors: Vec<TensorDigest>,
     },
+    /// Who leads the master cluster, its members and how many peers are live. Any
+    /// master answers, leader or not.
+    ClusterStatus,
+    /// Change the master cluster's membership. `proof` is [`ClusterChange::proof`] under
+    /// the cluster's admin key: the job secret alone cannot change the cluster.
+    ClusterChange {
+        change: ClusterChange,
+        proof: [u8; 32],
+    },
+}
+
+/// A change to the master cluster (openraft joint consensus underneath).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClusterChange {
+    /// Add master `id` (started with `--join`): it catches up as a learner, then votes.
+    Add {
+        id: u64,
+        client: String,
+        raft: String,
+    },
+    /// Remove master `id` (dead or alive) from the voters and the cluster.
+    Remove { id: u64 },
+}
+
+impl ClusterChange {
+    /// The label the admin key is derived under from the cluster secret.
+    pub const KEY_LABEL: &'static [u8] = b"eccl-cluster-admin";
+
+    /// HMAC-SHA256 of this change under `key` (the cluster secret's
+    /// `derive(ClusterChange::KEY_LABEL)`).
+    pub fn proof(&self, key: &[u8; 32]) -> [u8; 32] {
+        use hmac::{Hmac, Mac};
+        let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
+            .expect("HMAC takes keys of any length");
+        m.update(b"eccl-cluster-change-v1");
+        match self {
+            ClusterChange::Add { id, client, raft } => {
+                m.update(b"add");
+                m.update(&id.to_le_bytes());
+                for s in [client, raft] {
+                    m.update(&(s.len() as u64).to_le_bytes());
+                    m.update(s.as_bytes());
+                }
+            }
+            ClusterChange::Remove { id } => {
+                m.update(b"remove");
+                m.update(&id.to_le_bytes());
+            }
+        }
+        m.finalize().into_bytes().into()
+    }
+}
+
+/// One master as [`ClusterStatus`] shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MasterInfo {
+    pub id: u64,
+    pub client: String,
+    pub raft: String,
+    /// A voter; otherwise a learner still catching up.
+    pub voter: bool,
+}
+
+/// The answer to [`PeerRequest::ClusterStatus`] (and to a change, once committed), as the
+/// answering master sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// The master that answered.
+    pub me: u64,
+    pub leader: Option<u64>,
+    pub term: u64,
+    pub members: Vec<MasterInfo>,
+    /// Live peers in this master's replica of the registry.
+    pub peers: u64,
+    /// The current epoch in that replica.
+    pub epoch: u64,
 }
 
 /// How a member takes part in a shared-state sync.
@@ -189,6 +265,7 @@ pub enum MasterReply {
     NotLeader {
         leader: Option<String>,
     },
+    Cluster(ClusterStatus),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -102,6 +102,19 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             strategy: SyncStrategy::ReceiveOnly,
             tensors: vec![digest("w", 3), digest("b", 0)],
         },
+        PeerRequest::ClusterStatus,
+        PeerRequest::ClusterChange {
+            change: eccl_protocol::ClusterChange::Add {
+                id: 4,
+                client: "10.0.0.4:48148".into(),
+                raft: "10.0.0.4:48149".into(),
+            },
+            proof: [7; 32],
+        },
+        PeerRequest::ClusterChange {
+            change: eccl_protocol::ClusterChange::Remove { id: 2 },
+            proof: [8; 32],
+        },
     ];
     let keys = LinkKeys {
         accept: [3; 32],
@@ -135,6 +148,19 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
         MasterReply::NotLeader {
             leader: Some("10.0.0.2:7000".into()),
         },
+        MasterReply::Cluster(eccl_protocol::ClusterStatus {
+            me: 1,
+            leader: Some(2),
+            term: 5,
+            members: vec![eccl_protocol::MasterInfo {
+                id: 2,
+                client: "10.0.0.2:48148".into(),
+                raft: "10.0.0.2:48149".into(),
+                voter: true,
+            }],
+            peers: 3,
+            epoch: 7,
+        }),
     ];
     let mut out = Vec::new();
     for (i, r) in requests.into_iter().enumerate() {

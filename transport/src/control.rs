@@ -38,17 +38,23 @@ pub async fn tcp_connect<A: ToSocketAddrs>(
 }
 
 /// Connects to `addr` over TLS, authenticates for `role`, and returns the framed
-/// connection.
+/// connection; all of it within `timeout` (a stopped process accepts TCP in its kernel
+/// but never answers the handshake).
 pub async fn connect(
     addr: &str,
     secret: &Secret,
     role: Role,
     timeout: Duration,
 ) -> Result<ControlConn, TransportError> {
-    let stream = tcp_connect(addr, addr, timeout).await?;
-    let peer_addr = stream.peer_addr().ok();
-    let tls = crate::tls::connect(stream, secret, role, addr).await?;
-    Ok(ControlConn::new(tls, addr.to_string(), peer_addr))
+    let run = async {
+        let stream = tcp_connect(addr, addr, timeout).await?;
+        let peer_addr = stream.peer_addr().ok();
+        let tls = crate::tls::connect(stream, secret, role, addr).await?;
+        Ok(ControlConn::new(tls, addr.to_string(), peer_addr))
+    };
+    tokio::time::timeout(timeout, run)
+        .await
+        .map_err(|_| TransportError::Timeout(addr.to_string()))?
 }
 
 /// Accepts a control connection on `stream`: TLS, then the handshake with `secret`.

@@ -30,6 +30,7 @@
 //! are still pristine after a grace period (so a cluster forms even when the lowest id
 //! is down), staggered by their position in the list.
 
+pub mod admin;
 pub mod disk;
 pub mod log_store;
 pub mod network;
@@ -67,6 +68,11 @@ pub struct RaftRegistry {
     /// The key members' link proofs come from; derived from the cluster secret, so every
     /// master has it and no peer does.
     link_key: [u8; 32],
+    /// The key cluster changes are signed with (see [`admin`]); derived from the cluster
+    /// secret too.
+    admin_key: [u8; 32],
+    /// Started to be added to a running cluster: it forms nothing itself.
+    joining: bool,
     node: MasterNode,
     members: BTreeMap<MasterId, MasterNode>,
     registry: SmHandle,
@@ -111,6 +117,7 @@ impl RaftRegistry {
         secret: Secret,
         timing: RaftTiming,
         data_dir: Option<&std::path::Path>,
+        join: bool,
     ) -> anyhow::Result<RaftRegistry> {
         let mut members = members;
         members.insert(node_id, node.clone());
@@ -128,6 +135,7 @@ impl RaftRegistry {
         };
         let registry = sm.handle();
         let link_key = secret.derive(b"eccl-link-key");
+        let admin_key = secret.derive(eccl_protocol::ClusterChange::KEY_LABEL);
         let network = MasterNetwork::new(secret, node_id);
         let raft = openraft::Raft::new(node_id, config, network.clone(), log, sm).await?;
 
@@ -136,6 +144,8 @@ impl RaftRegistry {
         let mut bootstrap = None;
         if restarted {
             // It was part of the cluster: it rejoins with its log; nothing to form.
+        } else if join {
+            tracing::info!(target: "eccl::master", "master {node_id} waits to be added to a running cluster (eccl-master cluster add)");
         } else if lowest {
             initialize(&raft, nodes).await?;
         } else {
@@ -158,13 +168,15 @@ impl RaftRegistry {
             raft,
             node_id,
             link_key,
+            admin_key,
+            joining: join && !restarted,
             node,
             members,
             registry,
             network,
             bootstrap,
         };
-        if me.members.len() == 1 {
+        if me.members.len() == 1 && !me.joining {
             // A one-node cluster elects itself at once; return only once it leads.
             let _ = me.wait_leader(Duration::from_secs(5)).await;
             if !me.is_leader() {
@@ -275,7 +287,24 @@ impl RaftRegistry {
 
     /// Whether `id` is a master of this cluster (as configured, or as raft now knows it):
     /// only those may speak raft to it.
+    ///
+    /// A master started with `--join` accepts any master holding the cluster secret until
+    /// it has been added (it cannot know the others before the leader's first message).
     pub fn is_master(&self, id: MasterId) -> bool {
+        if self.joining
+            && matches!(
+                self.raft
+                    .metrics()
+                    .borrow()
+                    .membership_config
+                    .membership()
+                    .voter_ids()
+                    .next(),
+                None
+            )
+        {
+            return true;
+        }
         self.members.contains_key(&id)
             || self
                 .raft
@@ -288,7 +317,7 @@ impl RaftRegistry {
     }
 
     /// The client address of master `id`.
-    fn addr_of(&self, id: MasterId) -> Option<String> {
+    pub(crate) fn addr_of(&self, id: MasterId) -> Option<String> {
         let m = self.raft.metrics();
         let from_membership = m
             .borrow()

@@ -53,9 +53,17 @@ async fn register_three_and_commit(r: &RaftRegistry, expected_epoch: u64) -> u64
 async fn single_node_leads_at_once_and_applies_proposals() {
     let node = MasterNode::new("127.0.0.1:1", "");
     let members = BTreeMap::from([(7u64, node.clone())]);
-    let r = RaftRegistry::start(7, node, members, secret(), RaftTiming::default(), None)
-        .await
-        .unwrap();
+    let r = RaftRegistry::start(
+        7,
+        node,
+        members,
+        secret(),
+        RaftTiming::default(),
+        None,
+        false,
+    )
+    .await
+    .unwrap();
     assert!(r.is_leader());
     assert_eq!(r.leader(), Some((7, "127.0.0.1:1".to_string())));
     assert_eq!(r.wait_leader(Duration::from_millis(10)).await, Some(7));
@@ -115,6 +123,7 @@ async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, Mast
         secret(),
         RaftTiming::default(),
         None,
+        false,
     )
     .await
     .unwrap();
@@ -499,6 +508,7 @@ async fn a_master_restarts_from_its_data_dir_with_its_registry() {
             secret(),
             RaftTiming::default(),
             Some(&dir),
+            false,
         )
     };
     let r = start().await.unwrap();

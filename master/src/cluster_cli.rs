@@ -1,0 +1,123 @@
+//! The client side of `eccl-master cluster status|add|remove`: asks the masters on their
+//! client listeners (the job secret's TLS), follows a follower's answer to the leader, and
+//! signs changes with the cluster secret's admin key.
+
+use std::time::{Duration, Instant};
+
+use eccl_protocol::auth::{Role, Secret};
+use eccl_protocol::{
+    ClusterChange, ClusterStatus, MasterMessage, MasterReply, PeerRequest, Request,
+};
+use eccl_transport::control;
+
+/// How long one master may take to connect and answer a status request.
+const DIAL: Duration = Duration::from_secs(2);
+
+/// Asks the masters at `masters` (client addresses) for the cluster's status: the first
+/// that answers.
+pub async fn status(masters: &[String], secret: &Secret) -> anyhow::Result<ClusterStatus> {
+    let mut errors = Vec::new();
+    for addr in masters {
+        match ask(addr, secret, PeerRequest::ClusterStatus, DIAL).await {
+            Ok(MasterReply::Cluster(s)) => return Ok(s),
+            Ok(other) => errors.push(format!("{addr}: unexpected answer {other:?}")),
+            Err(e) => errors.push(format!("{addr}: {e:#}")),
+        }
+    }
+    anyhow::bail!("no master answered: {}", errors.join("; "))
+}
+
+/// Makes `change`, signed with `cluster_secret`, through whichever master leads; waits up
+/// to `deadline` (adding a master waits for it to catch up).
+pub async fn change(
+    masters: &[String],
+    secret: &Secret,
+    cluster_secret: &Secret,
+    change: ClusterChange,
+    deadline: Duration,
+) -> anyhow::Result<ClusterStatus> {
+    let proof = change.proof(&cluster_secret.derive(ClusterChange::KEY_LABEL));
+    let end = Instant::now() + deadline;
+    let mut candidates: Vec<String> = masters.to_vec();
+    let mut errors: Vec<String> = Vec::new();
+    while Instant::now() < end {
+        let Some(addr) = candidates.first().cloned() else {
+            // Nobody knew a leader: an election may be running; ask everyone again.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            candidates = masters.to_vec();
+            continue;
+        };
+        candidates.remove(0);
+        let left = end.saturating_duration_since(Instant::now());
+        let body = PeerRequest::ClusterChange {
+            change: change.clone(),
+            proof,
+        };
+        match ask(&addr, secret, body, left).await {
+            Ok(MasterReply::Cluster(s)) => return Ok(s),
+            Ok(MasterReply::NotLeader { leader: Some(l) }) if l != addr => candidates.insert(0, l),
+            Ok(MasterReply::NotLeader { .. }) => {}
+            Ok(MasterReply::Error { code, message }) => {
+                anyhow::bail!("master {addr} refused the change ({code:?}): {message}")
+            }
+            Ok(other) => errors.push(format!("{addr}: unexpected answer {other:?}")),
+            Err(e) => errors.push(format!("{addr}: {e:#}")),
+        }
+    }
+    anyhow::bail!(
+        "the change was not made within {deadline:?}: {}",
+        if errors.is_empty() {
+            "no leader".to_string()
+        } else {
+            errors.join("; ")
+        }
+    )
+}
+
+async fn ask(
+    addr: &str,
+    secret: &Secret,
+    body: PeerRequest,
+    wait: Duration,
+) -> anyhow::Result<MasterReply> {
+    let exchange = async {
+        let mut conn = control::connect(addr, secret, Role::PeerToMaster, DIAL.min(wait)).await?;
+        conn.send(&Request { id: 1, body }).await?;
+        loop {
+            match conn.recv::<MasterMessage>().await? {
+                MasterMessage::Reply { id: 1, body } => return Ok(body),
+                _ => continue,
+            }
+        }
+    };
+    tokio::time::timeout(wait, exchange)
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer within {wait:?}"))?
+}
+
+/// Prints a status as `eccl-master cluster status` shows it.
+pub fn render(s: &ClusterStatus) -> String {
+    let mut out = format!(
+        "leader: {}\nterm: {}\npeers: {} live, epoch {}\nmasters (as master {} sees them):\n",
+        s.leader.map_or("none".to_string(), |l| l.to_string()),
+        s.term,
+        s.peers,
+        s.epoch,
+        s.me
+    );
+    for m in &s.members {
+        out += &format!(
+            "  {:>3}  {:<8} client {}  raft {}{}\n",
+            m.id,
+            if m.voter { "voter" } else { "learner" },
+            m.client,
+            m.raft,
+            if Some(m.id) == s.leader {
+                "  (leader)"
+            } else {
+                ""
+            }
+        );
+    }
+    out
+}
