@@ -97,6 +97,42 @@ impl Drop for MasterHandle {
     }
 }
 
+/// Parses a list of masters as `--masters` takes it: `id=CLIENT/RAFT` entries separated
+/// by commas; the raft address may be just `:PORT` on the client address's host.
+pub fn parse_masters(s: &str) -> Result<BTreeMap<u64, MasterNode>, String> {
+    let mut m = BTreeMap::new();
+    for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+        let (id, addrs) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not id=CLIENT/RAFT"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| format!("{id:?} is not a node id"))?;
+        let (client, raft) = addrs.split_once('/').ok_or_else(|| {
+            format!("{part:?} is not id=CLIENT/RAFT (each master has a client and a raft address)")
+        })?;
+        let (client, raft) = (client.trim(), raft.trim());
+        let raft = match raft.strip_prefix(':') {
+            Some(port) => {
+                let host = client
+                    .rsplit_once(':')
+                    .map(|(h, _)| h)
+                    .ok_or_else(|| format!("{client:?} is not host:port"))?;
+                format!("{host}:{port}")
+            }
+            None => raft.to_string(),
+        };
+        if m.insert(id, MasterNode::new(client, raft)).is_some() {
+            return Err(format!("master {id} is listed twice"));
+        }
+    }
+    if m.is_empty() {
+        return Err("no masters given".into());
+    }
+    Ok(m)
+}
+
 /// Starts a master in the current tokio runtime.
 pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
     let listener = TcpListener::bind(&opts.listen)

@@ -39,7 +39,7 @@ struct Args {
     /// entries separated by commas: the client address peers use and the raft address
     /// masters use, e.g. 1=10.0.0.1:48148/10.0.0.1:48149,2=10.0.0.2:48148/10.0.0.2:48149.
     /// The raft address may be just :PORT on the client address's host.
-    #[arg(long, value_parser = parse_masters)]
+    #[arg(long, value_parser = eccl_master::parse_masters)]
     masters: Option<BTreeMap<u64, MasterNode>>,
     /// Raft listener (default: this master's raft address in --masters).
     #[arg(long)]
@@ -113,40 +113,6 @@ enum ClusterOp {
         #[arg(long)]
         id: u64,
     },
-}
-
-fn parse_masters(s: &str) -> Result<BTreeMap<u64, MasterNode>, String> {
-    let mut m = BTreeMap::new();
-    for part in s.split(',').filter(|p| !p.trim().is_empty()) {
-        let (id, addrs) = part
-            .split_once('=')
-            .ok_or_else(|| format!("{part:?} is not id=CLIENT/RAFT"))?;
-        let id: u64 = id
-            .trim()
-            .parse()
-            .map_err(|_| format!("{id:?} is not a node id"))?;
-        let (client, raft) = addrs.split_once('/').ok_or_else(|| {
-            format!("{part:?} is not id=CLIENT/RAFT (each master has a client and a raft address)")
-        })?;
-        let (client, raft) = (client.trim(), raft.trim());
-        let raft = match raft.strip_prefix(':') {
-            Some(port) => {
-                let host = client
-                    .rsplit_once(':')
-                    .map(|(h, _)| h)
-                    .ok_or_else(|| format!("{client:?} is not host:port"))?;
-                format!("{host}:{port}")
-            }
-            None => raft.to_string(),
-        };
-        if m.insert(id, MasterNode::new(client, raft)).is_some() {
-            return Err(format!("master {id} is listed twice"));
-        }
-    }
-    if m.is_empty() {
-        return Err("no masters given".into());
-    }
-    Ok(m)
 }
 
 fn main() {

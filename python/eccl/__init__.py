@@ -74,14 +74,29 @@ atexit.register(_eccl._shutdown)
 class Master:
     """An eccl master. `Master()` runs one in this process (a one-node raft cluster);
     `Master.spawn()` runs one in a child process, which survives this one's crashes only
-    as long as its parent lives. `addr` and `secret` are what peers need."""
+    as long as its parent lives. `addr` and `secret` are what peers need.
+
+    One member of a cluster of masters: give `node_id`, `masters` (every member as
+    `id=CLIENT/RAFT`, comma-separated, as `eccl-master --masters` takes it) and the
+    `cluster_secret` the members share (never the job's); `data_dir` keeps its raft log on
+    disk, `join=True` waits to be added with `eccl-master cluster add`. Peers are then
+    given every member's client address, comma-separated."""
 
     def __init__(self, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,
-                 lease_ms: int = 2000, heartbeat_ms: int = 250):
-        self._m = _eccl.Master(listen, secret, lease_ms, heartbeat_ms)
+                 lease_ms: int = 2000, heartbeat_ms: int = 250, node_id: int = 1,
+                 masters: Optional[str] = None, cluster_secret: Optional[str] = None,
+                 data_dir: Optional[str] = None, join: bool = False):
+        self._m = _eccl.Master(listen, secret, lease_ms, heartbeat_ms, node_id, masters,
+                               cluster_secret, data_dir, join)
         self._proc = None
         self.addr: str = self._m.addr
         self.secret: str = self._m.secret
+        self.raft_addr: Optional[str] = self._m.raft_addr
+        self.node_id: int = node_id
+
+    def is_leader(self) -> bool:
+        """Whether this master leads its cluster now (a lone master always does)."""
+        return self._m is not None and self._m.is_leader()
 
     @classmethod
     def spawn(cls, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,

@@ -1,4 +1,5 @@
-//! `eccl._eccl.Master`: an embedded master (a one-node raft cluster) in this process.
+//! `eccl._eccl.Master`: an embedded master in this process: alone (a one-node raft
+//! cluster), or one member of a cluster of masters.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -16,18 +17,30 @@ pub(crate) struct Master {
     addr: String,
     #[pyo3(get)]
     secret: String,
+    /// The raft listener's address, for a member of a master cluster.
+    #[pyo3(get)]
+    raft_addr: Option<String>,
+    #[pyo3(get)]
+    node_id: u64,
 }
 
 #[pymethods]
 impl Master {
     #[new]
-    #[pyo3(signature = (listen="127.0.0.1:0", secret=None, lease_ms=2000, heartbeat_ms=250))]
+    #[pyo3(signature = (listen="127.0.0.1:0", secret=None, lease_ms=2000, heartbeat_ms=250,
+        node_id=1, masters=None, cluster_secret=None, data_dir=None, join=false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: &str,
         secret: Option<String>,
         lease_ms: u64,
         heartbeat_ms: u64,
+        node_id: u64,
+        masters: Option<&str>,
+        cluster_secret: Option<String>,
+        data_dir: Option<std::path::PathBuf>,
+        join: bool,
     ) -> PyResult<Master> {
         if heartbeat_ms == 0 || heartbeat_ms >= lease_ms {
             return Err(invalid(format!(
@@ -41,6 +54,29 @@ impl Master {
             lease: Duration::from_millis(lease_ms),
             heartbeat: Duration::from_millis(heartbeat_ms),
         };
+        opts.node_id = node_id;
+        opts.data_dir = data_dir;
+        match (masters, cluster_secret) {
+            (Some(list), Some(cs)) => {
+                let members = eccl_master::parse_masters(list).map_err(invalid)?;
+                let me = members.get(&node_id).ok_or_else(|| {
+                    invalid(format!("masters does not list this master's node_id {node_id}"))
+                })?;
+                let cs = Secret::new(cs).map_err(|e| invalid(format!("cluster_secret: {e}")))?;
+                opts.cluster = Some(eccl_master::ClusterOptions {
+                    raft_listen: me.raft.clone(),
+                    secret: cs,
+                    members,
+                    join,
+                });
+            }
+            (None, None) if !join => {}
+            _ => {
+                return Err(invalid(
+                    "a master of a cluster needs both masters= and cluster_secret= (join= goes with them)",
+                ))
+            }
+        }
         let handle = py
             .detach(|| runtime().block_on(eccl_master::start(opts)))
             .map_err(|e| {
@@ -51,9 +87,20 @@ impl Master {
             })?;
         Ok(Master {
             addr: handle.addr.to_string(),
+            raft_addr: handle.raft_addr.map(|a| a.to_string()),
+            node_id,
             handle: Mutex::new(Some(handle)),
             secret,
         })
+    }
+
+    /// Whether this master leads its cluster now.
+    fn is_leader(&self) -> bool {
+        self.handle
+            .lock()
+            .ok()
+            .and_then(|h| h.as_ref().map(|h| h.coordinator.raft.is_leader()))
+            .unwrap_or(false)
     }
 
     /// Stops the master (peers then get `MasterUnavailableError` from calls that need it).
