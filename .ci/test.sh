@@ -67,9 +67,15 @@ for t in tcp quic tls; do
     step "chaos: 20 s over $t"
     target/release/eccl-chaos --peers 4 --duration 20 --seed "$seed" --transport "$t"
 done
+step "chaos: 30 s with three masters, the leader killed and hung among peer faults"
+target/release/eccl-chaos --peers 4 --masters 3 --duration 30 --seed "$seed" --state-mb 4 \
+    --faults kill,hang,join,master-kill,master-hang
 
 if [ -n "${ECCL_SOAK:-}" ]; then
     step "soak: the issue-3 target run (6 peers, 5 minutes) and the 10-minute soak"
     target/release/eccl-chaos --peers 6 --duration 300 --seed 42 --interval-ms 2500
+    step "soak: the issue-10 target run (8 peers, 3 masters, 10 minutes, every fault)"
+    target/release/eccl-chaos --peers 8 --masters 3 --duration 600 --seed 10 --state-mb 4 \
+        --faults kill,hang,join,leave,master-kill,master-hang
     cargo test --release -p eccl-chaos -- --ignored
 fi

@@ -1,5 +1,5 @@
-//! The processes of a run: one master and the workers, all started from this binary's
-//! hidden subcommands. One thread per worker reads its stdout and sends each event over a
+//! The processes of a run: the masters ([`MasterSet`]) and the workers, all started from
+//! this binary's hidden subcommands. One thread per worker reads its stdout and sends each event over a
 //! channel; the end of a worker's stdout is the first sign that it died. Every process
 //! started here is stopped when the [`Fleet`] is dropped, also when the run fails or
 //! panics.
@@ -13,6 +13,7 @@ use crate::event::PeerId;
 use anyhow::Context;
 
 use crate::event::{now_ms, Event};
+use crate::masters::MasterSet;
 
 /// What the reader threads send.
 pub enum Msg {
@@ -25,6 +26,8 @@ pub enum Msg {
         slot: usize,
         t: f64,
     },
+    /// A master's view of the leader changed.
+    Master(crate::master::MasterReport),
 }
 
 /// How a worker is doing, as far as the orchestrator is concerned.
@@ -69,12 +72,13 @@ pub struct WorkerSpec {
 }
 
 pub struct Fleet {
+    /// The masters' client addresses, comma-separated.
     pub master_addr: String,
     pub workers: Vec<Worker>,
+    pub masters: MasterSet,
     exe: PathBuf,
     secret: String,
     spec: WorkerSpec,
-    master: Child,
     tx: Sender<Msg>,
 }
 
@@ -82,46 +86,34 @@ pub struct Fleet {
 pub const MASTER_READY: &str = "eccl-chaos master listening on ";
 
 impl Fleet {
-    /// Starts the master with a fresh secret and waits for its address.
+    /// Starts `masters` masters with a fresh secret and waits for their addresses.
     pub fn start(
+        masters: usize,
         lease_ms: u64,
         heartbeat_ms: u64,
         spec: WorkerSpec,
     ) -> anyhow::Result<(Fleet, Receiver<Msg>)> {
         let exe = std::env::current_exe().context("cannot find this executable")?;
         let secret = eccl_master::secret::generate();
-        let master = Command::new(&exe)
-            .args(["master", "--listen", "127.0.0.1:0"])
-            .args(["--lease-ms", &lease_ms.to_string()])
-            .args(["--heartbeat-ms", &heartbeat_ms.to_string()])
-            .env("ECCL_SECRET", &secret)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(child_stderr(spec.verbose))
-            .spawn()
-            .with_context(|| format!("cannot start the master ({} master)", exe.display()))?;
         let (tx, rx) = mpsc::channel();
-        // The fleet owns the master from here on, so an error below stops it.
-        let mut fleet = Fleet {
-            master_addr: String::new(),
+        let masters = MasterSet::start(
+            masters,
+            exe.clone(),
+            secret.clone(),
+            lease_ms,
+            heartbeat_ms,
+            spec.verbose,
+            tx.clone(),
+        )?;
+        let fleet = Fleet {
+            master_addr: masters.list(),
             workers: Vec::new(),
+            masters,
             exe,
             secret,
             spec,
-            master,
             tx,
         };
-        let mut line = String::new();
-        if let Some(out) = fleet.master.stdout.take() {
-            BufReader::new(out)
-                .read_line(&mut line)
-                .context("cannot read the master's address")?;
-        }
-        fleet.master_addr = line
-            .trim()
-            .strip_prefix(MASTER_READY)
-            .with_context(|| format!("the master did not start (it said {line:?})"))?
-            .to_string();
         Ok((fleet, rx))
     }
 
@@ -238,15 +230,15 @@ impl Fleet {
 impl Drop for Fleet {
     fn drop(&mut self) {
         for w in &mut self.workers {
-            stop(&mut w.child);
+            stop_child(&mut w.child);
         }
-        stop(&mut self.master);
+        self.masters.stop_all();
     }
 }
 
 /// SIGCONT (a stopped process would otherwise keep its sockets) and SIGKILL a child that
 /// has not been reaped, then reap it.
-fn stop(child: &mut Child) {
+pub fn stop_child(child: &mut Child) {
     if let Ok(None) = child.try_wait() {
         let _ = signal(child.id(), libc::SIGCONT);
         let _ = signal(child.id(), libc::SIGKILL);
@@ -254,7 +246,7 @@ fn stop(child: &mut Child) {
     }
 }
 
-fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
+pub fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
     let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
     // SAFETY: kill(2) has no memory effects; the caller names a child it has not reaped.
     if unsafe { libc::kill(pid, sig) } == 0 {
@@ -264,7 +256,7 @@ fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
     }
 }
 
-fn child_stderr(verbose: bool) -> Stdio {
+pub fn child_stderr(verbose: bool) -> Stdio {
     if verbose {
         Stdio::inherit()
     } else {

@@ -11,6 +11,8 @@
 mod event;
 mod fleet;
 mod master;
+mod master_faults;
+mod masters;
 mod measure;
 mod orchestrator;
 mod report;
@@ -61,10 +63,15 @@ pub struct RunArgs {
     /// A soak run: --duration 600.
     #[arg(long, conflicts_with = "duration")]
     pub soak: bool,
-    /// Faults to inject: a comma list of kill, hang, join, leave, or `none`.
+    /// Faults to inject: a comma list of kill, hang, join, leave, master-kill,
+    /// master-hang (these two need --masters 3), or `none`.
     // The full path keeps clap from reading the list as a repeated flag.
     #[arg(long, default_value = "kill,hang,join,leave", value_parser = schedule::parse_faults)]
     pub faults: ::std::vec::Vec<FaultKind>,
+    /// Masters: 1 (a lone master) or a raft cluster of this many, each with a data
+    /// directory.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=7))]
+    pub masters: u32,
     /// Seed of the fault schedule (default: random, printed at the start).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -139,6 +146,12 @@ impl RunArgs {
                 "--hang-ms {} must exceed --lease-ms {}: a shorter stop is not a fault the master can see",
                 self.hang_ms(),
                 self.lease_ms
+            ));
+        }
+        if self.masters < 3 && self.faults.iter().any(|f| f.is_master()) {
+            return Err(format!(
+                "master-kill and master-hang need a cluster that survives them: --masters 3 or more (not {})",
+                self.masters
             ));
         }
         if self.elements == 0 || self.state_mb == 0 {

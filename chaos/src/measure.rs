@@ -99,7 +99,9 @@ impl Measurement {
     /// and hangs watch them.
     pub fn new(fault: Fault, survivors: impl IntoIterator<Item = usize>, deadline: f64) -> Self {
         let victim = match fault.kind {
-            FaultKind::Kill => Victim::Gone,
+            // Master faults are measured by `master_faults`, from the masters' reports;
+            // a peer measurement of one would have no victim among the workers.
+            FaultKind::Kill | FaultKind::MasterKill | FaultKind::MasterHang => Victim::Gone,
             FaultKind::Hang => Victim::Stopped {
                 resumed: None,
                 evicted: false,
@@ -120,7 +122,9 @@ impl Measurement {
                 .filter(|&s| s != fault.victim)
                 .map(|s| (s, Survivor::default()))
                 .collect(),
-            FaultKind::Join | FaultKind::Leave => BTreeMap::new(),
+            FaultKind::Join | FaultKind::Leave | FaultKind::MasterKill | FaultKind::MasterHang => {
+                BTreeMap::new()
+            }
         };
         Measurement {
             fault,

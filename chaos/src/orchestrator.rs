@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::event::{now_ms, Event, Op};
 use crate::fleet::{Fate, Fleet, Msg, WorkerSpec};
+use crate::master_faults::{MasterFault, MasterOutcome, MasterView, RESTART_AFTER_MS};
 use crate::measure::{Fault, Measurement, Outcome};
 use crate::report::{self, Report, RunLog};
 use crate::schedule::{self, FaultKind, InjectTarget, Planned};
@@ -37,6 +38,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
         args.interval_ms as f64,
     );
     let (fleet, rx) = Fleet::start(
+        args.masters as usize,
         args.lease_ms,
         args.heartbeat_ms,
         WorkerSpec {
@@ -49,7 +51,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     )?;
     let faults: Vec<&str> = args.faults.iter().map(|k| k.name()).collect();
     println!(
-        "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements, transport {}, master {}",
+        "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements, transport {}, {} {}",
         args.peers,
         args.duration_ms() / 1e3,
         if faults.is_empty() { "none".into() } else { faults.join(",") },
@@ -57,6 +59,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
         args.state_mb,
         args.elements,
         args.transport,
+        if args.masters > 1 { "masters" } else { "master" },
         fleet.master_addr
     );
     let mut run = Run::new(args, fleet, rx);
@@ -71,7 +74,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     run.wait_for_world()?;
     let end = run.t0 + args.duration_ms();
     run.inject(plan, end - QUIET_BEFORE_END_MS)?;
-    while now_ms() < end || !run.open.is_empty() {
+    while now_ms() < end || run.busy() {
         run.pump()?;
     }
     let finishers = run.finish()?;
@@ -97,6 +100,9 @@ struct Run<'a> {
     done: BTreeSet<usize>,
     /// `ECCL_FAULT_INJECT` for the first newcomer, until it is started.
     newcomer_inject: Option<String>,
+    masters: MasterView,
+    master_open: Option<MasterFault>,
+    master_faults: Vec<(FaultKind, MasterOutcome)>,
 }
 
 impl<'a> Run<'a> {
@@ -121,7 +127,15 @@ impl<'a> Run<'a> {
                 .iter()
                 .find(|i| i.target == InjectTarget::FirstNewcomer)
                 .map(|i| i.spec.clone()),
+            masters: MasterView::default(),
+            master_open: None,
+            master_faults: Vec::new(),
         }
+    }
+
+    /// A fault is still playing out.
+    fn busy(&self) -> bool {
+        !self.open.is_empty() || self.master_open.is_some()
     }
 
     /// Prints one line stamped with the run time of `at`.
@@ -149,11 +163,106 @@ impl<'a> Run<'a> {
             match msg {
                 Msg::Event { slot, event } => self.on_event(slot, event),
                 Msg::Closed { slot, t } => self.on_exit(slot, t)?,
+                Msg::Master(r) => {
+                    self.masters.observe(r);
+                    if let Some(m) = &mut self.master_open {
+                        m.observe_report(&r);
+                    }
+                }
             }
         }
         self.notice_self_stops();
         self.resume_due()?;
         self.close_measurements();
+        self.master_fault_due()?;
+        Ok(())
+    }
+
+    /// Brings a master fault's victim back when due, and closes the fault once it has
+    /// played out (or timed out).
+    fn master_fault_due(&mut self) -> anyhow::Result<()> {
+        let now = now_ms();
+        let Some(m) = &mut self.master_open else {
+            return Ok(());
+        };
+        if m.back_at.is_none() && now >= m.back_due {
+            match m.kind {
+                FaultKind::MasterKill => self.fleet.masters.spawn(m.index)?,
+                _ => self.fleet.masters.pause(m.index, false)?,
+            }
+            m.back_at = Some(now);
+        }
+        if !(m.is_done() || now > m.deadline()) {
+            return Ok(());
+        }
+        let Some(m) = self.master_open.take() else {
+            return Ok(());
+        };
+        self.say(m.at, &m.describe());
+        for a in &m.aborted {
+            self.violation(
+                now,
+                format!(
+                    "collective aborted by a master fault alone ({}): {a}",
+                    m.kind.name()
+                ),
+            );
+        }
+        if !m.is_done() {
+            self.hangs += 1;
+            let text = format!(
+                "hang: the {} of master {} at {:.2} s had not played out {:.0} s later ({})",
+                m.kind.name(),
+                m.node(),
+                (m.at - self.t0) / 1e3,
+                (now - m.at) / 1e3,
+                m.describe()
+            );
+            self.violation(now, text);
+        }
+        self.master_faults.push((m.kind, m.outcome()));
+        Ok(())
+    }
+
+    /// Strikes a master fault at the leader (or, with no leader known, the master the plan
+    /// picks).
+    fn strike_master(&mut self, kind: FaultKind, pick: u32) -> anyhow::Result<()> {
+        let n = self.fleet.masters.len();
+        let leader = self.masters.leader(|_| true);
+        let index = match leader {
+            Some((node, _)) => node as usize - 1,
+            None => pick as usize % n,
+        };
+        let node = index as u64 + 1;
+        let term_before = leader.map_or(0, |(_, t)| t);
+        let Some(pid) = self.fleet.masters.pid(index) else {
+            return Ok(());
+        };
+        let now = now_ms();
+        let back_due = match kind {
+            FaultKind::MasterKill => {
+                self.fleet.masters.kill(index);
+                now + RESTART_AFTER_MS
+            }
+            _ => {
+                self.fleet.masters.pause(index, true)?;
+                now + self.hang_ms
+            }
+        };
+        self.master_open = Some(MasterFault {
+            kind,
+            index,
+            pid,
+            at: now,
+            was_leader: leader.is_some_and(|(l, _)| l == node),
+            term_before,
+            back_due,
+            back_at: None,
+            new_leader: None,
+            rejoined_at: None,
+            aborted: Vec::new(),
+            retried: 0,
+        });
         Ok(())
     }
 
@@ -171,6 +280,9 @@ impl<'a> Run<'a> {
         }
         for m in &mut self.open {
             m.observe(slot, &event);
+        }
+        if let (Some(m), Some(c)) = (&mut self.master_open, event.call()) {
+            m.observe_call(slot, c);
         }
         self.events.push((slot, event));
     }
@@ -339,7 +451,8 @@ impl<'a> Run<'a> {
                 ),
                 None => format!("{head}: did not join"),
             },
-            FaultKind::Leave => head,
+            // Described by `MasterFault::describe`.
+            FaultKind::Leave | FaultKind::MasterKill | FaultKind::MasterHang => head,
         }
     }
 
@@ -386,7 +499,7 @@ impl<'a> Run<'a> {
         loop {
             self.pump()?;
             let now = now_ms();
-            if !self.open.is_empty() {
+            if self.busy() {
                 continue;
             }
             if now >= quiet_from {
@@ -412,6 +525,7 @@ impl<'a> Run<'a> {
         let victim = || running[p.victim as usize % running.len()];
         let now = now_ms();
         match kind {
+            FaultKind::MasterKill | FaultKind::MasterHang => self.strike_master(kind, p.victim)?,
             FaultKind::Join => {
                 let inject = self.newcomer_inject.take();
                 let slot = self.fleet.spawn(1, inject.clone())?;
@@ -502,6 +616,7 @@ impl<'a> Run<'a> {
         report::analyse(&RunLog {
             events: self.events,
             faults: self.faults,
+            master_faults: self.master_faults,
             stopped: self.stopped,
             initial: self.args.peers as usize,
             finishers,

@@ -12,7 +12,9 @@
 //!   step of an all_reduce may, when it wakes, finish the call its survivors aborted (its
 //!   result is exact, G3; no collective can make the last message atomic), and when it
 //!   registers again the next sync replaces its state;
-//! - a ghost (G4) is a peer that left a world, or was evicted, and is a member again.
+//! - a ghost (G4) is a peer that left a world, or was evicted, and is a member again;
+//! - a false eviction is a peer evicted although no fault was injected into it (it was
+//!   never stopped before it heard of its eviction).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -20,6 +22,7 @@ use crate::event::PeerId;
 use serde::Serialize;
 
 use crate::event::{Call, Event, Op};
+use crate::master_faults::MasterOutcome;
 use crate::measure::Outcome;
 use crate::schedule::FaultKind;
 
@@ -29,6 +32,8 @@ pub struct RunLog {
     pub events: Vec<(usize, Event)>,
     /// Every fault, with what its measurement found.
     pub faults: Vec<(FaultKind, Outcome)>,
+    /// Every master fault, with what its measurement found.
+    pub master_faults: Vec<(FaultKind, MasterOutcome)>,
     /// When each stopped worker was stopped: (slot, from, to).
     pub stopped: Vec<(usize, f64, f64)>,
     /// Slots below this are the initial workers.
@@ -61,6 +66,8 @@ pub struct FaultCounts {
     pub hang: u64,
     pub join: u64,
     pub leave: u64,
+    pub master_kill: u64,
+    pub master_hang: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -81,6 +88,9 @@ pub struct Report {
     pub abort_latency_ms: ByFault,
     pub recovery_ms: ByFault,
     pub join_ms: Stats,
+    /// From a master fault to another master leading (its first act: fresh leases).
+    pub master_failover_ms: Stats,
+    pub false_evictions: u64,
     pub violations: Vec<String>,
     pub steps: u64,
     pub duration_s: f64,
@@ -145,6 +155,8 @@ pub fn analyse(log: &RunLog) -> Report {
         )
     }));
     violations.extend(ghosts(&log.events));
+    let falsely = false_evictions(log);
+    violations.extend(falsely.iter().cloned());
 
     let mut faults = FaultCounts::default();
     for (kind, _) in &log.faults {
@@ -153,6 +165,14 @@ pub fn analyse(log: &RunLog) -> Report {
             FaultKind::Hang => &mut faults.hang,
             FaultKind::Join => &mut faults.join,
             FaultKind::Leave => &mut faults.leave,
+            FaultKind::MasterKill => &mut faults.master_kill,
+            FaultKind::MasterHang => &mut faults.master_hang,
+        } += 1;
+    }
+    for (kind, _) in &log.master_faults {
+        *match kind {
+            FaultKind::MasterHang => &mut faults.master_hang,
+            _ => &mut faults.master_kill,
         } += 1;
     }
     let of = |kind: FaultKind, f: fn(&Outcome) -> Option<f64>| {
@@ -190,6 +210,8 @@ pub fn analyse(log: &RunLog) -> Report {
             hang: of(FaultKind::Hang, |o| o.recovery_ms),
         },
         join_ms: of(FaultKind::Join, |o| o.join_ms),
+        master_failover_ms: stats(log.master_faults.iter().filter_map(|(_, o)| o.failover_ms)),
+        false_evictions: falsely.len() as u64,
         violations,
         steps,
         duration_s: log.duration_s,
@@ -408,6 +430,29 @@ fn ghosts(events: &[(usize, Event)]) -> Vec<String> {
     found
 }
 
+/// Evictions of peers that were never stopped before they heard of them: only a hung
+/// peer may be evicted (a killed one says nothing, and a peer's links breaking must not
+/// cost it its place).
+fn false_evictions(log: &RunLog) -> Vec<String> {
+    log.events
+        .iter()
+        .filter_map(|(slot, e)| match e {
+            Event::Evicted { peer, t, reason } => Some((*slot, *peer, *t, reason)),
+            _ => None,
+        })
+        .filter(|(slot, _, t, _)| {
+            !log.stopped
+                .iter()
+                .any(|&(s, from, _)| s == *slot && from < *t)
+        })
+        .map(|(slot, peer, _, reason)| {
+            format!(
+                "false eviction: peer {peer} (worker {slot}) was evicted though no fault was injected into it: {reason}"
+            )
+        })
+        .collect()
+}
+
 fn sorted(v: &[PeerId]) -> Vec<PeerId> {
     let mut v = v.to_vec();
     v.sort_unstable();
@@ -461,9 +506,19 @@ pub fn summary(r: &Report) -> String {
         fmt_stats(&r.join_ms),
         r.faults.leave
     );
+    if r.faults.master_kill + r.faults.master_hang > 0 {
+        out += &format!(
+            "  master-kill {}, master-hang {}: failover (ms) p50 {} p99 {} max {}\n",
+            r.faults.master_kill,
+            r.faults.master_hang,
+            fmt_ms(r.master_failover_ms.p50),
+            fmt_ms(r.master_failover_ms.p99),
+            fmt_ms(r.master_failover_ms.max)
+        );
+    }
     out += &format!(
-        "# collectives ok {}, aborted {}; wrong results {}; hangs {}; divergences {}; lost steps {}\n",
-        r.collectives_ok, r.collectives_aborted, r.wrong_results, r.hangs, r.divergences, r.lost_steps
+        "# collectives ok {}, aborted {}; wrong results {}; hangs {}; divergences {}; lost steps {}; false evictions {}\n",
+        r.collectives_ok, r.collectives_aborted, r.wrong_results, r.hangs, r.divergences, r.lost_steps, r.false_evictions
     );
     if r.violations.is_empty() {
         out += "# violations: none\n";
@@ -477,198 +532,5 @@ pub fn summary(r: &Report) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn call(peer: PeerId, op: Op, start: f64, end: f64, epoch: u64, members: &[PeerId]) -> Event {
-        Event::Call(Call {
-            peer,
-            op,
-            start,
-            end,
-            ok: true,
-            err: None,
-            detail: None,
-            epoch,
-            members: members.to_vec(),
-            revision: 0,
-        })
-    }
-
-    fn commit(peer: PeerId, epoch: u64, revision: u64, prev: &str, hash: &str) -> Event {
-        Event::Commit {
-            peer,
-            t: 0.0,
-            epoch,
-            revision,
-            prev: prev.into(),
-            hash: hash.into(),
-        }
-    }
-
-    fn fin(peer: PeerId, hash: &str) -> Event {
-        Event::Final {
-            peer,
-            t: 0.0,
-            revision: 9,
-            hash: hash.into(),
-        }
-    }
-
-    fn log(events: Vec<(usize, Event)>) -> RunLog {
-        RunLog {
-            events,
-            faults: Vec::new(),
-            stopped: Vec::new(),
-            initial: 2,
-            finishers: [0, 1].into(),
-            violations: Vec::new(),
-            hangs: 0,
-            hang_limit_ms: 3000.0,
-            seed: 1,
-            peers: 2,
-            transport: "auto".into(),
-            duration_s: 1.0,
-        }
-    }
-
-    #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), Some(50.0));
-        assert_eq!(percentile(&v, 99.0), Some(99.0));
-        assert_eq!(percentile(&[7.0], 99.0), Some(7.0));
-        assert_eq!(percentile(&[], 50.0), None);
-        let s = stats([30.0, 10.0, 20.0]);
-        assert_eq!((s.p50, s.p99, s.max), (Some(20.0), Some(30.0), Some(30.0)));
-    }
-
-    #[test]
-    fn a_commit_off_the_final_history_is_lost() {
-        let events = vec![
-            (0, commit(1, 1, 1, "z", "a1")),
-            (1, commit(2, 1, 1, "z", "a1")),
-            (0, commit(1, 1, 2, "a1", "a2")),
-            // Worker 1 committed revision 2 in a world that then fell apart; the others
-            // went on from revision 1.
-            (1, commit(2, 2, 2, "a1", "b2")),
-            (0, commit(1, 3, 3, "a2", "a3")),
-            // A worker that died may have made any commit.
-            (2, commit(3, 4, 3, "a2", "c3")),
-            (0, fin(1, "a3")),
-            (1, fin(2, "a3")),
-        ];
-        let lost = lost_steps(&events, &[0, 1].into());
-        assert_eq!(lost, [(2, "b2".to_string())].into());
-        assert_eq!(analyse(&log(events)).lost_steps, 1);
-    }
-
-    #[test]
-    fn only_the_epoch_a_peer_was_evicted_from_may_end_off_the_history() {
-        let evicted = |peer| Event::Evicted {
-            peer,
-            t: 0.0,
-            reason: "lease".into(),
-        };
-        let mut events = vec![
-            (0, commit(1, 1, 1, "z", "a1")),
-            (1, commit(2, 1, 1, "z", "a1")),
-            // Peer 2 was stopped in the last step of revision 2's all_reduce; peer 1
-            // aborted it, and went on without it.
-            (1, commit(2, 1, 2, "a1", "b2")),
-            (0, commit(1, 2, 2, "a1", "a2")),
-            (1, evicted(2)),
-            (1, commit(3, 3, 3, "a2", "a3")),
-            (0, commit(1, 3, 3, "a2", "a3")),
-            (0, fin(1, "a3")),
-            (1, fin(3, "a3")),
-        ];
-        assert!(lost_steps(&events, &[0, 1].into()).is_empty());
-        // Had it been evicted from a later epoch, revision 2 would be a lost step.
-        events.insert(4, (1, call(2, Op::AllReduce, 0.0, 1.0, 2, &[1, 2])));
-        let lost = lost_steps(&events, &[0, 1].into());
-        assert_eq!(lost, [(2, "b2".to_string())].into());
-    }
-
-    #[test]
-    fn different_states_in_one_epoch_and_revision_diverge() {
-        let sync = |peer, epoch, hash: &str, lib: &str| Event::Sync {
-            peer,
-            t: 0.0,
-            epoch,
-            revision: 5,
-            hash: hash.into(),
-            lib_hash: lib.into(),
-            bytes_received: 0,
-            sources: vec![],
-        };
-        let agree = vec![
-            (0, sync(1, 3, "a", "x")),
-            (1, sync(2, 3, "a", "x")),
-            (0, sync(1, 4, "b", "y")),
-        ];
-        assert!(
-            divergences(&agree).is_empty(),
-            "different epochs may differ"
-        );
-        let ours = vec![(0, sync(1, 3, "a", "x")), (1, sync(2, 3, "b", "x"))];
-        assert_eq!(divergences(&ours).len(), 1);
-        let lib = vec![(0, sync(1, 3, "a", "x")), (1, sync(2, 3, "a", "y"))];
-        assert_eq!(divergences(&lib).len(), 1);
-        let commits = vec![
-            (0, commit(1, 3, 6, "a", "c")),
-            (1, commit(2, 3, 6, "a", "d")),
-        ];
-        assert_eq!(divergences(&commits).len(), 1);
-        let finals = vec![(0, fin(1, "a")), (1, fin(2, "b"))];
-        assert_eq!(divergences(&finals).len(), 1);
-    }
-
-    #[test]
-    fn a_peer_that_left_a_world_must_not_come_back() {
-        let fine = vec![
-            (0, call(1, Op::AllReduce, 0.0, 1.0, 1, &[1, 2, 3])),
-            (0, call(1, Op::AllReduce, 2.0, 3.0, 2, &[1, 2])),
-            (0, call(1, Op::AllReduce, 4.0, 5.0, 3, &[1, 2, 4])),
-        ];
-        assert!(ghosts(&fine).is_empty(), "{:?}", ghosts(&fine));
-        let mut back = fine.clone();
-        back.push((1, call(2, Op::AllReduce, 6.0, 7.0, 5, &[1, 2, 3])));
-        assert_eq!(ghosts(&back).len(), 1, "{:?}", ghosts(&back));
-        let mut evicted = fine.clone();
-        evicted.push((
-            3,
-            Event::Evicted {
-                peer: 4,
-                t: 4.5,
-                reason: "lease".into(),
-            },
-        ));
-        evicted.push((0, call(1, Op::Sync, 4.6, 5.5, 3, &[1, 2, 4])));
-        assert_eq!(ghosts(&evicted).len(), 1, "{:?}", ghosts(&evicted));
-        let split = vec![
-            (0, call(1, Op::Sync, 0.0, 1.0, 1, &[1, 2])),
-            (1, call(2, Op::Sync, 0.0, 1.0, 1, &[2, 3])),
-        ];
-        assert_eq!(ghosts(&split).len(), 1);
-    }
-
-    #[test]
-    fn long_calls_are_hangs_unless_forming_the_world_or_stopped() {
-        let mut l = log(vec![
-            // World formation may take as long as the slowest process start.
-            (0, call(1, Op::UpdateTopology, 0.0, 9000.0, 1, &[1, 2])),
-            (0, call(1, Op::UpdateTopology, 9000.0, 13000.0, 2, &[1, 2])),
-            (1, call(2, Op::AllReduce, 20000.0, 26000.0, 2, &[1, 2])),
-            (1, call(2, Op::AllReduce, 26000.0, 26100.0, 2, &[1, 2])),
-        ]);
-        l.stopped = vec![(1, 21000.0, 25000.0)];
-        let r = analyse(&l);
-        assert_eq!(r.hangs, 1, "{:?}", r.violations);
-        assert!(
-            r.violations[0].contains("update_topology took 4000 ms"),
-            "{:?}",
-            r.violations
-        );
-    }
-}
+#[path = "report_tests.rs"]
+mod tests;

@@ -14,14 +14,20 @@ pub enum FaultKind {
     Join,
     /// Ask a peer to leave cleanly.
     Leave,
+    /// SIGKILL the leading master; restart it from its data directory a few seconds later.
+    MasterKill,
+    /// SIGSTOP the leading master past an election, then SIGCONT it.
+    MasterHang,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 4] = [
+    pub const ALL: [FaultKind; 6] = [
         FaultKind::Kill,
         FaultKind::Hang,
         FaultKind::Join,
         FaultKind::Leave,
+        FaultKind::MasterKill,
+        FaultKind::MasterHang,
     ];
 
     pub fn name(self) -> &'static str {
@@ -30,11 +36,19 @@ impl FaultKind {
             FaultKind::Hang => "hang",
             FaultKind::Join => "join",
             FaultKind::Leave => "leave",
+            FaultKind::MasterKill => "master-kill",
+            FaultKind::MasterHang => "master-hang",
         }
+    }
+
+    /// A fault of the master cluster rather than of a peer.
+    pub fn is_master(self) -> bool {
+        matches!(self, FaultKind::MasterKill | FaultKind::MasterHang)
     }
 }
 
-/// Parses `--faults`: a comma list of kill, hang, join, leave, or `none`.
+/// Parses `--faults`: a comma list of kill, hang, join, leave, master-kill, master-hang,
+/// or `none`.
 pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
     if s.trim() == "none" {
         return Ok(Vec::new());
@@ -44,7 +58,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
         let kind = FaultKind::ALL
             .into_iter()
             .find(|k| k.name() == word)
-            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, or none)"))?;
+            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, or none)"))?;
         if !kinds.contains(&kind) {
             kinds.push(kind);
         }
