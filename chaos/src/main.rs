@@ -82,10 +82,10 @@ pub struct RunArgs {
     #[arg(long)]
     pub hang_ms: Option<u64>,
     /// The master's lease on each peer, in milliseconds.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 800)]
     pub lease_ms: u64,
     /// How often peers renew their lease, in milliseconds.
-    #[arg(long, default_value_t = 250)]
+    #[arg(long, default_value_t = 200)]
     pub heartbeat_ms: u64,
     /// Size of the shared state each worker keeps in sync, in MiB.
     #[arg(long, default_value_t = 16)]

@@ -32,9 +32,9 @@ pub struct MasterReport {
 pub struct MasterArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 800)]
     lease_ms: u64,
-    #[arg(long, default_value_t = 250)]
+    #[arg(long, default_value_t = 200)]
     heartbeat_ms: u64,
     #[arg(long, default_value_t = 1)]
     node_id: u64,

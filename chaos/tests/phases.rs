@@ -191,6 +191,7 @@ fn bad_flags_exit_with_status_2_and_a_reason() {
         ),
         ("--inject 1=mid-air:kill", "mid-air"),
         ("--lease-ms 2000 --hang-ms 1500", "--hang-ms"),
+        ("--faults kill,master-kill", "--masters 3"),
         ("--bogus", "--bogus"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))

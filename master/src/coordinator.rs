@@ -79,11 +79,16 @@ pub struct Timing {
     pub heartbeat: Duration,
 }
 
+/// What a new leader adds to every peer's first lease: the time a peer needs to notice
+/// that its leader is gone (a heartbeat left unanswered for half a lease) and to find the
+/// new one.
+pub const TAKEOVER_GRACE: Duration = Duration::from_secs(2);
+
 impl Default for Timing {
     fn default() -> Self {
         Timing {
-            lease: Duration::from_millis(2000),
-            heartbeat: Duration::from_millis(250),
+            lease: Duration::from_millis(800),
+            heartbeat: Duration::from_millis(200),
         }
     }
 }
@@ -449,10 +454,13 @@ impl Coordinator {
                         // A new leader gives every peer the registry knows a fresh lease:
                         // nobody is evicted for the election gap, and a peer that never
                         // comes back is evicted one lease after the gap.
-                        let now = Instant::now();
+                        // The fresh lease starts after a grace period: a peer whose
+                        // leader hung needs a heartbeat timeout and a look around to
+                        // find this one.
+                        let from = Instant::now() + TAKEOVER_GRACE;
                         let live = c.raft.read(|r| r.live_peers());
                         tracing::info!(target: "eccl::master", "leading now; {} peers get a fresh lease", live.len());
-                        st.leases = live.into_iter().map(|p| (p, now)).collect();
+                        st.leases = live.into_iter().map(|p| (p, from)).collect();
                         was_leader = true;
                     }
                     st.leases

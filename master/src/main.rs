@@ -59,10 +59,10 @@ struct Args {
     #[arg(long)]
     join: bool,
     /// Lease on each peer in milliseconds: a peer silent for this long is evicted.
-    #[arg(long, env = "ECCL_LEASE_MS", default_value_t = 2000)]
+    #[arg(long, env = "ECCL_LEASE_MS", default_value_t = 800)]
     lease_ms: u64,
     /// How often peers renew their lease, in milliseconds.
-    #[arg(long, env = "ECCL_HEARTBEAT_MS", default_value_t = 250)]
+    #[arg(long, env = "ECCL_HEARTBEAT_MS", default_value_t = 200)]
     heartbeat_ms: u64,
 }
 

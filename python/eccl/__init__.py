@@ -83,7 +83,7 @@ class Master:
     given every member's client address, comma-separated."""
 
     def __init__(self, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,
-                 lease_ms: int = 2000, heartbeat_ms: int = 250, node_id: int = 1,
+                 lease_ms: int = 800, heartbeat_ms: int = 200, node_id: int = 1,
                  masters: Optional[str] = None, cluster_secret: Optional[str] = None,
                  data_dir: Optional[str] = None, join: bool = False):
         self._m = _eccl.Master(listen, secret, lease_ms, heartbeat_ms, node_id, masters,
@@ -100,7 +100,7 @@ class Master:
 
     @classmethod
     def spawn(cls, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,
-              lease_ms: int = 2000, heartbeat_ms: int = 250) -> "Master":
+              lease_ms: int = 800, heartbeat_ms: int = 200) -> "Master":
         import subprocess
         import sys
         secret = secret or _eccl_secret()

@@ -11,8 +11,8 @@ from . import Master
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m eccl.master")
     p.add_argument("--listen", default="127.0.0.1:0")
-    p.add_argument("--lease-ms", type=int, default=2000)
-    p.add_argument("--heartbeat-ms", type=int, default=250)
+    p.add_argument("--lease-ms", type=int, default=800)
+    p.add_argument("--heartbeat-ms", type=int, default=200)
     a = p.parse_args()
     secret = sys.stdin.readline().strip()
     if not secret:

@@ -27,7 +27,7 @@ pub(crate) struct Master {
 #[pymethods]
 impl Master {
     #[new]
-    #[pyo3(signature = (listen="127.0.0.1:0", secret=None, lease_ms=2000, heartbeat_ms=250,
+    #[pyo3(signature = (listen="127.0.0.1:0", secret=None, lease_ms=800, heartbeat_ms=200,
         node_id=1, masters=None, cluster_secret=None, data_dir=None, join=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(

@@ -76,7 +76,9 @@ def _memcheck():
 
 @pytest.mark.skipif(_memcheck() is None, reason="valgrind is not installed (bash .ci/test.sh installs it)")
 def test_the_python_layer_is_clean_under_memcheck(tmp_path):
-    master = eccl.Master()
+    # A rank under memcheck runs tens of times slower, its heartbeats included: a long
+    # lease keeps it from being evicted for being slow.
+    master = eccl.Master(lease_ms=10000, heartbeat_ms=500)
     script = BODY.replace("ADDR", repr(master.addr)).replace("SECRET", repr(master.secret))
     env = dict(os.environ, PYTHONMALLOC="malloc")
     supp = tmp_path / "eccl.supp"
