@@ -55,11 +55,15 @@ pub enum Command {
     Evict { peer: PeerId, reason: String },
     /// The peer leaves on purpose.
     Leave { peer: PeerId },
-    /// A shared-state sync round of `epoch` settled on `revision` with content `hash`.
+    /// Sync round `round` of `epoch` settled on `revision` with content `hash`, as
+    /// `plan` says (kept so that a leader that takes over can answer a member that did
+    /// not hear it).
     StateRevision {
         epoch: u64,
+        round: u64,
         revision: u64,
         hash: [u8; 32],
+        plan: eccl_protocol::MasterReply,
     },
 }
 
@@ -87,6 +91,8 @@ pub struct Registry {
     world: Option<World>,
     /// The last shared state the members agreed on: (epoch, revision, hash).
     state_revision: Option<(u64, u64, [u8; 32])>,
+    /// The newest sync plan: (epoch, round, the reply every member of the round gets).
+    last_plan: Option<(u64, u64, eccl_protocol::MasterReply)>,
 }
 
 /// Departed peers remembered (so that their late requests are told they are gone);
@@ -164,12 +170,21 @@ impl Registry {
             Command::Leave { peer } => self.remove(*peer, "left".to_string()),
             Command::StateRevision {
                 epoch,
+                round,
                 revision,
                 hash,
+                plan,
             } => {
                 // Revisions only grow; a stale leader's late record changes nothing.
                 if self.state_revision.is_none_or(|(_, r, _)| *revision >= r) {
                     self.state_revision = Some((*epoch, *revision, *hash));
+                }
+                if self
+                    .last_plan
+                    .as_ref()
+                    .is_none_or(|(e, r, _)| (*epoch, *round) > (*e, *r))
+                {
+                    self.last_plan = Some((*epoch, *round, plan.clone()));
                 }
                 Outcome::Nothing
             }
@@ -258,6 +273,14 @@ impl Registry {
     /// The last agreed shared state: (epoch, revision, hash).
     pub fn state_revision(&self) -> Option<(u64, u64, [u8; 32])> {
         self.state_revision
+    }
+
+    /// The plan decided for sync round `round` of `epoch`, if that is the newest.
+    pub fn plan_of(&self, epoch: u64, round: u64) -> Option<&eccl_protocol::MasterReply> {
+        self.last_plan
+            .as_ref()
+            .filter(|(e, r, _)| (*e, *r) == (epoch, round))
+            .map(|(_, _, p)| p)
     }
 
     pub fn world(&self) -> Option<&World> {

@@ -265,6 +265,7 @@ async fn serve_peer(
                     }
                     PeerRequest::SyncState {
                         epoch,
+                        round,
                         revision,
                         strategy,
                         tensors,
@@ -272,6 +273,7 @@ async fn serve_peer(
                     } => {
                         let report = crate::sync::Report {
                             peer: claimed,
+                            round,
                             revision,
                             role: strategy,
                             tensors,

@@ -10,6 +10,8 @@ use eccl_protocol::{PeerId, SyncStrategy, TensorDigest};
 #[derive(Clone, Debug)]
 pub struct Report {
     pub peer: PeerId,
+    /// The member's count of syncs in the epoch (see `PeerRequest::SyncState`).
+    pub round: u64,
     pub revision: u64,
     pub role: SyncStrategy,
     pub tensors: Vec<TensorDigest>,
@@ -83,6 +85,7 @@ mod tests {
     fn rep(peer: u64, revision: u64, role: SyncStrategy, h: u8) -> Report {
         Report {
             peer: PeerId(peer),
+            round: 1,
             revision,
             role,
             tensors: vec![TensorDigest {

@@ -69,8 +69,15 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             9,
             Command::StateRevision {
                 epoch: 2,
+                round: 4,
                 revision: 3,
                 hash: [1; 32],
+                plan: eccl_protocol::MasterReply::SyncPlan {
+                    revision: 3,
+                    target: Vec::new(),
+                    sources: vec![PeerId(1)],
+                    receivers: vec![PeerId(2)],
+                },
             },
         ),
         Entry {

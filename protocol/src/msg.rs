@@ -75,6 +75,9 @@ pub enum PeerRequest {
     SyncState {
         peer_id: PeerId,
         epoch: u64,
+        /// Which sync of the epoch this is (1, 2, ...): a leader that takes over answers a
+        /// member whose round its predecessor already decided with that decision.
+        round: u64,
         revision: u64,
         strategy: SyncStrategy,
         tensors: Vec<TensorDigest>,

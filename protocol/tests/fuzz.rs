@@ -98,6 +98,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
         PeerRequest::SyncState {
             peer_id: p,
             epoch: 3,
+            round: 2,
             revision: 1,
             strategy: SyncStrategy::ReceiveOnly,
             tensors: vec![digest("w", 3), digest("b", 0)],

@@ -2,7 +2,7 @@
 //!
 //! - [`types`]: the openraft type configuration, the RPC messages between masters, the
 //!   timing and the errors.
-//! - [`log_store`]: the in-memory raft log.
+//! - [`log_store`]: the raft log, in memory or on disk ([`disk`]).
 //! - [`state_machine`]: the [`Registry`] as a raft state machine, with snapshots.
 //! - [`network`]: raft RPCs over TLS control connections authenticated with the
 //!   cluster's own secret (`Role::MasterToMaster`), between configured masters only;
@@ -13,16 +13,23 @@
 //!
 //! # Durability
 //!
-//! Masters keep raft state only in memory. A master that restarts comes back as a fresh
-//! node with the same id: it has no log and no vote, bootstraps with the same member
-//! list (which openraft documents as safe when the configuration is the same), loses
-//! any election against the live majority, and is caught up by the leader. What this
-//! gives up compared with a disk-backed log: an entry counts as committed once a
-//! majority holds it in memory, so if that majority loses it (one holder restarts and
-//! the other dies before the restarted one has been caught up again, a window of a few
-//! heartbeats), a committed entry can be lost. Restarting masters one at a time, and
-//! only while a leader is up, keeps clear of it.
+//! With a data directory ([`disk`]), the log, the vote, the committed index and the
+//! snapshots live in a redb database, written and fsynced before openraft is told they
+//! are stored; a master that crashes restarts with its log and vote, does not form a
+//! cluster again, and is caught up by the leader. Without one (a lone master, tests),
+//! raft state is in memory: a master that restarts comes back as a fresh node with the
+//! same id, bootstraps with the same member list (which openraft documents as safe when
+//! the configuration is the same), loses any election against the live majority, and is
+//! caught up by the leader. What that gives up: an entry counts as committed once a
+//! majority holds it in memory, so if that majority loses it (one holder restarts and the
+//! other dies before the restarted one has been caught up again), a committed entry can
+//! be lost. Run clusters with `--data-dir`.
 //!
+//! # Membership changes
+//!
+//! [`admin`]: a master started with `--join` forms nothing and waits to be added; the
+//! leader adds it as a learner, catches it up, and makes it a voter (joint consensus).
+
 //! # Bootstrap
 //!
 //! Every master is started with the same list of all masters. The lowest id

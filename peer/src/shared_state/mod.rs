@@ -176,6 +176,7 @@ impl Communicator {
         let req = PeerRequest::SyncState {
             peer_id,
             epoch,
+            round,
             revision,
             strategy,
             tensors: local.clone(),

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::event::{now_ms, Event, Op};
 use crate::fleet::{Fate, Fleet, Msg, WorkerSpec};
-use crate::master_faults::{MasterFault, MasterOutcome, MasterView, RESTART_AFTER_MS};
+use crate::master_faults::{MasterFault, MasterOutcome, MasterView};
+
+mod masters;
 use crate::measure::{Fault, Measurement, Outcome};
 use crate::report::{self, Report, RunLog};
 use crate::schedule::{self, FaultKind, InjectTarget, Planned};
@@ -175,94 +177,6 @@ impl<'a> Run<'a> {
         self.resume_due()?;
         self.close_measurements();
         self.master_fault_due()?;
-        Ok(())
-    }
-
-    /// Brings a master fault's victim back when due, and closes the fault once it has
-    /// played out (or timed out).
-    fn master_fault_due(&mut self) -> anyhow::Result<()> {
-        let now = now_ms();
-        let Some(m) = &mut self.master_open else {
-            return Ok(());
-        };
-        if m.back_at.is_none() && now >= m.back_due {
-            match m.kind {
-                FaultKind::MasterKill => self.fleet.masters.spawn(m.index)?,
-                _ => self.fleet.masters.pause(m.index, false)?,
-            }
-            m.back_at = Some(now);
-        }
-        if !(m.is_done() || now > m.deadline()) {
-            return Ok(());
-        }
-        let Some(m) = self.master_open.take() else {
-            return Ok(());
-        };
-        self.say(m.at, &m.describe());
-        for a in &m.aborted {
-            self.violation(
-                now,
-                format!(
-                    "collective aborted by a master fault alone ({}): {a}",
-                    m.kind.name()
-                ),
-            );
-        }
-        if !m.is_done() {
-            self.hangs += 1;
-            let text = format!(
-                "hang: the {} of master {} at {:.2} s had not played out {:.0} s later ({})",
-                m.kind.name(),
-                m.node(),
-                (m.at - self.t0) / 1e3,
-                (now - m.at) / 1e3,
-                m.describe()
-            );
-            self.violation(now, text);
-        }
-        self.master_faults.push((m.kind, m.outcome()));
-        Ok(())
-    }
-
-    /// Strikes a master fault at the leader (or, with no leader known, the master the plan
-    /// picks).
-    fn strike_master(&mut self, kind: FaultKind, pick: u32) -> anyhow::Result<()> {
-        let n = self.fleet.masters.len();
-        let leader = self.masters.leader(|_| true);
-        let index = match leader {
-            Some((node, _)) => node as usize - 1,
-            None => pick as usize % n,
-        };
-        let node = index as u64 + 1;
-        let term_before = leader.map_or(0, |(_, t)| t);
-        let Some(pid) = self.fleet.masters.pid(index) else {
-            return Ok(());
-        };
-        let now = now_ms();
-        let back_due = match kind {
-            FaultKind::MasterKill => {
-                self.fleet.masters.kill(index);
-                now + RESTART_AFTER_MS
-            }
-            _ => {
-                self.fleet.masters.pause(index, true)?;
-                now + self.hang_ms
-            }
-        };
-        self.master_open = Some(MasterFault {
-            kind,
-            index,
-            pid,
-            at: now,
-            was_leader: leader.is_some_and(|(l, _)| l == node),
-            term_before,
-            back_due,
-            back_at: None,
-            new_leader: None,
-            rejoined_at: None,
-            aborted: Vec::new(),
-            retried: 0,
-        });
         Ok(())
     }
 

@@ -1,0 +1,97 @@
+//! The run's master faults: strike the leader, bring it back when due, close the fault.
+
+use crate::event::now_ms;
+use crate::master_faults::{MasterFault, RESTART_AFTER_MS};
+use crate::schedule::FaultKind;
+
+use super::Run;
+
+impl Run<'_> {
+    /// Brings a master fault's victim back when due, and closes the fault once it has
+    /// played out (or timed out).
+    pub(super) fn master_fault_due(&mut self) -> anyhow::Result<()> {
+        let now = now_ms();
+        let Some(m) = &mut self.master_open else {
+            return Ok(());
+        };
+        if m.back_at.is_none() && now >= m.back_due {
+            match m.kind {
+                FaultKind::MasterKill => self.fleet.masters.spawn(m.index)?,
+                _ => self.fleet.masters.pause(m.index, false)?,
+            }
+            m.back_at = Some(now);
+        }
+        if !(m.is_done() || now > m.deadline()) {
+            return Ok(());
+        }
+        let Some(m) = self.master_open.take() else {
+            return Ok(());
+        };
+        self.say(m.at, &m.describe());
+        for a in &m.aborted {
+            self.violation(
+                now,
+                format!(
+                    "collective aborted by a master fault alone ({}): {a}",
+                    m.kind.name()
+                ),
+            );
+        }
+        if !m.is_done() {
+            self.hangs += 1;
+            let text = format!(
+                "hang: the {} of master {} at {:.2} s had not played out {:.0} s later ({})",
+                m.kind.name(),
+                m.node(),
+                (m.at - self.t0) / 1e3,
+                (now - m.at) / 1e3,
+                m.describe()
+            );
+            self.violation(now, text);
+        }
+        self.master_faults.push((m.kind, m.outcome()));
+        Ok(())
+    }
+
+    /// Strikes a master fault at the leader (or, with no leader known, the master the plan
+    /// picks).
+    pub(super) fn strike_master(&mut self, kind: FaultKind, pick: u32) -> anyhow::Result<()> {
+        let n = self.fleet.masters.len();
+        let leader = self.masters.leader(|_| true);
+        let index = match leader {
+            Some((node, _)) => node as usize - 1,
+            None => pick as usize % n,
+        };
+        let node = index as u64 + 1;
+        let term_before = leader.map_or(0, |(_, t)| t);
+        let Some(pid) = self.fleet.masters.pid(index) else {
+            return Ok(());
+        };
+        let now = now_ms();
+        let back_due = match kind {
+            FaultKind::MasterKill => {
+                self.fleet.masters.kill(index);
+                now + RESTART_AFTER_MS
+            }
+            _ => {
+                self.fleet.masters.pause(index, true)?;
+                now + self.hang_ms
+            }
+        };
+        self.master_open = Some(MasterFault {
+            kind,
+            index,
+            pid,
+            at: now,
+            was_leader: leader.is_some_and(|(l, _)| l == node),
+            term_before,
+            back_due,
+            back_at: None,
+            new_leader: None,
+            rejoined_at: None,
+            aborted: Vec::new(),
+            retried: 0,
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,184 @@
+//! Liveness on the leader: heartbeats and leases, fault reports, and what changes hands
+//! in a fail-over (a peer attaching to the new leader, a leader stepping down, the fresh
+//! leases a new leader grants).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
+use tokio::task::JoinHandle;
+
+use super::{Coordinator, Outbox};
+use crate::registry::PeerState;
+
+/// What a new leader adds to every peer's first lease: the time a peer needs to notice
+/// that its leader is gone (a heartbeat left unanswered for half a lease) and to find the
+/// new one.
+pub const TAKEOVER_GRACE: Duration = Duration::from_secs(2);
+
+impl Coordinator {
+    /// Takes a peer back after a fail-over: its connection to the old leader is gone and
+    /// it shows the credential it was given at registration. A leader that has just
+    /// taken over answers only once it has applied everything its predecessors
+    /// committed, so it knows every peer they registered.
+    pub async fn attach(
+        &self,
+        peer: PeerId,
+        token: &[u8; 32],
+        conn: Outbox,
+    ) -> Result<(), MasterReply> {
+        if self.raft.raft.ensure_linearizable().await.is_err() {
+            return Err(MasterReply::NotLeader {
+                leader: self.raft.leader().map(|(_, a)| a),
+            });
+        }
+        let rec = self
+            .raft
+            .read(|r| r.peer(peer).map(|p| (p.state.clone(), p.token)));
+        match rec {
+            // blake3's Hash compares in constant time.
+            Some((state, t)) if blake3::Hash::from(t) == blake3::Hash::from(*token) => {
+                match state {
+                    PeerState::Gone { reason } => Err(MasterReply::Error {
+                        code: ErrorCode::Evicted,
+                        message: reason,
+                    }),
+                    _ => {
+                        let mut st = self.state.lock().await;
+                        st.conns.insert(peer, conn);
+                        st.leases.insert(peer, Instant::now());
+                        tracing::info!(target: "eccl::master", "peer {peer} attached");
+                        Ok(())
+                    }
+                }
+            }
+            _ => Err(MasterReply::Error {
+                code: ErrorCode::UnknownPeer,
+                message: format!("peer {peer} is not registered with this credential"),
+            }),
+        }
+    }
+
+    /// This master stopped leading: every round it held is answered with a redirect (the
+    /// peers send their part again to the next leader) and it forgets connections and
+    /// leases, which the next leader keeps.
+    async fn step_down(&self) {
+        let leader = self.raft.leader().map(|(_, a)| a);
+        let mut st = self.state.lock().await;
+        let redirect = || MasterReply::NotLeader {
+            leader: leader.clone(),
+        };
+        for (_, v) in st.votes.drain() {
+            v.reply.send(redirect());
+        }
+        for (_, (q, _)) in st.queries.drain() {
+            q.send(redirect());
+        }
+        for (_, s) in st.syncs.drain() {
+            s.reply.send(redirect());
+        }
+        st.conns.clear();
+        st.leases.clear();
+        tracing::info!(target: "eccl::master", "no longer the leader (leader now: {leader:?})");
+    }
+
+    /// Renews a live peer's lease (a removed peer has none to renew).
+    pub async fn heartbeat(&self, peer: PeerId) {
+        if let Some(t) = self.state.lock().await.leases.get_mut(&peer) {
+            *t = Instant::now();
+        }
+    }
+
+    /// A member saw a fault. If the suspect has also stopped renewing its lease it is
+    /// evicted now, without waiting for the lease to run out; otherwise the epoch is
+    /// aborted on every member, so that nobody waits for the broken collective.
+    pub async fn report_fault(
+        self: &Arc<Self>,
+        reporter: PeerId,
+        epoch: u64,
+        suspect: Option<PeerId>,
+        reason: String,
+    ) {
+        let current = self.raft.read(|r| r.epoch());
+        if epoch != current {
+            return;
+        }
+        let silent_for = {
+            let st = self.state.lock().await;
+            suspect.and_then(|s| st.leases.get(&s).map(|t| (s, t.elapsed())))
+        };
+        if let Some((s, quiet)) = silent_for {
+            if quiet > self.timing.lease / 2 {
+                let why = format!(
+                    "reported by peer {reporter} ({reason}) and silent for {} ms",
+                    quiet.as_millis()
+                );
+                return self.remove(s, &why, false).await;
+            }
+        }
+        let mut st = self.state.lock().await;
+        if st.reported_epoch >= epoch {
+            return;
+        }
+        st.reported_epoch = epoch;
+        tracing::info!(target: "eccl::master", "epoch {epoch} aborted: peer {reporter} reports {reason}");
+        let ev = MasterEvent::AbortEpoch {
+            epoch,
+            cause: format!("peer {reporter} reports: {reason}"),
+            evicted: None,
+        };
+        for m in self.raft.read(|r| r.live_members()) {
+            if let Some(c) = st.conns.get(&m) {
+                let _ = c.try_send(MasterMessage::Event(ev.clone()));
+            }
+        }
+    }
+
+    /// Evicts peers whose lease ran out. Only the leader holds leases; a master that
+    /// becomes leader first grants every peer a fresh lease.
+    pub fn spawn_lease_checker(self: &Arc<Self>) -> JoinHandle<()> {
+        let me = Arc::downgrade(self);
+        let period = (self.timing.heartbeat / 2)
+            .clamp(Duration::from_millis(10), Duration::from_millis(100));
+        tokio::spawn(async move {
+            let mut was_leader = false;
+            loop {
+                tokio::time::sleep(period).await;
+                let Some(c) = me.upgrade() else { return };
+                if !c.raft.is_leader() {
+                    if was_leader {
+                        c.step_down().await;
+                    }
+                    was_leader = false;
+                    continue;
+                }
+                let expired: Vec<(PeerId, Duration)> = {
+                    let mut st = c.state.lock().await;
+                    if !was_leader {
+                        // A new leader gives every peer the registry knows a fresh lease:
+                        // nobody is evicted for the election gap, and a peer that never
+                        // comes back is evicted one lease after the gap.
+                        // The fresh lease starts after a grace period: a peer whose
+                        // leader hung needs a heartbeat timeout and a look around to
+                        // find this one.
+                        let from = Instant::now() + TAKEOVER_GRACE;
+                        let live = c.raft.read(|r| r.live_peers());
+                        tracing::info!(target: "eccl::master", "leading now; {} peers get a fresh lease", live.len());
+                        st.leases = live.into_iter().map(|p| (p, from)).collect();
+                        was_leader = true;
+                    }
+                    st.leases
+                        .iter()
+                        .map(|(p, t)| (*p, t.elapsed()))
+                        .filter(|(_, age)| *age > c.timing.lease)
+                        .collect()
+                };
+                for (p, age) in expired {
+                    let why = format!("lease expired (no heartbeat for {} ms)", age.as_millis());
+                    tracing::warn!(target: "eccl::master", "peer {p}: {why}");
+                    c.remove(p, &why, false).await;
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,112 @@
+//! The leader's soft state across a fail-over, on one in-process master.
+
+use std::collections::BTreeMap;
+
+use eccl_protocol::auth::Secret;
+use eccl_protocol::{MasterMessage, SyncStrategy, TensorDigest};
+
+use super::*;
+use crate::raft::{MasterNode, RaftTiming};
+
+async fn leader_with_two_members() -> (Arc<Coordinator>, u64, PeerId, PeerId) {
+    let node = MasterNode::new("127.0.0.1:1", "");
+    let secret = Secret::new(b"coordinator-test-secret-0123".to_vec()).unwrap();
+    let raft = RaftRegistry::start(
+        1,
+        node.clone(),
+        BTreeMap::from([(1, node)]),
+        secret,
+        RaftTiming::default(),
+        None,
+        false,
+    )
+    .await
+    .unwrap();
+    let raft = Arc::new(raft);
+    let mut ids = Vec::new();
+    for i in 0..2u8 {
+        let reg = Command::Register {
+            addr: format!("10.0.0.{i}:7000"),
+            host: format!("h{i}"),
+            quic: None,
+            shm: None,
+            rank_hint: Some(u32::from(i)),
+            token: [i; 32],
+        };
+        match raft.propose(reg).await.unwrap() {
+            Outcome::Registered(id) => ids.push(id),
+            o => panic!("unexpected {o:?}"),
+        }
+    }
+    let commit = Command::CommitEpoch {
+        expected_epoch: 0,
+        admit: ids.clone(),
+        remove: vec![],
+    };
+    raft.propose(commit).await.unwrap();
+    let epoch = raft.read(|r| r.epoch());
+    (
+        Coordinator::new(raft, Timing::default()),
+        epoch,
+        ids[0],
+        ids[1],
+    )
+}
+
+fn report(peer: PeerId, round: u64, revision: u64, h: u8) -> Report {
+    Report {
+        peer,
+        round,
+        revision,
+        role: SyncStrategy::EnforcePopular,
+        tensors: vec![TensorDigest {
+            name: "w".into(),
+            len: 4,
+            hash: [h; 32],
+            chunks: vec![[h; 32]],
+        }],
+    }
+}
+
+async fn answer(rx: &mut mpsc::Receiver<MasterMessage>) -> (u64, MasterReply) {
+    match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await {
+        Ok(Some(MasterMessage::Reply { id, body })) => (id, body),
+        other => panic!("no reply: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_member_that_missed_a_decided_sync_round_gets_the_plan_the_others_got() {
+    let (coord, epoch, a, b) = leader_with_two_members().await;
+    let (tx, mut rx) = mpsc::channel(16);
+    let to = |id| ReplyTo {
+        conn: tx.clone(),
+        id,
+    };
+    coord.sync_report(a, epoch, report(a, 1, 3, 1), to(1)).await;
+    coord.sync_report(b, epoch, report(b, 1, 0, 2), to(2)).await;
+    let (_, first) = answer(&mut rx).await;
+    let (_, second) = answer(&mut rx).await;
+    assert_eq!(first, second);
+    assert!(
+        matches!(&first, MasterReply::SyncPlan { revision: 3, receivers, .. } if receivers == &vec![b]),
+        "{first:?}"
+    );
+
+    // b's answer was lost (its leader died before sending it): it asks the next leader
+    // for round 1 again and gets the decision at once, without a, who has moved on.
+    coord.sync_report(b, epoch, report(b, 1, 0, 2), to(3)).await;
+    assert_eq!(answer(&mut rx).await, (3, first));
+
+    // Round 2 is a new round: it waits for every member.
+    coord.sync_report(b, epoch, report(b, 2, 3, 1), to(4)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(rx.try_recv().is_err(), "round 2 answered before a reported");
+    coord.sync_report(a, epoch, report(a, 2, 3, 1), to(5)).await;
+    let (_, plan) = answer(&mut rx).await;
+    assert!(
+        matches!(plan, MasterReply::SyncPlan { revision: 3, .. }),
+        "{plan:?}"
+    );
+    coord.raft.shutdown().await;
+}
