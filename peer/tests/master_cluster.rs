@@ -13,27 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use eccl::{Communicator, ReduceOp, SharedTensor, SyncStrategy};
 use futures::future::join_all;
-use masters::Cluster;
-
-fn cfg(list: &str) -> eccl::Config {
-    let mut c = peer_cfg(list);
-    c.connect_timeout = Duration::from_secs(4);
-    c
-}
-
-async fn members(list: &str, n: u32) -> Vec<Communicator> {
-    let mut comms = join_all((0..n).map(|r| async move {
-        let mut c = cfg(list);
-        c.rank_hint = Some(r);
-        c.min_world = n;
-        let mut comm = Communicator::connect(c).await.expect("connect");
-        comm.update_topology().await.expect("first world");
-        comm
-    }))
-    .await;
-    comms.sort_by_key(|c| c.rank());
-    comms
-}
+use masters::{cfg, members, Cluster};
 
 async fn exact_all_reduce(comms: &mut [Communicator]) {
     let n = comms.len() as f32;

@@ -2,6 +2,7 @@
 //! in a fail-over (a peer attaching to the new leader, a leader stepping down, the fresh
 //! leases a new leader grants).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,7 +47,7 @@ impl Coordinator {
                     _ => {
                         let mut st = self.state.lock().await;
                         st.conns.insert(peer, conn);
-                        st.leases.insert(peer, Instant::now());
+                        self.touch(peer);
                         tracing::info!(target: "eccl::master", "peer {peer} attached");
                         Ok(())
                     }
@@ -78,15 +79,28 @@ impl Coordinator {
             s.reply.send(redirect());
         }
         st.conns.clear();
-        st.leases.clear();
+        self.leases().clear();
         tracing::info!(target: "eccl::master", "no longer the leader (leader now: {leader:?})");
     }
 
     /// Renews a live peer's lease (a removed peer has none to renew).
     pub async fn heartbeat(&self, peer: PeerId) {
-        if let Some(t) = self.state.lock().await.leases.get_mut(&peer) {
+        if let Some(t) = self.leases().get_mut(&peer) {
             *t = Instant::now();
         }
+    }
+
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, Instant>> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts or renews `peer`'s lease now.
+    pub(super) fn touch(&self, peer: PeerId) {
+        self.leases().insert(peer, Instant::now());
+    }
+
+    pub(super) fn forget(&self, peer: PeerId) {
+        self.leases().remove(&peer);
     }
 
     /// A member saw a fault. If the suspect has also stopped renewing its lease it is
@@ -103,10 +117,7 @@ impl Coordinator {
         if epoch != current {
             return;
         }
-        let silent_for = {
-            let st = self.state.lock().await;
-            suspect.and_then(|s| st.leases.get(&s).map(|t| (s, t.elapsed())))
-        };
+        let silent_for = suspect.and_then(|s| self.leases().get(&s).map(|t| (s, t.elapsed())));
         if let Some((s, quiet)) = silent_for {
             if quiet > self.timing.lease / 2 {
                 let why = format!(
@@ -153,7 +164,7 @@ impl Coordinator {
                     continue;
                 }
                 let expired: Vec<(PeerId, Duration)> = {
-                    let mut st = c.state.lock().await;
+                    let mut leases = c.leases();
                     if !was_leader {
                         // A new leader gives every peer the registry knows a fresh lease:
                         // nobody is evicted for the election gap, and a peer that never
@@ -164,10 +175,10 @@ impl Coordinator {
                         let from = Instant::now() + TAKEOVER_GRACE;
                         let live = c.raft.read(|r| r.live_peers());
                         tracing::info!(target: "eccl::master", "leading now; {} peers get a fresh lease", live.len());
-                        st.leases = live.into_iter().map(|p| (p, from)).collect();
+                        *leases = live.into_iter().map(|p| (p, from)).collect();
                         was_leader = true;
                     }
-                    st.leases
+                    leases
                         .iter()
                         .map(|(p, t)| (*p, t.elapsed()))
                         .filter(|(_, age)| *age > c.timing.lease)

@@ -62,7 +62,6 @@ struct State {
     votes: HashMap<PeerId, Vote>,
     queries: HashMap<PeerId, (ReplyTo, u64)>,
     syncs: HashMap<PeerId, SyncEntry>,
-    leases: HashMap<PeerId, Instant>,
     /// The last epoch aborted because of a fault report (one abort per epoch is enough).
     reported_epoch: u64,
     /// The last epoch in which a member was evicted (its links are suspect).
@@ -97,6 +96,10 @@ pub struct Coordinator {
     pub raft: Arc<RaftRegistry>,
     pub timing: Timing,
     state: Mutex<State>,
+    /// When each peer's lease was last renewed. Apart from `state`, whose lock is held
+    /// across raft proposals: a heartbeat must never wait behind a proposal (a slow one,
+    /// during an election, would make every peer look silent).
+    leases: std::sync::Mutex<HashMap<PeerId, Instant>>,
 }
 
 fn propose_error(e: ProposeError) -> MasterReply {
@@ -117,6 +120,7 @@ impl Coordinator {
             raft,
             timing,
             state: Mutex::new(State::default()),
+            leases: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -131,7 +135,7 @@ impl Coordinator {
             Ok(Outcome::Registered(id)) => {
                 tracing::info!(target: "eccl::master", "peer {id} registered from {addr}");
                 st.conns.insert(id, conn);
-                st.leases.insert(id, Instant::now());
+                self.touch(id);
                 Ok(id)
             }
             Ok(Outcome::Rejected(why)) => Err(MasterReply::Error {
@@ -175,7 +179,7 @@ impl Coordinator {
             _ => {}
         }
         let mut st = self.state.lock().await;
-        st.leases.insert(peer, Instant::now());
+        self.touch(peer);
         st.votes.insert(
             peer,
             Vote {
@@ -227,7 +231,7 @@ impl Coordinator {
             }
         }
         let mut st = self.state.lock().await;
-        st.leases.insert(peer, Instant::now());
+        self.touch(peer);
         let current = self.raft.read(|r| r.epoch());
         if epoch != current {
             return reply.send(aborted_reply(format!(
@@ -490,7 +494,7 @@ impl Coordinator {
         let mut st = self.state.lock().await;
         if matches!(self.known(peer), Some(PeerState::Gone { .. }) | None) {
             st.conns.remove(&peer);
-            st.leases.remove(&peer);
+            self.forget(peer);
             return;
         }
         let cmd = if leave {
@@ -513,7 +517,7 @@ impl Coordinator {
                         }));
                     }
                 }
-                st.leases.remove(&peer);
+                self.forget(peer);
                 st.queries.remove(&peer);
                 if let Some(e) = st.syncs.remove(&peer) {
                     e.reply.send(MasterReply::Error {

@@ -10,7 +10,10 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{master_bin, Proc, SECRET};
+use eccl::Communicator;
+use futures::future::join_all;
+
+use crate::common::{master_bin, peer_cfg, Proc, SECRET};
 
 pub struct Cluster {
     pub dir: PathBuf,
@@ -217,4 +220,27 @@ impl Drop for Cluster {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// A peer's configuration for a list of masters, with a connect deadline that a
+/// fail-over fits in.
+pub fn cfg(list: &str) -> eccl::Config {
+    let mut c = peer_cfg(list);
+    c.connect_timeout = Duration::from_secs(4);
+    c
+}
+
+/// `n` communicators in their first world, sorted by rank.
+pub async fn members(list: &str, n: u32) -> Vec<Communicator> {
+    let mut comms = join_all((0..n).map(|r| async move {
+        let mut c = cfg(list);
+        c.rank_hint = Some(r);
+        c.min_world = n;
+        let mut comm = Communicator::connect(c).await.expect("connect");
+        comm.update_topology().await.expect("first world");
+        comm
+    }))
+    .await;
+    comms.sort_by_key(|c| c.rank());
+    comms
 }
