@@ -3,7 +3,9 @@
 //!
 //! - a hang is a call that took longer than the lease plus a margin, except calls of a
 //!   worker while it was itself stopped and each initial worker's first
-//!   `update_topology()` (world formation);
+//!   `update_topology()` (world formation); a membership call (`update_topology`, sync)
+//!   that overlaps a master fault may also take [`MASTER_FAULT_ALLOWANCE_MS`] more, the
+//!   time to elect the next leader and for the peer to find it (an all_reduce may not);
 //! - a divergence is two members of one epoch holding different states at the same
 //!   revision (after a sync or a commit), or final states that differ;
 //! - a lost step is a commit made by a worker that lived to the end which is not on the
@@ -36,6 +38,8 @@ pub struct RunLog {
     pub master_faults: Vec<(FaultKind, MasterOutcome)>,
     /// When each stopped worker was stopped: (slot, from, to).
     pub stopped: Vec<(usize, f64, f64)>,
+    /// When each master fault played out: (from, to).
+    pub master_windows: Vec<(f64, f64)>,
     /// Slots below this are the initial workers.
     pub initial: usize,
     /// Workers alive at the end, told to stop at the final revision.
@@ -223,6 +227,11 @@ pub fn analyse(log: &RunLog) -> Report {
 
 /// Calls longer than the limit, except those of a worker while it was stopped and each
 /// initial worker's first `update_topology()`.
+/// What a membership call overlapping a master fault may take beyond the hang limit: an
+/// election (up to about 2 s when a returning master disrupts the next one), and the
+/// peer's heartbeat timeout and search for the new leader.
+pub const MASTER_FAULT_ALLOWANCE_MS: f64 = 5_000.0;
+
 fn hung_calls(log: &RunLog) -> Vec<String> {
     let mut formed = BTreeSet::new();
     let mut hung = Vec::new();
@@ -233,14 +242,25 @@ fn hung_calls(log: &RunLog) -> Vec<String> {
             .stopped
             .iter()
             .any(|&(s, from, to)| s == *slot && c.start < to && c.end > from);
+        let membership = matches!(c.op, Op::UpdateTopology | Op::Sync);
+        let master_fault = membership
+            && log
+                .master_windows
+                .iter()
+                .any(|&(from, to)| c.start < to && c.end > from);
+        let limit = if master_fault {
+            log.hang_limit_ms + MASTER_FAULT_ALLOWANCE_MS
+        } else {
+            log.hang_limit_ms
+        };
         let ms = c.end - c.start;
-        if ms > log.hang_limit_ms && !forming && !while_stopped {
+        if ms > limit && !forming && !while_stopped {
             hung.push(format!(
                 "hang: peer {} (worker {slot}) {} took {ms:.0} ms in epoch {} (limit {:.0} ms){}",
                 c.peer,
                 op_name(c.op),
                 c.epoch,
-                log.hang_limit_ms,
+                limit,
                 c.err
                     .as_ref()
                     .map(|e| format!(", then failed with {e}"))

@@ -43,6 +43,7 @@ fn log(events: Vec<(usize, Event)>) -> RunLog {
         faults: Vec::new(),
         master_faults: Vec::new(),
         stopped: Vec::new(),
+        master_windows: Vec::new(),
         initial: 2,
         finishers: [0, 1].into(),
         violations: Vec::new(),
@@ -214,4 +215,24 @@ fn only_a_stopped_peer_may_be_evicted() {
         "{:?}",
         r.violations
     );
+}
+
+#[test]
+fn membership_calls_may_wait_out_a_master_fault_but_collectives_may_not() {
+    let mut l = log(vec![
+        (0, call(1, Op::Sync, 10_000.0, 14_000.0, 2, &[1, 2])),
+        (1, call(2, Op::AllReduce, 10_000.0, 14_000.0, 2, &[1, 2])),
+        (0, call(1, Op::Sync, 30_000.0, 34_000.0, 2, &[1, 2])),
+    ]);
+    l.master_windows = vec![(9_000.0, 13_000.0)];
+    let r = analyse(&l);
+    assert_eq!(r.hangs, 2, "{:?}", r.violations);
+    assert!(r
+        .violations
+        .iter()
+        .any(|v| v.contains("all_reduce took 4000 ms")));
+    assert!(r
+        .violations
+        .iter()
+        .any(|v| v.contains("sync_shared_state took 4000 ms")));
 }

@@ -50,6 +50,7 @@ impl Run<'_> {
             self.violation(now, text);
         }
         self.master_faults.push((m.kind, m.outcome()));
+        self.master_windows.push((m.at, now));
         Ok(())
     }
 

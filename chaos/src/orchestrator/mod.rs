@@ -105,6 +105,8 @@ struct Run<'a> {
     masters: MasterView,
     master_open: Option<MasterFault>,
     master_faults: Vec<(FaultKind, MasterOutcome)>,
+    /// When each master fault played out (from the strike to its close).
+    master_windows: Vec<(f64, f64)>,
 }
 
 impl<'a> Run<'a> {
@@ -132,6 +134,7 @@ impl<'a> Run<'a> {
             masters: MasterView::default(),
             master_open: None,
             master_faults: Vec::new(),
+            master_windows: Vec::new(),
         }
     }
 
@@ -532,6 +535,7 @@ impl<'a> Run<'a> {
             faults: self.faults,
             master_faults: self.master_faults,
             stopped: self.stopped,
+            master_windows: self.master_windows,
             initial: self.args.peers as usize,
             finishers,
             violations: self.violations,
