@@ -100,6 +100,9 @@ pub struct Coordinator {
     /// across raft proposals: a heartbeat must never wait behind a proposal (a slow one,
     /// during an election, would make every peer look silent).
     leases: std::sync::Mutex<HashMap<PeerId, Instant>>,
+    /// The term in which this leader has applied everything its predecessors committed
+    /// (see [`Coordinator::caught_up`]).
+    caught_up_term: std::sync::atomic::AtomicU64,
 }
 
 fn propose_error(e: ProposeError) -> MasterReply {
@@ -121,6 +124,7 @@ impl Coordinator {
             timing,
             state: Mutex::new(State::default()),
             leases: std::sync::Mutex::new(HashMap::new()),
+            caught_up_term: std::sync::atomic::AtomicU64::new(u64::MAX),
         })
     }
 
@@ -154,6 +158,29 @@ impl Coordinator {
         self.raft.read(|r| r.peer(peer).map(|p| p.state.clone()))
     }
 
+    /// Whether this leader has applied everything committed before its term: a new
+    /// leader may hold its predecessor's last decisions (an epoch, a sync plan) in its log
+    /// without having applied them yet, and must not decide a round again meanwhile. A
+    /// linearizable read once per term settles it.
+    async fn caught_up(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        let term = self.raft.raft.metrics().borrow().current_term;
+        if self.caught_up_term.load(Ordering::Acquire) == term {
+            return true;
+        }
+        if self.raft.raft.ensure_linearizable().await.is_err() {
+            return false;
+        }
+        self.caught_up_term.store(term, Ordering::Release);
+        true
+    }
+
+    fn not_leader(&self) -> MasterReply {
+        MasterReply::NotLeader {
+            leader: self.raft.leader().map(|(_, a)| a),
+        }
+    }
+
     /// A vote of `update_topology()`. The answer comes once the round completes.
     pub async fn vote(
         &self,
@@ -163,6 +190,9 @@ impl Coordinator {
         aborted: bool,
         reply: ReplyTo,
     ) {
+        if !self.caught_up().await {
+            return reply.send(self.not_leader());
+        }
         match self.known(peer) {
             None => {
                 return reply.send(MasterReply::Error {
@@ -213,6 +243,9 @@ impl Coordinator {
     /// One member's report of `sync_shared_state()`; answered with the plan once every
     /// live member of the epoch has reported.
     pub async fn sync_report(&self, peer: PeerId, epoch: u64, report: Report, reply: ReplyTo) {
+        if !self.caught_up().await {
+            return reply.send(self.not_leader());
+        }
         match self.known(peer) {
             Some(PeerState::Member) => {}
             Some(PeerState::Gone { reason }) => {
@@ -316,7 +349,12 @@ impl Coordinator {
                     plan.sources,
                     plan.receivers
                 );
-                answer
+                // The first plan committed for this round is the round's, also when a
+                // predecessor's decision reached the log before ours: every member of
+                // the round gets the same one.
+                self.raft
+                    .read(|r| r.plan_of(epoch, round).cloned())
+                    .unwrap_or(answer)
             }
             Err(e) => propose_error(e),
         };
