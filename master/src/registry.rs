@@ -55,12 +55,13 @@ pub enum Command {
     Evict { peer: PeerId, reason: String },
     /// The peer leaves on purpose.
     Leave { peer: PeerId },
-    /// Sync round `round` of `epoch` settled on `revision` with content `hash`, as
-    /// `plan` says (kept so that a leader that takes over can answer a member that did
-    /// not hear it).
+    /// A sync round of `epoch` settled on `revision` with content `hash`, as `plan` says.
+    /// `inputs` names each member's report (its round and a fingerprint of what it
+    /// held), so that a leader that takes over can answer a member that did not hear the
+    /// plan, and only that member's same report.
     StateRevision {
         epoch: u64,
-        round: u64,
+        inputs: Vec<(PeerId, u64, [u8; 32])>,
         revision: u64,
         hash: [u8; 32],
         plan: eccl_protocol::MasterReply,
@@ -92,7 +93,11 @@ pub struct Registry {
     /// The last shared state the members agreed on: (epoch, revision, hash).
     state_revision: Option<(u64, u64, [u8; 32])>,
     /// The newest sync plan: (epoch, round, the reply every member of the round gets).
-    last_plan: Option<(u64, u64, eccl_protocol::MasterReply)>,
+    last_plan: Option<(
+        u64,
+        Vec<(PeerId, u64, [u8; 32])>,
+        eccl_protocol::MasterReply,
+    )>,
 }
 
 /// Departed peers remembered (so that their late requests are told they are gone);
@@ -170,7 +175,7 @@ impl Registry {
             Command::Leave { peer } => self.remove(*peer, "left".to_string()),
             Command::StateRevision {
                 epoch,
-                round,
+                inputs,
                 revision,
                 hash,
                 plan,
@@ -179,12 +184,13 @@ impl Registry {
                 if self.state_revision.is_none_or(|(_, r, _)| *revision >= r) {
                     self.state_revision = Some((*epoch, *revision, *hash));
                 }
-                if self
-                    .last_plan
-                    .as_ref()
-                    .is_none_or(|(e, r, _)| (*epoch, *round) > (*e, *r))
-                {
-                    self.last_plan = Some((*epoch, *round, plan.clone()));
+                // Two records of one round (a dying leader's and its successor's) share
+                // an input: the first committed is the round's.
+                let same_round = self.last_plan.as_ref().is_some_and(|(e, old, _)| {
+                    e == epoch && old.iter().any(|i| inputs.contains(i))
+                });
+                if !same_round {
+                    self.last_plan = Some((*epoch, inputs.clone(), plan.clone()));
                 }
                 Outcome::Nothing
             }
@@ -275,11 +281,16 @@ impl Registry {
         self.state_revision
     }
 
-    /// The plan decided for sync round `round` of `epoch`, if that is the newest.
-    pub fn plan_of(&self, epoch: u64, round: u64) -> Option<&eccl_protocol::MasterReply> {
+    /// The plan of the newest sync round of `epoch`, if `input` (a member's round and
+    /// fingerprint) was one of its reports.
+    pub fn plan_for(
+        &self,
+        epoch: u64,
+        input: &(PeerId, u64, [u8; 32]),
+    ) -> Option<&eccl_protocol::MasterReply> {
         self.last_plan
             .as_ref()
-            .filter(|(e, r, _)| (*e, *r) == (epoch, round))
+            .filter(|(e, inputs, _)| *e == epoch && inputs.contains(input))
             .map(|(_, _, p)| p)
     }
 

@@ -17,6 +17,23 @@ pub struct Report {
     pub tensors: Vec<TensorDigest>,
 }
 
+impl Report {
+    /// What identifies this report in a decided round: who, which round, and a blake3
+    /// of what it held.
+    pub fn input(&self) -> (PeerId, u64, [u8; 32]) {
+        let mut h = blake3::Hasher::new();
+        h.update(&self.revision.to_le_bytes());
+        h.update(format!("{:?}", self.role).as_bytes());
+        for t in &self.tensors {
+            h.update(&(t.name.len() as u64).to_le_bytes());
+            h.update(t.name.as_bytes());
+            h.update(&t.len.to_le_bytes());
+            h.update(&t.hash);
+        }
+        (self.peer, self.round, *h.finalize().as_bytes())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     pub revision: u64,

@@ -69,7 +69,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             9,
             Command::StateRevision {
                 epoch: 2,
-                round: 4,
+                inputs: vec![(PeerId(1), 4, [2; 32])],
                 revision: 3,
                 hash: [1; 32],
                 plan: eccl_protocol::MasterReply::SyncPlan {

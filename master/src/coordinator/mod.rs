@@ -273,7 +273,8 @@ impl Coordinator {
         }
         // This round was decided (by a leader that then died, or while this member's
         // connection was down): the member gets the decision the others got.
-        if let Some(plan) = self.raft.read(|r| r.plan_of(epoch, report.round).cloned()) {
+        let input = report.input();
+        if let Some(plan) = self.raft.read(|r| r.plan_for(epoch, &input).cloned()) {
             tracing::info!(target: "eccl::master", "peer {peer}: sync round {} of epoch {epoch} was decided already; answering with its plan", report.round);
             return reply.send(plan);
         }
@@ -326,7 +327,8 @@ impl Coordinator {
             h.update(t.name.as_bytes());
             h.update(&t.hash);
         }
-        let round = reports.iter().map(|r| r.round).max().unwrap_or(0);
+        let inputs: Vec<_> = reports.iter().map(Report::input).collect();
+        let first = inputs[0];
         let answer = MasterReply::SyncPlan {
             revision: plan.revision,
             target: plan.target,
@@ -335,7 +337,7 @@ impl Coordinator {
         };
         let cmd = Command::StateRevision {
             epoch,
-            round,
+            inputs,
             revision: plan.revision,
             hash: *h.finalize().as_bytes(),
             plan: answer.clone(),
@@ -353,7 +355,7 @@ impl Coordinator {
                 // predecessor's decision reached the log before ours: every member of
                 // the round gets the same one.
                 self.raft
-                    .read(|r| r.plan_of(epoch, round).cloned())
+                    .read(|r| r.plan_for(epoch, &first).cloned())
                     .unwrap_or(answer)
             }
             Err(e) => propose_error(e),

@@ -104,9 +104,29 @@ async fn a_member_that_missed_a_decided_sync_round_gets_the_plan_the_others_got(
     assert!(rx.try_recv().is_err(), "round 2 answered before a reported");
     coord.sync_report(a, epoch, report(a, 2, 3, 1), to(5)).await;
     let (_, plan) = answer(&mut rx).await;
+    assert_eq!(
+        answer(&mut rx).await.1,
+        plan,
+        "both members of round 2 get one plan"
+    );
     assert!(
         matches!(plan, MasterReply::SyncPlan { revision: 3, .. }),
         "{plan:?}"
+    );
+
+    // Counters that drifted apart (a's round 3 met b's round 4) decide one round; a's
+    // next report says round 4 too, but with what a holds now: a new round, not the
+    // old plan.
+    coord.sync_report(a, epoch, report(a, 3, 4, 5), to(6)).await;
+    coord.sync_report(b, epoch, report(b, 4, 4, 5), to(7)).await;
+    let _ = answer(&mut rx).await;
+    let _ = answer(&mut rx).await;
+    coord.sync_report(a, epoch, report(a, 4, 5, 6), to(8)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let got = rx.try_recv();
+    assert!(
+        got.is_err(),
+        "a was answered with a decided round's plan: {got:?}"
     );
     coord.raft.shutdown().await;
 }
