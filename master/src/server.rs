@@ -246,7 +246,7 @@ async fn serve_peer(
                         );
                     }
                     PeerRequest::Heartbeat { .. } => {
-                        coord.heartbeat(claimed).await;
+                        coord.heartbeat(claimed);
                         // The answer tells the peer this master is alive and leads; a
                         // peer that gets none in time looks for the next leader.
                         reply.send(MasterReply::Ok);

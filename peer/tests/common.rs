@@ -66,6 +66,21 @@ pub struct Master {
     pub proc: Proc,
 }
 
+/// Reads the client address an `eccl-master` child prints on its first line.
+pub fn master_addr(child: &mut Child) -> String {
+    let line = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    line.strip_prefix("eccl-master listening on ")
+        .unwrap_or_else(|| panic!("eccl-master said {line:?}"))
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
 pub fn start_master(extra: &[&str]) -> Master {
     let mut child = Command::new(master_bin())
         .args(["--listen", "127.0.0.1:0"])
@@ -75,18 +90,7 @@ pub fn start_master(extra: &[&str]) -> Master {
         .stderr(Stdio::null())
         .spawn()
         .expect("start eccl-master");
-    let line = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
-    let addr = line
-        .strip_prefix("eccl-master listening on ")
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
+    let addr = master_addr(&mut child);
     Master {
         addr,
         proc: Proc(child),

@@ -21,17 +21,15 @@ impl Coordinator {
     /// Takes a peer back after a fail-over: its connection to the old leader is gone and
     /// it shows the credential it was given at registration. A leader that has just
     /// taken over answers only once it has applied everything its predecessors
-    /// committed, so it knows every peer they registered.
+    /// committed ([`Coordinator::caught_up`]), so it knows every peer they registered.
     pub async fn attach(
         &self,
         peer: PeerId,
         token: &[u8; 32],
         conn: Outbox,
     ) -> Result<(), MasterReply> {
-        if self.raft.raft.ensure_linearizable().await.is_err() {
-            return Err(MasterReply::NotLeader {
-                leader: self.raft.leader().map(|(_, a)| a),
-            });
+        if !self.caught_up().await {
+            return Err(self.not_leader());
         }
         let rec = self
             .raft
@@ -64,11 +62,9 @@ impl Coordinator {
     /// peers send their part again to the next leader) and it forgets connections and
     /// leases, which the next leader keeps.
     async fn step_down(&self) {
-        let leader = self.raft.leader().map(|(_, a)| a);
+        let redirect = self.not_leader();
+        let redirect = || redirect.clone();
         let mut st = self.state.lock().await;
-        let redirect = || MasterReply::NotLeader {
-            leader: leader.clone(),
-        };
         for (_, v) in st.votes.drain() {
             v.reply.send(redirect());
         }
@@ -80,11 +76,11 @@ impl Coordinator {
         }
         st.conns.clear();
         self.leases().clear();
-        tracing::info!(target: "eccl::master", "no longer the leader (leader now: {leader:?})");
+        tracing::info!(target: "eccl::master", "no longer the leader ({redirect:?})", redirect = redirect());
     }
 
     /// Renews a live peer's lease (a removed peer has none to renew).
-    pub async fn heartbeat(&self, peer: PeerId) {
+    pub fn heartbeat(&self, peer: PeerId) {
         if let Some(t) = self.leases().get_mut(&peer) {
             *t = Instant::now();
         }
@@ -166,12 +162,10 @@ impl Coordinator {
                 let expired: Vec<(PeerId, Duration)> = {
                     let mut leases = c.leases();
                     if !was_leader {
-                        // A new leader gives every peer the registry knows a fresh lease:
-                        // nobody is evicted for the election gap, and a peer that never
-                        // comes back is evicted one lease after the gap.
-                        // The fresh lease starts after a grace period: a peer whose
-                        // leader hung needs a heartbeat timeout and a look around to
-                        // find this one.
+                        // A new leader gives every peer the registry knows a fresh lease,
+                        // starting after TAKEOVER_GRACE: nobody is evicted for the election
+                        // gap or while finding this leader, and a peer that never comes
+                        // back is evicted one lease after the grace.
                         let from = Instant::now() + TAKEOVER_GRACE;
                         let live = c.raft.read(|r| r.live_peers());
                         tracing::info!(target: "eccl::master", "leading now; {} peers get a fresh lease", live.len());

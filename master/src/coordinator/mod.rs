@@ -20,7 +20,6 @@ pub use liveness::TAKEOVER_GRACE;
 #[cfg(test)]
 mod tests;
 
-/// Where the answer to one request goes.
 /// What the master sends a peer, queued for the connection's writer. Bounded: a peer
 /// that does not read what it asked for loses what does not fit (its requests time out
 /// on its side) instead of making the master hold it.
@@ -29,6 +28,7 @@ pub type Outbox = mpsc::Sender<MasterMessage>;
 /// Messages a peer's outbox holds.
 pub const OUTBOX: usize = 1024;
 
+/// Where the answer to one request goes.
 #[derive(Clone)]
 pub struct ReplyTo {
     pub conn: Outbox,
@@ -162,7 +162,7 @@ impl Coordinator {
     /// leader may hold its predecessor's last decisions (an epoch, a sync plan) in its log
     /// without having applied them yet, and must not decide a round again meanwhile. A
     /// linearizable read once per term settles it.
-    async fn caught_up(&self) -> bool {
+    pub(super) async fn caught_up(&self) -> bool {
         use std::sync::atomic::Ordering;
         let term = self.raft.raft.metrics().borrow().current_term;
         if self.caught_up_term.load(Ordering::Acquire) == term {
@@ -175,7 +175,7 @@ impl Coordinator {
         true
     }
 
-    fn not_leader(&self) -> MasterReply {
+    pub(super) fn not_leader(&self) -> MasterReply {
         MasterReply::NotLeader {
             leader: self.raft.leader().map(|(_, a)| a),
         }

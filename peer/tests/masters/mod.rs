@@ -4,7 +4,6 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -13,7 +12,7 @@ use std::time::{Duration, Instant};
 use eccl::Communicator;
 use futures::future::join_all;
 
-use crate::common::{master_bin, peer_cfg, Proc, SECRET};
+use crate::common::{master_addr, master_bin, peer_cfg, Proc, SECRET};
 
 pub struct Cluster {
     pub dir: PathBuf,
@@ -116,12 +115,7 @@ impl Cluster {
             .stderr(log)
             .spawn()
             .expect("start eccl-master");
-        let line = BufReader::new(child.stdout.take().unwrap())
-            .lines()
-            .next()
-            .unwrap()
-            .unwrap();
-        assert!(line.starts_with("eccl-master listening on"), "{line}");
+        master_addr(&mut child);
         self.procs[i] = Some(Proc(child));
         self.stopped[i] = false;
     }
