@@ -33,6 +33,9 @@ pub const FILE: &str = "raft.redb";
 pub struct Disk {
     db: Database,
     path: PathBuf,
+    /// Dropped after `db` (fields drop in order): its receivers learn that the database
+    /// is closed and its file lock released, not merely that the last handle went away.
+    closed: tokio::sync::watch::Sender<()>,
 }
 
 impl std::fmt::Debug for Disk {
@@ -101,11 +104,17 @@ impl Disk {
         tx.open_table(LOG)?;
         tx.open_table(META)?;
         tx.commit()?;
-        Ok(Arc::new(Disk { db, path }))
+        let (closed, _) = tokio::sync::watch::channel(());
+        Ok(Arc::new(Disk { db, path, closed }))
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A receiver whose `changed()` fails once this database is closed.
+    pub fn closed(&self) -> tokio::sync::watch::Receiver<()> {
+        self.closed.subscribe()
     }
 
     /// Everything the log store needs at start.

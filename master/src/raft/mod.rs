@@ -85,6 +85,10 @@ pub struct RaftRegistry {
     registry: SmHandle,
     network: MasterNetwork,
     bootstrap: Option<tokio::task::JoinHandle<()>>,
+    /// The data directory's database, watched so that [`RaftRegistry::shutdown`] returns
+    /// only once raft's tasks have let go of it (a restart in the same process can then
+    /// open it again).
+    disk_closed: Option<tokio::sync::watch::Receiver<()>>,
 }
 
 impl std::fmt::Debug for RaftRegistry {
@@ -129,9 +133,11 @@ impl RaftRegistry {
         let mut members = members;
         members.insert(node_id, node.clone());
         let config = Arc::new(raft_config(timing)?);
+        let mut disk_closed = None;
         let (log, sm, restarted) = match data_dir {
             Some(dir) => {
                 let disk = disk::Disk::open(dir)?;
+                disk_closed = Some(disk.closed());
                 let log = LogStore::open(disk.clone())?;
                 let restarted = log.has_state();
                 tracing::info!(target: "eccl::master", "master {node_id}: raft state in {} ({})", disk.path().display(),
@@ -182,6 +188,7 @@ impl RaftRegistry {
             registry,
             network,
             bootstrap,
+            disk_closed,
         };
         if me.members.len() == 1 && !me.joining {
             // A one-node cluster elects itself at once; return only once it leads.
@@ -344,8 +351,25 @@ impl RaftRegistry {
             tracing::warn!(error = %e, "raft core ended abnormally");
         }
         self.network.close_all();
+        // Raft's storage tasks (a log flush, a snapshot being built) may still hold the
+        // database for a moment after the core has stopped.
+        if let Some(closed) = &self.disk_closed {
+            let mut closed = closed.clone();
+            // `changed()` fails once the sender, dropped after the database, is gone.
+            let released = tokio::time::timeout(DISK_RELEASE_TIMEOUT, async {
+                while closed.changed().await.is_ok() {}
+            })
+            .await;
+            if released.is_err() {
+                tracing::warn!(target: "eccl::master", "master {}: raft storage still open {:?} after shutdown", self.node_id, DISK_RELEASE_TIMEOUT);
+            }
+        }
     }
 }
+
+/// How long [`RaftRegistry::shutdown`] waits for raft's storage tasks to release the
+/// data directory.
+const DISK_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Initializes a pristine node with `nodes`; "already initialized" is fine.
 async fn initialize(raft: &RaftNode, nodes: BTreeMap<MasterId, MasterNode>) -> anyhow::Result<()> {
