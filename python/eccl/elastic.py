@@ -1,55 +1,19 @@
-"""`ElasticDDP`: DistributedDataParallel that goes on when ranks die and admits new ones,
+"""`ElasticDDP`: data-parallel training that goes on when ranks die and admits new ones,
 on an `eccl.Communicator` (not a torch process group: its world changes)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Iterator, List, Optional
 
 import torch
-import torch.distributed as dist
-from torch.futures import Future
 
 import eccl
-from eccl.torch import TorchWork, _Completer
 
-__all__ = ["ElasticDDP", "init_optimizer_state"]
+__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout"]
 
-
-class _LocalGroup(dist.ProcessGroup):
-    """A process group of one, for constructing DDP without collectives: an elastic
-    job's members do not all construct DDP at the same time (a newcomer does it alone),
-    so construction must not talk to anyone. Gradients travel by the comm hook."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 1)
-
-    def getBackendName(self) -> str:  # noqa: N802
-        return "eccl-local"
-
-    def _done(self, result: Any) -> dist.Work:
-        w = TorchWork()
-        w._finish(result, None)
-        return w
-
-    def allreduce(self, tensors, opts=None):
-        return self._done(tensors)
-
-    def broadcast(self, tensors, opts=None):
-        return self._done(tensors)
-
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        for outs, inp in zip(output_tensors, input_tensors):
-            outs[0].copy_(inp)
-        return self._done(output_tensors)
-
-    def all_gather_single(self, output, input, opts=None):
-        output.copy_(input.reshape(output.shape))
-        return self._done(output)
-
-    _allgather_base = all_gather_single
-
-    def barrier(self, opts=None):
-        return self._done(None)
+#: Wire dtypes `ElasticDDP(compression=...)` accepts.
+COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -72,8 +36,57 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
                         st["max_exp_avg_sq"] = torch.zeros_like(p)
 
 
+def bucket_layout(module: torch.nn.Module, bucket_cap_mb: float) -> List[List[str]]:
+    """The gradient buckets of `module`: parameter names, in the order their gradients
+    usually become ready (the reverse of registration, as DDP starts out), grouped by
+    dtype and cut at `bucket_cap_mb`. A function of the model alone, so members and
+    newcomers reduce the same parameters in the same collectives."""
+    cap = max(1, int(bucket_cap_mb * 2**20))
+    buckets: List[List[str]] = []
+    open_: dict = {}  # dtype -> (names, bytes) of the bucket being filled
+    for name, p in reversed(list(module.named_parameters())):
+        if not p.requires_grad:
+            continue
+        names, size = open_.get(p.dtype, (None, 0))
+        if names is None or size + p.numel() * p.element_size() > cap and names:
+            names, size = [], 0
+            buckets.append(names)
+        names.append(name)
+        open_[p.dtype] = (names, size + p.numel() * p.element_size())
+    return buckets
+
+
+class _Bucket:
+    """One bucket's parameters, its flat copy of their gradients (what goes on the wire)
+    and the collective in flight for it."""
+
+    def __init__(self, params: List[torch.nn.Parameter], wire: Optional[torch.dtype]):
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        dtype = params[0].dtype
+        self.wire = wire if wire is not None and dtype.is_floating_point else dtype
+        self.flat = torch.empty(sum(self.sizes), dtype=self.wire)
+        self.waiting = len(params)
+        self.work: Optional[eccl.Work] = None
+
+    def fill(self) -> None:
+        """Copies the gradients in (a parameter with none contributes zeros)."""
+        for p, part in zip(self.params, self.flat.split(self.sizes)):
+            if p.grad is None:
+                part.zero_()
+            else:
+                part.copy_(p.grad.reshape(-1))
+
+    def write_back(self, members: int) -> None:
+        """The averaged gradients, into each parameter's `.grad`."""
+        for p, part in zip(self.params, self.flat.split(self.sizes)):
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            torch.div(part.view(p.shape), members, out=p.grad)
+
+
 class ElasticDDP:
-    """DistributedDataParallel that goes on when ranks die and admits new ones.
+    """Data-parallel training that goes on when ranks die and admits new ones.
 
         comm = eccl.Communicator()                 # ECCL_MASTER, ECCL_SECRET_FILE, ...
         job = eccl.torch.ElasticDDP(model, opt, comm)
@@ -81,42 +94,57 @@ class ElasticDDP:
             job.step_boundary()                    # admit newcomers, sync their state
             loss = job.train_step(lambda m: loss_fn(m(x), y))
 
-    The module is wrapped in a real `DistributedDataParallel` (its buckets, its overlap of
-    communication with backward) whose gradients travel by a comm hook on `comm`. When a
-    member dies or hangs, the step in flight fails on every survivor (no optimizer step
-    is taken), the survivors move to the next world and **retry the same step**: every
-    rank keeps the batch it had, and gradients are averaged over the members that took
-    part in the successful attempt (the all_reduce reports them). A retry rather than a
-    skip keeps every rank's batch sequence intact and costs one step's compute.
+    Gradients travel in buckets (`bucket_cap_mb`, 25 MiB by default like DDP's) whose
+    layout is a function of the model (`bucket_layout`), so it is the same on members
+    and newcomers. Each bucket's all_reduce starts as soon as its gradients are ready,
+    while backward goes on, in bucket order on every rank. `compression="bf16"` or
+    `"fp16"` sends floating-point gradients in that type (the sum is still the same on
+    every rank). `with job.no_sync():` around forward and backward accumulates gradients
+    locally for the next `train_step`.
 
-    At each step boundary, pending peers are admitted and the model's parameters and
-    buffers and the optimizer's state go to them with `sync_shared_state` (the content
-    most members hold at the highest revision, i.e. the step count), so every rank holds
-    bit-identical parameters.
+    When a member dies or hangs, the step's reduction fails on every survivor (no
+    optimizer step is taken); the survivors move to the next world and reduce the same
+    local gradients again over it (nothing is recomputed unless the state itself had to
+    be replaced), averaging over the members that took part (the all_reduce reports
+    them). At each step boundary, pending peers are admitted and the parameters,
+    buffers and optimizer state go to them with `sync_shared_state`, so every rank
+    holds bit-identical parameters.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: eccl.Communicator, *, bucket_cap_mb: float = 25, max_retries: int = 16):
+                 comm: eccl.Communicator, *, bucket_cap_mb: float = 25,
+                 compression: Optional[str] = None, max_retries: int = 16):
+        if compression not in COMPRESSION:
+            raise eccl.InvalidArgumentError(
+                f"compression must be one of {sorted(k for k in COMPRESSION if k)} or None, "
+                f"not {compression!r}")
         self.comm = comm
         self.module = module
         self.optimizer = optimizer
         self.max_retries = max_retries
         self.revision = 0
         self.members: tuple = ()
+        self.layout = bucket_layout(module, bucket_cap_mb)
+        params = dict(module.named_parameters())
+        self._buckets = [_Bucket([params[n] for n in names], COMPRESSION[compression])
+                         for names in self.layout]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._next = 0                  # the next bucket to start, in layout order
+        self._in_step = False           # inside train_step's backward: reduce
+        self._reducing = True           # False inside no_sync()
+        self._accumulated = False       # gradients from earlier backwards await a step
         self._failed: Optional[BaseException] = None
-        self._buckets: list = []
-        self._order = [p for _, p in module.named_parameters()]
-        self._done = _Completer()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for p in self._bucket_of]
         init_optimizer_state(optimizer)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(
-            module, process_group=_LocalGroup(), bucket_cap_mb=bucket_cap_mb)
-        self.ddp.register_comm_hook(self, ElasticDDP._hook)
         # A newcomer's admission is the step boundary at which the members admit it: its
         # first step_boundary() must not ask again.
         self._joined_now = comm.rank is None
         if self._joined_now:
             comm.update_topology()
         self._sync()
+
+    # -- state ----------------------------------------------------------------------
 
     def _state(self) -> dict:
         st = {f"param.{n}": p.data for n, p in self.module.named_parameters()}
@@ -129,9 +157,12 @@ class ElasticDDP:
                         st[f"optim.{names.get(p, id(p))}.{k}"] = v
         return st
 
-    def _sync(self) -> None:
+    def _sync(self) -> bool:
+        """Syncs the state; returns whether this rank's state was replaced."""
         info = self.comm.sync_shared_state(self.revision, self._state())
+        replaced = info.revision != self.revision
         self.revision = info.revision
+        return replaced
 
     def step_boundary(self) -> bool:
         """Admits pending peers (every member calls this at the same step); returns
@@ -145,77 +176,121 @@ class ElasticDDP:
         self._sync()
         return True
 
-    def recover(self) -> None:
-        """After a failed step: the next world, and the state synced over it."""
+    def recover(self) -> bool:
+        """After a failed step: the next world, and the state synced over it. Returns
+        whether this rank's state was replaced (its gradients are then stale)."""
         for _ in range(self.max_retries):
             try:
                 self.comm.update_topology()
-                self._sync()
-                return
+                return self._sync()
             except eccl.AbortedError:
                 continue
         raise eccl.AbortedError(f"no stable world after {self.max_retries} attempts")
 
+    # -- gradients ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients of backward passes inside accumulate locally; the next
+        `train_step` reduces them with its own."""
+        self._reducing = False
+        try:
+            yield
+        finally:
+            self._reducing = True
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not (self._in_step and self._reducing):
+            # A backward outside train_step (or inside no_sync) only accumulates: the
+            # collectives must be the same calls on every rank.
+            self._accumulated = True
+            return
+        b = self._bucket_of[p]
+        b.waiting -= 1
+        # Buckets start in layout order on every rank, each once all its gradients
+        # are in: the collectives then line up across ranks whatever order autograd
+        # finished them in.
+        while self._next < len(self._buckets) and self._buckets[self._next].waiting <= 0:
+            self._start(self._buckets[self._next])
+            self._next += 1
+
+    def _start(self, b: _Bucket) -> None:
+        if self._failed is not None:
+            return
+        b.fill()
+        try:
+            b.work = self.comm.all_reduce(b.flat, "sum", async_op=True)
+        except eccl.EcclError as e:
+            self._failed = e
+
+    def _reset(self) -> None:
+        self._next = 0
+        self._failed = None
+        for b in self._buckets:
+            b.waiting = len(b.params)
+            b.work = None
+
+    def _finish(self) -> None:
+        """Starts the buckets backward left (unused parameters), waits for all and, if
+        every one succeeded, writes the averages into the gradients."""
+        while self._next < len(self._buckets):
+            self._start(self._buckets[self._next])
+            self._next += 1
+        members = None
+        for b in self._buckets:
+            if b.work is None:
+                continue
+            try:
+                info = b.work.wait()
+                members = info.members
+            except eccl.EcclError as e:
+                if self._failed is None:
+                    self._failed = e
+            b.work = None
+        if self._failed is None and members is not None:
+            self.members = members
+            for b in self._buckets:
+                b.write_back(len(members))
+
     def train_step(self, compute_loss) -> float:
-        """Runs forward, backward (gradients averaged over the members) and the
-        optimizer step; retries on the next world if a member fails meanwhile."""
-        for _ in range(self.max_retries):
-            self._failed = None
+        """Runs forward and backward (gradients reduced as they become ready, averaged
+        over the members) and the optimizer step; if a member fails meanwhile, moves to
+        the next world and reduces again over it."""
+        if not self._accumulated:
             self.optimizer.zero_grad(set_to_none=False)
-            loss = compute_loss(self.ddp)
-            loss.backward()
+        self._reset()
+        loss = self._forward_backward(compute_loss)
+        for _ in range(self.max_retries):
+            self._finish()
             if self._failed is None:
                 self.optimizer.step()
                 self.revision += 1
+                # Cleared now, not at the next step: backward passes under no_sync()
+                # before it accumulate into nothing but their own gradients.
+                self.optimizer.zero_grad(set_to_none=False)
+                self._accumulated = False
                 return float(loss.item())
-            self.recover()
-        raise eccl.AbortedError(f"step failed {self.max_retries} times: {self._failed}")
+            failed = self._failed
+            stale = self.recover()
+            self._reset()
+            if stale:
+                # This rank was behind (it had been evicted): its gradients belong to an
+                # old model. Compute them again on the one it now holds.
+                self.optimizer.zero_grad(set_to_none=False)
+                loss = self._forward_backward(compute_loss)
+        raise eccl.AbortedError(f"step failed {self.max_retries} times: {failed}")
 
-    # No annotations: DDP accepts a hook's only if they are exactly its own types.
-    @staticmethod
-    def _hook(state, bucket):
-        fut: Future = Future()
-        state._buckets.append((bucket, fut))
-        if bucket.is_last():
-            state._reduce_buckets()
-        return fut
+    def _forward_backward(self, compute_loss) -> torch.Tensor:
+        self._in_step = True
+        try:
+            loss = compute_loss(self.module)
+            loss.backward()
+        finally:
+            self._in_step = False
+        return loss
 
-    def _reduce_buckets(self) -> None:
-        """All of a step's gradients in one all_reduce, in parameter-name order. DDP
-        lays its buckets out by the order gradients became ready, which it rebuilds
-        after a process's first step, so a newcomer's buckets differ from the members';
-        reducing bucket by bucket would add up different parameters' gradients."""
-        pending, self._buckets = self._buckets, []
-        views = {}
-        for bucket, _ in pending:
-            for p, g in zip(bucket.parameters(), bucket.gradients()):
-                views[p] = g
-        grads = [views[p] for p in self._order if p in views]
-
-        def finish_all() -> None:
-            for bucket, fut in pending:
-                fut.set_result(bucket.buffer())
-
-        if self._failed is not None or not grads:
-            finish_all()
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = self.comm.all_reduce(flat, "sum", async_op=True)
-
-        def finish() -> None:
-            try:
-                info = work.wait()
-                self.members = info.members
-                flat.div_(len(info.members))
-                offset = 0
-                for g in grads:
-                    n = g.numel()
-                    g.copy_(flat[offset:offset + n].view_as(g))
-                    offset += n
-            except Exception as e:  # noqa: BLE001 - the step fails and is retried
-                self._failed = e
-            finally:
-                # DDP's reducer needs every bucket's future, whatever happened.
-                finish_all()
-
-        self._done.call_soon(finish)
+    def close(self) -> None:
+        """Removes the gradient hooks from the module."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -25,7 +25,8 @@ from torch.futures import Future
 
 import eccl
 
-__all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "init_optimizer_state"]
+__all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
+           "init_optimizer_state", "register"]
 
 BACKEND = "eccl"
 
@@ -55,22 +56,30 @@ class TorchWork(dist._Work):
     """The `torch.distributed` Work that the backend's collectives return: `wait()`
     blocks until the eccl calls (`eccl.Work`s) behind it are done and raises their error
     (an `eccl.EcclError` subclass); `get_future()` completes with the collective's
-    result, or with that error. The eccl calls own their tensors, so dropping this
+    result, or fails with that error. The eccl calls own their tensors, so dropping this
     object early is harmless."""
 
     def __init__(self) -> None:
         super().__init__()
         self._event = threading.Event()
         self._error: Optional[BaseException] = None
-        self._fut: Future = Future()
+        self._result: Any = None
+        # The future torch's C++ side (DDP's reducer) waits on must fail as a future,
+        # not complete with an exception object for a value: a callback that raises
+        # makes torch mark it failed, and DDP then raises "AbortedError: <cause>".
+        self._done: Future = Future()
+        self._fut: Future = self._done.then(self._outcome)
+
+    def _outcome(self, _: Future) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
         self._error = error
+        self._result = result
         self._event.set()
-        if error is None:
-            self._fut.set_result(result)
-        else:
-            self._fut.set_exception(error)
+        self._done.set_result(None)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         secs = timeout.total_seconds() if timeout else None
@@ -364,8 +373,23 @@ def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
     return key.open(box, f"eccl/torch rank {rank}".encode()).decode()
 
 
+_created = 0
+
+
+def _fresh_store(store: Any) -> Any:
+    """The part of the rendezvous store this group's set-up uses. torchrun keeps one
+    store across restarts of its workers, and a process may create the default group
+    again after destroying it: keys left by an earlier attempt (a dead master's address,
+    a dead rank's public key) must not be read as this one's."""
+    global _created
+    _created += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"eccl/{attempt}/{_created}/", store)
+
+
 def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupEccl:
     """The backend's constructor, as `init_process_group` calls it."""
+    store = _fresh_store(store)
     master_addr = os.environ.get("ECCL_MASTER")
     secret = os.environ.get("ECCL_SECRET")
     if secret is None and os.environ.get("ECCL_SECRET_FILE"):
@@ -398,8 +422,18 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Proce
     return ProcessGroupEccl(comm, master)
 
 
-dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+def register() -> None:
+    """Registers the backend "eccl" with torch.distributed (once). Importing this module
+    does it; so does torch itself, through the package's `torch.distributed.backends`
+    entry point, the first time a script asks for the backend by name: an unchanged
+    script needs no `import eccl`."""
+    if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
 
-# ElasticDDP lives in its own module; it stays reachable as eccl.torch.ElasticDDP.
+register()
+
+
+# The training loops live in their own modules; they stay reachable from here.
+from eccl.diloco import DiLoCo  # noqa: E402
 from eccl.elastic import ElasticDDP, init_optimizer_state  # noqa: E402

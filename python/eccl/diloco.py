@@ -1,0 +1,205 @@
+"""`DiLoCo`: local SGD with an outer optimizer (DiLoCo, Douillard et al. 2023) on an
+elastic `eccl.Communicator`: members train alone for `sync_every` steps, then average
+their pseudo-gradients (how far each moved from the shared model) in one all_reduce and
+take an outer optimizer step on the shared model. Members die and join between and
+during outer steps."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+import eccl
+from eccl.elastic import COMPRESSION, init_optimizer_state
+
+__all__ = ["DiLoCo"]
+
+# Per rank, exchanged after every change of world: whether it still needs the inner
+# optimizer's state, whether its pseudo-gradient counts in the outer step under way,
+# and whether it is inside an outer step.
+_NEEDS_INNER, _CONTRIBUTES, _IN_OUTER = 0, 1, 2
+
+
+def _flat_bytes(tensors: List[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+class DiLoCo:
+    """DiLoCo on eccl.
+
+        comm = eccl.Communicator()
+        inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        job = eccl.torch.DiLoCo(model, inner, outer, comm, sync_every=100)
+        while job.outer_steps < n:
+            loss = job.train_step(lambda m: loss_fn(m(x), y))
+
+    Every `sync_every` calls of `train_step`, the pseudo-gradients (shared model minus
+    local model) are averaged over the members in one all_reduce and the outer
+    optimizer steps the shared model from them; every member then continues from the
+    identical result. If a member dies or hangs during that all_reduce, the survivors
+    move to the next world and reduce their (unchanged) pseudo-gradients again over it.
+
+    Newcomers are admitted at outer steps: they receive the shared model and the outer
+    optimizer's state with `sync_shared_state` (held identically by every member) and the
+    inner optimizer's state of one member (each member's own is its own). A newcomer
+    admitted while the members retry an outer step joins that step with no
+    pseudo-gradient of its own (the average is over the members that trained).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: torch.optim.Optimizer, comm: eccl.Communicator, *,
+                 sync_every: int, compression: Optional[str] = None, max_retries: int = 16):
+        if sync_every < 1:
+            raise eccl.InvalidArgumentError(f"sync_every must be at least 1, not {sync_every}")
+        if compression not in COMPRESSION:
+            raise eccl.InvalidArgumentError(f"unknown compression {compression!r}")
+        self.model = model
+        self.inner = inner_optimizer
+        self.outer = outer_optimizer
+        self.comm = comm
+        self.sync_every = sync_every
+        self.max_retries = max_retries
+        self.outer_steps = 0            # the shared state's revision
+        self.local_steps = 0
+        self.members: tuple = ()
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._shared = [p.detach().clone() for p in self._params]
+        self._sizes = [p.numel() for p in self._params]
+        self._wire = COMPRESSION[compression] or torch.float32
+        init_optimizer_state(self.inner)
+        init_optimizer_state(self.outer)
+        self._needs_inner = comm.rank is None
+        self._contributes = not self._needs_inner
+        if self._needs_inner:
+            comm.update_topology()
+        members_in_outer = self._admitted()
+        if members_in_outer:
+            # The members are retrying an outer step: take part with nothing to add.
+            self._outer_step(zero=True)
+
+    # -- shared state -----------------------------------------------------------------
+
+    def _state(self) -> dict:
+        st = {f"shared.{i}": t for i, t in enumerate(self._shared)}
+        for i, p in enumerate(self._params):
+            for k, v in sorted(self.outer.state[p].items()):
+                if torch.is_tensor(v):
+                    st[f"outer.{i}.{k}"] = v
+        return st
+
+    def _inner_state(self) -> List[torch.Tensor]:
+        return [v for p in self._params for _, v in sorted(self.inner.state[p].items())
+                if torch.is_tensor(v)]
+
+    def _admitted(self, in_outer: bool = False) -> bool:
+        """After a change of world: syncs the shared state, hands the inner optimizer's
+        state to newcomers, and returns whether some member is inside an outer step."""
+        info = self.comm.sync_shared_state(self.outer_steps, self._state())
+        stale = info.revision != self.outer_steps
+        self.outer_steps = info.revision
+        if stale and not self._needs_inner:
+            # Behind the others (it had been evicted): its local training belongs to an
+            # old model; it restarts from the shared one and adds nothing this time.
+            self._contributes = False
+        n = self.comm.world_size
+        mine = torch.tensor([self._needs_inner, self._contributes, in_outer], dtype=torch.int32)
+        roster = torch.empty((n, 3), dtype=torch.int32)
+        self.comm.all_gather(roster, mine)
+        in_outer_now = bool(roster[:, _IN_OUTER].any())
+        # The outer step under way averages over those who trained for it; the next
+        # one, over everyone.
+        self._contributors = int(roster[:, _CONTRIBUTES].sum()) if in_outer_now else n
+        needy = [r for r in range(n) if roster[r, _NEEDS_INNER]]
+        givers = [r for r in range(n) if not roster[r, _NEEDS_INNER]]
+        if needy and givers:
+            src = givers[0]
+            if self.comm.rank == src:
+                flat = _flat_bytes(self._inner_state())
+                for r in needy:
+                    self.comm.send(flat, r)
+            elif self.comm.rank in needy:
+                tensors = self._inner_state()
+                flat = torch.empty_like(_flat_bytes(tensors))
+                self.comm.recv(flat, src)
+                off = 0
+                for t in tensors:
+                    nbytes = t.numel() * t.element_size()
+                    t.copy_(flat[off:off + nbytes].view(t.dtype).view(t.shape))
+                    off += nbytes
+                self._needs_inner = False
+        elif needy and self.comm.rank in needy:
+            self._needs_inner = False   # nobody to learn from: everyone starts fresh
+        if stale or self.comm.rank in needy:
+            self._reset_local()
+        return in_outer_now
+
+    def _reset_local(self) -> None:
+        with torch.no_grad():
+            for p, s in zip(self._params, self._shared):
+                p.copy_(s)
+
+    # -- training ---------------------------------------------------------------------
+
+    def train_step(self, compute_loss) -> float:
+        """One inner step; every `sync_every`-th also runs the outer step."""
+        self.inner.zero_grad(set_to_none=False)
+        loss = compute_loss(self.model)
+        loss.backward()
+        self.inner.step()
+        self.local_steps += 1
+        self._contributes = True
+        if self.local_steps % self.sync_every == 0:
+            self._outer_step()
+            self._boundary()
+        return float(loss.item())
+
+    def _boundary(self) -> None:
+        if self.comm.are_peers_pending():
+            self.comm.update_topology()
+            self._admitted()
+
+    def _pseudo_gradient(self, zero: bool) -> torch.Tensor:
+        flat = torch.empty(sum(self._sizes), dtype=self._wire)
+        if zero or not self._contributes:
+            return flat.zero_()
+        for s, p, part in zip(self._shared, self._params, flat.split(self._sizes)):
+            if part.dtype == s.dtype:
+                torch.sub(s.reshape(-1), p.detach().reshape(-1), out=part)
+            else:
+                part.copy_(s.reshape(-1) - p.detach().reshape(-1))
+        return flat
+
+    def _outer_step(self, zero: bool = False) -> None:
+        for _ in range(self.max_retries):
+            flat = self._pseudo_gradient(zero)
+            try:
+                info = self.comm.all_reduce(flat, "sum")
+            except eccl.AbortedError:
+                for _ in range(self.max_retries):
+                    try:
+                        self.comm.update_topology()
+                        self._admitted(in_outer=True)
+                        break
+                    except eccl.AbortedError:
+                        continue
+                continue
+            self.members = info.members
+            contributors = max(1, self._contributors)
+            with torch.no_grad():
+                for s, p, part in zip(self._shared, self._params, flat.split(self._sizes)):
+                    p.copy_(s)
+                    p.grad = part.view(p.shape).to(p.dtype).div_(contributors)
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for s, p in zip(self._shared, self._params):
+                    s.copy_(p)
+            self.outer_steps += 1
+            self._contributes = True
+            self._contributors = len(info.members)
+            return
+        raise eccl.AbortedError(f"the outer step failed {self.max_retries} times")
