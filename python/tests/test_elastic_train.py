@@ -82,3 +82,54 @@ def test_compressed_gradients_are_identical_on_every_rank(tmp_path):
     el = parity("elastic", 3, tmp_path, ["--compression", "bf16"])
     assert same(el[0], el[1]) and same(el[0], el[2]), "ranks differ"
     assert not same(el[0], gloo[0])     # it did go through bf16
+
+
+FINAL = re.compile(r"FINAL peer (\d+) outer (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
+
+
+def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
+    master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    script = str(EXAMPLES / "diloco.py")
+    outer = "60"
+
+    def start(*args):
+        # Paced (30 ms an inner step, 150 ms an outer one) so that the newcomer, which
+        # needs a second or two to import torch, finds the job still running.
+        return subprocess.Popen([sys.executable, script, "--outer-steps", outer,
+                                 "--step-ms", "30", *args],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    procs = [start("--min-world", "3") for _ in range(2)]
+    procs.append(start("--min-world", "3", "--die-at-outer", "4"))
+    try:
+        deadline = time.time() + 90
+        line = ""
+        while "outer step 6:" not in line and time.time() < deadline:
+            line = procs[0].stdout.readline()
+        assert "outer step 6:" in line, "training did not go on after the death"
+        procs.append(start())
+        outs = []
+        for p in (procs[0], procs[1], procs[3]):
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out[-3000:]
+            outs.append(out)
+        victim, _ = procs[2].communicate(timeout=10)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        master.shutdown()
+    assert "dying before outer step 4" in victim, victim[-2000:]
+    finals = [FINAL.search(o) for o in outs]
+    assert all(finals), outs
+    assert {f.group(2) for f in finals} == {outer}
+    assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
+    for f in finals[:2]:
+        assert float(f.group(4)) < float(f.group(3)) / 3, f.group(0)
+    assert ", 2 members" in outs[0], "the survivors went on without the dead member"
+    assert ", 3 members" in outs[2], "the newcomer trained with the survivors"
