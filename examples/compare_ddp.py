@@ -1,8 +1,10 @@
-"""DDP step time with the "eccl" backend against "gloo" on the same model and machine,
-in one run (alternating, so both see the same load).
+"""DDP step time with the "eccl" backend and eccl's ElasticDDP against "gloo" on the
+same model and machine, in one run (alternating, so all see the same load).
 
     python examples/compare_ddp.py --width 4000 --steps 10 --rounds 2
 """
+
+import os
 
 import argparse
 import re
@@ -21,10 +23,24 @@ def free_port() -> int:
 
 
 def median_step_ms(backend: str, nproc: int, width: int, steps: int) -> float:
+    env = dict(os.environ)
+    master = None
+    if backend == "elastic":
+        import eccl
+        master = eccl.Master()
+        env.update(ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    try:
+        return _median_step_ms(backend, nproc, width, steps, env)
+    finally:
+        if master is not None:
+            master.shutdown()
+
+
+def _median_step_ms(backend: str, nproc: int, width: int, steps: int, env) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(HERE / "ddp_example.py"),
            "--backend", backend, "--width", str(width), "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     m = re.search(r"median step ([0-9.]+) ms", out.stdout)
     if out.returncode != 0 or not m:
         raise SystemExit(f"{backend} failed ({out.returncode}):\n{out.stdout}\n{out.stderr[-3000:]}")
@@ -38,13 +54,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
-    times = {"eccl": [], "gloo": []}
+    systems = ("eccl", "elastic", "gloo")
+    times = {b: [] for b in systems}
     for _ in range(a.rounds):
-        for b in ("eccl", "gloo"):
+        for b in systems:
             times[b].append(median_step_ms(b, a.nproc, a.width, a.steps))
-    e, g = min(times["eccl"]), min(times["gloo"])
-    print(f"DDP, {a.nproc} ranks, 3 x Linear({a.width}), {a.steps} steps, best of {a.rounds}:")
-    print(f"  eccl {e:.1f} ms/step   gloo {g:.1f} ms/step   eccl/gloo {e / g:.2f}")
+    g = times["gloo"]
+    print(f"DDP, {a.nproc} ranks, 3 x Linear({a.width}), {a.steps} steps, {a.rounds} rounds "
+          "(median step per run; best and worst run):")
+    for b in systems:
+        t = times[b]
+        print(f"  {b:8s} {min(t):7.1f} .. {max(t):7.1f} ms/step   vs gloo (best/best) "
+              f"{min(t) / min(g):.2f}, (worst/worst) {max(t) / max(g):.2f}")
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ class ElasticDDP:
         over the members) and the optimizer step; if a member fails meanwhile, moves to
         the next world and reduces again over it."""
         if not self._accumulated:
-            self.optimizer.zero_grad(set_to_none=False)
+            self.optimizer.zero_grad(set_to_none=True)
         self._reset()
         loss = self._forward_backward(compute_loss)
         for _ in range(self.max_retries):
@@ -267,7 +267,7 @@ class ElasticDDP:
                 self.revision += 1
                 # Cleared now, not at the next step: backward passes under no_sync()
                 # before it accumulate into nothing but their own gradients.
-                self.optimizer.zero_grad(set_to_none=False)
+                self.optimizer.zero_grad(set_to_none=True)
                 self._accumulated = False
                 return float(loss.item())
             failed = self._failed
@@ -276,7 +276,7 @@ class ElasticDDP:
             if stale:
                 # This rank was behind (it had been evicted): its gradients belong to an
                 # old model. Compute them again on the one it now holds.
-                self.optimizer.zero_grad(set_to_none=False)
+                self.optimizer.zero_grad(set_to_none=True)
                 loss = self._forward_backward(compute_loss)
         raise eccl.AbortedError(f"step failed {self.max_retries} times: {failed}")
 
