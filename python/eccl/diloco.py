@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 import eccl
-from eccl.elastic import COMPRESSION, init_optimizer_state
+from eccl.elastic import COMPRESSION, init_optimizer_state, next_world
 
 __all__ = ["DiLoCo"]
 
@@ -179,13 +179,7 @@ class DiLoCo:
             try:
                 info = self.comm.all_reduce(flat, "sum")
             except eccl.AbortedError:
-                for _ in range(self.max_retries):
-                    try:
-                        self.comm.update_topology()
-                        self._admitted(in_outer=True)
-                        break
-                    except eccl.AbortedError:
-                        continue
+                next_world(self.comm, lambda: self._admitted(in_outer=True), self.max_retries)
                 continue
             self.members = info.members
             contributors = max(1, self._contributors)

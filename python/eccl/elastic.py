@@ -4,13 +4,15 @@ on an `eccl.Communicator` (not a torch process group: its world changes)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, TypeVar
 
 import torch
 
 import eccl
 
-__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout"]
+__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world"]
+
+T = TypeVar("T")
 
 #: Wire dtypes `ElasticDDP(compression=...)` accepts.
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,6 +36,19 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p)
                     if group.get("amsgrad"):
                         st["max_exp_avg_sq"] = torch.zeros_like(p)
+
+
+def next_world(comm: eccl.Communicator, resync: Callable[[], T], max_retries: int) -> T:
+    """After a failed collective: moves `comm` to the next world and runs `resync` (the
+    state sync every member runs after a change of world) over it, again while either
+    is aborted by a further fault; returns what `resync` returned."""
+    for _ in range(max_retries):
+        try:
+            comm.update_topology()
+            return resync()
+        except eccl.AbortedError:
+            continue
+    raise eccl.AbortedError(f"no stable world after {max_retries} attempts")
 
 
 def bucket_layout(module: torch.nn.Module, bucket_cap_mb: float) -> List[List[str]]:
@@ -64,8 +79,8 @@ class _Bucket:
         self.params = params
         self.sizes = [p.numel() for p in params]
         dtype = params[0].dtype
-        self.wire = wire if wire is not None and dtype.is_floating_point else dtype
-        self.flat = torch.empty(sum(self.sizes), dtype=self.wire)
+        on_wire = wire if wire is not None and dtype.is_floating_point else dtype
+        self.flat = torch.empty(sum(self.sizes), dtype=on_wire)
         self.waiting = len(params)
         self.work: Optional[eccl.Work] = None
 
@@ -179,13 +194,7 @@ class ElasticDDP:
     def recover(self) -> bool:
         """After a failed step: the next world, and the state synced over it. Returns
         whether this rank's state was replaced (its gradients are then stale)."""
-        for _ in range(self.max_retries):
-            try:
-                self.comm.update_topology()
-                return self._sync()
-            except eccl.AbortedError:
-                continue
-        raise eccl.AbortedError(f"no stable world after {self.max_retries} attempts")
+        return next_world(self.comm, self._sync, self.max_retries)
 
     # -- gradients ------------------------------------------------------------------
 
@@ -205,12 +214,15 @@ class ElasticDDP:
             # collectives must be the same calls on every rank.
             self._accumulated = True
             return
-        b = self._bucket_of[p]
-        b.waiting -= 1
-        # Buckets start in layout order on every rank, each once all its gradients
-        # are in: the collectives then line up across ranks whatever order autograd
-        # finished them in.
-        while self._next < len(self._buckets) and self._buckets[self._next].waiting <= 0:
+        self._bucket_of[p].waiting -= 1
+        self._start_in_order(only_ready=True)
+
+    def _start_in_order(self, only_ready: bool) -> None:
+        """Starts buckets in layout order on every rank (with `only_ready`, up to the
+        first whose gradients are not all in): the collectives then line up across
+        ranks whatever order autograd finished them in."""
+        while self._next < len(self._buckets) and \
+                not (only_ready and self._buckets[self._next].waiting > 0):
             self._start(self._buckets[self._next])
             self._next += 1
 
@@ -233,9 +245,7 @@ class ElasticDDP:
     def _finish(self) -> None:
         """Starts the buckets backward left (unused parameters), waits for all and, if
         every one succeeded, writes the averages into the gradients."""
-        while self._next < len(self._buckets):
-            self._start(self._buckets[self._next])
-            self._next += 1
+        self._start_in_order(only_ready=False)
         members = None
         for b in self._buckets:
             if b.work is None:

@@ -3,7 +3,6 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment). It trains until a step
 then prints what DDP raised, its cause, and whether that error pickles to itself in
 this process, and exits 3. The test kills another rank meanwhile."""
 
-import os
 import pickle
 import sys
 import time

@@ -6,7 +6,6 @@ saves the final parameters to OUT.
 """
 
 import argparse
-import contextlib
 import os
 
 import torch

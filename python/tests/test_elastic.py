@@ -16,13 +16,8 @@ import pytest
 pytest.importorskip("torch")
 
 import eccl  # noqa: E402
+from procs import free_port, stop_sessions  # noqa: E402
 
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
@@ -59,12 +54,7 @@ def test_kill_one_rank_and_add_another():
             assert p.returncode == 0, out[-3000:]
             outs.append(out)
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_sessions(procs)
         master.shutdown()
     finals = [FINAL.search(o) for o in outs]
     assert all(finals), outs

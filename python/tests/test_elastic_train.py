@@ -4,8 +4,6 @@ processes, real torch, a real eccl master."""
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import eccl  # noqa: E402
+from procs import free_port, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parents[1] / "examples"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_all(specs, timeout=120):
@@ -33,10 +26,7 @@ def run_all(specs, timeout=120):
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_sessions(procs)
     for p, out in zip(procs, outs):
         assert "RESULT" in out, out[-3000:]
     return outs
@@ -117,12 +107,7 @@ def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
             outs.append(out)
         victim, _ = procs[2].communicate(timeout=10)
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_sessions(procs)
         master.shutdown()
     assert "dying before outer step 4" in victim, victim[-2000:]
     finals = [FINAL.search(o) for o in outs]

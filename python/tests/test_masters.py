@@ -4,7 +4,6 @@ address, the leader is shut down while they work, and they go on with the next o
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,15 +12,10 @@ import time
 import pytest
 
 import eccl
+from procs import free_port  # noqa: E402
 
 TIMEOUT = 90
 CLUSTER_SECRET = "python-test-cluster-secret-0123456789"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(tmp_path):

@@ -4,7 +4,6 @@ bad input raises instead of crashing or hanging."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,15 +12,10 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+from procs import free_port  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 120
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(n, args, script=HERE / "torch_script.py"):

@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
+from procs import free_port, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "unchanged_ddp.py"
 
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args, env=None, max_restarts=0):
@@ -33,15 +28,6 @@ def torchrun(args, env=None, max_restarts=0):
          str(SCRIPT), *args],
         env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
-
-
-def stop(procs):
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
 
 
 def finals(out):
@@ -58,7 +44,7 @@ def test_an_unchanged_script_finds_the_backend_by_name():
     try:
         out, _ = p.communicate(timeout=120)
     finally:
-        stop([p])
+        stop_sessions([p])
     assert p.returncode == 0, out[-3000:]
     hashes = finals(out)
     assert len(hashes) == 2 and len(set(hashes)) == 1, out[-3000:]
@@ -82,7 +68,7 @@ def test_a_killed_worker_restarts_under_torchrun(tmp_path):
         os.kill(int(victim.split(".")[1]), signal.SIGKILL)
         out, _ = p.communicate(timeout=120)
     finally:
-        stop([p])
+        stop_sessions([p])
     out = "".join(lines) + out
     assert p.returncode == 0, out[-4000:]
     assert "PicklingError" not in out, out[-4000:]
@@ -113,7 +99,7 @@ def test_ddp_on_a_dead_peer_raises_eccls_error_naming_the_peer():
         procs[1].kill()
         out, _ = procs[0].communicate(timeout=60)
     finally:
-        stop(procs)
+        stop_sessions(procs)
     assert procs[0].returncode == 3, out[-3000:]
     errors = [l for l in out.splitlines() if l.startswith("ERROR ")]
     assert errors, out[-3000:]
