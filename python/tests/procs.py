@@ -4,6 +4,7 @@ stopping every process a test started, by PID, whatever state it is in."""
 import os
 import signal
 import socket
+from typing import Dict, List
 
 
 def free_port() -> int:
@@ -12,13 +13,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_sessions(procs) -> None:
-    """SIGKILLs each process's whole session (each was started with
-    `start_new_session=True`, so this reaches a torchrun agent's workers too) and reaps
-    it; a process that has already exited is only reaped."""
-    for p in procs:
+def descendants(pid: int) -> List[int]:
+    """`pid` and every process below it, from /proc."""
+    children: Dict[int, List[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
         try:
-            os.killpg(p.pid, signal.SIGKILL)
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue        # gone meanwhile
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_node(p) -> None:
+    """SIGKILLs a process started with `start_new_session=True`, its session's group and
+    every process below it, and reaps it. A torchrun agent starts each worker in a
+    session of its own, so the agent's process group alone does not reach them."""
+    try:
+        os.kill(p.pid, signal.SIGSTOP)      # it starts nothing more while we look
+    except ProcessLookupError:
+        pass
+    for q in descendants(p.pid):
+        try:
+            os.kill(q, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        p.wait()
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def stop_sessions(procs) -> None:
+    """Kills each process as a whole node (`kill_node`): it, its process group and its
+    descendants (a torchrun agent's workers among them); one that has already exited is
+    only reaped."""
+    for p in procs:
+        if p.poll() is None:
+            kill_node(p)
+        else:
+            p.wait()

@@ -5,7 +5,6 @@ state, every rank ends with bit-identical parameters, and the loss went down."""
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, stop_sessions  # noqa: E402
+from procs import free_port, kill_node, stop_sessions  # noqa: E402
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
@@ -45,7 +44,7 @@ def test_kill_one_rank_and_add_another():
         while "step 20:" not in line and time.time() < deadline:
             line = procs[0].stdout.readline()
         assert "step 20:" in line, "training did not start"
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        kill_node(procs[1])     # its torchrun agent and its worker
         newcomer = start(1)
         procs.append(newcomer)
         outs = []
@@ -65,3 +64,5 @@ def test_kill_one_rank_and_add_another():
     for f in finals[:2]:
         assert float(f.group(4)) < float(f.group(3)) / 10, f.group(0)
     assert "world is now" in outs[0], "the survivors saw the newcomer join"
+    # The kill took the node's worker too: the survivors trained over two members a while.
+    assert " over 2 members" in outs[0], "the killed node's worker went on training"
