@@ -2,7 +2,6 @@
 every collective on numpy arrays and CPU torch tensors, async handles, shared state,
 typed errors, and a clean exit with work in flight."""
 
-import multiprocessing as mp
 import os
 import subprocess
 import sys
