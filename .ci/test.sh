@@ -12,10 +12,15 @@ export CARGO_TERM_COLOR=never
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "system packages: python3-venv, valgrind"
+step "system packages: python3-venv, valgrind, and what the verbs feature builds with"
 pkgs=()
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || pkgs+=(python3-venv)
 command -v valgrind >/dev/null 2>&1 || pkgs+=(valgrind)
+# ibverbs-sys configures rdma-core with cmake (libnl), runs bindgen (libclang) and links
+# libibverbs; ibverbs-utils gives ibv_devices, to see whether a device is there.
+for p in cmake libclang-dev libnl-3-dev libnl-route-3-dev libibverbs-dev pkg-config ibverbs-utils; do
+    dpkg -s "$p" >/dev/null 2>&1 || pkgs+=("$p")
+done
 if [ ${#pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
 fi
@@ -41,6 +46,10 @@ step "python package: pip install ./python (maturin, abi3 wheel) into .venv"
 
 step "rust tests"
 cargo test --release --workspace
+
+step "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
+ibv_devices 2>&1 | head -5 || true
+cargo test --release -p eccl-transport --features verbs -- verbs --nocapture
 
 step "miri: the executor's buffer borrows and the shared-memory ring between threads"
 # Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data

@@ -441,6 +441,9 @@ impl Dialer<'_> {
                 .await
                 .map_err(|e| cannot(&e))
             }
+            // The verbs link (eccl_transport::verbs) is built and tested on its own; no
+            // ECCL_TRANSPORT setting selects it for a world's links yet (issue 12).
+            Transport::Verbs => Err(cannot(&"verbs links are not selectable for a world yet")),
             Transport::Quic => {
                 let ep = self
                     .quic

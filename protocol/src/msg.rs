@@ -302,3 +302,58 @@ pub struct LinkHello {
     /// The dialer's proof that it is `from` in `epoch` (see [`LinkKeys`]).
     pub proof: [u8; 32],
 }
+
+/// What each side of a verbs (RDMA) link tells the other, over the link's authenticated
+/// TCP stream and after its [`LinkHello`], before any RDMA traffic: its reliable-connected
+/// queue pair and the receive ring it has posted. Nothing in it is secret (a queue pair
+/// accepts traffic only from the one it was connected to), but it is checked with
+/// [`VerbsHello::validate`] before it reaches the verbs library.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerbsHello {
+    /// The queue pair's number (24 bits; 0 and 1 are the special QPs).
+    pub qp_num: u32,
+    /// The port's local identifier (InfiniBand); 0 where only the GID routes (RoCE).
+    pub lid: u16,
+    /// The port's global identifier, for routing through a GRH (RoCE, or across subnets).
+    pub gid: Option<[u8; 16]>,
+    /// Receive buffers the sender may have in flight before it waits for credits.
+    pub recv_slots: u32,
+    /// Bytes of each receive buffer: the most one message (header and payload) may carry.
+    pub slot_bytes: u32,
+}
+
+impl VerbsHello {
+    /// At most this many receive buffers a side may announce.
+    pub const MAX_SLOTS: u32 = 4096;
+    /// At most this many bytes per buffer (a frame never exceeds this).
+    pub const MAX_SLOT_BYTES: u32 = 64 << 20;
+
+    /// Checks the fields before they configure a queue pair.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.qp_num < 2 || self.qp_num >= 1 << 24 {
+            return Err(format!(
+                "queue pair number {} is not a data QP",
+                self.qp_num
+            ));
+        }
+        if self.lid == 0 && self.gid.is_none() {
+            return Err("neither a LID nor a GID to reach the queue pair".into());
+        }
+        if self.recv_slots == 0 || self.recv_slots > Self::MAX_SLOTS {
+            return Err(format!(
+                "{} receive slots (1 to {})",
+                self.recv_slots,
+                Self::MAX_SLOTS
+            ));
+        }
+        let min = crate::FRAME_HEADER_LEN as u32;
+        if self.slot_bytes < min || self.slot_bytes > Self::MAX_SLOT_BYTES {
+            return Err(format!(
+                "{} bytes per slot ({min} to {})",
+                self.slot_bytes,
+                Self::MAX_SLOT_BYTES
+            ));
+        }
+        Ok(())
+    }
+}

@@ -209,6 +209,16 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
     ));
     out.push(("register", body(&reg)));
     out.push(("world", body(&world(3))));
+    out.push((
+        "verbs",
+        body(&VerbsHello {
+            qp_num: 0x11,
+            lid: 0,
+            gid: Some([0xfe; 16]),
+            recv_slots: 64,
+            slot_bytes: 1 << 20,
+        }),
+    ));
     out
 }
 
@@ -240,6 +250,14 @@ fn decode_as(kind: &str, b: &[u8]) {
         }
         "hello" => decodes_soundly::<LinkHello>(b),
         "register" => decodes_soundly::<RegisterRequest>(b),
+        "verbs" => {
+            decodes_soundly::<VerbsHello>(b);
+            if let Ok(h) = codec::decode::<VerbsHello>(b) {
+                if h.validate().is_ok() {
+                    assert!(h.qp_num >= 2 && h.qp_num < 1 << 24 && h.recv_slots > 0);
+                }
+            }
+        }
         "world" => {
             decodes_soundly::<World>(b);
             if let Ok(w) = codec::decode::<World>(b) {
@@ -354,8 +372,77 @@ fn the_corpus_is_valid() {
             "hello" => codec::decode::<LinkHello>(&body).is_ok(),
             "register" => codec::decode::<RegisterRequest>(&body).is_ok(),
             "world" => codec::decode::<World>(&body).is_ok_and(|w| w.validate().is_ok()),
+            "verbs" => codec::decode::<VerbsHello>(&body).is_ok_and(|h| h.validate().is_ok()),
             _ => false,
         };
         assert!(ok, "{kind} entry does not decode");
+    }
+}
+
+/// A verbs hello that would misconfigure a queue pair is refused with its reason.
+#[test]
+fn verbs_hellos_out_of_range_are_refused() {
+    let good = VerbsHello {
+        qp_num: 0x123,
+        lid: 7,
+        gid: None,
+        recv_slots: 16,
+        slot_bytes: 1 << 16,
+    };
+    assert_eq!(good.validate(), Ok(()));
+    let bad = [
+        (
+            VerbsHello {
+                qp_num: 1,
+                ..good.clone()
+            },
+            "queue pair number",
+        ),
+        (
+            VerbsHello {
+                qp_num: 1 << 24,
+                ..good.clone()
+            },
+            "queue pair number",
+        ),
+        (
+            VerbsHello {
+                lid: 0,
+                ..good.clone()
+            },
+            "neither a LID nor a GID",
+        ),
+        (
+            VerbsHello {
+                recv_slots: 0,
+                ..good.clone()
+            },
+            "receive slots",
+        ),
+        (
+            VerbsHello {
+                recv_slots: VerbsHello::MAX_SLOTS + 1,
+                ..good.clone()
+            },
+            "receive slots",
+        ),
+        (
+            VerbsHello {
+                slot_bytes: 8,
+                ..good.clone()
+            },
+            "bytes per slot",
+        ),
+        (
+            VerbsHello {
+                slot_bytes: u32::MAX,
+                ..good.clone()
+            },
+            "bytes per slot",
+        ),
+    ];
+    for (h, why) in bad {
+        let e = h.validate().unwrap_err();
+        assert!(e.contains(why), "{h:?}: {e}");
     }
 }

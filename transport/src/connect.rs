@@ -46,6 +46,15 @@ pub(crate) async fn read_hello<S: AsyncRead + Unpin>(
     s: &mut S,
     peer: &str,
 ) -> Result<LinkHello, TransportError> {
+    read_message(s, peer).await
+}
+
+/// One length-prefixed message of at most [`MAX_HELLO`] bytes, read within the
+/// handshake's time limit (the hellos of a link's set-up).
+pub(crate) async fn read_message<S: AsyncRead + Unpin, T: serde::de::DeserializeOwned>(
+    s: &mut S,
+    peer: &str,
+) -> Result<T, TransportError> {
     let run = async {
         let mut prefix = [0u8; 4];
         s.read_exact(&mut prefix)

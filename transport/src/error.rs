@@ -40,6 +40,10 @@ pub enum TransportError {
     Tls { peer: String, reason: String },
     #[error("QUIC with {peer} failed: {reason}")]
     Quic { peer: String, reason: String },
+    /// An RDMA verbs link failed: a work completion with an error status, or the device
+    /// could not set the link up.
+    #[error("RDMA link with {peer} failed: {reason}")]
+    Verbs { peer: String, reason: String },
 }
 
 impl TransportError {

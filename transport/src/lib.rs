@@ -29,6 +29,7 @@ pub mod pool;
 pub mod quic;
 pub mod shm;
 pub mod tls;
+pub mod verbs;
 
 pub use error::TransportError;
 pub use link::{Incoming, LinkEvent, LinkRx, LinkTx, Payload, Transport};

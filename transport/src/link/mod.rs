@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | `tcp`, `tls`, `quic` ([`stream`]) | written to byte streams (several per link) | reader tasks fill pooled buffers |
 //! | `shm` ([`crate::shm`]) | copied into a slot of a ring in shared memory | the slot is read where it lies, then released |
+//! | `verbs` ([`crate::verbs`], feature `verbs`) | copied into a registered slot, sent as an RDMA send | copied out of a posted receive buffer, which is posted again |
 //!
 //! A received frame's [`Payload`] is borrowed from the transport: a pooled buffer or a
 //! slot of the sender's ring, which the receiver reduces from directly and releases by
@@ -37,6 +38,8 @@ pub enum Transport {
     Shm,
     /// QUIC (TLS 1.3 over UDP).
     Quic,
+    /// RDMA verbs (reliable-connected queue pairs), with the `verbs` feature.
+    Verbs,
 }
 
 impl Transport {
@@ -46,6 +49,7 @@ impl Transport {
             Transport::Tls => "tls",
             Transport::Shm => "shm",
             Transport::Quic => "quic",
+            Transport::Verbs => "verbs",
         }
     }
 }
@@ -139,6 +143,8 @@ pub struct LinkTx {
 enum TxKind {
     Stream(stream::StreamTx),
     Shm(ShmTx),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::VerbsTx),
 }
 
 impl LinkTx {
@@ -156,10 +162,20 @@ impl LinkTx {
         }
     }
 
+    #[cfg(feature = "verbs")]
+    pub(crate) fn verbs(tx: crate::verbs::VerbsTx) -> LinkTx {
+        LinkTx {
+            kind: TxKind::Verbs(tx),
+            transport: Transport::Verbs,
+        }
+    }
+
     pub fn peer(&self) -> &str {
         match &self.kind {
             TxKind::Stream(t) => t.peer(),
             TxKind::Shm(t) => t.peer(),
+            #[cfg(feature = "verbs")]
+            TxKind::Verbs(t) => t.peer(),
         }
     }
 
@@ -173,6 +189,8 @@ impl LinkTx {
         match &self.kind {
             TxKind::Stream(t) => t.is_poisoned(),
             TxKind::Shm(_) => false,
+            #[cfg(feature = "verbs")]
+            TxKind::Verbs(_) => false, // whole frames only, as shared memory
         }
     }
 
@@ -197,6 +215,11 @@ impl LinkTx {
                 t.send_region(header, payload, frame_bytes, align, timeout)
                     .await
             }
+            #[cfg(feature = "verbs")]
+            TxKind::Verbs(t) => {
+                t.send_region(header, payload, frame_bytes, align, timeout)
+                    .await
+            }
         }
     }
 
@@ -211,6 +234,8 @@ impl LinkTx {
         match &mut self.kind {
             TxKind::Stream(t) => t.send_frame(header, payload, timeout).await,
             TxKind::Shm(t) => t.send_frame(header, payload, timeout).await,
+            #[cfg(feature = "verbs")]
+            TxKind::Verbs(t) => t.send_frame(header, payload, timeout).await,
         }
     }
 
@@ -219,6 +244,8 @@ impl LinkTx {
         match self.kind {
             TxKind::Stream(t) => t.close(header).await,
             TxKind::Shm(t) => t.close(header).await,
+            #[cfg(feature = "verbs")]
+            TxKind::Verbs(t) => t.close(header).await,
         }
     }
 }
@@ -231,6 +258,8 @@ pub struct LinkRx {
 enum RxKind {
     Stream(stream::StreamRx),
     Shm(ShmRx),
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::VerbsRx),
 }
 
 impl LinkRx {
@@ -246,10 +275,19 @@ impl LinkRx {
         }
     }
 
+    #[cfg(feature = "verbs")]
+    pub(crate) fn verbs(rx: crate::verbs::VerbsRx) -> LinkRx {
+        LinkRx {
+            kind: RxKind::Verbs(rx),
+        }
+    }
+
     pub fn peer(&self) -> &str {
         match &self.kind {
             RxKind::Stream(r) => r.peer(),
             RxKind::Shm(r) => r.peer(),
+            #[cfg(feature = "verbs")]
+            RxKind::Verbs(r) => r.peer(),
         }
     }
 
@@ -258,6 +296,8 @@ impl LinkRx {
         match &mut self.kind {
             RxKind::Stream(r) => r.next().await,
             RxKind::Shm(r) => r.next().await,
+            #[cfg(feature = "verbs")]
+            RxKind::Verbs(r) => r.next().await,
         }
     }
 
@@ -266,6 +306,8 @@ impl LinkRx {
         match &mut self.kind {
             RxKind::Stream(r) => r.try_next(),
             RxKind::Shm(r) => r.try_next(),
+            #[cfg(feature = "verbs")]
+            RxKind::Verbs(r) => r.try_next(),
         }
     }
 }
