@@ -10,6 +10,7 @@ pub mod raft;
 pub mod registry;
 pub mod secret;
 pub mod server;
+pub mod store;
 pub mod sync;
 
 use std::collections::BTreeMap;

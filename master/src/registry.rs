@@ -66,6 +66,8 @@ pub enum Command {
         hash: [u8; 32],
         plan: eccl_protocol::MasterReply,
     },
+    /// A change to the key-value store (sessions, scopes, keys).
+    Store(crate::store::StoreCommand),
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,6 +84,8 @@ pub enum Outcome {
         epoch: u64,
     },
     Rejected(String),
+    /// The answer to a store command, or why it was refused (nothing changed).
+    Store(Result<eccl_protocol::StoreReply, String>),
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,6 +102,8 @@ pub struct Registry {
         Vec<(PeerId, u64, [u8; 32])>,
         eccl_protocol::MasterReply,
     )>,
+    /// The key-value store (torchrun's rendezvous and stores).
+    store: crate::store::Store,
 }
 
 /// Departed peers remembered (so that their late requests are told they are gone);
@@ -194,6 +200,7 @@ impl Registry {
                 }
                 Outcome::Nothing
             }
+            Command::Store(cmd) => Outcome::Store(self.store.apply(cmd)),
         }
     }
 
@@ -292,6 +299,10 @@ impl Registry {
             .as_ref()
             .filter(|(e, inputs, _)| *e == epoch && inputs.contains(input))
             .map(|(_, _, p)| p)
+    }
+
+    pub fn store(&self) -> &crate::store::Store {
+        &self.store
     }
 
     pub fn world(&self) -> Option<&World> {

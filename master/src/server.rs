@@ -78,6 +78,8 @@ async fn serve_peer(
         }
     });
     let mut me: Option<PeerId> = None;
+    // The store session this connection speaks for, if it is a store client.
+    let mut store_session: Option<u64> = None;
     let result: Result<(), eccl_transport::TransportError> = loop {
         let req: Request = match rx.recv().await {
             Ok(r) => r,
@@ -98,6 +100,30 @@ async fn serve_peer(
             continue;
         }
         match req.body {
+            PeerRequest::Store(sreq) => {
+                use eccl_protocol::StoreRequest as S;
+                if me.is_some() {
+                    reply.send(MasterReply::Error {
+                        code: ErrorCode::InvalidArgument,
+                        message: "a peer's connection is not a store client's".into(),
+                    });
+                    continue;
+                }
+                match sreq {
+                    // These change whom the connection speaks for: in order, here.
+                    S::Open { .. } | S::Attach { .. } | S::Close => {
+                        coord.store_request(&mut store_session, sreq, reply).await
+                    }
+                    // A write may wait on raft (an election): never in the way of the
+                    // keep-alives behind it.
+                    sreq => {
+                        let (coord, mut session) = (coord.clone(), store_session);
+                        tokio::spawn(async move {
+                            coord.store_request(&mut session, sreq, reply).await
+                        });
+                    }
+                }
+            }
             PeerRequest::Register(r) => {
                 if r.protocol_version != PROTOCOL_VERSION {
                     reply.send(MasterReply::Error {
@@ -109,7 +135,7 @@ async fn serve_peer(
                     });
                     continue;
                 }
-                if me.is_some() {
+                if me.is_some() || store_session.is_some() {
                     reply.send(MasterReply::Error {
                         code: ErrorCode::InvalidArgument,
                         message: "already registered on this connection".into(),
@@ -204,7 +230,8 @@ async fn serve_peer(
                     PeerRequest::Register(_)
                     | PeerRequest::Attach { .. }
                     | PeerRequest::ClusterStatus
-                    | PeerRequest::ClusterChange { .. } => {
+                    | PeerRequest::ClusterChange { .. }
+                    | PeerRequest::Store(_) => {
                         unreachable!("handled above")
                     }
                 };
@@ -290,7 +317,8 @@ async fn serve_peer(
                     PeerRequest::Register(_)
                     | PeerRequest::Attach { .. }
                     | PeerRequest::ClusterStatus
-                    | PeerRequest::ClusterChange { .. } => {
+                    | PeerRequest::ClusterChange { .. }
+                    | PeerRequest::Store(_) => {
                         unreachable!("handled above")
                     }
                 }
@@ -301,6 +329,11 @@ async fn serve_peer(
     // is evicted so that the others do not wait for it.
     if let Some(id) = me {
         coord.remove(id, "lost its master connection", false).await;
+    }
+    // A store client that vanished (its process died) ends its session at once: its
+    // ephemeral keys say "alive" no longer.
+    if let Some(id) = store_session {
+        coord.close_session(id, "lost its connection").await;
     }
     drop(out);
     let _ = writer.await;

@@ -15,6 +15,7 @@ mod links;
 pub use eccl_transport::logging;
 mod master_client;
 pub mod shared_state;
+pub mod store;
 
 pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, WorldUpdate};
 pub use config::{Config, Transport, TransportChoice};
@@ -25,3 +26,4 @@ pub use eccl_protocol::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};
+pub use store::StoreClient;

@@ -74,6 +74,8 @@ pub(crate) struct MasterClient {
     hint: Mutex<Option<String>>,
     /// Who this peer is, once registered, and its credential to attach again.
     me: Mutex<Option<(PeerId, [u8; 32])>>,
+    /// The store session this client speaks for, and its credential.
+    store_session: Mutex<Option<(u64, [u8; 32])>>,
     next_id: AtomicU64,
     serial: AtomicU64,
 }
@@ -97,6 +99,7 @@ impl MasterClient {
             conn: tokio::sync::Mutex::new(None),
             hint: Mutex::new(None),
             me: Mutex::new(None),
+            store_session: Mutex::new(None),
             next_id: AtomicU64::new(1),
             serial: AtomicU64::new(0),
         };
@@ -124,6 +127,14 @@ impl MasterClient {
     pub fn registered(&self, peer: PeerId, token: [u8; 32]) {
         if let Ok(mut m) = self.me.lock() {
             *m = Some((peer, token));
+        }
+    }
+
+    /// Remembers the store session this client opened, so that a new connection attaches
+    /// to it.
+    pub fn store_session(&self, session: u64, token: [u8; 32]) {
+        if let Ok(mut m) = self.store_session.lock() {
+            *m = Some((session, token));
         }
     }
 
@@ -260,25 +271,30 @@ impl MasterClient {
             serial: self.serial.fetch_add(1, Ordering::Relaxed) + 1,
         };
         let me = self.me.lock().ok().and_then(|m| *m);
-        // A registered peer attaches; one that is not registered yet asks a harmless
-        // question, so that a follower's redirect comes now and not with the first
-        // real request.
-        let probe = match me {
-            Some((peer_id, token)) => PeerRequest::Attach { peer_id, token },
-            None => PeerRequest::Heartbeat { peer_id: PeerId(0) },
+        let session = self.store_session.lock().ok().and_then(|m| *m);
+        // A registered peer (or a store session) attaches; one that is not registered yet
+        // asks a harmless question, so that a follower's redirect comes now and not with
+        // the first real request.
+        let probe = match (me, session) {
+            (Some((peer_id, token)), _) => PeerRequest::Attach { peer_id, token },
+            (None, Some((session, token))) => {
+                PeerRequest::Store(eccl_protocol::StoreRequest::Attach { session, token })
+            }
+            (None, None) => PeerRequest::Heartbeat { peer_id: PeerId(0) },
         };
+        let attaching = me.is_some() || session.is_some();
         match self.exchange(&c, probe, dial).await {
             Ok(MasterReply::NotLeader { leader }) => Err(Refused::Redirect(leader)),
             Ok(MasterReply::Error {
                 code: ErrorCode::Evicted | ErrorCode::UnknownPeer,
                 message,
-            }) if me.is_some() => Err(Refused::Evicted(message)),
+            }) if attaching => Err(Refused::Evicted(message)),
             Ok(MasterReply::Error {
                 code: ErrorCode::Internal,
                 message,
             }) => Err(Refused::Down(format!("{addr}: {message}"))),
             Ok(_) => {
-                if me.is_some() {
+                if attaching {
                     tracing::info!(target: "eccl::init", "attached to master {addr}");
                 }
                 Ok(c)
@@ -344,11 +360,15 @@ impl MasterClient {
     /// Renews the lease: an answer within `within`, or the master is taken for lost
     /// (dead or hung) and the next call looks for the leader.
     pub async fn heartbeat(&self, peer_id: PeerId, within: Duration) -> Result<()> {
-        let c = self.current(Instant::now() + self.deadline).await?;
-        match self
-            .exchange(&c, PeerRequest::Heartbeat { peer_id }, within)
+        self.keep_alive(PeerRequest::Heartbeat { peer_id }, within)
             .await
-        {
+    }
+
+    /// Sends a lease renewal (`body`: a peer's heartbeat or a store session's keep-alive)
+    /// as [`MasterClient::heartbeat`] describes.
+    pub async fn keep_alive(&self, body: PeerRequest, within: Duration) -> Result<()> {
+        let c = self.current(Instant::now() + self.deadline).await?;
+        match self.exchange(&c, body, within).await {
             Ok(MasterReply::NotLeader { leader }) => {
                 if let Ok(mut h) = self.hint.lock() {
                     *h = leader;

@@ -10,10 +10,12 @@ pub mod codec;
 pub mod frame;
 pub mod msg;
 pub mod seal;
+pub mod store;
 pub mod types;
 
 pub use frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
 pub use msg::*;
+pub use store::{StoreLimits, StoreReply, StoreRequest, StoreWrite};
 pub use types::*;
 
 /// Version of the wire protocol. Peers and masters with a different version refuse each

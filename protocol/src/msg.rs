@@ -91,6 +91,9 @@ pub enum PeerRequest {
         change: ClusterChange,
         proof: [u8; 32],
     },
+    /// A request to the key-value store (torchrun's rendezvous, `torch.distributed`
+    /// stores): see [`crate::store`]. Store clients are not peers; they open a session.
+    Store(crate::store::StoreRequest),
 }
 
 /// A change to the master cluster (openraft joint consensus underneath).
@@ -269,6 +272,7 @@ pub enum MasterReply {
         leader: Option<String>,
     },
     Cluster(ClusterStatus),
+    Store(crate::store::StoreReply),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -339,18 +343,19 @@ impl VerbsHello {
         if self.lid == 0 && self.gid.is_none() {
             return Err("neither a LID nor a GID to reach the queue pair".into());
         }
-        if self.recv_slots == 0 || self.recv_slots > Self::MAX_SLOTS {
-            return Err(format!(
-                "{} receive slots (1 to {})",
-                self.recv_slots,
-                Self::MAX_SLOTS
-            ));
+        Self::check_ring(self.recv_slots, self.slot_bytes)
+    }
+
+    /// The bounds of a ring of `slots` buffers of `slot_bytes` each (a frame header and
+    /// at least one byte of payload), for a peer's hello and for our own options alike.
+    pub fn check_ring(slots: u32, slot_bytes: u32) -> Result<(), String> {
+        if slots == 0 || slots > Self::MAX_SLOTS {
+            return Err(format!("{slots} receive slots (1 to {})", Self::MAX_SLOTS));
         }
-        let min = crate::FRAME_HEADER_LEN as u32;
-        if self.slot_bytes < min || self.slot_bytes > Self::MAX_SLOT_BYTES {
+        let min = crate::FRAME_HEADER_LEN as u32 + 1;
+        if slot_bytes < min || slot_bytes > Self::MAX_SLOT_BYTES {
             return Err(format!(
-                "{} bytes per slot ({min} to {})",
-                self.slot_bytes,
+                "{slot_bytes} bytes per slot ({min} to {})",
                 Self::MAX_SLOT_BYTES
             ));
         }

@@ -116,6 +116,31 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             change: eccl_protocol::ClusterChange::Remove { id: 2 },
             proof: [8; 32],
         },
+        PeerRequest::Store(StoreRequest::Open {
+            scope: "job-1".into(),
+        }),
+        PeerRequest::Store(StoreRequest::Attach {
+            session: 3,
+            token: [9; 32],
+        }),
+        PeerRequest::Store(StoreRequest::Write {
+            seq: 4,
+            op: StoreWrite::CompareSet {
+                key: b"k".to_vec(),
+                expected: vec![],
+                desired: b"v".to_vec(),
+            },
+        }),
+        PeerRequest::Store(StoreRequest::Write {
+            seq: 5,
+            op: StoreWrite::MultiSet {
+                pairs: vec![(b"a".to_vec(), b"1".to_vec())],
+            },
+        }),
+        PeerRequest::Store(StoreRequest::Wait {
+            keys: vec![b"a".to_vec(), b"b".to_vec()],
+            timeout_ms: 100,
+        }),
     ];
     let keys = LinkKeys {
         accept: [3; 32],
@@ -161,6 +186,12 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             }],
             peers: 3,
             epoch: 7,
+        }),
+        MasterReply::Store(StoreReply::Values(vec![Some(b"x".to_vec()), None])),
+        MasterReply::Store(StoreReply::Session {
+            session: 1,
+            token: [2; 32],
+            lease_ms: 800,
         }),
     ];
     let mut out = Vec::new();

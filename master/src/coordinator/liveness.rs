@@ -76,6 +76,7 @@ impl Coordinator {
         }
         st.conns.clear();
         self.leases().clear();
+        self.store_step_down();
         tracing::info!(target: "eccl::master", "no longer the leader ({redirect:?})", redirect = redirect());
     }
 
@@ -159,6 +160,7 @@ impl Coordinator {
                     was_leader = false;
                     continue;
                 }
+                let fresh_from = (!was_leader).then(|| Instant::now() + TAKEOVER_GRACE);
                 let expired: Vec<(PeerId, Duration)> = {
                     let mut leases = c.leases();
                     if !was_leader {
@@ -182,6 +184,10 @@ impl Coordinator {
                     let why = format!("lease expired (no heartbeat for {} ms)", age.as_millis());
                     tracing::warn!(target: "eccl::master", "peer {p}: {why}");
                     c.remove(p, &why, false).await;
+                }
+                for s in c.expired_sessions(fresh_from) {
+                    tracing::warn!(target: "eccl::master", "store session {s}: lease expired");
+                    c.close_session(s, "lease expired").await;
                 }
             }
         })

@@ -15,6 +15,7 @@ use crate::registry::{Command, Outcome, PeerState};
 use crate::sync::{self, Report};
 
 mod liveness;
+mod store;
 pub use liveness::TAKEOVER_GRACE;
 
 #[cfg(test)]
@@ -103,6 +104,8 @@ pub struct Coordinator {
     /// The term in which this leader has applied everything its predecessors committed
     /// (see [`Coordinator::caught_up`]).
     caught_up_term: std::sync::atomic::AtomicU64,
+    /// Store sessions' leases and waiters.
+    store: store::StoreLive,
 }
 
 fn propose_error(e: ProposeError) -> MasterReply {
@@ -125,6 +128,7 @@ impl Coordinator {
             state: Mutex::new(State::default()),
             leases: std::sync::Mutex::new(HashMap::new()),
             caught_up_term: std::sync::atomic::AtomicU64::new(u64::MAX),
+            store: Default::default(),
         })
     }
 

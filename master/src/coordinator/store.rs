@@ -1,0 +1,328 @@
+//! The key-value store on the leader: store sessions' leases, `wait` requests, and the
+//! answers to store requests. Changes go through raft ([`crate::store`]); reads are the
+//! leader's replica, which holds every change it has answered (a new leader answers only
+//! once it has applied what its predecessors committed, as for attach).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eccl_protocol::{ErrorCode, MasterReply, StoreLimits, StoreReply, StoreRequest};
+
+use super::{propose_error, Coordinator, ReplyTo};
+use crate::registry::{Command, Outcome};
+use crate::store::StoreCommand;
+
+/// The leader's soft state of the store: when each session last renewed its lease, and
+/// a counter that moves whenever the store changes (what `wait` requests watch).
+pub(crate) struct StoreLive {
+    leases: std::sync::Mutex<HashMap<u64, Instant>>,
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for StoreLive {
+    fn default() -> Self {
+        StoreLive {
+            leases: Default::default(),
+            changed: tokio::sync::watch::channel(0).0,
+        }
+    }
+}
+
+impl StoreLive {
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Instant>> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+fn refused(code: ErrorCode, message: impl Into<String>) -> MasterReply {
+    MasterReply::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+fn check_keys(keys: &[Vec<u8>]) -> Result<(), MasterReply> {
+    if keys.len() > StoreLimits::MAX_BATCH {
+        return Err(refused(
+            ErrorCode::InvalidArgument,
+            format!(
+                "{} keys in one request (at most {})",
+                keys.len(),
+                StoreLimits::MAX_BATCH
+            ),
+        ));
+    }
+    for k in keys {
+        StoreLimits::check_key(k).map_err(|e| refused(ErrorCode::InvalidArgument, e))?;
+    }
+    Ok(())
+}
+
+impl Coordinator {
+    /// Answers one store request of a connection. `session` is the session this
+    /// connection speaks for (set by `Open`/`Attach`, cleared by `Close`).
+    pub async fn store_request(
+        self: &Arc<Self>,
+        session: &mut Option<u64>,
+        req: StoreRequest,
+        reply: ReplyTo,
+    ) {
+        if !self.caught_up().await {
+            return reply.send(self.not_leader());
+        }
+        match req {
+            StoreRequest::Open { scope } => {
+                if session.is_some() {
+                    return reply.send(refused(
+                        ErrorCode::InvalidArgument,
+                        "this connection has a store session already",
+                    ));
+                }
+                if let Err(e) = StoreLimits::check_scope(&scope) {
+                    return reply.send(refused(ErrorCode::InvalidArgument, e));
+                }
+                let token: [u8; 32] = rand::random();
+                let cmd = StoreCommand::Open {
+                    scope: scope.clone(),
+                    token,
+                };
+                match self.store_propose(cmd).await {
+                    Ok(StoreReply::Session { session: id, .. }) => {
+                        self.store.leases().insert(id, Instant::now());
+                        *session = Some(id);
+                        tracing::info!(target: "eccl::master", "store session {id} opened in scope {scope:?}");
+                        reply.send(MasterReply::Store(StoreReply::Session {
+                            session: id,
+                            token,
+                            lease_ms: self.timing.lease.as_millis() as u64,
+                        }));
+                    }
+                    Ok(other) => reply.send(refused(
+                        ErrorCode::Internal,
+                        format!("open gave {other:?}"),
+                    )),
+                    Err(r) => reply.send(r),
+                }
+            }
+            StoreRequest::Attach { session: id, token } => {
+                let known = self
+                    .raft
+                    .read(|r| r.store().session(id).map(|s| s.token));
+                match known {
+                    Some(t) if blake3::Hash::from(t) == blake3::Hash::from(token) => {
+                        self.store.leases().insert(id, Instant::now());
+                        *session = Some(id);
+                        reply.send(MasterReply::Ok);
+                    }
+                    _ => reply.send(refused(
+                        ErrorCode::UnknownPeer,
+                        format!("store session {id} has ended (or this is not its credential)"),
+                    )),
+                }
+            }
+            req => {
+                let Some(id) = *session else {
+                    return reply.send(refused(
+                        ErrorCode::UnknownPeer,
+                        "no store session on this connection (open one first)",
+                    ));
+                };
+                self.store_in_session(session, id, req, reply).await
+            }
+        }
+    }
+
+    async fn store_in_session(
+        self: &Arc<Self>,
+        session: &mut Option<u64>,
+        id: u64,
+        req: StoreRequest,
+        reply: ReplyTo,
+    ) {
+        let read = |keys: &[Vec<u8>]| self.store_read(id, keys);
+        let ended = || refused(ErrorCode::UnknownPeer, format!("store session {id} has ended"));
+        match req {
+            StoreRequest::Open { .. } | StoreRequest::Attach { .. } => {
+                unreachable!("handled by store_request")
+            }
+            StoreRequest::KeepAlive => {
+                let live = self.store.leases().get_mut(&id).map(|t| *t = Instant::now());
+                reply.send(match live {
+                    Some(()) => MasterReply::Ok,
+                    None => ended(),
+                });
+            }
+            StoreRequest::Close => {
+                *session = None;
+                self.close_session(id, "closed by its client").await;
+                reply.send(MasterReply::Ok);
+            }
+            StoreRequest::Write { seq, op } => {
+                if let Err(e) = op.check() {
+                    return reply.send(refused(ErrorCode::InvalidArgument, e));
+                }
+                let r = self
+                    .store_propose(StoreCommand::Write {
+                        session: id,
+                        seq,
+                        op,
+                    })
+                    .await;
+                reply.send(match r {
+                    Ok(a) => MasterReply::Store(a),
+                    Err(e) => e,
+                });
+            }
+            StoreRequest::Get { keys } => {
+                if let Err(e) = check_keys(&keys) {
+                    return reply.send(e);
+                }
+                reply.send(match read(&keys) {
+                    Some(v) => MasterReply::Store(StoreReply::Values(v)),
+                    None => ended(),
+                });
+            }
+            StoreRequest::Check { keys } => {
+                if let Err(e) = check_keys(&keys) {
+                    return reply.send(e);
+                }
+                reply.send(match read(&keys) {
+                    Some(v) => MasterReply::Store(StoreReply::Bool(v.iter().all(Option::is_some))),
+                    None => ended(),
+                });
+            }
+            StoreRequest::NumKeys => {
+                let n = self
+                    .raft
+                    .read(|r| r.store().scope_of(id).map(|s| s.len() as u64));
+                reply.send(match n {
+                    Some(n) => MasterReply::Store(StoreReply::Count(n)),
+                    None => ended(),
+                });
+            }
+            StoreRequest::List { prefix } => {
+                let l = self
+                    .raft
+                    .read(|r| r.store().scope_of(id).map(|s| s.list(&prefix)));
+                reply.send(match l {
+                    Some(l) => MasterReply::Store(StoreReply::Pairs(l)),
+                    None => ended(),
+                });
+            }
+            StoreRequest::Wait { keys, timeout_ms } => {
+                if let Err(e) = check_keys(&keys) {
+                    return reply.send(e);
+                }
+                let timeout = Duration::from_millis(timeout_ms.min(StoreLimits::MAX_WAIT_MS));
+                let me = self.clone();
+                // Waits on its own task: the connection goes on serving other requests.
+                tokio::spawn(async move {
+                    let mut changed = me.store.changed.subscribe();
+                    let until = tokio::time::Instant::now() + timeout;
+                    loop {
+                        if !me.raft.is_leader() {
+                            return reply.send(me.not_leader());
+                        }
+                        match me.store_read(id, &keys) {
+                            None => {
+                                return reply.send(refused(
+                                    ErrorCode::UnknownPeer,
+                                    format!("store session {id} has ended"),
+                                ))
+                            }
+                            Some(v) if v.iter().all(Option::is_some) => {
+                                return reply.send(MasterReply::Ok)
+                            }
+                            Some(v) => {
+                                let missing: Vec<String> = keys
+                                    .iter()
+                                    .zip(&v)
+                                    .filter(|(_, v)| v.is_none())
+                                    .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
+                                    .collect();
+                                match tokio::time::timeout_at(until, changed.changed()).await {
+                                    Ok(Ok(())) => {}
+                                    _ => {
+                                        return reply.send(refused(
+                                            ErrorCode::Timeout,
+                                            format!(
+                                                "wait for {missing:?} timed out after {} ms",
+                                                timeout.as_millis()
+                                            ),
+                                        ))
+                                    }
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// The values of `keys` in `session`'s scope; `None` once the session has ended.
+    fn store_read(&self, session: u64, keys: &[Vec<u8>]) -> Option<Vec<Option<Vec<u8>>>> {
+        self.raft.read(|r| {
+            r.store().scope_of(session).map(|s| {
+                keys.iter()
+                    .map(|k| s.get(k).map(<[u8]>::to_vec))
+                    .collect()
+            })
+        })
+    }
+
+    /// Proposes a store command; its answer, or the reply that says why not.
+    async fn store_propose(&self, cmd: StoreCommand) -> Result<StoreReply, MasterReply> {
+        let r = self.raft.propose(Command::Store(cmd)).await;
+        self.store.bump();
+        match r {
+            Ok(Outcome::Store(Ok(a))) => Ok(a),
+            Ok(Outcome::Store(Err(why))) => Err(refused(ErrorCode::InvalidArgument, why)),
+            Ok(other) => Err(refused(ErrorCode::Internal, format!("store: {other:?}"))),
+            Err(e) => Err(propose_error(e)),
+        }
+    }
+
+    /// Ends a store session (closed, its connection lost, or its lease lapsed).
+    pub async fn close_session(&self, id: u64, reason: &str) {
+        self.store.leases().remove(&id);
+        if !self.raft.is_leader() {
+            return; // the next leader holds the lease now
+        }
+        let cmd = StoreCommand::Close {
+            session: id,
+            reason: reason.to_string(),
+        };
+        match self.store_propose(cmd).await {
+            Ok(_) => tracing::info!(target: "eccl::master", "store session {id} ended: {reason}"),
+            Err(e) => tracing::debug!(target: "eccl::master", "ending store session {id}: {e:?}"),
+        }
+    }
+
+    /// Sessions whose lease lapsed; called by the lease checker on the leader. A new
+    /// leader first gives every session it knows a fresh lease from `from`.
+    pub(super) fn expired_sessions(&self, new_leader_from: Option<Instant>) -> Vec<u64> {
+        let mut leases = self.store.leases();
+        if let Some(from) = new_leader_from {
+            let known: Vec<u64> = self.raft.read(|r| r.store().sessions().collect());
+            *leases = known.into_iter().map(|s| (s, from)).collect();
+        }
+        leases
+            .iter()
+            .filter(|(_, t)| t.elapsed() > self.timing.lease)
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
+    /// This master stopped leading: waits re-check (and redirect), leases are the next
+    /// leader's.
+    pub(super) fn store_step_down(&self) {
+        self.store.leases().clear();
+        self.store.bump();
+    }
+}

@@ -1,0 +1,442 @@
+//! The key-value store's replicated state (see `eccl_protocol::store`): sessions, scopes
+//! and their keys. Part of the [`crate::registry::Registry`], changed only by applying
+//! raft commands, so every master holds the same store. Deterministic: no clocks, no
+//! randomness (the leader chooses tokens before it proposes).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use eccl_protocol::{StoreLimits, StoreReply, StoreWrite};
+use serde::{Deserialize, Serialize};
+
+/// Writes a session remembers the answers of, so that one sent again after a fail-over
+/// is answered, not applied twice.
+const REMEMBERED_WRITES: usize = 64;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Session {
+    pub scope: String,
+    pub token: [u8; 32],
+    /// (seq, answer) of its last writes, oldest first.
+    recent: VecDeque<(u64, Result<StoreReply, String>)>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Entry {
+    value: Vec<u8>,
+    /// The session an ephemeral key belongs to.
+    owner: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Scope {
+    keys: BTreeMap<Vec<u8>, Entry>,
+    /// Bytes of keys and values.
+    bytes: u64,
+}
+
+impl Scope {
+    pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
+        self.keys.get(key).map(|e| e.value.as_slice())
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    pub fn list(&self, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        self.keys
+            .range(prefix.to_vec()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, e)| (k.clone(), e.value.clone()))
+            .collect()
+    }
+
+    /// Sets `key`, or says why the scope cannot hold it (and changes nothing).
+    fn put(&mut self, key: &[u8], value: Vec<u8>, owner: Option<u64>) -> Result<(), String> {
+        let old = self
+            .keys
+            .get(key)
+            .map(|e| (key.len() + e.value.len()) as u64);
+        let new = (key.len() + value.len()) as u64;
+        if old.is_none() && self.keys.len() >= StoreLimits::MAX_KEYS {
+            return Err(format!(
+                "the scope holds {} keys already (at most {})",
+                self.keys.len(),
+                StoreLimits::MAX_KEYS
+            ));
+        }
+        let bytes = self.bytes - old.unwrap_or(0) + new;
+        if bytes > StoreLimits::MAX_SCOPE_BYTES {
+            return Err(format!(
+                "the scope would hold {bytes} bytes (at most {})",
+                StoreLimits::MAX_SCOPE_BYTES
+            ));
+        }
+        self.bytes = bytes;
+        self.keys.insert(key.to_vec(), Entry { value, owner });
+        Ok(())
+    }
+
+    fn remove(&mut self, key: &[u8]) -> bool {
+        match self.keys.remove(key) {
+            Some(e) => {
+                self.bytes -= (key.len() + e.value.len()) as u64;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Applies `op` in full or not at all.
+    fn apply(&mut self, session: u64, op: &StoreWrite) -> Result<StoreReply, String> {
+        op.check()?;
+        match op {
+            StoreWrite::Set {
+                key,
+                value,
+                ephemeral,
+            } => {
+                self.put(key, value.clone(), ephemeral.then_some(session))?;
+                Ok(StoreReply::Done)
+            }
+            StoreWrite::MultiSet { pairs } => {
+                // All or none: try on a copy only when a bound is near; the usual case
+                // (small batches) checks the totals first.
+                let mut copy = self.clone();
+                for (k, v) in pairs {
+                    copy.put(k, v.clone(), None)?;
+                }
+                *self = copy;
+                Ok(StoreReply::Done)
+            }
+            StoreWrite::Add { key, delta } => {
+                let now = match self.get(key) {
+                    None => 0i64,
+                    Some(v) => std::str::from_utf8(v)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<i64>().ok())
+                        .ok_or_else(|| {
+                            format!(
+                                "add on key {:?}, whose value is not an integer",
+                                String::from_utf8_lossy(key)
+                            )
+                        })?,
+                };
+                let sum = now.checked_add(*delta).ok_or_else(|| {
+                    format!(
+                        "add of {delta} to {now} at key {:?} overflows",
+                        String::from_utf8_lossy(key)
+                    )
+                })?;
+                let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
+                self.put(key, sum.to_string().into_bytes(), owner)?;
+                Ok(StoreReply::Int(sum))
+            }
+            StoreWrite::Append { key, value } => {
+                let mut v = self.get(key).map(<[u8]>::to_vec).unwrap_or_default();
+                v.extend_from_slice(value);
+                StoreLimits::check_value(key, &v)?;
+                let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
+                self.put(key, v, owner)?;
+                Ok(StoreReply::Done)
+            }
+            StoreWrite::CompareSet {
+                key,
+                expected,
+                desired,
+            } => match self.get(key) {
+                None if expected.is_empty() => {
+                    self.put(key, desired.clone(), None)?;
+                    Ok(StoreReply::Value(desired.clone()))
+                }
+                None => Ok(StoreReply::Value(expected.clone())),
+                Some(v) if v == expected.as_slice() => {
+                    let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
+                    self.put(key, desired.clone(), owner)?;
+                    Ok(StoreReply::Value(desired.clone()))
+                }
+                Some(v) => Ok(StoreReply::Value(v.to_vec())),
+            },
+            StoreWrite::Delete { key } => Ok(StoreReply::Bool(self.remove(key))),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StoreCommand {
+    /// Opens session (the next id) in `scope`, with the credential the leader chose.
+    Open { scope: String, token: [u8; 32] },
+    /// Ends `session`: its ephemeral keys go, and its scope if no session is left in it.
+    Close { session: u64, reason: String },
+    /// A change in `session`'s scope; `seq` makes a resent write an answer, not a change.
+    Write {
+        session: u64,
+        seq: u64,
+        op: StoreWrite,
+    },
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Store {
+    next_session: u64,
+    sessions: BTreeMap<u64, Session>,
+    scopes: BTreeMap<String, Scope>,
+}
+
+impl Store {
+    /// Applies `cmd`; `Ok` carries the answer for the client, `Err` why it was refused
+    /// (nothing changed).
+    pub fn apply(&mut self, cmd: &StoreCommand) -> Result<StoreReply, String> {
+        match cmd {
+            StoreCommand::Open { scope, token } => {
+                StoreLimits::check_scope(scope)?;
+                if self.sessions.len() >= StoreLimits::MAX_SESSIONS {
+                    return Err(format!(
+                        "{} store sessions are open (at most {})",
+                        self.sessions.len(),
+                        StoreLimits::MAX_SESSIONS
+                    ));
+                }
+                let id = self.next_session.max(1);
+                self.next_session = id + 1;
+                self.sessions.insert(
+                    id,
+                    Session {
+                        scope: scope.clone(),
+                        token: *token,
+                        recent: VecDeque::new(),
+                    },
+                );
+                self.scopes.entry(scope.clone()).or_default();
+                Ok(StoreReply::Session {
+                    session: id,
+                    token: *token,
+                    lease_ms: 0,
+                })
+            }
+            StoreCommand::Close { session, .. } => {
+                let Some(s) = self.sessions.remove(session) else {
+                    return Ok(StoreReply::Bool(false));
+                };
+                let last = !self.sessions.values().any(|o| o.scope == s.scope);
+                if last {
+                    self.scopes.remove(&s.scope);
+                } else if let Some(scope) = self.scopes.get_mut(&s.scope) {
+                    let mine: Vec<Vec<u8>> = scope
+                        .keys
+                        .iter()
+                        .filter(|(_, e)| e.owner == Some(*session))
+                        .map(|(k, _)| k.clone())
+                        .collect();
+                    for k in mine {
+                        scope.remove(&k);
+                    }
+                }
+                Ok(StoreReply::Bool(true))
+            }
+            StoreCommand::Write { session, seq, op } => {
+                let Some(s) = self.sessions.get_mut(session) else {
+                    return Err(format!("store session {session} has ended"));
+                };
+                if let Some((_, answer)) = s.recent.iter().find(|(q, _)| q == seq) {
+                    return answer.clone();
+                }
+                let scope = self.scopes.entry(s.scope.clone()).or_default();
+                let answer = scope.apply(*session, op);
+                s.recent.push_back((*seq, answer.clone()));
+                if s.recent.len() > REMEMBERED_WRITES {
+                    s.recent.pop_front();
+                }
+                answer
+            }
+        }
+    }
+
+    pub fn session(&self, id: u64) -> Option<&Session> {
+        self.sessions.get(&id)
+    }
+
+    pub fn sessions(&self) -> impl Iterator<Item = u64> + '_ {
+        self.sessions.keys().copied()
+    }
+
+    /// The scope `session` acts in.
+    pub fn scope_of(&self, session: u64) -> Option<&Scope> {
+        self.sessions
+            .get(&session)
+            .and_then(|s| self.scopes.get(&s.scope))
+    }
+
+    pub fn scope(&self, name: &str) -> Option<&Scope> {
+        self.scopes.get(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(s: &mut Store, scope: &str) -> u64 {
+        match s.apply(&StoreCommand::Open {
+            scope: scope.into(),
+            token: [1; 32],
+        }) {
+            Ok(StoreReply::Session { session, .. }) => session,
+            o => panic!("{o:?}"),
+        }
+    }
+
+    fn write(s: &mut Store, session: u64, seq: u64, op: StoreWrite) -> Result<StoreReply, String> {
+        s.apply(&StoreCommand::Write { session, seq, op })
+    }
+
+    fn set(key: &str, value: &str) -> StoreWrite {
+        StoreWrite::Set {
+            key: key.into(),
+            value: value.into(),
+            ephemeral: false,
+        }
+    }
+
+    #[test]
+    fn torch_semantics_of_add_and_compare_set() {
+        let mut s = Store::default();
+        let a = open(&mut s, "job");
+        let add = |d| StoreWrite::Add {
+            key: b"n".to_vec(),
+            delta: d,
+        };
+        assert_eq!(write(&mut s, a, 1, add(3)), Ok(StoreReply::Int(3)));
+        assert_eq!(write(&mut s, a, 2, add(-5)), Ok(StoreReply::Int(-2)));
+        // A write sent again after a fail-over is answered, not applied again.
+        assert_eq!(write(&mut s, a, 2, add(-5)), Ok(StoreReply::Int(-2)));
+        assert_eq!(s.scope("job").unwrap().get(b"n"), Some(&b"-2"[..]));
+        let cas = |e: &str, d: &str| StoreWrite::CompareSet {
+            key: b"c".to_vec(),
+            expected: e.into(),
+            desired: d.into(),
+        };
+        // Absent and a non-empty expectation: the expectation comes back, nothing set.
+        assert_eq!(
+            write(&mut s, a, 3, cas("x", "y")),
+            Ok(StoreReply::Value(b"x".to_vec()))
+        );
+        assert_eq!(s.scope("job").unwrap().get(b"c"), None);
+        assert_eq!(
+            write(&mut s, a, 4, cas("", "v1")),
+            Ok(StoreReply::Value(b"v1".to_vec()))
+        );
+        assert_eq!(
+            write(&mut s, a, 5, cas("nope", "v2")),
+            Ok(StoreReply::Value(b"v1".to_vec()))
+        );
+        assert_eq!(
+            write(&mut s, a, 6, cas("v1", "v2")),
+            Ok(StoreReply::Value(b"v2".to_vec()))
+        );
+        write(&mut s, a, 7, set("t", "text")).unwrap();
+        let e = write(
+            &mut s,
+            a,
+            8,
+            StoreWrite::Add {
+                key: b"t".to_vec(),
+                delta: 1,
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("not an integer"), "{e}");
+    }
+
+    #[test]
+    fn refused_writes_change_nothing() {
+        let mut s = Store::default();
+        let a = open(&mut s, "job");
+        write(&mut s, a, 1, set("k", "v")).unwrap();
+        let before = s.clone();
+        let big = vec![0u8; StoreLimits::MAX_VALUE + 1];
+        for op in [
+            StoreWrite::Set {
+                key: b"k".to_vec(),
+                value: big.clone(),
+                ephemeral: false,
+            },
+            StoreWrite::MultiSet {
+                pairs: vec![(b"a".to_vec(), b"1".to_vec()), (b"b".to_vec(), big)],
+            },
+            set("", "v"),
+        ] {
+            assert!(write(&mut s, a, 2, op.clone()).is_err(), "{op:?}");
+            let mut after = s.clone();
+            // Only the remembered answer differs.
+            after.sessions = before.sessions.clone();
+            assert_eq!(after, before);
+            s = before.clone();
+        }
+        assert!(s
+            .apply(&StoreCommand::Open {
+                scope: "bad scope!".into(),
+                token: [0; 32]
+            })
+            .is_err());
+    }
+
+    #[test]
+    fn ephemeral_keys_and_scopes_end_with_their_sessions() {
+        let mut s = Store::default();
+        let a = open(&mut s, "job");
+        let b = open(&mut s, "job");
+        let other = open(&mut s, "other");
+        write(
+            &mut s,
+            a,
+            1,
+            StoreWrite::Set {
+                key: b"agent/a".to_vec(),
+                value: b"1".to_vec(),
+                ephemeral: true,
+            },
+        )
+        .unwrap();
+        write(&mut s, a, 2, set("shared", "x")).unwrap();
+        write(&mut s, other, 1, set("shared", "y")).unwrap();
+        s.apply(&StoreCommand::Close {
+            session: a,
+            reason: "lease".into(),
+        })
+        .unwrap();
+        let job = s.scope("job").unwrap();
+        assert_eq!(job.get(b"agent/a"), None);
+        assert_eq!(job.get(b"shared"), Some(&b"x"[..]));
+        assert!(write(&mut s, a, 3, set("k", "v")).is_err());
+        // The last session of a scope takes the scope's keys with it; others stay.
+        s.apply(&StoreCommand::Close {
+            session: b,
+            reason: "closed".into(),
+        })
+        .unwrap();
+        assert!(s.scope("job").is_none());
+        assert_eq!(s.scope("other").unwrap().get(b"shared"), Some(&b"y"[..]));
+    }
+
+    #[test]
+    fn list_returns_a_prefix_in_order() {
+        let mut s = Store::default();
+        let a = open(&mut s, "job");
+        for (seq, k) in ["agent/b", "agent/a", "agents", "b"].into_iter().enumerate() {
+            write(&mut s, a, seq as u64, set(k, k)).unwrap();
+        }
+        let keys: Vec<_> = s
+            .scope("job")
+            .unwrap()
+            .list(b"agent/")
+            .into_iter()
+            .map(|(k, _)| String::from_utf8(k).unwrap())
+            .collect();
+        assert_eq!(keys, ["agent/a", "agent/b"]);
+    }
+}
