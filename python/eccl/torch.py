@@ -383,7 +383,13 @@ def _fresh_store(store: Any) -> Any:
     a dead rank's public key) must not be read as this one's."""
     global _created
     _created += 1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Under an agent-hosted store (torchrun's c10d default) the store outlives the
+    # workers, and every agent restarts its workers together: the restart count names
+    # the attempt. Where the workers' rank 0 hosts a fresh store in each round (eccl's
+    # rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the counts differ between a
+    # newcomer (0) and the nodes it joins, and the store itself is new: no attempt key.
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "r"
     return dist.PrefixStore(f"eccl/{attempt}/{_created}/", store)
 
 
@@ -429,6 +435,9 @@ def register() -> None:
     script needs no `import eccl`."""
     if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    from eccl import store
+
+    store.register()  # init_method="eccl://..."
 
 
 register()

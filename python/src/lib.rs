@@ -11,6 +11,7 @@
 //! | `results.rs` | `OpInfo`, `WorldUpdate`, `SyncInfo` |
 //! | `errors.rs` | `EcclError` and one class per `eccl::ErrorKind` |
 //! | `master.rs` | an embedded master |
+//! | `store.rs` | `StoreClient`: a session in the master's key-value store |
 //! | `seal.rs` | sealing the job secret to one rank (the torch store handoff) |
 //! | `runtime.rs` | the process's tokio runtime, and the stop at exit |
 
@@ -22,6 +23,7 @@ mod master;
 mod results;
 mod runtime;
 mod seal;
+mod store;
 mod work;
 
 use eccl::{DType, ReduceOp, SyncStrategy};
@@ -43,6 +45,7 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<results::PyWorldUpdate>()?;
     m.add_class::<results::PySyncInfo>()?;
     m.add_class::<master::Master>()?;
+    m.add_class::<store::StoreClient>()?;
     m.add_function(wrap_pyfunction!(runtime::_shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_of, m)?)?;
     m.add_class::<seal::OpenKey>()?;

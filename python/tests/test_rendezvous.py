@@ -1,0 +1,194 @@
+"""torchrun's rendezvous and a torch Store on eccl's masters (`eccl.store`,
+`eccl.rendezvous`): the store as torch's own callers use it, the rendezvous backend's
+contract as torch's tests state it, bad input, and elastic torchrun end to end beside
+c10d (examples/elastic_torchrun.py), with every master, agent and worker stopped."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.rendezvous import (  # noqa: E402
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
+
+import eccl  # noqa: E402
+import eccl.rendezvous  # noqa: E402
+from eccl.store import EcclStore  # noqa: E402
+from procs import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+T = timedelta(seconds=10)
+
+
+@pytest.fixture
+def master():
+    m = eccl.Master()
+    yield m
+    m.shutdown()
+
+
+def store(m, scope="job", timeout=T):
+    return EcclStore(m.addr, scope, m.secret, timeout)
+
+
+def test_the_store_behaves_as_torchs_stores(master):
+    s, t = store(master), store(master)
+    s.set("key0", "value0")
+    assert t.get("key0") == b"value0"
+    assert s.add("counter", 5) == 5 and t.add("counter", 2) == 7
+    assert t.get("counter") == b"7"
+    # compare_set as TCPStore: absent + empty expectation sets; a mismatch answers the
+    # value held; absent + non-empty expectation answers the expectation.
+    assert s.compare_set("cs", "", "first") == b"first"
+    assert t.compare_set("cs", "wrong", "second") == b"first"
+    assert t.compare_set("cs", "first", "second") == b"second"
+    assert s.compare_set("absent", "x", "y") == b"x" and not s.check(["absent"])
+    s.append("log", b"ab")
+    s.append("log", "cd")
+    assert t.get("log") == b"abcd"
+    s.multi_set(["m1", "m2"], [b"1", "2"])
+    assert t.multi_get(["m1", "m2"]) == [b"1", b"2"]
+    assert t.check(["m1", "m2"]) and not t.check(["m1", "nope"])
+    assert s.delete_key("m1") and not s.delete_key("m1")
+    assert s.num_keys() == len(s.list_keys()) == 5
+    # get waits for a key another client sets; wait times out with torch's error.
+    setter = subprocess.Popen([sys.executable, "-c", (
+        "import time, eccl.store as e; time.sleep(0.3); "
+        f"e.EcclStore({master.addr!r}, 'job', {master.secret!r}).set('late', 'x')")])
+    try:
+        assert t.get("late") == b"x"
+    finally:
+        setter.wait(timeout=30)
+    t0 = time.time()
+    with pytest.raises(dist.DistStoreError, match="never"):
+        t.wait(["never"], timedelta(milliseconds=300))
+    assert time.time() - t0 < 5
+    # torch wraps stores: a PrefixStore over this one works as over TCPStore.
+    p = dist.PrefixStore("pre", t)
+    p.set("k", "v")
+    assert p.get("k") == b"v" and s.check(["pre/k"])
+    # scopes do not see each other's keys
+    assert not store(master, "other").check(["key0"])
+
+
+def test_oversized_values_and_bad_keys_are_refused_and_the_store_stays(master):
+    s = store(master)
+    s.set("k", "v")
+    with pytest.raises(eccl.InvalidArgumentError, match="at most"):
+        s.set("k", b"x" * (2 << 20))
+    with pytest.raises(eccl.InvalidArgumentError, match="empty key"):
+        s.set("", "v")
+    with pytest.raises(eccl.InvalidArgumentError, match="key of 5000 bytes"):
+        s.set("a" * 5000, "v")
+    with pytest.raises(eccl.InvalidArgumentError, match="not an integer"):
+        s.add("k", 1)
+    with pytest.raises(eccl.InvalidArgumentError, match="scope"):
+        store(master, "bad scope")
+    assert s.get("k") == b"v" and s.num_keys() == 1
+
+
+def test_gloo_and_the_eccl_init_method_use_the_store(master):
+    """Two processes form a gloo group over `init_method="eccl://..."`."""
+    code = (
+        "import sys, torch, torch.distributed as dist, eccl.store\n"
+        "eccl.store.register()\n"
+        "r = int(sys.argv[1])\n"
+        f"dist.init_process_group('gloo', init_method='eccl://{master.addr}/g1', rank=r, world_size=2)\n"
+        "x = torch.ones(4) * (r + 1); dist.all_reduce(x); print('SUM', x.tolist()); "
+        "dist.destroy_process_group()\n")
+    env = dict(os.environ, ECCL_SECRET=master.secret)
+    ps = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for r in range(2)]
+    outs = []
+    for p in ps:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(ps, outs):
+        assert p.returncode == 0 and "SUM [3.0, 3.0, 3.0, 3.0]" in out, out[-2000:]
+
+
+def params(endpoint, **conf):
+    return RendezvousParameters("eccl", endpoint, "job", 2, 3, **conf)
+
+
+def test_the_backend_keeps_torchs_compare_and_set_contract(master, monkeypatch):
+    """What torch's RendezvousBackend tests ask of a backend, on opaque states."""
+    monkeypatch.setenv("ECCL_SECRET", master.secret)
+    backend, _ = eccl.rendezvous.create_backend(params(master.addr))
+    assert backend.name == "eccl"
+    assert backend.get_state() is None
+    state, token, ok = backend.set_state(b"x")
+    assert (state, ok) == (b"x", True)
+    # Only-if-absent finds the state there.
+    state2, token2, ok2 = backend.set_state(b"y")
+    assert (state2, token2, ok2) == (b"x", token, False)
+    # A stale token changes nothing; the current one does.
+    state3, token3, ok3 = backend.set_state(b"z", token)
+    assert (state3, ok3) == (b"z", True)
+    state4, _, ok4 = backend.set_state(b"w", token)
+    assert (state4, ok4) == (b"z", False)
+    assert backend.get_state() == (b"z", token3)
+    # torch's handler runs over it (its settings parsed from the same parameters); it
+    # sets the agent's environment for its workers, which this test puts back.
+    monkeypatch.setenv("ECCL_MASTER", "unset")
+    monkeypatch.delenv("ECCL_MASTER")
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    handler = eccl.rendezvous.create_handler(params(master.addr, last_call_timeout=1))
+    assert handler.get_backend() == "eccl" and not handler.use_agent_store
+
+
+def test_a_wrong_secret_or_no_master_is_a_connection_error(master, monkeypatch):
+    monkeypatch.setenv("ECCL_SECRET", "not-the-jobs-secret-0123456789abcdef")
+    with pytest.raises(RendezvousConnectionError, match="authentication"):
+        eccl.rendezvous.create_backend(params(master.addr))
+    monkeypatch.setenv("ECCL_SECRET", master.secret)
+    t0 = time.time()
+    with pytest.raises(RendezvousConnectionError, match="no eccl master"):
+        eccl.rendezvous.create_backend(params(f"127.0.0.1:{free_port()}", timeout=1))
+    assert time.time() - t0 < 10
+
+
+def elastic(tmp_path, *args):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "elastic_torchrun.py"),
+                        "--steps", "120", "--limit", "90", "--json", str(out), *args],
+                       capture_output=True, text=True, timeout=600)
+    assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text()), p.stdout
+
+
+def test_elastic_torchrun_survives_losing_any_node_and_c10d_does_not(tmp_path):
+    """Three agents; the node started first (with c10d: the store's host) is SIGKILLed
+    with its worker; a replacement joins. eccl's rendezvous finishes at world 3 with one
+    set of parameters; c10d's ends."""
+    res, out = elastic(tmp_path, "--backends", "eccl,c10d")
+    print(out)
+    e, c = res
+    assert e["outcome"] == "finished" and e["final_world"] == 3, e
+    assert e["kill_to_world2_step_s"] is not None and e["replacement_to_world3_step_s"] is not None
+    assert c["outcome"] == "job ended", c
+
+
+def test_elastic_torchrun_goes_on_when_the_master_leader_dies(tmp_path):
+    if not (ROOT / "target" / "release" / "eccl-master").exists():
+        pytest.skip("target/release/eccl-master is not built (cargo build --release)")
+    res, out = elastic(tmp_path, "--backends", "eccl", "--masters", "3", "--kill-leader", "both")
+    print(out)
+    (e,) = res
+    assert e["leader_killed_in_training"]["training_went_on"], e
+    assert "leader_killed_in_rdzv" in e, e
+    assert e["outcome"] == "finished" and e["final_world"] == 3, e
