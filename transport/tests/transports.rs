@@ -265,6 +265,47 @@ async fn a_verbs_link_without_a_device_fails_with_its_cause() {
     );
 }
 
+/// Options a queue pair could not be made with are refused before anything starts.
+#[cfg(feature = "verbs")]
+#[tokio::test]
+async fn verbs_options_out_of_range_are_refused() {
+    use eccl_transport::verbs::{establish, VerbsOptions};
+    let obs: Arc<dyn LinkObserver> = Arc::new(Seen::default());
+    for (opts, why) in [
+        (
+            VerbsOptions {
+                slots: 0,
+                ..Default::default()
+            },
+            "0 receive slots",
+        ),
+        (
+            VerbsOptions {
+                slot_bytes: 64,
+                ..Default::default()
+            },
+            "64 bytes per slot",
+        ),
+        (
+            VerbsOptions {
+                slots: 1 << 20,
+                ..Default::default()
+            },
+            "slots (1 to",
+        ),
+    ] {
+        let (a, _b) = tokio::io::duplex(64);
+        let e = establish(a, "p".into(), opts, obs.clone(), T)
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(e, TransportError::Verbs { .. }) && e.to_string().contains(why),
+            "{e}"
+        );
+    }
+}
+
 /// A peer that vanishes (its process killed: every descriptor closed) fails the shm link
 /// after the frames it published, and a sender blocked on a full ring is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@
 
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use eccl_protocol::frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
 use eccl_protocol::{codec, VerbsHello};
@@ -30,6 +30,9 @@ pub struct VerbsOptions {
     pub slots: u32,
     /// Bytes per buffer: a frame's header and payload.
     pub slot_bytes: u32,
+    /// The GID table index to route with (as `NCCL_IB_GID_INDEX`); the port's first
+    /// entry when `None`.
+    pub gid_index: Option<u32>,
 }
 
 impl Default for VerbsOptions {
@@ -38,6 +41,7 @@ impl Default for VerbsOptions {
             device: None,
             slots: 64,
             slot_bytes: (1 << 20) + FRAME_HEADER_LEN as u32,
+            gid_index: None,
         }
     }
 }
@@ -77,6 +81,8 @@ pub async fn establish<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    VerbsHello::check_ring(opts.slots, opts.slot_bytes)
+        .map_err(|e| verbs_err(&peer, "options", e))?;
     let (hello_tx, hello_rx) = oneshot::channel();
     let (remote_tx, remote_rx) = std_mpsc::sync_channel(1);
     let (frames_tx, frames_rx) = mpsc::channel::<Vec<u8>>(opts.slots as usize);
@@ -115,55 +121,91 @@ where
             })?;
         Ok::<_, TransportError>(remote)
     };
-    let remote = match tokio::time::timeout(timeout, exchange).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            let _ = ctl_tx.send(Control::Stop);
-            return Err(e);
-        }
-        Err(_) => {
-            let _ = ctl_tx.send(Control::Stop);
-            return Err(TransportError::Timeout(peer));
-        }
-    };
+    let remote = within(timeout, exchange, &ctl_tx, &peer).await?;
+    let remote_slot_bytes = remote.slot_bytes;
     let (ready_tx, ready_rx) = oneshot::channel();
     let _ = remote_tx.send((remote, ready_tx));
-    match tokio::time::timeout(timeout, ready_rx).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => return Err(e),
-        Ok(Err(_)) => return Err(verbs_err(&peer, "set-up", "the link's thread ended")),
-        Err(_) => {
-            let _ = ctl_tx.send(Control::Stop);
-            return Err(TransportError::Timeout(peer));
+    // Our queue pair is ready to receive; the peer's may not be yet (a packet to a queue
+    // pair that is not connected is dropped, and retries run out): each side says
+    // "ready" on the control stream and waits for the other's before it sends.
+    let ready = async {
+        ready_rx
+            .await
+            .map_err(|_| verbs_err(&peer, "set-up", "the link's thread ended"))??;
+        let io = |e| TransportError::io(&peer, e);
+        control.write_all(b"R").await.map_err(io)?;
+        control.flush().await.map_err(io)?;
+        let mut b = [0u8; 1];
+        control.read_exact(&mut b).await.map_err(io)?;
+        if b != *b"R" {
+            return Err(verbs_err(
+                &peer,
+                "set-up",
+                "the peer did not say it was ready",
+            ));
         }
-    }
+        Ok(())
+    };
+    within(timeout, ready, &ctl_tx, &peer).await?;
 
     let (read, write) = tokio::io::split(control);
-    tokio::spawn(read_control(read, peer.clone(), observer, ctl_tx.clone()));
-    let max_payload = opts.slot_bytes as usize - FRAME_HEADER_LEN;
+    let watcher = tokio::spawn(read_control(read, peer.clone(), observer, ctl_tx.clone()));
+    // Dropping both halves stops the watcher, which closes the stream: the peer sees EOF.
+    let watcher = Arc::new(AbortOnDrop(watcher.abort_handle()));
+    // A frame must fit the smaller of the two sides' slots (ours is where it is copied,
+    // the peer's where it lands).
+    let slot = opts.slot_bytes.min(remote_slot_bytes) as usize;
     let tx = VerbsTx {
         peer: peer.clone(),
         frames: frames_tx,
         control: Box::new(write),
         failed,
-        max_payload,
+        max_payload: slot - FRAME_HEADER_LEN,
+        sent: 0,
+        _watcher: watcher.clone(),
     };
     let rx = VerbsRx {
         peer,
         events: events_rx,
         _stop: StopOnDrop(ctl_tx),
+        _watcher: watcher,
     };
     Ok((LinkTx::verbs(tx), LinkRx::verbs(rx)))
 }
 
+/// A set-up step, bounded by `timeout`; when it fails, the engine thread is stopped.
+async fn within<T>(
+    timeout: Duration,
+    step: impl std::future::Future<Output = Result<T, TransportError>>,
+    engine: &std_mpsc::Sender<Control>,
+    peer: &str,
+) -> Result<T, TransportError> {
+    let r = tokio::time::timeout(timeout, step)
+        .await
+        .unwrap_or_else(|_| Err(TransportError::Timeout(peer.to_string())));
+    if r.is_err() {
+        let _ = engine.send(Control::Stop);
+    }
+    r
+}
+
 /// What the async side tells the engine besides frames.
 pub(super) enum Control {
-    /// The peer closed the link on purpose: deliver what has arrived, then report it.
-    PeerClosed,
+    /// The peer closed the link on purpose after sending this many data frames: deliver
+    /// them all, then report the close.
+    PeerClosed(u64),
     /// The peer's control stream failed (it died): report that.
     PeerLost(TransportError),
     /// This side is done with the link.
     Stop,
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 struct StopOnDrop(std_mpsc::Sender<Control>);
@@ -208,7 +250,7 @@ async fn read_control<R: AsyncRead + Unpin>(
             return;
         }
         if h.kind == FrameKind::Close {
-            let _ = engine.send(Control::PeerClosed);
+            let _ = engine.send(Control::PeerClosed(h.offset));
             return;
         }
         observer.on_abort(&peer, &h, &String::from_utf8_lossy(&reason));
@@ -222,6 +264,9 @@ pub(crate) struct VerbsTx {
     control: Box<dyn AsyncWrite + Send + Unpin>,
     failed: Arc<Mutex<Option<Arc<TransportError>>>>,
     max_payload: usize,
+    /// Data frames handed to the engine; the closing frame carries the count.
+    sent: u64,
+    _watcher: Arc<AbortOnDrop>,
 }
 
 impl VerbsTx {
@@ -231,8 +276,10 @@ impl VerbsTx {
 
     fn failure(&self) -> TransportError {
         match self.failed.lock().ok().and_then(|f| f.clone()) {
-            Some(e) => verbs_err(&self.peer, "link failed earlier", e),
-            None => TransportError::Closed {
+            Some(e) if !matches!(*e, TransportError::Closed { .. }) => {
+                verbs_err(&self.peer, "link failed earlier", e)
+            }
+            _ => TransportError::Closed {
                 peer: self.peer.clone(),
             },
         }
@@ -244,11 +291,25 @@ impl VerbsTx {
         part: &[u8],
         timeout: Duration,
     ) -> Result<(), TransportError> {
+        if part.len() > self.max_payload {
+            return Err(verbs_err(
+                &self.peer,
+                "send",
+                format!(
+                    "a {}-byte frame does not fit a {}-byte slot",
+                    part.len(),
+                    self.max_payload
+                ),
+            ));
+        }
         let mut msg = Vec::with_capacity(FRAME_HEADER_LEN + part.len());
         msg.extend_from_slice(&h.encode());
         msg.extend_from_slice(part);
         match tokio::time::timeout(timeout, self.frames.send(msg)).await {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(())) => {
+                self.sent += 1;
+                Ok(())
+            }
             Ok(Err(_)) => Err(self.failure()),
             Err(_) => Err(TransportError::Timeout(self.peer.clone())),
         }
@@ -296,29 +357,17 @@ impl VerbsTx {
                 Err(_) => Err(TransportError::Timeout(self.peer.clone())),
             };
         }
-        if payload.len() > self.max_payload {
-            return Err(verbs_err(
-                &self.peer,
-                "send",
-                format!(
-                    "a {}-byte frame does not fit a {}-byte slot",
-                    payload.len(),
-                    self.max_payload
-                ),
-            ));
-        }
         self.push(h, payload, timeout).await
     }
 
     /// Waits (briefly) until the engine has sent every queued frame, then tells the peer
     /// on the control stream: what preceded the close arrives before it.
     pub(crate) async fn close(mut self, header: FrameHeader) {
-        let deadline = Instant::now() + Duration::from_millis(500);
-        while self.frames.capacity() < self.frames.max_capacity() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        // The close may overtake frames still on their way over RDMA: it carries how
+        // many there were, and the peer reports it once they have all arrived.
         let mut h = header;
         h.kind = FrameKind::Close;
+        h.offset = self.sent;
         let _ = self.send_frame(h, &[], Duration::from_millis(200)).await;
         let _ = tokio::time::timeout(Duration::from_millis(200), self.control.shutdown()).await;
     }
@@ -329,6 +378,7 @@ pub(crate) struct VerbsRx {
     peer: String,
     events: mpsc::Receiver<LinkEvent>,
     _stop: StopOnDrop,
+    _watcher: Arc<AbortOnDrop>,
 }
 
 impl VerbsRx {
