@@ -245,6 +245,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.kill_leader != "none" and a.masters == 1:
         ap.error("--kill-leader needs --masters 3")
+    # --masters and --kill-leader apply to the eccl run; c10d has no masters.
     results = []
     for b in a.backends.split(","):
         d = tempfile.mkdtemp(prefix=f"eccl-elastic-{b}-")

@@ -21,6 +21,7 @@ from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.futures import Future
 
 import eccl
@@ -101,13 +102,23 @@ class TorchWork(dist._Work):
     def get_future(self) -> Future:
         return self._fut
 
+    # What `dist.recv(src=None)` asks after waiting: the rank the message came from.
+    _source: int = -1
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source
+
 
 class _Completer:
     """Finishes the backend's Work objects in the order their eccl calls were made: one
     thread per process group waits on each call in turn (eccl runs one communicator's
     calls in order anyway), then runs the collective's copy-out step."""
 
-    def __init__(self) -> None:
+    def __init__(self, pg: Optional["ProcessGroupEccl"] = None) -> None:
+        self._pg = pg
         self._q: "queue.Queue[Any]" = queue.Queue()
         self._t = threading.Thread(target=self._run, name="eccl-completer", daemon=True)
         self._t.start()
@@ -124,6 +135,9 @@ class _Completer:
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
+                if self._pg is not None and isinstance(
+                        e, (eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError)):
+                    self._pg._recover = True
                 work._finish(None, e)
             else:
                 work._finish(result, None)
@@ -141,14 +155,36 @@ class _Completer:
         self._q.put(None)
 
 
-class ProcessGroupEccl(dist.ProcessGroup):
-    """A torch ProcessGroup whose collectives run on an `eccl.Communicator`."""
+class ProcessGroupEccl(_C10dBackend):
+    """torch's c10d `Backend` for the device type "cpu" whose collectives run on an
+    `eccl.Communicator` (as ProcessGroupGloo is gloo's). torch wraps it in a
+    ProcessGroup and registers it for its devices, so everything torch does with a
+    group's backend (group names, `destroy_process_group(g)`, `monitored_barrier`'s
+    device check, `_get_backend`, the reconfigure hooks) finds it."""
 
     def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None):
         super().__init__(comm.rank, comm.world_size)
         self.comm = comm
         self._master = master
-        self._done = _Completer()
+        self._done = _Completer(self)
+        self._closed = False
+        # Set when a call failed in a way that aborted the epoch on every rank (a
+        # refused argument, a mismatch): the next call first forms the next epoch.
+        self._recover = False
+
+    def _ready(self) -> None:
+        """Before a call: if an earlier one aborted the epoch, form the next one (every
+        rank does the same at its next call). The same ranks go on; a world that lost or
+        gained a member cannot be torch's fixed group any more, and says so."""
+        if not self._recover:
+            return
+        self._recover = False
+        w = self.comm.update_topology()
+        if w.rank != self.rank() or w.world_size != self.size():
+            raise eccl.AbortedError(
+                f"the group's world changed from {self.size()} ranks to {w.world_size} (this "
+                f"process was rank {self.rank()}, now {w.rank}): a torch process group has "
+                "fixed ranks; re-create it, or use eccl.torch.ElasticDDP")
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -307,7 +343,34 @@ class ProcessGroupEccl(dist.ProcessGroup):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+        # torch's layout: output_lists[r][i] receives rank r's inputs[i]. One collective:
+        # the inputs travel as one flat buffer per rank.
+        n = self.size()
+        inputs = [_cpu(t) for t in inputs]
+        if len(output_lists) != n:
+            raise eccl.InvalidArgumentError(
+                f"all_gather_coalesced: {len(output_lists)} output lists for {n} ranks")
+        dtypes = {t.dtype for t in inputs}
+        if len(dtypes) > 1:
+            raise eccl.InvalidArgumentError(
+                f"all_gather_coalesced: inputs of several dtypes {sorted(map(str, dtypes))}")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs) or any(
+                    o.numel() != i.numel() or o.dtype != i.dtype for o, i in zip(outs, inputs)):
+                raise eccl.InvalidArgumentError(
+                    f"all_gather_coalesced: output_lists[{r}] must match the inputs "
+                    f"({[tuple(i.shape) for i in inputs]}, {inputs[0].dtype if inputs else None})")
+        flat_in = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+        flat_out = torch.empty((n, flat_in.numel()), dtype=flat_in.dtype)
+        w = self.comm.all_gather(flat_out, flat_in, async_op=True)
+
+        def scatter_back() -> None:
+            for r, outs in enumerate(output_lists):
+                off = 0
+                for o in outs:
+                    o.copy_(flat_out[r, off:off + o.numel()].view_as(o))
+                    off += o.numel()
+        return self._done.submit([w], output_lists, scatter_back)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
@@ -327,7 +390,10 @@ class ProcessGroupEccl(dist.ProcessGroup):
     def shutdown(self) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the
         others' calls still in flight (a recv of what this rank sent) complete instead of
-        aborting as they would for a crashed rank."""
+        aborting as they would for a crashed rank. torch may call it more than once."""
+        if self._closed:
+            return
+        self._closed = True
         self._done.close()
         try:
             self.comm.leave()
@@ -335,6 +401,24 @@ class ProcessGroupEccl(dist.ProcessGroup):
             pass
         if self._master is not None:
             self._master.shutdown()
+
+
+def _recovering(fn):
+    def call(self, *args, **kwargs):
+        self._ready()
+        return fn(self, *args, **kwargs)
+    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
+    return call
+
+
+# Every call torch makes first recovers an epoch an earlier call aborted.
+for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+              "_allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter",
+              "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "gather", "scatter",
+              "alltoall", "alltoall_base", "barrier", "send", "recv", "all_gather_single",
+              "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter_single",
+              "reduce_scatter_single_coalesced", "all_to_all_single", "gather_single"):
+    setattr(ProcessGroupEccl, _name, _recovering(getattr(ProcessGroupEccl, _name)))
 
 
 def _store_get(store: Any, key: str, timeout: timedelta) -> str:
@@ -396,7 +480,11 @@ def _fresh_store(store: Any) -> Any:
 def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupEccl:
     """The backend's constructor, as `init_process_group` calls it."""
     store = _fresh_store(store)
-    master_addr = os.environ.get("ECCL_MASTER")
+    # ECCL_MASTER serves the default group. A group made later (`new_group`) is a job of
+    # its own with a master in its rank 0: on a shared master its members would be
+    # pending peers of the default group's world, waiting on members that never vote.
+    default_group = not dist.is_initialized()
+    master_addr = os.environ.get("ECCL_MASTER") if default_group else None
     secret = os.environ.get("ECCL_SECRET")
     if secret is None and os.environ.get("ECCL_SECRET_FILE"):
         with open(os.environ["ECCL_SECRET_FILE"]) as f:

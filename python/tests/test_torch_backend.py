@@ -113,9 +113,7 @@ BAD = textwrap.dedent("""
     expect("bool_dtype", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool)))
     # shapes that differ across ranks: every rank gets an error, nobody hangs
     expect("shape_mismatch", lambda: dist.all_reduce(torch.ones(3 + r)))
-    # and the group recovers for the next call after update_topology
-    pg = dist.distributed_c10d._get_default_group()
-    pg.comm.update_topology()
+    # and the group recovers by itself: the next call forms the next epoch first
     t = torch.ones(2); dist.all_reduce(t)
     caught["after"] = t.tolist()
     print("RESULT " + json.dumps(caught), flush=True)
@@ -128,9 +126,11 @@ def test_bad_input_raises_and_never_hangs(tmp_path):
     script.write_text(BAD)
     res = run_world(2, [], script=script)
     for r in res:
-        for key in ("meta_device", "non_contiguous", "bool_dtype", "shape_mismatch"):
+        for key in ("non_contiguous", "bool_dtype", "shape_mismatch"):
             assert r[key], f"{key} did not raise"
-        assert "CPU" in r["meta_device"]
+        # A meta tensor never reaches the backend: torch runs its meta kernel, for gloo
+        # and eccl alike (the backend is registered for "cpu").
+        assert r["meta_device"] is None
         assert "contiguous" in r["non_contiguous"]
         assert "bool" in r["bool_dtype"]
         assert "Mismatch" in r["shape_mismatch"] or "mismatch" in r["shape_mismatch"]
