@@ -162,8 +162,10 @@ class ProcessGroupEccl(_C10dBackend):
     group's backend (group names, `destroy_process_group(g)`, `monitored_barrier`'s
     device check, `_get_backend`, the reconfigure hooks) finds it."""
 
-    def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None):
+    def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None,
+                 timeout: timedelta = timedelta(minutes=30)):
         super().__init__(comm.rank, comm.world_size)
+        self._timeout = timeout
         self.comm = comm
         self._master = master
         self._done = _Completer(self)
@@ -171,6 +173,35 @@ class ProcessGroupEccl(_C10dBackend):
         # Set when a call failed in a way that aborted the epoch on every rank (a
         # refused argument, a mismatch): the next call first forms the next epoch.
         self._recover = False
+
+    # torch's Backend trampoline forwards these to Python; left to the C++ base, each
+    # would call back into itself. eccl does none of them yet (issue 22 adds some).
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return False
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return False
+
+    @property
+    def _supports_time_estimate(self) -> bool:
+        return False
+
+    @property
+    def supports_window(self) -> bool:
+        return False
+
+    def options(self):
+        return _C10dBackend.Options(BACKEND, self._timeout)
 
     def _ready(self) -> None:
         """Before a call: if an earlier one aborted the epoch, form the next one (every
@@ -513,7 +544,7 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Proce
             f"eccl formed a world where this process is rank {topo.rank} of "
             f"{topo.world_size}, but torch asked for rank {rank} of {world_size} (is "
             "another job using the same ECCL_MASTER?)")
-    return ProcessGroupEccl(comm, master)
+    return ProcessGroupEccl(comm, master, timeout)
 
 
 def register() -> None:

@@ -52,8 +52,19 @@ def calls(r, n):
     fut = dist.all_reduce(torch.ones(2) * r, async_op=True).get_future()
     out["future_then"] = fut.then(lambda f: f.value()[0] * 2).wait().tolist()
 
+    # batch_isend_irecv with tags (torch asks the backend whether it coalesces first).
+    send, recv = torch.full((3,), float(r)), torch.empty(3)
+    send2, recv2 = torch.full((2,), 10.0 + r), torch.empty(2)
+    ops = [dist.P2POp(dist.isend, send, (r + 1) % n, tag=1),
+           dist.P2POp(dist.irecv, recv, (r - 1) % n, tag=1),
+           dist.P2POp(dist.isend, send2, (r + 1) % n, tag=2),
+           dist.P2POp(dist.irecv, recv2, (r - 1) % n, tag=2)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out["batch_isend_irecv"] = [recv.tolist(), recv2.tolist()]
+
     # barrier(device_ids) is ignored on CPU, as gloo does.
-    dist.barrier()
+    dist.barrier(device_ids=[0])
     out["group_name_set"] = bool(dist.distributed_c10d._get_default_group().group_name)
     return out
 
