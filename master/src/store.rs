@@ -32,6 +32,10 @@ pub struct Scope {
     keys: BTreeMap<Vec<u8>, Entry>,
     /// Bytes of keys and values.
     bytes: u64,
+    /// The most this scope may hold during the write being applied (its own bound, or
+    /// less where the other scopes leave less of the store's).
+    #[serde(skip)]
+    limit: u64,
 }
 
 impl Scope {
@@ -70,10 +74,13 @@ impl Scope {
             ));
         }
         let bytes = self.bytes - old.unwrap_or(0) + new;
-        if bytes > StoreLimits::MAX_SCOPE_BYTES {
+        if bytes > self.limit {
             return Err(format!(
-                "the scope would hold {bytes} bytes (at most {})",
-                StoreLimits::MAX_SCOPE_BYTES
+                "the scope would hold {bytes} bytes (at most {} now: {} per scope, {} in \
+                 all scopes of the store)",
+                self.limit,
+                StoreLimits::MAX_SCOPE_BYTES,
+                StoreLimits::MAX_STORE_BYTES
             ));
         }
         self.bytes = bytes;
@@ -245,7 +252,15 @@ impl Store {
                 if let Some((_, answer)) = s.recent.iter().find(|(q, _)| q == seq) {
                     return answer.clone();
                 }
+                let others: u64 = self
+                    .scopes
+                    .iter()
+                    .filter(|(name, _)| **name != s.scope)
+                    .map(|(_, sc)| sc.bytes)
+                    .sum();
                 let scope = self.scopes.entry(s.scope.clone()).or_default();
+                scope.limit = StoreLimits::MAX_SCOPE_BYTES
+                    .min(StoreLimits::MAX_STORE_BYTES.saturating_sub(others));
                 let answer = scope.apply(*session, op);
                 s.recent.push_back((*seq, answer.clone()));
                 if s.recent.len() > REMEMBERED_WRITES {
@@ -421,6 +436,32 @@ mod tests {
         .unwrap();
         assert!(s.scope("job").is_none());
         assert_eq!(s.scope("other").unwrap().get(b"shared"), Some(&b"y"[..]));
+    }
+
+    #[test]
+    fn the_store_as_a_whole_is_bounded_across_scopes() {
+        let mut s = Store::default();
+        let value = vec![0u8; StoreLimits::MAX_VALUE];
+        let per_scope = (StoreLimits::MAX_SCOPE_BYTES / StoreLimits::MAX_VALUE as u64) - 1;
+        let scopes = StoreLimits::MAX_STORE_BYTES / StoreLimits::MAX_SCOPE_BYTES;
+        let mut refused = 0;
+        for sc in 0..=scopes {
+            let a = open(&mut s, &format!("s{sc}"));
+            for i in 0..per_scope {
+                let op = StoreWrite::Set {
+                    key: format!("k{i}").into_bytes(),
+                    value: value.clone(),
+                    ephemeral: false,
+                };
+                if write(&mut s, a, i, op).is_err() {
+                    refused += 1;
+                }
+            }
+        }
+        // The last scope finds the store (nearly) full: most of its writes are refused.
+        assert!(refused >= per_scope - 4, "{refused}");
+        let total: u64 = s.scopes.values().map(|sc| sc.bytes).sum();
+        assert!(total <= StoreLimits::MAX_STORE_BYTES);
     }
 
     #[test]

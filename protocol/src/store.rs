@@ -26,6 +26,13 @@ impl StoreLimits {
     pub const MAX_KEYS: usize = 1 << 16;
     /// Bytes of keys and values in one scope.
     pub const MAX_SCOPE_BYTES: u64 = 64 << 20;
+    /// Bytes of keys and values in all scopes of a master together: what a holder of
+    /// the job secret can make the masters hold, however many sessions it opens.
+    pub const MAX_STORE_BYTES: u64 = 256 << 20;
+    /// Bytes of the keys one `wait`, `get` or `check` names.
+    pub const MAX_KEYS_BYTES: usize = 256 << 10;
+    /// `wait` requests pending on one master at once.
+    pub const MAX_WAITS: usize = 1024;
     /// Keys in one request (`multi_get`, `multi_set`, `wait`, `check`).
     pub const MAX_BATCH: usize = 4096;
     /// Bytes of a scope's name.

@@ -18,6 +18,8 @@ use crate::store::StoreCommand;
 pub(crate) struct StoreLive {
     leases: std::sync::Mutex<HashMap<u64, Instant>>,
     changed: tokio::sync::watch::Sender<u64>,
+    /// `wait` requests pending at once, bounded.
+    waits: Arc<tokio::sync::Semaphore>,
 }
 
 impl Default for StoreLive {
@@ -25,6 +27,7 @@ impl Default for StoreLive {
         StoreLive {
             leases: Default::default(),
             changed: tokio::sync::watch::channel(0).0,
+            waits: Arc::new(tokio::sync::Semaphore::new(StoreLimits::MAX_WAITS)),
         }
     }
 }
@@ -59,6 +62,16 @@ fn check_keys(keys: &[Vec<u8>]) -> Result<(), MasterReply> {
     }
     for k in keys {
         StoreLimits::check_key(k).map_err(|e| refused(ErrorCode::InvalidArgument, e))?;
+    }
+    let bytes: usize = keys.iter().map(Vec::len).sum();
+    if bytes > StoreLimits::MAX_KEYS_BYTES {
+        return Err(refused(
+            ErrorCode::InvalidArgument,
+            format!(
+                "{bytes} bytes of keys in one request (at most {})",
+                StoreLimits::MAX_KEYS_BYTES
+            ),
+        ));
     }
     Ok(())
 }
@@ -219,9 +232,19 @@ impl Coordinator {
                     return reply.send(e);
                 }
                 let timeout = Duration::from_millis(timeout_ms.min(StoreLimits::MAX_WAIT_MS));
+                let Ok(permit) = self.store.waits.clone().try_acquire_owned() else {
+                    return reply.send(refused(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "{} store waits are pending on this master (at most that many)",
+                            StoreLimits::MAX_WAITS
+                        ),
+                    ));
+                };
                 let me = self.clone();
                 // Waits on its own task: the connection goes on serving other requests.
                 tokio::spawn(async move {
+                    let _permit = permit;
                     let mut changed = me.store.changed.subscribe();
                     let until = tokio::time::Instant::now() + timeout;
                     loop {
