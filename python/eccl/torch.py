@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any, List, Optional
 
@@ -163,9 +164,11 @@ class ProcessGroupEccl(_C10dBackend):
     device check, `_get_backend`, the reconfigure hooks) finds it."""
 
     def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None,
-                 timeout: timedelta = timedelta(minutes=30)):
+                 timeout: timedelta = timedelta(minutes=30), store: Any = None):
         super().__init__(comm.rank, comm.world_size)
         self._timeout = timeout
+        self._store = store
+        self._barriers = 0
         self.comm = comm
         self._master = master
         self._done = _Completer(self)
@@ -358,6 +361,52 @@ class ProcessGroupEccl(_C10dBackend):
     def barrier(self, opts=None):
         return self._done.submit([self.comm.barrier(async_op=True)], None)
 
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        """gloo's monitored barrier: rank 0 waits (at most the barrier's timeout) for
+        every other rank to arrive and names the ranks that did not (the first one, or
+        all of them with `wait_all_ranks`); the others wait for rank 0's verdict. It runs
+        over the group's rendezvous store, beside the communicator (whose calls run in
+        order, so one missing rank would hide the ones behind it)."""
+        if self._store is None:
+            raise RuntimeError("monitored_barrier needs the group's store")
+        timeout = getattr(opts, "timeout", None) or self._timeout
+        ms = int(timeout.total_seconds() * 1000)
+        self._barriers += 1
+        base = f"eccl/monitored_barrier/{self._barriers}/"
+        me, n = self.rank(), self.size()
+        deadline = time.monotonic() + timeout.total_seconds()
+        if me != 0:
+            self._store.set(f"{base}arrived/{me}", "1")
+            while not self._store.check([f"{base}verdict"]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"Rank {me} timed out in monitoredBarrier after {ms} ms waiting for "
+                        "rank 0")
+                time.sleep(0.005)
+            verdict = self._store.get(f"{base}verdict").decode()
+            if verdict != "ok":
+                raise RuntimeError(verdict)
+            return
+        missing = list(range(1, n))
+        pause = 0.001
+        while missing:
+            missing = [r for r in missing if not self._store.check([f"{base}arrived/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        if not missing:
+            self._store.set(f"{base}verdict", "ok")
+            return
+        # gloo's words, so that code matching them keeps working.
+        if wait_all_ranks:
+            msg = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass "
+                   f"monitoredBarrier in {ms} ms")
+        else:
+            msg = f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms"
+        self._store.set(f"{base}verdict", msg)
+        raise RuntimeError(msg)
+
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
         ws = [self.comm.send(_cpu(t).contiguous(), dstRank, tag, async_op=True) for t in tensors]
         return self._done.submit(ws, tensors)
@@ -544,7 +593,7 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Proce
             f"eccl formed a world where this process is rank {topo.rank} of "
             f"{topo.world_size}, but torch asked for rank {rank} of {world_size} (is "
             "another job using the same ECCL_MASTER?)")
-    return ProcessGroupEccl(comm, master, timeout)
+    return ProcessGroupEccl(comm, master, timeout, store)
 
 
 def register() -> None:

@@ -17,3 +17,13 @@ def test_calls_beyond_the_plain_collectives_match_gloo(n):
         assert set(ours[r]) == set(gloo[r]), r
         for key in gloo[r]:
             assert ours[r][key] == gloo[r][key], f"rank {r} {key}: {ours[r][key]} vs {gloo[r][key]}"
+
+
+def test_monitored_barrier_names_the_missing_ranks_as_gloo_does():
+    """Everyone arrives: all pass. Rank 2 arrives 2 s past a 1 s timeout: rank 0 names
+    it in gloo's words, the others raise too."""
+    script = HERE / "monitored_script.py"
+    gloo = run_world(3, ["gloo"], script)
+    ours = run_world(3, ["eccl"], script)
+    assert ours == gloo, (ours, gloo)
+    assert gloo[0]["late"] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 1000 ms"
