@@ -23,17 +23,18 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TRAIN = os.path.join(HERE, "elastic_train.py")
 sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+sys.path.insert(0, HERE)
+from eccl_masters import Masters, write_secret  # noqa: E402
 from procs import free_port, kill_node  # noqa: E402
 
 STEP = re.compile(r"STEP (\d+) world=(\d+) rank=(\d+) t=([0-9.]+)")
@@ -60,59 +61,6 @@ class Agent:
         return DONE.findall(self.text())
 
 
-class Masters:
-    """One eccl-master, or a raft cluster of three, as processes of this script."""
-
-    def __init__(self, n: int, workdir: str, binary: str, secret_file: str):
-        self.procs: List[Optional[subprocess.Popen]] = []
-        self.clients = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.binary, self.secret_file = binary, secret_file
-        env = dict(os.environ, ECCL_SECRET_FILE=secret_file)
-        if n == 1:
-            cmds = [[binary, "--listen", self.clients[0], "--secret-file", secret_file]]
-        else:
-            cs = os.path.join(workdir, "cluster-secret")
-            with open(cs, "w") as f:
-                f.write(os.urandom(24).hex() + "\n")
-            os.chmod(cs, 0o600)
-            rafts = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-            spec = ",".join(f"{i + 1}={c}/{r}" for i, (c, r) in enumerate(zip(self.clients, rafts)))
-            cmds = [[binary, "--node-id", str(i + 1), "--listen", self.clients[i],
-                     "--masters", spec, "--cluster-secret-file", cs,
-                     "--secret-file", secret_file,
-                     "--data-dir", os.path.join(workdir, f"m{i + 1}")] for i in range(n)]
-        self.cmds, self.workdir, self.env = cmds, workdir, env
-        for i in range(n):
-            self.procs.append(None)
-            self.start(i)
-
-    def start(self, i: int) -> None:
-        """Starts master `i` (again: from its data directory, with its log appended)."""
-        log = open(os.path.join(self.workdir, f"master{i + 1}.log"), "a")
-        self.procs[i] = subprocess.Popen(self.cmds[i], stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
-
-    @property
-    def endpoint(self) -> str:
-        return ",".join(self.clients)
-
-    def leader(self) -> Optional[int]:
-        out = subprocess.run([self.binary, "cluster", "status", "--master", self.endpoint],
-                             env=self.env, capture_output=True, text=True, timeout=20).stdout
-        m = re.search(r"^leader: (\d+)", out, re.M)
-        return int(m.group(1)) - 1 if m else None
-
-    def kill(self, i: int) -> None:
-        p = self.procs[i]
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
-
-    def stop(self) -> None:
-        for i in range(len(self.procs)):
-            self.kill(i)
-
-
 def wait_for(cond, limit: float, poll: float = 0.05):
     end = time.time() + limit
     while time.time() < end:
@@ -127,16 +75,14 @@ def scenario(backend: str, a, workdir: str) -> Dict:
     out: Dict = {"rdzv_backend": backend}
     ckpt = os.path.join(workdir, "ckpt.pt")
     secret_file = os.path.join(workdir, "secret")
-    with open(secret_file, "w") as f:
-        f.write(os.urandom(24).hex() + "\n")
-    os.chmod(secret_file, 0o600)
+    write_secret(secret_file)
     masters = None
     env = dict(os.environ, ECCL_SECRET_FILE=secret_file, PYTHONUNBUFFERED="1")
     # Each run starts from torch's defaults and its own masters.
     for k in ("ECCL_MASTER", "ECCL_SECRET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         env.pop(k, None)
     if backend == "eccl":
-        masters = Masters(a.masters, workdir, a.master_bin, secret_file)
+        masters = Masters(a.masters, workdir, secret_file, a.master_bin)
         endpoint = masters.endpoint
         time.sleep(1.0 if a.masters > 1 else 0.3)
     else:

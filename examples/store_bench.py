@@ -23,6 +23,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+sys.path.insert(0, HERE)
+from eccl_masters import Masters, write_secret  # noqa: E402
 from procs import free_port  # noqa: E402
 
 from eccl.store import EcclStore  # noqa: E402
@@ -51,25 +53,6 @@ def time_ops(store, n: int):
     return out
 
 
-def start_masters(n: int, d: str, binary: str, secret_file: str):
-    clients = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-    if n == 1:
-        cmds = [[binary, "--listen", clients[0], "--secret-file", secret_file]]
-    else:
-        cs = os.path.join(d, "cluster-secret")
-        with open(cs, "w") as f:
-            f.write(os.urandom(24).hex() + "\n")
-        os.chmod(cs, 0o600)
-        rafts = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        spec = ",".join(f"{i + 1}={c}/{r}" for i, (c, r) in enumerate(zip(clients, rafts)))
-        cmds = [[binary, "--node-id", str(i + 1), "--listen", clients[i], "--masters", spec,
-                 "--cluster-secret-file", cs, "--secret-file", secret_file,
-                 "--data-dir", os.path.join(d, f"m{i + 1}")] for i in range(n)]
-    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for c in cmds]
-    return ",".join(clients), procs
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=2000)
@@ -78,26 +61,21 @@ def main():
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="eccl-store-bench-")
     secret_file = os.path.join(d, "secret")
-    with open(secret_file, "w") as f:
-        f.write(os.urandom(24).hex() + "\n")
-    os.chmod(secret_file, 0o600)
-    with open(secret_file) as f:
-        secret = f.read().strip()
+    secret = write_secret(secret_file)
     port = free_port()
     tcp_server = subprocess.Popen([sys.executable, "-c", (
         "import time, torch.distributed as dist\n"
         f"s = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
         "time.sleep(3600)\n")])
-    one, p1 = start_masters(1, os.path.join(d, "one"), a.master_bin, secret_file)
-    os.makedirs(os.path.join(d, "three"), exist_ok=True)
-    three, p3 = start_masters(3, os.path.join(d, "three"), a.master_bin, secret_file)
+    one = Masters(1, os.path.join(d, "one"), secret_file, a.master_bin)
+    three = Masters(3, os.path.join(d, "three"), secret_file, a.master_bin)
     try:
         time.sleep(2.0)
         stores = {
             "TCPStore": dist.TCPStore("127.0.0.1", port, is_master=False,
                                       timeout=timedelta(seconds=30)),
-            "eccl, 1 master (memory)": EcclStore(one, "bench", secret),
-            "eccl, 3 masters (--data-dir)": EcclStore(three, "bench", secret),
+            "eccl, 1 master (memory)": EcclStore(one.endpoint, "bench", secret),
+            "eccl, 3 masters (--data-dir)": EcclStore(three.endpoint, "bench", secret),
         }
         results = {k: {op: [] for op in OPS} for k in stores}
         for _ in range(a.rounds):
@@ -121,9 +99,10 @@ def main():
                 for op in OPS)
             print(f"{name} / TCPStore, p50: {ratio}")
     finally:
-        for p in [tcp_server, *p1, *p3]:
-            p.kill()
-            p.wait()
+        tcp_server.kill()
+        tcp_server.wait()
+        one.stop()
+        three.stop()
 
 
 if __name__ == "__main__":
