@@ -32,10 +32,6 @@ pub struct Scope {
     keys: BTreeMap<Vec<u8>, Entry>,
     /// Bytes of keys and values.
     bytes: u64,
-    /// The most this scope may hold during the write being applied (its own bound, or
-    /// less where the other scopes leave less of the store's).
-    #[serde(skip)]
-    limit: u64,
 }
 
 impl Scope {
@@ -59,8 +55,16 @@ impl Scope {
             .collect()
     }
 
-    /// Sets `key`, or says why the scope cannot hold it (and changes nothing).
-    fn put(&mut self, key: &[u8], value: Vec<u8>, owner: Option<u64>) -> Result<(), String> {
+    /// Sets `key`, or says why the scope cannot hold it (and changes nothing). `limit`:
+    /// the most the scope may hold now (its own bound, or less where the other scopes
+    /// leave less of the store's).
+    fn put(
+        &mut self,
+        key: &[u8],
+        value: Vec<u8>,
+        owner: Option<u64>,
+        limit: u64,
+    ) -> Result<(), String> {
         let old = self
             .keys
             .get(key)
@@ -74,11 +78,11 @@ impl Scope {
             ));
         }
         let bytes = self.bytes - old.unwrap_or(0) + new;
-        if bytes > self.limit {
+        if bytes > limit {
             return Err(format!(
                 "the scope would hold {bytes} bytes (at most {} now: {} per scope, {} in \
                  all scopes of the store)",
-                self.limit,
+                limit,
                 StoreLimits::MAX_SCOPE_BYTES,
                 StoreLimits::MAX_STORE_BYTES
             ));
@@ -98,8 +102,8 @@ impl Scope {
         }
     }
 
-    /// Applies `op` in full or not at all.
-    fn apply(&mut self, session: u64, op: &StoreWrite) -> Result<StoreReply, String> {
+    /// Applies `op` in full or not at all, holding at most `limit` bytes.
+    fn apply(&mut self, session: u64, op: &StoreWrite, limit: u64) -> Result<StoreReply, String> {
         op.check()?;
         match op {
             StoreWrite::Set {
@@ -107,17 +111,38 @@ impl Scope {
                 value,
                 ephemeral,
             } => {
-                self.put(key, value.clone(), ephemeral.then_some(session))?;
+                self.put(key, value.clone(), ephemeral.then_some(session), limit)?;
                 Ok(StoreReply::Done)
             }
             StoreWrite::MultiSet { pairs } => {
-                // All or none: try on a copy only when a bound is near; the usual case
-                // (small batches) checks the totals first.
-                let mut copy = self.clone();
-                for (k, v) in pairs {
-                    copy.put(k, v.clone(), None)?;
+                // All or none: the scope's size after the batch (the last value of a key
+                // repeated in it wins) is checked before any key changes.
+                let last: BTreeMap<&[u8], &Vec<u8>> =
+                    pairs.iter().map(|(k, v)| (k.as_slice(), v)).collect();
+                let (mut bytes, mut keys) = (self.bytes, self.keys.len());
+                for (k, v) in &last {
+                    match self.keys.get(*k) {
+                        Some(e) => bytes -= (k.len() + e.value.len()) as u64,
+                        None => keys += 1,
+                    }
+                    bytes += (k.len() + v.len()) as u64;
                 }
-                *self = copy;
+                if keys > StoreLimits::MAX_KEYS {
+                    return Err(format!(
+                        "the scope would hold {keys} keys (at most {})",
+                        StoreLimits::MAX_KEYS
+                    ));
+                }
+                if bytes > limit {
+                    return Err(format!(
+                        "the scope would hold {bytes} bytes (at most {limit} now)"
+                    ));
+                }
+                for (k, v) in last {
+                    let value = v.clone();
+                    self.keys.insert(k.to_vec(), Entry { value, owner: None });
+                }
+                self.bytes = bytes;
                 Ok(StoreReply::Done)
             }
             StoreWrite::Add { key, delta } => {
@@ -140,7 +165,7 @@ impl Scope {
                     )
                 })?;
                 let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
-                self.put(key, sum.to_string().into_bytes(), owner)?;
+                self.put(key, sum.to_string().into_bytes(), owner, limit)?;
                 Ok(StoreReply::Int(sum))
             }
             StoreWrite::Append { key, value } => {
@@ -148,7 +173,7 @@ impl Scope {
                 v.extend_from_slice(value);
                 StoreLimits::check_value(key, &v)?;
                 let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
-                self.put(key, v, owner)?;
+                self.put(key, v, owner, limit)?;
                 Ok(StoreReply::Done)
             }
             StoreWrite::CompareSet {
@@ -157,13 +182,13 @@ impl Scope {
                 desired,
             } => match self.get(key) {
                 None if expected.is_empty() => {
-                    self.put(key, desired.clone(), None)?;
+                    self.put(key, desired.clone(), None, limit)?;
                     Ok(StoreReply::Value(desired.clone()))
                 }
                 None => Ok(StoreReply::Value(expected.clone())),
                 Some(v) if v == expected.as_slice() => {
                     let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
-                    self.put(key, desired.clone(), owner)?;
+                    self.put(key, desired.clone(), owner, limit)?;
                     Ok(StoreReply::Value(desired.clone()))
                 }
                 Some(v) => Ok(StoreReply::Value(v.to_vec())),
@@ -258,10 +283,10 @@ impl Store {
                     .filter(|(name, _)| **name != s.scope)
                     .map(|(_, sc)| sc.bytes)
                     .sum();
-                let scope = self.scopes.entry(s.scope.clone()).or_default();
-                scope.limit = StoreLimits::MAX_SCOPE_BYTES
+                let limit = StoreLimits::MAX_SCOPE_BYTES
                     .min(StoreLimits::MAX_STORE_BYTES.saturating_sub(others));
-                let answer = scope.apply(*session, op);
+                let scope = self.scopes.entry(s.scope.clone()).or_default();
+                let answer = scope.apply(*session, op, limit);
                 s.recent.push_back((*seq, answer.clone()));
                 if s.recent.len() > REMEMBERED_WRITES {
                     s.recent.pop_front();
@@ -468,7 +493,10 @@ mod tests {
     fn list_returns_a_prefix_in_order() {
         let mut s = Store::default();
         let a = open(&mut s, "job");
-        for (seq, k) in ["agent/b", "agent/a", "agents", "b"].into_iter().enumerate() {
+        for (seq, k) in ["agent/b", "agent/a", "agents", "b"]
+            .into_iter()
+            .enumerate()
+        {
             write(&mut s, a, seq as u64, set(k, k)).unwrap();
         }
         let keys: Vec<_> = s

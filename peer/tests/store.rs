@@ -34,7 +34,10 @@ async fn the_store_keeps_torchs_semantics() {
     let b = open(&m.addr, "job").await;
 
     a.set(b"x", b"1").await.unwrap();
-    assert_eq!(b.get(vec![k("x"), k("y")]).await.unwrap(), vec![Some(k("1")), None]);
+    assert_eq!(
+        b.get(vec![k("x"), k("y")]).await.unwrap(),
+        vec![Some(k("1")), None]
+    );
     assert_eq!(a.add(b"n", 5).await.unwrap(), 5);
     assert_eq!(b.add(b"n", -2).await.unwrap(), 3);
     // compare_set as TCPStore: absent + non-empty expectation gives it back, sets nothing.
@@ -114,7 +117,10 @@ async fn ephemeral_keys_and_scopes_end_with_their_sessions() {
     drop(a);
     let t0 = Instant::now();
     while b.get(vec![k("agent/a")]).await.unwrap()[0].is_some() {
-        assert!(t0.elapsed() < Duration::from_secs(3), "ephemeral key outlived its session");
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "ephemeral key outlived its session"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(b.get(vec![k("kept")]).await.unwrap()[0], Some(k("1")));
@@ -129,7 +135,10 @@ async fn ephemeral_keys_and_scopes_end_with_their_sessions() {
 async fn a_wrong_secret_or_no_master_fails_clearly_and_in_time() {
     let m = start_master(&[]);
     let wrong = Secret::new("another-secret-0123456789abcdef").unwrap();
-    let e = StoreClient::open(&m.addr, &wrong, "job", T).await.err().unwrap();
+    let e = StoreClient::open(&m.addr, &wrong, "job", T)
+        .await
+        .err()
+        .unwrap();
     assert!(
         matches!(e, Error::MasterUnavailable { .. }) && e.to_string().contains("auth"),
         "{e}"

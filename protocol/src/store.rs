@@ -164,9 +164,7 @@ impl StoreWrite {
                 }
                 Ok(())
             }
-            StoreWrite::Add { key, .. } | StoreWrite::Delete { key } => {
-                StoreLimits::check_key(key)
-            }
+            StoreWrite::Add { key, .. } | StoreWrite::Delete { key } => StoreLimits::check_key(key),
             StoreWrite::CompareSet {
                 key,
                 expected,

@@ -14,18 +14,16 @@ tensors are refused with `InvalidArgumentError` for now.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
-from torch.futures import Future
 
 import eccl
+from eccl.torch_work import TorchWork, _Completer
 
 __all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
            "init_optimizer_state", "register"]
@@ -54,108 +52,6 @@ def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     return t
 
 
-class TorchWork(dist._Work):
-    """The `torch.distributed` Work that the backend's collectives return: `wait()`
-    blocks until the eccl calls (`eccl.Work`s) behind it are done and raises their error
-    (an `eccl.EcclError` subclass); `get_future()` completes with the collective's
-    result, or fails with that error. The eccl calls own their tensors, so dropping this
-    object early is harmless."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._event = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._result: Any = None
-        # The future torch's C++ side (DDP's reducer) waits on must fail as a future,
-        # not complete with an exception object for a value: a callback that raises
-        # makes torch mark it failed, and DDP then raises "AbortedError: <cause>".
-        self._done: Future = Future()
-        self._fut: Future = self._done.then(self._outcome)
-
-    def _outcome(self, _: Future) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        self._error = error
-        self._result = result
-        self._event.set()
-        self._done.set_result(None)
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        secs = timeout.total_seconds() if timeout else None
-        if not self._event.wait(secs):
-            raise eccl.TimeoutError(f"the collective did not finish within {timeout}")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._event.is_set()
-
-    def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
-
-    def exception(self) -> Optional[BaseException]:
-        return self._error
-
-    def get_future(self) -> Future:
-        return self._fut
-
-    # What `dist.recv(src=None)` asks after waiting: the rank the message came from.
-    _source: int = -1
-
-    def _source_rank(self) -> int:
-        return self._source
-
-    def source_rank(self) -> int:
-        return self._source
-
-
-class _Completer:
-    """Finishes the backend's Work objects in the order their eccl calls were made: one
-    thread per process group waits on each call in turn (eccl runs one communicator's
-    calls in order anyway), then runs the collective's copy-out step."""
-
-    def __init__(self, pg: Optional["ProcessGroupEccl"] = None) -> None:
-        self._pg = pg
-        self._q: "queue.Queue[Any]" = queue.Queue()
-        self._t = threading.Thread(target=self._run, name="eccl-completer", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            works, work, result, after = item
-            try:
-                for w in works:
-                    w.wait()
-                if after is not None:
-                    after()
-            except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
-                if self._pg is not None and isinstance(
-                        e, (eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError)):
-                    self._pg._recover = True
-                work._finish(None, e)
-            else:
-                work._finish(result, None)
-
-    def submit(self, works: List[Any], result: Any, after=None) -> dist.Work:
-        work = TorchWork()
-        self._q.put((works, work, result, after))
-        return work
-
-    def call_soon(self, fn) -> None:
-        """Runs `fn` on the completer thread after everything submitted before it."""
-        self._q.put(([], TorchWork(), None, fn))
-
-    def close(self) -> None:
-        self._q.put(None)
-
-
 class ProcessGroupEccl(_C10dBackend):
     """torch's c10d `Backend` for the device type "cpu" whose collectives run on an
     `eccl.Communicator` (as ProcessGroupGloo is gloo's). torch wraps it in a
@@ -176,32 +72,6 @@ class ProcessGroupEccl(_C10dBackend):
         # Set when a call failed in a way that aborted the epoch on every rank (a
         # refused argument, a mismatch): the next call first forms the next epoch.
         self._recover = False
-
-    # torch's Backend trampoline forwards these to Python; left to the C++ base, each
-    # would call back into itself. eccl does none of them yet (issue 22 adds some).
-    @property
-    def supports_coalescing(self) -> bool:
-        return False
-
-    @property
-    def supports_splitting(self) -> bool:
-        return False
-
-    @property
-    def supports_shrinking(self) -> bool:
-        return False
-
-    @property
-    def supports_reconfigure(self) -> bool:
-        return False
-
-    @property
-    def _supports_time_estimate(self) -> bool:
-        return False
-
-    @property
-    def supports_window(self) -> bool:
-        return False
 
     def options(self):
         return _C10dBackend.Options(BACKEND, self._timeout)
@@ -490,6 +360,12 @@ def _recovering(fn):
     call.__name__, call.__doc__ = fn.__name__, fn.__doc__
     return call
 
+
+# torch's Backend trampoline forwards these capability queries to Python; left to the C++
+# base, each would call back into itself. eccl does none of them yet (issue 22 adds some).
+for _name in ("supports_coalescing", "supports_splitting", "supports_shrinking",
+              "supports_reconfigure", "_supports_time_estimate", "supports_window"):
+    setattr(ProcessGroupEccl, _name, property(lambda self: False))
 
 # Every call torch makes first recovers an epoch an earlier call aborted.
 for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",

@@ -66,7 +66,9 @@ impl StoreClient {
         timeout_s: f64,
     ) -> PyResult<StoreClient> {
         if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(invalid(format!("timeout_s must be positive, not {timeout_s}")));
+            return Err(invalid(format!(
+                "timeout_s must be positive, not {timeout_s}"
+            )));
         }
         let s = self::secret(secret)?;
         let timeout = Duration::from_secs_f64(timeout_s);
@@ -153,7 +155,10 @@ impl StoreClient {
     ) -> PyResult<Py<PyBytes>> {
         let (key, expected, desired) = (v(&key), v(&expected), v(&desired));
         let c = self.client.clone();
-        let v = self.run(py, async move { c.compare_set(&key, &expected, &desired).await })?;
+        let v = self.run(
+            py,
+            async move { c.compare_set(&key, &expected, &desired).await },
+        )?;
         Ok(bytes(py, v))
     }
 

@@ -176,8 +176,9 @@ def test_elastic_torchrun_survives_node_and_leader_loss_and_c10d_does_not(tmp_pa
     with its worker; a replacement joins. With eccl's rendezvous on three masters, whose
     raft leader is also killed while the nodes train and again during the re-rendezvous,
     the job finishes at world 3 with one set of parameters; c10d's ends."""
-    if not (ROOT / "target" / "release" / "eccl-master").exists():
-        pytest.skip("target/release/eccl-master is not built (cargo build --release)")
+    # The test command builds it before the Python tests; without it this is a setup error.
+    assert (ROOT / "target" / "release" / "eccl-master").exists(), \
+        "target/release/eccl-master is missing: run `cargo build --release` first"
     res, out = elastic(tmp_path, "--backends", "eccl,c10d", "--masters", "3",
                        "--kill-leader", "both")
     print(out)

@@ -17,6 +17,24 @@ use crate::registry::PeerState;
 /// new one.
 pub const TAKEOVER_GRACE: Duration = Duration::from_secs(2);
 
+/// The leader's leases on peers (and on store sessions).
+#[derive(Clone, Debug)]
+pub struct Timing {
+    /// A peer whose lease lapses is evicted.
+    pub lease: Duration,
+    /// How often peers should renew it.
+    pub heartbeat: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            lease: Duration::from_millis(800),
+            heartbeat: Duration::from_millis(200),
+        }
+    }
+}
+
 impl Coordinator {
     /// Takes a peer back after a fail-over: its connection to the old leader is gone and
     /// it shows the credential it was given at registration. A leader that has just

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
 use tokio::sync::{mpsc, Mutex};
@@ -16,7 +16,7 @@ use crate::sync::{self, Report};
 
 mod liveness;
 mod store;
-pub use liveness::TAKEOVER_GRACE;
+pub use liveness::{Timing, TAKEOVER_GRACE};
 
 #[cfg(test)]
 mod tests;
@@ -73,23 +73,6 @@ fn aborted_reply(message: String) -> MasterReply {
     MasterReply::Error {
         code: ErrorCode::Aborted,
         message,
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct Timing {
-    /// A peer whose lease lapses is evicted.
-    pub lease: Duration,
-    /// How often peers should renew it.
-    pub heartbeat: Duration,
-}
-
-impl Default for Timing {
-    fn default() -> Self {
-        Timing {
-            lease: Duration::from_millis(800),
-            heartbeat: Duration::from_millis(200),
-        }
     }
 }
 

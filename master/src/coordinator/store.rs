@@ -115,17 +115,14 @@ impl Coordinator {
                             lease_ms: self.timing.lease.as_millis() as u64,
                         }));
                     }
-                    Ok(other) => reply.send(refused(
-                        ErrorCode::Internal,
-                        format!("open gave {other:?}"),
-                    )),
+                    Ok(other) => {
+                        reply.send(refused(ErrorCode::Internal, format!("open gave {other:?}")))
+                    }
                     Err(r) => reply.send(r),
                 }
             }
             StoreRequest::Attach { session: id, token } => {
-                let known = self
-                    .raft
-                    .read(|r| r.store().session(id).map(|s| s.token));
+                let known = self.raft.read(|r| r.store().session(id).map(|s| s.token));
                 match known {
                     Some(t) if blake3::Hash::from(t) == blake3::Hash::from(token) => {
                         self.store.leases().insert(id, Instant::now());
@@ -158,13 +155,22 @@ impl Coordinator {
         reply: ReplyTo,
     ) {
         let read = |keys: &[Vec<u8>]| self.store_read(id, keys);
-        let ended = || refused(ErrorCode::UnknownPeer, format!("store session {id} has ended"));
+        let ended = || {
+            refused(
+                ErrorCode::UnknownPeer,
+                format!("store session {id} has ended"),
+            )
+        };
         match req {
             StoreRequest::Open { .. } | StoreRequest::Attach { .. } => {
                 unreachable!("handled by store_request")
             }
             StoreRequest::KeepAlive => {
-                let live = self.store.leases().get_mut(&id).map(|t| *t = Instant::now());
+                let live = self
+                    .store
+                    .leases()
+                    .get_mut(&id)
+                    .map(|t| *t = Instant::now());
                 reply.send(match live {
                     Some(()) => MasterReply::Ok,
                     None => ended(),
@@ -291,11 +297,9 @@ impl Coordinator {
     /// The values of `keys` in `session`'s scope; `None` once the session has ended.
     fn store_read(&self, session: u64, keys: &[Vec<u8>]) -> Option<Vec<Option<Vec<u8>>>> {
         self.raft.read(|r| {
-            r.store().scope_of(session).map(|s| {
-                keys.iter()
-                    .map(|k| s.get(k).map(<[u8]>::to_vec))
-                    .collect()
-            })
+            r.store()
+                .scope_of(session)
+                .map(|s| keys.iter().map(|k| s.get(k).map(<[u8]>::to_vec)).collect())
         })
     }
 
