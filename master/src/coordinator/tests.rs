@@ -1,6 +1,7 @@
 //! The leader's soft state across a fail-over, on one in-process master.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use eccl_protocol::auth::Secret;
 use eccl_protocol::{MasterMessage, SyncStrategy, TensorDigest};
