@@ -93,6 +93,9 @@ impl Communicator {
         self.rt
             .block_on(self.inner.recv_bytes(dtype, out, peer, tag))
     }
+    pub fn recv_any_bytes(&mut self, dtype: DType, out: &mut [u8], tag: u32) -> Result<OpInfo> {
+        self.rt.block_on(self.inner.recv_any_bytes(dtype, out, tag))
+    }
     pub fn leave(self) -> Result<()> {
         let Communicator { rt, inner } = self;
         rt.block_on(inner.leave())

@@ -25,6 +25,9 @@ pub struct OpInfo {
     pub world_size: u32,
     pub members: Arc<[PeerId]>,
     pub algo: Algo,
+    /// Point-to-point: the rank at the other end (the sender, for a receive from any
+    /// source); `None` for collectives.
+    pub peer: Option<Rank>,
 }
 
 /// Arguments of one collective, untyped (the Python layer and eccl-bench use this form).
@@ -152,6 +155,7 @@ impl Communicator {
                     world_size: world,
                     members: c.members.clone(),
                     algo: choice.algo,
+                    peer: None,
                 })
             }
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),

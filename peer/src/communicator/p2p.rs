@@ -25,11 +25,14 @@ impl Communicator {
         peer: Rank,
         tag: u32,
     ) -> Result<OpInfo> {
-        self.p2p(dtype, data.len(), peer, tag, Direction::Send(data))
+        self.p2p(dtype, data.len(), Some(peer), tag, Direction::Send(data))
             .await
     }
 
-    /// Receives exactly `out.len()` bytes from rank `peer` with tag `tag`.
+    /// Receives exactly `out.len()` bytes from rank `peer` with tag `tag`. If the message
+    /// does not start arriving within the configured timeout, the call fails with
+    /// `Timeout` on this rank alone and the world goes on; the message, if it comes
+    /// later, is the next receive's.
     pub async fn recv_bytes(
         &mut self,
         dtype: DType,
@@ -38,14 +41,28 @@ impl Communicator {
         tag: u32,
     ) -> Result<OpInfo> {
         let n = out.len();
-        self.p2p(dtype, n, peer, tag, Direction::Recv(out)).await
+        self.p2p(dtype, n, Some(peer), tag, Direction::Recv(out))
+            .await
+    }
+
+    /// Receives exactly `out.len()` bytes with tag `tag` from whichever rank's message
+    /// comes first (MPI's `MPI_ANY_SOURCE`, torch's `recv(src=None)`); the sender is
+    /// `OpInfo::peer`. Messages from one rank on one tag still arrive in order.
+    pub async fn recv_any_bytes(
+        &mut self,
+        dtype: DType,
+        out: &mut [u8],
+        tag: u32,
+    ) -> Result<OpInfo> {
+        let n = out.len();
+        self.p2p(dtype, n, None, tag, Direction::Recv(out)).await
     }
 
     async fn p2p(
         &mut self,
         dtype: DType,
         nbytes: usize,
-        peer: Rank,
+        peer: Option<Rank>,
         tag: u32,
         dir: Direction<'_>,
     ) -> Result<OpInfo> {
@@ -67,12 +84,41 @@ impl Communicator {
                 "{nbytes} bytes is not a whole number of {dtype} elements"
             )));
         }
-        if peer.0 >= world || peer == rank {
+        if let Some(peer) = peer.filter(|p| p.0 >= world || *p == rank) {
             return Err(Error::InvalidArgument(format!(
                 "peer rank {peer} is not another rank of this world of {world}"
             )));
         }
         let members = c.members.clone();
+        let op = Op {
+            epoch,
+            seq: 0,
+            desc,
+            world,
+            timeout,
+            frame_bytes,
+            abort: &self.abort,
+            suspect: &self.suspect,
+        };
+        // A receive first waits for its message to start arriving, consuming nothing:
+        // if none comes within the timeout the call fails on this rank alone (as a
+        // receive that times out in Gloo or MPI does) and the next receive from that
+        // rank with that tag gets its next message.
+        let peer = match (&dir, peer) {
+            (Direction::Send(_), to) => to.ok_or_else(|| {
+                Error::InvalidArgument("a send must name the rank it goes to".into())
+            })?,
+            (Direction::Recv(_), from) => {
+                let seqs: Vec<u64> = (0..world)
+                    .map(|r| c.p2p_recvd.get(&(Rank(r), tag)).copied().unwrap_or(0))
+                    .collect();
+                match executor::probe_p2p(&op, &mut c.links, from.map(|p| p.0), tag, &seqs).await {
+                    Ok(r) => Rank(r),
+                    Err(e @ Error::Timeout { .. }) => return Err(e),
+                    Err(e) => return Err(self.fail(epoch, 0, desc, e).await),
+                }
+            }
+        };
         let counter = match dir {
             Direction::Send(_) => &mut c.p2p_sent,
             Direction::Recv(_) => &mut c.p2p_recvd,
@@ -84,16 +130,7 @@ impl Communicator {
         let link = c.links[peer.idx()]
             .as_mut()
             .ok_or_else(|| Error::InvalidArgument(format!("no link to rank {peer}")))?;
-        let op = Op {
-            epoch,
-            seq,
-            desc,
-            world,
-            timeout,
-            frame_bytes,
-            abort: &self.abort,
-            suspect: &self.suspect,
-        };
+        let op = Op { seq, ..op };
         let r = match dir {
             Direction::Send(d) => executor::send_p2p(&op, link, peer.0, tag, d).await,
             Direction::Recv(o) => executor::recv_p2p(&op, link, peer.0, tag, o).await,
@@ -106,6 +143,7 @@ impl Communicator {
                 world_size: world,
                 members,
                 algo: Algo::Direct,
+                peer: Some(peer),
             }),
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
         }

@@ -176,4 +176,11 @@ impl Communicator {
         self.recv_bytes(T::DTYPE, bytemuck::cast_slice_mut(out), peer, tag)
             .await
     }
+
+    /// Receives from whichever rank's message with `tag` comes first; the sender is
+    /// `OpInfo::peer`.
+    pub async fn recv_any<T: Element>(&mut self, out: &mut [T], tag: u32) -> Result<OpInfo> {
+        self.recv_any_bytes(T::DTYPE, bytemuck::cast_slice_mut(out), tag)
+            .await
+    }
 }

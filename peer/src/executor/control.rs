@@ -7,7 +7,7 @@ use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
 use futures::future::try_join_all;
 
-use super::frames::{next_frame, recv_msg, Want};
+use super::frames::{next_frame, probe, recv_msg, Want};
 use super::Op;
 use crate::error::Result;
 use crate::links::PeerLink;
@@ -118,6 +118,69 @@ pub(crate) async fn recv_p2p(
     tokio::select! {
         biased;
         r = recv => r,
+        e = op.abort.wait(op.epoch) => Err(e),
+    }
+}
+
+/// Waits for the first frame of the next message with tag `tag` from rank `from`, or
+/// from any rank when `from` is `None` (receive from any source), and returns the
+/// sender; the message stays in its link's stash for `recv_p2p`. `seqs[r]` is the number
+/// of rank r's next message on this tag. Already stashed messages win, lowest rank
+/// first. Nothing is consumed before a message is there, so a timeout here is the
+/// caller's alone: no rank is blamed and the world can go on.
+pub(crate) async fn probe_p2p(
+    op: &Op<'_>,
+    links: &mut [Option<PeerLink>],
+    from: Option<u32>,
+    tag: u32,
+    seqs: &[u64],
+) -> Result<u32> {
+    let want = |r: usize| Want {
+        kind: FrameKind::P2p,
+        seq: seqs[r],
+        step: 0,
+        desc: op.desc,
+        tag,
+    };
+    let idle = Op {
+        // The per-frame bound would blame whichever rank it ran out on.
+        timeout: Duration::from_secs(365 * 24 * 3600),
+        ..*op
+    };
+    let idle = &idle;
+    let futs: Vec<_> = links
+        .iter_mut()
+        .enumerate()
+        .filter(|(r, _)| from.is_none_or(|f| f as usize == *r))
+        .filter_map(|(r, l)| l.as_mut().map(|l| (r, l)))
+        .map(|(r, l)| {
+            Box::pin(async move {
+                probe(idle, &mut l.rx, r as u32, want(r))
+                    .await
+                    .map(|()| r as u32)
+            })
+        })
+        .collect();
+    if futs.is_empty() {
+        return Err(crate::error::Error::InvalidArgument(match from {
+            Some(r) => format!("no link to rank {r}"),
+            None => "receive from any source in a world of one rank: there is no other rank".into(),
+        }));
+    }
+    // select_all polls in rank order: a message already stashed from a lower rank wins.
+    let first = futures::future::select_all(futs);
+    let waited = async {
+        match tokio::time::timeout(op.timeout, first).await {
+            Ok((r, _, _)) => r,
+            Err(_) => Err(op.timeout_err(match from {
+                Some(r) => format!("waiting for a message with tag {tag} from rank {r}"),
+                None => format!("waiting for a message with tag {tag} from any rank"),
+            })),
+        }
+    };
+    tokio::select! {
+        biased;
+        r = waited => r,
         e = op.abort.wait(op.epoch) => Err(e),
     }
 }

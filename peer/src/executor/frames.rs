@@ -123,6 +123,22 @@ pub(crate) async fn next_frame(
     }
 }
 
+/// Waits until a frame that `want` names from `rank` is in the link's stash, without
+/// taking it (a receive from any source asks every link at once and takes the message
+/// from the first that has one). Cancel-safe: a frame read from the link is stashed
+/// before the next await, so a probe dropped for another link's loses nothing.
+pub(crate) async fn probe(op: &Op<'_>, rx: &mut PeerRx, rank: u32, want: Want) -> Result<()> {
+    if rx.stash.iter().any(|f| want.names(&f.header)) {
+        return Ok(());
+    }
+    let f = next_frame(op, rx, rank, want).await?;
+    rx.stash.push_front(Incoming {
+        header: f.header,
+        payload: f.payload.detach(),
+    });
+    Ok(())
+}
+
 fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
     if f.header.desc != want.desc {
         return Err(op.mismatch(

@@ -35,7 +35,9 @@ use tokio::sync::mpsc;
 
 pub(crate) use bufs::Bufs;
 use bufs::Mem;
-pub(crate) use control::{broadcast_abort, check_round, close_header, recv_p2p, send_p2p};
+pub(crate) use control::{
+    broadcast_abort, check_round, close_header, probe_p2p, recv_p2p, send_p2p,
+};
 use frames::{recv_msg, Want};
 
 use crate::abort::AbortState;

@@ -1,0 +1,132 @@
+//! Point-to-point messages between in-process communicators on a real master: receive
+//! from any source (torch's `recv(src=None)`), tags that do not wait for each other.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use eccl::{Error, Rank};
+use futures::future::join_all;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receive_from_any_source_takes_messages_as_they_come_and_names_the_sender() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        match c.rank().unwrap().0 {
+            0 => {
+                let mut got = Vec::new();
+                for _ in 0..3 {
+                    let mut b = [0f32; 4];
+                    let info = c.recv_any(&mut b, 5).await.expect("recv_any");
+                    got.push((info.peer.expect("a sender").0, b[0]));
+                }
+                // The message with another tag, sent first, waited for its own receive.
+                let mut b = [0f32; 4];
+                let info = c.recv(&mut b, Rank(1), 9).await.expect("recv tag 9");
+                assert_eq!((info.peer, b), (Some(Rank(1)), [9.0; 4]));
+                got
+            }
+            1 => {
+                c.send(&[9f32; 4], Rank(0), 9).await.expect("send tag 9");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                c.send(&[1f32; 4], Rank(0), 5).await.expect("send");
+                c.send(&[11f32; 4], Rank(0), 5).await.expect("send");
+                vec![]
+            }
+            _ => {
+                c.send(&[2f32; 4], Rank(0), 5).await.expect("send");
+                vec![]
+            }
+        }
+    }))
+    .await;
+    // Rank 2's message came first; rank 1's two came in the order it sent them.
+    assert_eq!(res[0], vec![(2, 2.0), (1, 1.0), (1, 11.0)]);
+
+    // A message of another size than the receive asks for is a mismatch on the
+    // receiver, not silent garbage; the next world works.
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        match c.rank().unwrap().0 {
+            0 => {
+                let mut b = [0f32; 3];
+                c.recv_any(&mut b, 1).await.map(|_| ())
+            }
+            2 => c.send(&[2f32; 4], Rank(0), 1).await.map(|_| ()),
+            _ => Ok(()),
+        }
+    }))
+    .await;
+    assert!(
+        matches!(res[0], Err(Error::Mismatch { .. })),
+        "{:?}",
+        res[0]
+    );
+    for w in join_all(comms.iter_mut().map(|c| c.update_topology())).await {
+        w.expect("next world");
+    }
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        match c.rank().unwrap().0 {
+            0 => {
+                let mut b = [0i64; 2];
+                let info = c.recv_any(&mut b, 0).await.expect("recv_any");
+                (info.peer.map(|p| p.0), b[0])
+            }
+            1 => {
+                c.send(&[1i64; 2], Rank(0), 0).await.expect("send");
+                (None, 0)
+            }
+            _ => (None, 0),
+        }
+    }))
+    .await;
+    assert_eq!(res[0], (Some(1), 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receive_that_times_out_fails_alone_and_the_world_goes_on() {
+    let m = start_master(&[]);
+    let mut comms = join_all((0..2u32).map(|r| {
+        let addr = m.addr.clone();
+        async move {
+            let mut c = peer_cfg(&addr);
+            c.rank_hint = Some(r);
+            c.min_world = 2;
+            c.timeout = Duration::from_millis(800);
+            let mut comm = eccl::Communicator::connect(c).await.expect("connect");
+            comm.update_topology().await.expect("first world");
+            comm
+        }
+    }))
+    .await;
+    comms.sort_by_key(|c| c.rank());
+    let epoch = comms[0].world().unwrap().epoch;
+    // Nobody sends: rank 0's receives (from rank 1, and from anyone) time out.
+    let mut b = [0i32; 2];
+    let e = comms[0].recv(&mut b, Rank(1), 3).await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    let e = comms[0].recv_any(&mut b, 3).await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    // The same world goes on: the message sent now is the next receive's, and a
+    // collective works without update_topology().
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let r = c.rank().unwrap().0;
+        if r == 1 {
+            c.send(&[5i32, 6], Rank(0), 3).await.expect("send");
+        } else {
+            let mut b = [0i32; 2];
+            c.recv(&mut b, Rank(1), 3)
+                .await
+                .expect("recv after the timeout");
+            assert_eq!(b, [5, 6]);
+        }
+        let mut x = [r as i32 + 1];
+        c.all_reduce(&mut x, eccl::ReduceOp::Sum)
+            .await
+            .expect("all_reduce");
+        (x[0], c.world().unwrap().epoch)
+    }))
+    .await;
+    assert_eq!(res, vec![(3, epoch), (3, epoch)]);
+}
