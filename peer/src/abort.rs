@@ -2,14 +2,18 @@
 //! executor itself raise it; every collective in flight selects on it, so a failure seen
 //! on any link ends the wait on every other one.
 //!
-//! An abort breaks its whole epoch: every later collective of that epoch fails at once
-//! with the same error, until `update_topology()` moves to a new epoch. That keeps the
-//! rule simple for users (after any error, update the topology) and means a frame of a
-//! broken epoch is never mixed into a new one.
+//! An abort breaks its epoch: every later collective of that epoch fails at once with
+//! the same error, until `update_topology()` moves to a new epoch. That keeps the rule
+//! simple for users (after any error, update the topology) and means a frame of a broken
+//! epoch is never mixed into a new one. One refinement: a peer that refused collective
+//! #k (a bad argument, a mismatch it saw) had finished every collective before it, so
+//! its notice breaks #k and later only; a slower rank still finishing #k-1 finishes it
+//! (its data is on the way) instead of losing a call that succeeded everywhere else.
 
 use std::sync::Arc;
 
 use eccl_protocol::frame::{AbortCause, FrameHeader};
+use eccl_protocol::CollectiveKind;
 use eccl_transport::link::LinkObserver;
 use eccl_transport::TransportError;
 use tokio::sync::watch;
@@ -20,6 +24,17 @@ use crate::error::Error;
 pub(crate) struct AbortInfo {
     pub epoch: u64,
     pub error: Error,
+    /// The first collective of the epoch the abort breaks; 0: all of them, and every
+    /// other call of the epoch.
+    pub from_seq: u64,
+}
+
+impl AbortInfo {
+    /// Whether this abort breaks a call of `epoch`: collective number `seq`, or (None)
+    /// any other call.
+    fn breaks(&self, epoch: u64, seq: Option<u64>) -> bool {
+        (self.epoch == epoch || self.epoch == ALL_EPOCHS) && seq.is_none_or(|s| s >= self.from_seq)
+    }
 }
 
 /// An abort that applies to every epoch: this peer was evicted.
@@ -64,9 +79,15 @@ impl AbortState {
 
     /// Breaks `epoch` with `error`, unless it is already broken (the first cause wins).
     pub fn raise(&self, epoch: u64, error: Error) {
+        self.raise_from(epoch, 0, error)
+    }
+
+    /// Breaks collective `from_seq` of `epoch` and everything after it (0: the whole
+    /// epoch); an abort that breaks more of the epoch replaces one that broke less.
+    pub fn raise_from(&self, epoch: u64, from_seq: u64, error: Error) {
         self.tx.send_if_modified(|cur| {
             let replace = match cur {
-                Some(c) => c.epoch < epoch,
+                Some(c) => c.epoch < epoch || (c.epoch == epoch && from_seq < c.from_seq),
                 None => true,
             };
             if replace {
@@ -74,6 +95,7 @@ impl AbortState {
                 *cur = Some(AbortInfo {
                     epoch,
                     error: error.clone(),
+                    from_seq,
                 });
             }
             replace
@@ -82,21 +104,26 @@ impl AbortState {
 
     /// The error that broke `epoch`, if it is broken.
     pub fn check(&self, epoch: u64) -> Option<Error> {
+        self.check_call(epoch, None)
+    }
+
+    /// The error that breaks collective `seq` of `epoch` (None: any other call), if any.
+    pub fn check_call(&self, epoch: u64, seq: Option<u64>) -> Option<Error> {
         self.tx
             .borrow()
             .as_ref()
-            .filter(|i| i.epoch == epoch || i.epoch == ALL_EPOCHS)
+            .filter(|i| i.breaks(epoch, seq))
             .map(|i| i.error.clone())
     }
 
-    /// Resolves when `epoch` is broken.
-    pub async fn wait(&self, epoch: u64) -> Error {
+    /// Resolves once an abort breaks collective `seq` of `epoch` (None: any other call).
+    pub async fn wait(&self, epoch: u64, seq: Option<u64>) -> Error {
         let mut rx = self.tx.subscribe();
         loop {
             if let Some(e) = rx
                 .borrow_and_update()
                 .as_ref()
-                .filter(|i| i.epoch == epoch || i.epoch == ALL_EPOCHS)
+                .filter(|i| i.breaks(epoch, seq))
             {
                 return e.error.clone();
             }
@@ -146,7 +173,19 @@ impl LinkObserver for EpochLinkObserver {
             return;
         }
         let rank = self.names.lock().ok().and_then(|n| n.get(peer).copied());
-        let error = match AbortCause::from_u32(header.step) {
+        let cause = AbortCause::from_u32(header.step);
+        // A peer that refused collective #k (its argument, a mismatch it saw) had done
+        // every collective before it; a broken link or a timeout breaks the epoch.
+        let refused = matches!(
+            cause,
+            Some(AbortCause::Mismatch) | Some(AbortCause::InvalidArgument)
+        );
+        let from_seq = if refused && header.desc.kind != CollectiveKind::SendRecv {
+            header.seq
+        } else {
+            0
+        };
+        let error = match cause {
             Some(AbortCause::Mismatch) | Some(AbortCause::InvalidArgument) => Error::Mismatch {
                 rank,
                 ours: None,
@@ -161,7 +200,7 @@ impl LinkObserver for EpochLinkObserver {
                 ),
             },
         };
-        self.state.raise(epoch, error);
+        self.state.raise_from(epoch, from_seq, error);
     }
 
     fn on_failure(&self, peer: &str, error: &TransportError) {
@@ -170,5 +209,50 @@ impl LinkObserver for EpochLinkObserver {
         // A collective that needs the link fails when it reaches the failure, and then
         // tells every other rank with Abort frames.
         tracing::debug!(target: "eccl::net", "link {peer} ended: {error}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn err() -> Error {
+        Error::Aborted {
+            epoch: 5,
+            cause: "test".into(),
+        }
+    }
+
+    #[test]
+    fn a_refusal_breaks_its_collective_and_later_ones_only() {
+        let a = AbortState::new();
+        a.raise_from(5, 3, err());
+        assert!(a.check_call(5, Some(2)).is_none(), "#2 finishes");
+        assert!(a.check_call(5, Some(3)).is_some());
+        assert!(a.check_call(5, Some(9)).is_some());
+        assert!(
+            a.check_call(5, None).is_some(),
+            "other calls of the epoch break"
+        );
+        assert!(
+            a.check_call(4, Some(3)).is_none(),
+            "another epoch is untouched"
+        );
+        // A broken link breaks the whole epoch; a later narrower notice changes nothing.
+        a.raise(5, err());
+        assert!(a.check_call(5, Some(0)).is_some());
+        a.raise_from(5, 7, err());
+        assert!(a.check_call(5, Some(1)).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_collective_before_the_refused_one_keeps_waiting() {
+        let a = AbortState::new();
+        a.raise_from(1, 4, err());
+        let early = tokio::time::timeout(Duration::from_millis(50), a.wait(1, Some(3))).await;
+        assert!(early.is_err(), "#3 is not broken by a refusal of #4");
+        let late = tokio::time::timeout(Duration::from_millis(50), a.wait(1, Some(4))).await;
+        assert!(late.is_ok());
     }
 }

@@ -114,7 +114,7 @@ impl Communicator {
             Ok(l) => l,
             Err(e) => return Err(self.fail(epoch, seq, desc, e).await),
         };
-        if let Some(e) = self.abort.check(epoch) {
+        if let Some(e) = self.abort.check_call(epoch, Some(seq)) {
             return Err(e);
         }
         let result = async {

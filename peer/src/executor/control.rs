@@ -42,7 +42,7 @@ pub(crate) async fn check_round(op: &Op<'_>, links: &mut [Option<PeerLink>]) -> 
     tokio::select! {
         biased;
         r = all => r.map(|_| ()),
-        e = op.abort.wait(op.epoch) => Err(e),
+        e = op.aborted() => Err(e),
     }
 }
 
@@ -92,7 +92,7 @@ pub(crate) async fn send_p2p(
     tokio::select! {
         biased;
         r = send => r.map_err(|e| op.link_err(rank, e)),
-        e = op.abort.wait(op.epoch) => Err(e),
+        e = op.aborted() => Err(e),
     }
 }
 
@@ -118,7 +118,7 @@ pub(crate) async fn recv_p2p(
     tokio::select! {
         biased;
         r = recv => r,
-        e = op.abort.wait(op.epoch) => Err(e),
+        e = op.aborted() => Err(e),
     }
 }
 
@@ -181,7 +181,7 @@ pub(crate) async fn probe_p2p(
     tokio::select! {
         biased;
         r = waited => r,
-        e = op.abort.wait(op.epoch) => Err(e),
+        e = op.aborted() => Err(e),
     }
 }
 

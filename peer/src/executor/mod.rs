@@ -71,6 +71,13 @@ pub(crate) struct Op<'a> {
 }
 
 impl Op<'_> {
+    /// Resolves once an abort breaks this call (a collective: this one or one before it
+    /// on the aborting rank; a point-to-point message: any abort of the epoch).
+    async fn aborted(&self) -> Error {
+        let seq = (self.desc.kind != eccl_protocol::CollectiveKind::SendRecv).then_some(self.seq);
+        self.abort.wait(self.epoch, seq).await
+    }
+
     fn elem(&self) -> usize {
         self.desc.dtype.size()
     }
@@ -263,7 +270,7 @@ pub(crate) async fn run(
         tokio::select! {
             biased;
             r = all => { r?; }
-            e = op.abort.wait(op.epoch) => return Err(e),
+            e = op.aborted() => return Err(e),
         }
         if index == 0 {
             fault::hit(fault::Point::FirstChunk);
