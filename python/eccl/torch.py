@@ -13,6 +13,7 @@ tensors are refused with `InvalidArgumentError` for now.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from datetime import timedelta
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch.overrides import has_torch_function
 
 import eccl
 from eccl.torch_work import TorchWork, _Completer
@@ -63,6 +65,7 @@ class ProcessGroupEccl(_C10dBackend):
                  timeout: timedelta = timedelta(minutes=30), store: Any = None):
         super().__init__(comm.rank, comm.world_size)
         self._timeout = timeout
+        self._options = _C10dBackend.Options(BACKEND, timeout)
         self._store = store
         self._barriers = 0
         self.comm = comm
@@ -73,8 +76,11 @@ class ProcessGroupEccl(_C10dBackend):
         # refused argument, a mismatch): the next call first forms the next epoch.
         self._recover = False
 
+    @property
     def options(self):
-        return _C10dBackend.Options(BACKEND, self._timeout)
+        """The backend's options as torch reads them (a property, as gloo's is): its
+        timeout, group name and global ranks (`split_group` starts from them)."""
+        return self._options
 
     def _ready(self) -> None:
         """Before a call: if an earlier one aborted the epoch, form the next one (every
@@ -277,13 +283,21 @@ class ProcessGroupEccl(_C10dBackend):
         self._store.set(f"{base}verdict", msg)
         raise RuntimeError(msg)
 
+    # A receive that times out fails on its rank alone (eccl's p2p timeouts are local),
+    # so it leaves the epoch as it was: `p2p=True`.
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
         ws = [self.comm.send(_cpu(t).contiguous(), dstRank, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors)
+        return self._done.submit(ws, tensors, p2p=True)
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
         ws = [self.comm.recv(_cpu(t), srcRank, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors)
+        return self._done.submit(ws, tensors, p2p=True)
+
+    def recv_anysource(self, tensors, tag):
+        """`dist.recv(t)` / `dist.irecv(t)` with no `src`: the first message with `tag`
+        from any rank; the Work's `source_rank()` names the sender."""
+        ws = [self.comm.recv(_cpu(t), None, tag, async_op=True) for t in tensors]
+        return self._done.submit(ws, tensors, p2p=True)
 
     # torch 2.15 renamed the single-tensor forms; both names work.
     def all_gather_single(self, output, input, opts=None):
@@ -337,6 +351,26 @@ class ProcessGroupEccl(_C10dBackend):
                              _cpu(input).contiguous(), root, async_op=True)
         return self._done.submit([w], output)
 
+    @property
+    def supports_splitting(self) -> bool:
+        return True
+
+    def split(self, store, ranks, opts):
+        """`dist.split_group`: this rank's part of the split (`ranks`: its members' ranks
+        in this group) as a backend of its own, with its own master in its first member,
+        met through `store` under the new group's name."""
+        ranks = sorted(ranks)
+        if self.rank() not in ranks:
+            return None
+        timeout = getattr(opts, "_timeout", None) or self._timeout
+        name = getattr(opts, "group_name", "") or "-".join(map(str, ranks))
+        sub = dist.PrefixStore(f"split/{name}/", store)
+        pg = _connect(sub, ranks.index(self.rank()), len(ranks), timeout, default_group=False)
+        pg.options.group_name = name
+        parent = list(self.options.global_ranks_in_group) or list(range(self.size()))
+        pg.options.global_ranks_in_group = [parent[r] for r in ranks]
+        return pg
+
     def shutdown(self) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the
         others' calls still in flight (a recv of what this rank sent) complete instead of
@@ -348,6 +382,19 @@ class ProcessGroupEccl(_C10dBackend):
         try:
             self.comm.leave()
         except eccl.EcclError:
+            pass
+        # The rank hosting the group's master keeps it until the others have left too
+        # (each says so in the group's store after its leave), for at most a few
+        # seconds: a member that leaves after the master is gone waits out its connect
+        # timeout instead.
+        left = "eccl/left/"
+        try:
+            if self._master is None and self._store is not None:
+                self._store.set(f"{left}{self.rank()}", "1")
+            elif self._master is not None and self._store is not None and self.size() > 1:
+                bound = min(self._timeout, timedelta(seconds=5))
+                self._store.wait([f"{left}{r}" for r in range(1, self.size())], bound)
+        except Exception:  # noqa: BLE001 - a store that is gone, a member that never left
             pass
         if self._master is not None:
             self._master.shutdown()
@@ -363,7 +410,7 @@ def _recovering(fn):
 
 # torch's Backend trampoline forwards these capability queries to Python; left to the C++
 # base, each would call back into itself. eccl does none of them yet (issue 22 adds some).
-for _name in ("supports_coalescing", "supports_splitting", "supports_shrinking",
+for _name in ("supports_coalescing", "supports_shrinking",
               "supports_reconfigure", "_supports_time_estimate", "supports_window"):
     setattr(ProcessGroupEccl, _name, property(lambda self: False))
 
@@ -371,7 +418,8 @@ for _name in ("supports_coalescing", "supports_splitting", "supports_shrinking",
 for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
               "_allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter",
               "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "gather", "scatter",
-              "alltoall", "alltoall_base", "barrier", "send", "recv", "all_gather_single",
+              "alltoall", "alltoall_base", "barrier", "send", "recv", "recv_anysource",
+              "all_gather_single",
               "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter_single",
               "reduce_scatter_single_coalesced", "all_to_all_single", "gather_single"):
     setattr(ProcessGroupEccl, _name, _recovering(getattr(ProcessGroupEccl, _name)))
@@ -416,12 +464,17 @@ def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
 _created = 0
 
 
-def _fresh_store(store: Any) -> Any:
+def _fresh_store(store: Any, default_group: bool) -> Any:
     """The part of the rendezvous store this group's set-up uses. torchrun keeps one
     store across restarts of its workers, and a process may create the default group
     again after destroying it: keys left by an earlier attempt (a dead master's address,
-    a dead rank's public key) must not be read as this one's."""
+    a dead rank's public key) must not be read as this one's. Every rank creates the
+    default group, so a count of them names the attempt; a later group's store is
+    already its own (torch prefixes it with the group's unique name), and only its
+    members create it, so a count there would differ between ranks."""
     global _created
+    if not default_group:
+        return dist.PrefixStore("eccl/", store)
     _created += 1
     # Under an agent-hosted store (torchrun's c10d default) the store outlives the
     # workers, and every agent restarts its workers together: the restart count names
@@ -433,13 +486,23 @@ def _fresh_store(store: Any) -> Any:
     return dist.PrefixStore(f"eccl/{attempt}/{_created}/", store)
 
 
-def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupEccl:
-    """The backend's constructor, as `init_process_group` calls it."""
-    store = _fresh_store(store)
-    # ECCL_MASTER serves the default group. A group made later (`new_group`) is a job of
-    # its own with a master in its rank 0: on a shared master its members would be
-    # pending peers of the default group's world, waiting on members that never vote.
-    default_group = not dist.is_initialized()
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupEccl:
+    """The backend's constructor, as `init_process_group` and `new_group` call it
+    (torch's extended form: `opts` names the group and its global ranks too)."""
+    pg = _connect(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                  default_group=not dist.is_initialized())
+    pg.options.group_name = opts.group_id
+    pg.options.global_ranks_in_group = list(opts.global_ranks_in_group)
+    return pg
+
+
+def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
+             default_group: bool) -> ProcessGroupEccl:
+    store = _fresh_store(store, default_group)
+    # ECCL_MASTER serves the default group. A group made later (`new_group`,
+    # `split_group`) is a job of its own with a master in its rank 0: on a shared master
+    # its members would be pending peers of the default group's world, waiting on
+    # members that never vote.
     master_addr = os.environ.get("ECCL_MASTER") if default_group else None
     secret = os.environ.get("ECCL_SECRET")
     if secret is None and os.environ.get("ECCL_SECRET_FILE"):
@@ -461,8 +524,11 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Proce
         master_addr = _store_get(store, "eccl/master", timeout)
         if fresh:
             secret = _share_secret(store, rank, world_size, secret, timeout)
+    # torch's timeout (init_process_group's, or a group's own) bounds every wait of
+    # every call; forming the first world may take as long.
+    ms = max(1, int(timeout.total_seconds() * 1000))
     comm = eccl.Communicator(master_addr, secret, rank_hint=rank, min_world=world_size,
-                             join_timeout_ms=int(timeout.total_seconds() * 1000))
+                             timeout_ms=ms, join_timeout_ms=ms)
     topo = comm.update_topology()
     if topo.rank != rank or topo.world_size != world_size:
         raise eccl.EcclError(
@@ -472,13 +538,54 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Proce
     return ProcessGroupEccl(comm, master, timeout, store)
 
 
+def _backend_of(group: Any) -> Optional[ProcessGroupEccl]:
+    """The eccl backend behind `group` (None: the default group), if it has one."""
+    c10d = dist.distributed_c10d
+    if not dist.is_initialized() or c10d._rank_not_in_group(group):
+        return None
+    try:
+        b = c10d._group_or_default_group(group)._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    return b if isinstance(b, ProcessGroupEccl) else None
+
+
+def _install_anysource_irecv() -> None:
+    """torch wraps a Python backend's Work in a C++ holder that does not pass
+    `source_rank()` on, so `dist.recv(t)` with no `src` could not learn the sender from
+    any Python backend. For groups whose backend is eccl, `irecv` with no source hands
+    back the backend's own Work (whose `_source_rank()` answers); every other call goes to
+    torch's `irecv` unchanged. `dist.recv` calls `irecv` through the module, so it is
+    covered too."""
+    c10d = dist.distributed_c10d
+    torch_irecv = c10d.irecv
+    if getattr(torch_irecv, "_eccl_anysource", False):
+        return
+
+    @functools.wraps(torch_irecv)
+    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        if src is None and group_src is None and not has_torch_function((tensor,)):
+            backend = _backend_of(group)
+            if backend is not None:
+                c10d._check_single_tensor(tensor, "tensor")
+                if tensor.is_complex():
+                    tensor = torch.view_as_real(tensor)
+                return backend.recv_anysource([tensor], tag)
+        return torch_irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+
+    irecv._eccl_anysource = True
+    c10d.irecv = irecv
+    dist.irecv = irecv
+
+
 def register() -> None:
     """Registers the backend "eccl" with torch.distributed (once). Importing this module
     does it; so does torch itself, through the package's `torch.distributed.backends`
     entry point, the first time a script asks for the backend by name: an unchanged
     script needs no `import eccl`."""
     if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    _install_anysource_irecv()
     from eccl import store
 
     store.register()  # init_method="eccl://..."

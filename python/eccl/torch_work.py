@@ -90,28 +90,34 @@ class _Completer:
             item = self._q.get()
             if item is None:
                 return
-            works, work, result, after = item
+            works, work, result, after, p2p = item
             try:
-                for w in works:
-                    w.wait()
+                infos = [w.wait() for w in works]
+                if infos and getattr(infos[0], "peer", None) is not None:
+                    work._source = infos[0].peer
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
-                if self._pg is not None and isinstance(
-                        e, (eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError)):
+                # Errors that aborted the epoch on every rank: the next call forms the
+                # next one. A collective's refused argument and timeout abort it; a
+                # send's or receive's (checked on its rank, a receive's timeout) do not.
+                aborted = (eccl.MismatchError, eccl.AbortedError) if p2p else (
+                    eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError,
+                    eccl.TimeoutError)
+                if self._pg is not None and isinstance(e, aborted):
                     self._pg._recover = True
                 work._finish(None, e)
             else:
                 work._finish(result, None)
 
-    def submit(self, works: List[Any], result: Any, after=None) -> dist.Work:
+    def submit(self, works: List[Any], result: Any, after=None, p2p: bool = False) -> dist.Work:
         work = TorchWork()
-        self._q.put((works, work, result, after))
+        self._q.put((works, work, result, after, p2p))
         return work
 
     def call_soon(self, fn) -> None:
         """Runs `fn` on the completer thread after everything submitted before it."""
-        self._q.put(([], TorchWork(), None, fn))
+        self._q.put(([], TorchWork(), None, fn, False))
 
     def close(self) -> None:
         self._q.put(None)

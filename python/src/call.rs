@@ -42,9 +42,10 @@ pub(crate) enum Call {
         peer: Rank,
         tag: u32,
     },
+    /// `peer: None`: from whichever rank's message comes first.
     Recv {
         buf: WritableBuffer,
-        peer: Rank,
+        peer: Option<Rank>,
         tag: u32,
     },
     Sync {
@@ -214,9 +215,11 @@ async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome
             .map(Done::Op),
         Call::Recv { buf, peer, tag } => {
             let dtype = buf.read().dtype();
-            comm.recv_bytes(dtype, buf.bytes_mut(), *peer, *tag)
-                .await
-                .map(Done::Op)
+            match peer {
+                Some(p) => comm.recv_bytes(dtype, buf.bytes_mut(), *p, *tag).await,
+                None => comm.recv_any_bytes(dtype, buf.bytes_mut(), *tag).await,
+            }
+            .map(Done::Op)
         }
         Call::Sync {
             revision,

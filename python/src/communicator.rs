@@ -454,13 +454,15 @@ impl Communicator {
         )
     }
 
-    /// Receives into `tensor` from rank `peer` what it sent with the same tag.
-    #[pyo3(signature = (tensor, peer, tag=0, *, async_op=false))]
+    /// Receives into `tensor` from rank `peer` what it sent with the same tag; with
+    /// `peer=None`, from whichever rank's message with that tag comes first (the
+    /// returned `OpInfo.peer` names the sender).
+    #[pyo3(signature = (tensor, peer=None, tag=0, *, async_op=false))]
     fn recv(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
-        peer: u32,
+        peer: Option<u32>,
         tag: u32,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
@@ -469,7 +471,7 @@ impl Communicator {
             py,
             Call::Recv {
                 buf,
-                peer: Rank(peer),
+                peer: peer.map(Rank),
                 tag,
             },
             async_op,

@@ -36,16 +36,23 @@ impl PyOpInfo {
     fn algo(&self) -> &'static str {
         self.0.algo.name()
     }
+    /// Point-to-point: the rank at the other end (a receive's sender); None for
+    /// collectives.
+    #[getter]
+    fn peer(&self) -> Option<u32> {
+        self.0.peer.map(|p| p.0)
+    }
     fn __repr__(&self) -> String {
         let o = &self.0;
         format!(
-            "OpInfo(epoch={}, seq={}, rank={}, world_size={}, members={:?}, algo={:?})",
+            "OpInfo(epoch={}, seq={}, rank={}, world_size={}, members={:?}, algo={:?}, peer={:?})",
             o.epoch,
             o.seq,
             o.rank.0,
             o.world_size,
             o.members,
-            o.algo.name()
+            o.algo.name(),
+            o.peer.map(|p| p.0)
         )
     }
 }

@@ -4,9 +4,13 @@ JSON for the test to compare."""
 
 import json
 import sys
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from torch_script import collectives
 
 
 def calls(r, n):
@@ -63,6 +67,101 @@ def calls(r, n):
         w.wait()
     out["batch_isend_irecv"] = [recv.tolist(), recv2.tolist()]
 
+    # Receive from any source: rank 0 takes one message from each other rank, in the
+    # order they come (the sender's rank is what recv returns), then with a tag.
+    for tag in (0, 7):
+        if r == 0:
+            got = []
+            for _ in range(n - 1):
+                t = torch.empty(2)
+                src = dist.recv(t, tag=tag)
+                got.append([src, t.tolist()])
+            out[f"recv_anysource_tag{tag}"] = sorted(got)
+        else:
+            dist.send(torch.full((2,), float(r)), 0, tag=tag)
+    if r == 0:
+        w = dist.irecv(torch.empty(1))
+        w.wait()
+        out["irecv_anysource_completed"] = w.is_completed()
+    elif r == n - 1:
+        dist.send(torch.ones(1), 0)
+
+    # Object collectives.
+    objs = [{"rank": r, "s": "x" * r}, None]
+    if r != 1:
+        objs = [None, None]
+    dist.broadcast_object_list(objs, src=1)
+    out["broadcast_object_list"] = objs
+    lst = [None] * n
+    dist.all_gather_object(lst, ("r", r))
+    out["all_gather_object"] = lst
+    lst = [None] * n if r == 0 else None
+    dist.gather_object({"r": r}, lst, dst=0)
+    out["gather_object"] = lst
+    got = [None]
+    dist.scatter_object_list(got, [f"for {i}" for i in range(n)] if r == n - 1 else None,
+                             src=n - 1)
+    out["scatter_object_list"] = got
+    if r == 0:
+        dist.send_object_list([{"a": 1}, [2, 3]], dst=1)
+    elif r == 1:
+        got = [None, None]
+        dist.recv_object_list(got, src=0)
+        out["send_recv_object_list"] = got
+
+    # Subgroups in every form torch offers: p2p inside one, groups of two, groups by
+    # enumeration (uneven at 3 ranks), split_group.
+    g = dist.new_group([0, 1])
+    if r == 0:
+        dist.send(torch.full((2,), 3.0), group=g, group_dst=1)
+    elif r == 1:
+        t = torch.empty(2)
+        dist.recv(t, group=g, group_src=0)
+        out["subgroup_p2p"] = t.tolist()
+    dist.destroy_process_group(g)
+    try:
+        cur, _ = dist.new_subgroups(group_size=2)
+        t = torch.full((1,), float(r + 1))
+        dist.all_reduce(t, group=cur)
+        out["new_subgroups"] = [t.tolist(), dist.get_rank(cur), dist.get_world_size(cur)]
+    except Exception as e:  # noqa: BLE001 - gloo's refusal is part of the answer
+        out["new_subgroups"] = type(e).__name__
+    parts = [list(range(0, n, 2)), list(range(1, n, 2))]
+    cur, _ = dist.new_subgroups_by_enumeration(parts)
+    t = torch.full((1,), float(r + 1))
+    dist.all_reduce(t, group=cur)
+    lst = [None] * dist.get_world_size(cur)
+    dist.all_gather_object(lst, r, group=cur)
+    out["new_subgroups_by_enumeration"] = [t.tolist(), lst]
+    try:
+        sg = dist.split_group(split_ranks=parts)
+        t = torch.full((1,), float(r + 1))
+        dist.all_reduce(t, group=sg)
+        out["split_group"] = t.tolist()
+    except Exception as e:  # noqa: BLE001
+        out["split_group"] = type(e).__name__
+
+    # Timeouts as torch passes them: a group's own timeout bounds a receive nobody
+    # answers (that rank alone fails; the group goes on) and a collective one rank
+    # skips (the ranks in it fail within the bound).
+    tg = dist.new_group(list(range(n)), timeout=timedelta(seconds=2))
+    if r == 0:
+        t0 = time.monotonic()
+        try:
+            dist.recv(torch.empty(1), src=1, group=tg, tag=99)
+            out["recv_timeout"] = "received"
+        except Exception:  # noqa: BLE001
+            out["recv_timeout"] = ["raised", time.monotonic() - t0 < 10]
+    dist.barrier()  # the default group: rank 0 is done waiting
+    t = torch.full((1,), float(r + 1))
+    try:
+        # gloo closes the pair whose receive timed out; eccl's group goes on.
+        dist.all_reduce(t, group=tg)
+        out["after_recv_timeout"] = t.tolist()
+    except Exception as e:  # noqa: BLE001
+        out["after_recv_timeout"] = type(e).__name__
+    dist.destroy_process_group(tg)
+
     # barrier(device_ids) is ignored on CPU, as gloo does.
     dist.barrier(device_ids=[0])
     out["group_name_set"] = bool(dist.distributed_c10d._get_default_group().group_name)
@@ -73,7 +172,8 @@ def main():
     backend = sys.argv[1]
     dist.init_process_group(backend)
     r, n = dist.get_rank(), dist.get_world_size()
-    res = calls(r, n)
+    res = collectives(r, n)
+    res.update(calls(r, n))
     print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
 
