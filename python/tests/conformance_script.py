@@ -80,11 +80,11 @@ def calls(r, n):
         else:
             dist.send(torch.full((2,), float(r)), 0, tag=tag)
     if r == 0:
-        w = dist.irecv(torch.empty(1))
+        w = dist.irecv(torch.empty(1), tag=3)
         w.wait()
         out["irecv_anysource_completed"] = w.is_completed()
     elif r == n - 1:
-        dist.send(torch.ones(1), 0)
+        dist.send(torch.ones(1), 0, tag=3)
 
     # Object collectives.
     objs = [{"rank": r, "s": "x" * r}, None]

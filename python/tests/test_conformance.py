@@ -5,24 +5,13 @@ monitored_barrier, group timeouts, futures; and a subgroup survives a rank lost 
 it."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch")
-from procs import free_port  # noqa: E402
-from test_torch_backend import HERE, run_world  # noqa: E402
-
-
-def _specs(n, args, script):
-    port = free_port()
-    return [([sys.executable, str(script), *args],
-             dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                  RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r)))
-            for r in range(n)]
+from test_torch_backend import HERE, run_world, world_specs  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -57,7 +46,7 @@ def test_monitored_barrier_names_the_missing_ranks_as_gloo_does():
 def test_a_subgroup_survives_the_loss_of_a_rank_outside_it():
     """Ranks 0 and 1 of three form a group; rank 2 is SIGKILLed; the group's collectives
     go on with the right sums (an eccl subgroup is a world of its own)."""
-    specs = _specs(3, ["eccl"], HERE / "subgroup_loss_script.py")
+    specs = world_specs(3, ["eccl"], HERE / "subgroup_loss_script.py")
     procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for argv, env in specs]
     try:

@@ -25,12 +25,16 @@ def run_world(n, args, script=HERE / "torch_script.py"):
     without an active exception", from torch's teardown once the rank hosting the
     rendezvous store is gone; seen with both gloo and eccl). That is the exit, not a
     result, so it is tolerated; any other failure is not."""
+    return run_processes(world_specs(n, args, script))
+
+
+def world_specs(n, args, script):
+    """(argv, env) of n ranks of `script` meeting as torchrun's env:// would."""
     port = free_port()
-    specs = [([sys.executable, str(script), *args],
-              dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r)))
-             for r in range(n)]
-    return run_processes(specs)
+    return [([sys.executable, str(script), *args],
+             dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                  RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r)))
+            for r in range(n)]
 
 
 def run_processes(specs):
