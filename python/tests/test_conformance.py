@@ -62,3 +62,8 @@ def test_a_subgroup_survives_the_loss_of_a_rank_outside_it():
         assert procs[r].returncode == 0, f"rank {r}: {procs[r].returncode}\n{err[-3000:]}"
         res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
         assert res["sums"] == [[3.0 + 2 * i] * 4 for i in range(3)], res
+
+
+def test_a_device_map_picks_the_eccl_backend_for_cpu():
+    res = run_world(2, ["cpu:eccl"], HERE / "device_map_script.py")
+    assert res == [{"sum": [3.0, 3.0], "backend": "ProcessGroupEccl"}] * 2, res
