@@ -33,14 +33,16 @@ def test_calls_beyond_the_plain_collectives_match_gloo(n):
 BETTER_THAN_GLOO = {"after_recv_timeout"}
 
 
-def test_monitored_barrier_names_the_missing_ranks_as_gloo_does():
-    """Everyone arrives: all pass. Rank 2 arrives 2 s past a 1 s timeout: rank 0 names
-    it in gloo's words, the others raise too."""
+@pytest.mark.parametrize("n", [3, 4])
+def test_monitored_barrier_names_the_missing_ranks_as_gloo_does(n):
+    """Everyone arrives: all pass. Ranks 2 and up arrive 2 s past a 1 s timeout: rank 0
+    names them all (wait_all_ranks) in gloo's words, the others raise too."""
     script = HERE / "monitored_script.py"
-    gloo = run_world(3, ["gloo"], script)
-    ours = run_world(3, ["eccl"], script)
+    gloo = run_world(n, ["gloo"], script)
+    ours = run_world(n, ["eccl"], script)
     assert ours == gloo, (ours, gloo)
-    assert gloo[0]["late"] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 1000 ms"
+    late = ", ".join(str(r) for r in range(2, n))
+    assert gloo[0]["late"] == f"[Rank 0]: Ranks {late} failed to pass monitoredBarrier in 1000 ms"
 
 
 def test_a_subgroup_survives_the_loss_of_a_rank_outside_it():
