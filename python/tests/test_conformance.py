@@ -5,13 +5,16 @@ monitored_barrier, group timeouts, futures; and a subgroup survives a rank lost 
 it."""
 
 import json
+import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
 pytest.importorskip("torch")
-from test_torch_backend import HERE, run_world, world_specs  # noqa: E402
+from procs import free_port  # noqa: E402
+from test_torch_backend import HERE, run_processes, run_world, world_specs  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -69,3 +72,13 @@ def test_a_subgroup_survives_the_loss_of_a_rank_outside_it():
 def test_a_device_map_picks_the_eccl_backend_for_cpu():
     res = run_world(2, ["cpu:eccl"], HERE / "device_map_script.py")
     assert res == [{"sum": [3.0, 3.0], "backend": "ProcessGroupEccl"}] * 2, res
+
+
+@pytest.mark.parametrize("scheme", ["file", "tcp"])
+def test_init_methods_as_gloo_takes_them(tmp_path, scheme):
+    method = (f"file://{tmp_path / 'init'}" if scheme == "file"
+              else f"tcp://127.0.0.1:{free_port()}")
+    script = HERE / "init_method_script.py"
+    specs = [([sys.executable, str(script), "eccl", method, str(r), "3"], dict(os.environ))
+             for r in range(3)]
+    assert run_processes(specs) == [{"sum": [6.0, 6.0]}] * 3
