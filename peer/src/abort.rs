@@ -10,6 +10,7 @@
 //! its notice breaks #k and later only; a slower rank still finishing #k-1 finishes it
 //! (its data is on the way) instead of losing a call that succeeded everywhere else.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use eccl_protocol::frame::{AbortCause, FrameHeader};
@@ -42,6 +43,11 @@ const ALL_EPOCHS: u64 = u64::MAX;
 
 pub(crate) struct AbortState {
     tx: watch::Sender<Option<AbortInfo>>,
+    /// The epoch whose links this peer runs now (what `abort_here` breaks).
+    current: AtomicU64,
+    /// Set by `abort_here` until the abort is announced to the peers or a new epoch
+    /// begins.
+    local: AtomicBool,
     /// Peers the master evicted, as its abort events named them; a shared-state sync
     /// stops using them as sources or waiting for them as receivers.
     gone: std::sync::Mutex<std::collections::HashSet<eccl_protocol::PeerId>>,
@@ -51,6 +57,8 @@ impl AbortState {
     pub fn new() -> Arc<AbortState> {
         Arc::new(AbortState {
             tx: watch::channel(None).0,
+            current: AtomicU64::new(0),
+            local: AtomicBool::new(false),
             gone: Default::default(),
         })
     }
@@ -70,6 +78,26 @@ impl AbortState {
 
     pub fn is_gone(&self, peer: eccl_protocol::PeerId) -> bool {
         self.gone.lock().map(|g| g.contains(&peer)).unwrap_or(false)
+    }
+
+    /// Breaks the epoch this peer runs now, from outside its calls (torch's
+    /// `ProcessGroup.abort()`): every call in flight fails with `Aborted` at once, and
+    /// so does every later one until the next epoch.
+    pub fn abort_here(&self, reason: &str) {
+        let epoch = self.current.load(Ordering::Acquire);
+        self.local.store(true, Ordering::Release);
+        self.raise(
+            epoch,
+            Error::Aborted {
+                epoch,
+                cause: format!("aborted on this rank: {reason}"),
+            },
+        );
+    }
+
+    /// Whether an `abort_here` is still to be announced to the peers (once).
+    pub fn take_local(&self) -> bool {
+        self.local.swap(false, Ordering::AcqRel)
     }
 
     /// A receiver that wakes on every abort and eviction.
@@ -141,7 +169,7 @@ impl AbortState {
 /// breaks the epoch it names only if that is the current one, so frames of an old
 /// epoch never disturb the new one, also on links kept across epochs.
 pub(crate) struct EpochLinkObserver {
-    epoch: std::sync::atomic::AtomicU64,
+    epoch: AtomicU64,
     pub state: Arc<AbortState>,
     /// Rank in the current epoch of the peer at the other end of each link, by link name.
     names: std::sync::Mutex<std::collections::HashMap<String, u32>>,
@@ -161,14 +189,15 @@ impl EpochLinkObserver {
         if let Ok(mut n) = self.names.lock() {
             *n = names;
         }
-        self.epoch
-            .store(epoch, std::sync::atomic::Ordering::Release);
+        self.state.current.store(epoch, Ordering::Release);
+        self.state.local.store(false, Ordering::Release);
+        self.epoch.store(epoch, Ordering::Release);
     }
 }
 
 impl LinkObserver for EpochLinkObserver {
     fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str) {
-        let epoch = self.epoch.load(std::sync::atomic::Ordering::Acquire);
+        let epoch = self.epoch.load(Ordering::Acquire);
         if header.epoch != epoch {
             return;
         }
@@ -209,6 +238,17 @@ impl LinkObserver for EpochLinkObserver {
         // A collective that needs the link fails when it reaches the failure, and then
         // tells every other rank with Abort frames.
         tracing::debug!(target: "eccl::net", "link {peer} ended: {error}");
+    }
+}
+
+/// Aborts a communicator's calls from another thread (see [`AbortState::abort_here`]);
+/// `Communicator::announce_abort` then tells the other ranks.
+#[derive(Clone)]
+pub struct AbortHandle(pub(crate) Arc<AbortState>);
+
+impl AbortHandle {
+    pub fn abort(&self, reason: &str) {
+        self.0.abort_here(reason)
     }
 }
 

@@ -17,6 +17,7 @@ mod master_client;
 pub mod shared_state;
 pub mod store;
 
+pub use abort::AbortHandle;
 pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, WorldUpdate};
 pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};

@@ -25,6 +25,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.overrides import has_torch_function
 
 import eccl
+from eccl.torch_setup import _fresh_store, _share_secret, _store_get
 from eccl.torch_work import TorchWork, _Completer
 
 __all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
@@ -75,6 +76,9 @@ class ProcessGroupEccl(_C10dBackend):
         # Set when a call failed in a way that aborted the epoch on every rank (a
         # refused argument, a mismatch): the next call first forms the next epoch.
         self._recover = False
+        # torch's abort hooks by id, and the last epoch they ran for (once per abort).
+        self._abort_hooks: dict = {}
+        self._hooked_epoch = -1
 
     @property
     def options(self):
@@ -95,6 +99,40 @@ class ProcessGroupEccl(_C10dBackend):
                 f"the group's world changed from {self.size()} ranks to {w.world_size} (this "
                 f"process was rank {self.rank()}, now {w.rank}): a torch process group has "
                 "fixed ranks; re-create it, or use eccl.torch.ElasticDDP")
+
+    # -- abort (torch's ProcessGroup.abort() and abort hooks) ------------------------
+
+    def abort(self) -> None:
+        """`ProcessGroup.abort()`: every call in flight or queued on this rank fails at
+        once with `eccl.AbortedError`, the other ranks are told, the abort hooks run
+        once; the next call forms the next epoch."""
+        self._epoch_aborted()
+        self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
+        self._recover = True
+
+    @property
+    def supports_abort_hooks(self) -> bool:
+        return True
+
+    def registerAbortHook(self, hook_id: int, hook) -> None:  # noqa: N802 - torch's name
+        self._abort_hooks[hook_id] = hook
+
+    def unregisterAbortHook(self, hook_id: int) -> None:  # noqa: N802
+        self._abort_hooks.pop(hook_id, None)
+
+    def _epoch_aborted(self) -> None:
+        """Runs the abort hooks, once per aborted epoch (an `abort()`, or a call that
+        failed in a way that aborted the epoch), before the failure is reported."""
+        epoch = self.comm.epoch
+        if epoch == self._hooked_epoch:
+            return
+        self._hooked_epoch = epoch
+        for hook in list(self._abort_hooks.values()):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a hook's failure is not the call's
+                import logging
+                logging.getLogger("eccl").exception("abort hook failed")
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -423,67 +461,6 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
               "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter_single",
               "reduce_scatter_single_coalesced", "all_to_all_single", "gather_single"):
     setattr(ProcessGroupEccl, _name, _recovering(getattr(ProcessGroupEccl, _name)))
-
-
-def _store_get(store: Any, key: str, timeout: timedelta) -> str:
-    store.wait([key], timeout)
-    return store.get(key).decode()
-
-
-def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
-                  timeout: timedelta) -> str:
-    """Rank 0's fresh job secret, handed to every other rank through the store sealed to
-    that rank alone: rank r publishes a one-use X25519 public key (write-once, with
-    `compare_set`), rank 0 answers with the secret encrypted to it. A process that reads
-    the store learns nothing; one that writes rank r's key first would get the box, so
-    the real rank r, finding another key there, stops with an error instead of running
-    beside it."""
-    from eccl import _eccl
-    if rank == 0:
-        assert secret is not None
-        keys = [f"eccl/key/{r}" for r in range(1, world_size)]
-        if keys:
-            store.wait(keys, timeout)
-        for r, k in enumerate(keys, start=1):
-            public = bytes.fromhex(store.get(k).decode())
-            box = _eccl.seal(public, secret.encode(), f"eccl/torch rank {r}".encode())
-            store.set(f"eccl/sealed/{r}", box.hex())
-        return secret
-    key = _eccl.OpenKey()
-    mine = key.public.hex()
-    stored = store.compare_set(f"eccl/key/{rank}", "", mine)
-    if (stored.decode() if isinstance(stored, bytes) else stored) != mine:
-        raise eccl.InvalidArgumentError(
-            f"another process published rank {rank}'s key in the rendezvous store before "
-            "this one: something else on the store is posing as this rank (or two "
-            "processes were started as the same rank)")
-    box = bytes.fromhex(_store_get(store, f"eccl/sealed/{rank}", timeout))
-    return key.open(box, f"eccl/torch rank {rank}".encode()).decode()
-
-
-_created = 0
-
-
-def _fresh_store(store: Any, default_group: bool) -> Any:
-    """The part of the rendezvous store this group's set-up uses. torchrun keeps one
-    store across restarts of its workers, and a process may create the default group
-    again after destroying it: keys left by an earlier attempt (a dead master's address,
-    a dead rank's public key) must not be read as this one's. Every rank creates the
-    default group, so a count of them names the attempt; a later group's store is
-    already its own (torch prefixes it with the group's unique name), and only its
-    members create it, so a count there would differ between ranks."""
-    global _created
-    if not default_group:
-        return dist.PrefixStore("eccl/", store)
-    _created += 1
-    # Under an agent-hosted store (torchrun's c10d default) the store outlives the
-    # workers, and every agent restarts its workers together: the restart count names
-    # the attempt. Where the workers' rank 0 hosts a fresh store in each round (eccl's
-    # rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the counts differ between a
-    # newcomer (0) and the nodes it joins, and the store itself is new: no attempt key.
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "r"
-    return dist.PrefixStore(f"eccl/{attempt}/{_created}/", store)
 
 
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroupEccl:

@@ -105,6 +105,7 @@ class _Completer:
                     eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError,
                     eccl.TimeoutError)
                 if self._pg is not None and isinstance(e, aborted):
+                    self._pg._epoch_aborted()
                     self._pg._recover = True
                 work._finish(None, e)
             else:

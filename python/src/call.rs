@@ -16,6 +16,8 @@ pub(crate) enum Call {
     UpdateTopology,
     ArePeersPending,
     Leave,
+    /// Tells the other ranks of an abort made here (after the calls queued before it).
+    AnnounceAbort,
     /// Out of place; a rank of a rooted collective passes `None` for a buffer it does
     /// not use (gather's output, scatter's input off the root).
     Collective {
@@ -59,7 +61,9 @@ impl Call {
     /// The buffers the call reads only, and those it writes.
     pub fn buffers(&self) -> (Vec<&HostBuffer>, Vec<&WritableBuffer>) {
         match self {
-            Call::UpdateTopology | Call::ArePeersPending | Call::Leave => (vec![], vec![]),
+            Call::UpdateTopology | Call::ArePeersPending | Call::Leave | Call::AnnounceAbort => {
+                (vec![], vec![])
+            }
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
@@ -153,6 +157,10 @@ async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome
     match call {
         Call::UpdateTopology => comm.update_topology().await.map(Done::World),
         Call::ArePeersPending => comm.are_peers_pending().await.map(Done::Pending),
+        Call::AnnounceAbort => {
+            comm.announce_abort().await;
+            Ok(Done::Left)
+        }
         Call::Leave => unreachable!("handled by serve"),
         Call::Collective {
             kind,

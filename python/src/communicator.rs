@@ -54,6 +54,7 @@ fn same_dtype(input: &HostBuffer, output: &WritableBuffer) -> PyResult<()> {
 pub(crate) struct Communicator {
     jobs: mpsc::UnboundedSender<Job>,
     info: Arc<Mutex<Info>>,
+    aborter: eccl::AbortHandle,
 }
 
 impl Communicator {
@@ -188,13 +189,18 @@ impl Communicator {
             peer_id: comm.peer_id().0,
             ..Default::default()
         }));
+        let aborter = comm.abort_handle();
         let (tx, rx) = mpsc::unbounded_channel();
         let stop = Arc::new(tokio::sync::Notify::new());
         track(
             runtime().spawn(serve(comm, rx, info.clone(), stop.clone())),
             stop,
         );
-        Ok(Communicator { jobs: tx, info })
+        Ok(Communicator {
+            jobs: tx,
+            info,
+            aborter,
+        })
     }
 
     #[getter]
@@ -233,6 +239,17 @@ impl Communicator {
     /// skip `update_topology()` together.
     fn are_peers_pending(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.submit(py, Call::ArePeersPending, false)
+    }
+
+    /// Aborts this peer's calls at once (torch's `ProcessGroup.abort()`): every call in
+    /// flight or queued fails with `AbortedError` naming `reason`, the other ranks of the
+    /// epoch are told (their calls fail too instead of waiting for this rank), and the
+    /// next `update_topology()` forms the next epoch. Returns without waiting.
+    #[pyo3(signature = (reason="abort() was called"))]
+    fn abort(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        self.aborter.abort(reason);
+        // Queued behind the calls it fails, so that it runs once they have.
+        self.submit(py, Call::AnnounceAbort, true).map(|_| ())
     }
 
     /// Leaves the job on purpose; the others see it at their next update_topology().

@@ -29,6 +29,7 @@ use eccl_transport::pool::AlignedBuf;
 use crate::abort::AbortState;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::executor;
 use crate::links::{LinkManager, PeerLink};
 use crate::master_client::MasterClient;
 
@@ -116,6 +117,36 @@ impl Communicator {
     }
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// A handle that aborts this communicator's calls from another thread (torch's
+    /// `ProcessGroup.abort()`); see [`Communicator::announce_abort`].
+    pub fn abort_handle(&self) -> crate::AbortHandle {
+        crate::AbortHandle(self.abort.clone())
+    }
+
+    /// After an [`crate::AbortHandle::abort`]: tells the other ranks of the epoch, once,
+    /// so that their calls waiting on this rank fail at once instead of at their
+    /// timeout. Does nothing if the epoch was not aborted here.
+    pub async fn announce_abort(&mut self) {
+        let Some(c) = self.cur.as_mut() else { return };
+        let epoch = c.world.epoch;
+        let Some(e) = self.abort.check(epoch) else {
+            return;
+        };
+        if self.abort.take_local() {
+            let reason = format!("rank {}: {e}", c.rank);
+            let h = executor::close_header(epoch);
+            executor::broadcast_abort(
+                epoch,
+                0,
+                h.desc,
+                eccl_protocol::frame::AbortCause::EpochAborted,
+                &reason,
+                &mut c.links,
+            )
+            .await;
+        }
     }
 
     /// The transport of each link of the current world, by rank (`None` at this rank).
