@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -25,7 +24,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.overrides import has_torch_function
 
 import eccl
-from eccl.torch_setup import _fresh_store, _share_secret, _store_get
+from eccl.torch_setup import _fresh_store, _share_secret, _store_get, monitored_barrier
 from eccl.torch_work import TorchWork, _Completer
 
 __all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
@@ -63,8 +62,11 @@ class ProcessGroupEccl(_C10dBackend):
     device check, `_get_backend`, the reconfigure hooks) finds it."""
 
     def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None,
-                 timeout: timedelta = timedelta(minutes=30), store: Any = None):
-        super().__init__(comm.rank, comm.world_size)
+                 timeout: timedelta = timedelta(minutes=30), store: Any = None,
+                 rank: Optional[int] = None, size: Optional[int] = None):
+        super().__init__(comm.rank if rank is None else rank,
+                         comm.world_size if size is None else size)
+        self._handed_over = False
         self._timeout = timeout
         self._options = _C10dBackend.Options(BACKEND, timeout)
         self._store = store
@@ -276,50 +278,13 @@ class ProcessGroupEccl(_C10dBackend):
         return self._done.submit([self.comm.barrier(async_op=True)], None)
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
-        """gloo's monitored barrier: rank 0 waits (at most the barrier's timeout) for
-        every other rank to arrive and names the ranks that did not (the first one, or
-        all of them with `wait_all_ranks`); the others wait for rank 0's verdict. It runs
-        over the group's rendezvous store, beside the communicator (whose calls run in
-        order, so one missing rank would hide the ones behind it)."""
+        """gloo's monitored barrier (see `eccl.torch_setup.monitored_barrier`)."""
         if self._store is None:
             raise RuntimeError("monitored_barrier needs the group's store")
-        timeout = getattr(opts, "timeout", None) or self._timeout
-        ms = int(timeout.total_seconds() * 1000)
         self._barriers += 1
-        base = f"eccl/monitored_barrier/{self._barriers}/"
-        me, n = self.rank(), self.size()
-        deadline = time.monotonic() + timeout.total_seconds()
-        if me != 0:
-            self._store.set(f"{base}arrived/{me}", "1")
-            while not self._store.check([f"{base}verdict"]):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"Rank {me} timed out in monitoredBarrier after {ms} ms waiting for "
-                        "rank 0")
-                time.sleep(0.005)
-            verdict = self._store.get(f"{base}verdict").decode()
-            if verdict != "ok":
-                raise RuntimeError(verdict)
-            return
-        missing = list(range(1, n))
-        pause = 0.001
-        while missing:
-            missing = [r for r in missing if not self._store.check([f"{base}arrived/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        if not missing:
-            self._store.set(f"{base}verdict", "ok")
-            return
-        # gloo's words, so that code matching them keeps working.
-        if wait_all_ranks:
-            msg = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass "
-                   f"monitoredBarrier in {ms} ms")
-        else:
-            msg = f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms"
-        self._store.set(f"{base}verdict", msg)
-        raise RuntimeError(msg)
+        timeout = getattr(opts, "timeout", None) or self._timeout
+        monitored_barrier(self._store, f"eccl/monitored_barrier/{self._barriers}/",
+                          self.rank(), self.size(), timeout, wait_all_ranks)
 
     # A receive that times out fails on its rank alone (eccl's p2p timeouts are local),
     # so it leaves the epoch as it was: `p2p=True`.
@@ -409,6 +374,39 @@ class ProcessGroupEccl(_C10dBackend):
         pg.options.global_ranks_in_group = [parent[r] for r in ranks]
         return pg
 
+    @property
+    def supports_shrinking(self) -> bool:
+        return True
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
+        """`dist.shrink_group(ranks_to_exclude)`: the remaining ranks form the smaller
+        group through the master in one step, each with `update_topology()` on the
+        same communicator (survivors keep their relative order, which is torch's rank
+        order for the shrunk group), with no handles to exchange. The excluded ranks
+        must be gone (torch tells them to terminate): the master drops a dead rank at
+        once and a hung one when its lease runs out. With SHRINK_ABORT, calls in flight
+        here fail first. Returns the new group's backend; this one hands it the
+        communicator (and the master it hosts) and no longer leaves the job."""
+        excluded = set(int(r) for r in ranks_to_exclude)
+        expected = self.size() - len(excluded)
+        if shrink_flags & getattr(dist, "SHRINK_ABORT", 1):
+            self.abort()
+        w = self.comm.update_topology()
+        if w.world_size != expected:
+            raise eccl.AbortedError(
+                f"shrink_group: excluding ranks {sorted(excluded)} of {self.size()} should "
+                f"leave {expected}, but the master's next world has {w.world_size} members "
+                "(an excluded rank is still alive and in the job: terminate it first)")
+        new = ProcessGroupEccl(self.comm, self._master, self._timeout, self._store,
+                               rank=w.rank, size=w.world_size)
+        new._abort_hooks = dict(self._abort_hooks)
+        parent = list(self.options.global_ranks_in_group) or list(range(self.size()))
+        new.options.global_ranks_in_group = [g for r, g in enumerate(parent) if r not in excluded]
+        new.options.group_name = self.options.group_name
+        self._master = None
+        self._handed_over = True
+        return new
+
     def shutdown(self) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the
         others' calls still in flight (a recv of what this rank sent) complete instead of
@@ -417,6 +415,8 @@ class ProcessGroupEccl(_C10dBackend):
             return
         self._closed = True
         self._done.close()
+        if self._handed_over:  # shrink_group gave the communicator to the new group
+            return
         try:
             self.comm.leave()
         except eccl.EcclError:
@@ -448,7 +448,7 @@ def _recovering(fn):
 
 # torch's Backend trampoline forwards these capability queries to Python; left to the C++
 # base, each would call back into itself. eccl does none of them yet (issue 22 adds some).
-for _name in ("supports_coalescing", "supports_shrinking",
+for _name in ("supports_coalescing",
               "supports_reconfigure", "_supports_time_estimate", "supports_window"):
     setattr(ProcessGroupEccl, _name, property(lambda self: False))
 

@@ -1,9 +1,11 @@
-"""How the torch backend's groups meet (`eccl.torch`): the rendezvous store's part that a
-group's set-up uses, and rank 0's fresh job secret handed to each rank sealed to it."""
+"""What the torch backend (`eccl.torch`) does over torch's store: the part of the
+rendezvous store a group's set-up uses, rank 0's fresh job secret handed to each rank
+sealed to it, and gloo's monitored barrier."""
 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -71,3 +73,44 @@ def _fresh_store(store: Any, default_group: bool) -> Any:
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "r"
     return dist.PrefixStore(f"eccl/{attempt}/{_created}/", store)
+
+
+def monitored_barrier(store: Any, base: str, me: int, n: int, timeout: timedelta,
+                      wait_all_ranks: bool) -> None:
+    """gloo's monitored barrier over a group's store (keys under `base`): rank 0 waits at
+    most `timeout` for every other rank to arrive and names the ranks that did not (the
+    first one, or all of them with `wait_all_ranks`) in gloo's words; the others wait for
+    rank 0's verdict. The backend runs it beside its communicator, whose calls run in
+    order (one missing rank would hide the ones behind it)."""
+    ms = int(timeout.total_seconds() * 1000)
+    deadline = time.monotonic() + timeout.total_seconds()
+    if me != 0:
+        store.set(f"{base}arrived/{me}", "1")
+        while not store.check([f"{base}verdict"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Rank {me} timed out in monitoredBarrier after {ms} ms waiting for rank 0")
+            time.sleep(0.005)
+        verdict = store.get(f"{base}verdict").decode()
+        if verdict != "ok":
+            raise RuntimeError(verdict)
+        return
+    missing = list(range(1, n))
+    pause = 0.001
+    while missing:
+        missing = [r for r in missing if not store.check([f"{base}arrived/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    if not missing:
+        store.set(f"{base}verdict", "ok")
+        return
+    # gloo's words, so that code matching them keeps working.
+    if wait_all_ranks:
+        msg = (f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass "
+               f"monitoredBarrier in {ms} ms")
+    else:
+        msg = f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms"
+    store.set(f"{base}verdict", msg)
+    raise RuntimeError(msg)
