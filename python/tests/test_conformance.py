@@ -4,17 +4,14 @@ object collectives, p2p with any-source receives and batches, subgroups in every
 monitored_barrier, group timeouts, futures; and a subgroup survives a rank lost outside
 it."""
 
-import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("torch")
 from procs import free_port  # noqa: E402
-from test_torch_backend import HERE, run_processes, run_world, world_specs  # noqa: E402
+from test_torch_backend import HERE, run_processes, run_world, run_world_losing_last  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -51,22 +48,8 @@ def test_monitored_barrier_names_the_missing_ranks_as_gloo_does(n):
 def test_a_subgroup_survives_the_loss_of_a_rank_outside_it():
     """Ranks 0 and 1 of three form a group; rank 2 is SIGKILLed; the group's collectives
     go on with the right sums (an eccl subgroup is a world of its own)."""
-    specs = world_specs(3, ["eccl"], HERE / "subgroup_loss_script.py")
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for argv, env in specs]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert procs[2].returncode == -signal.SIGKILL
-    for r in (0, 1):
-        out, err = outs[r]
-        assert procs[r].returncode == 0, f"rank {r}: {procs[r].returncode}\n{err[-3000:]}"
-        res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
-        assert res["sums"] == [[3.0 + 2 * i] * 4 for i in range(3)], res
+    res = run_world_losing_last(3, ["eccl"], HERE / "subgroup_loss_script.py")
+    assert res == [{"sums": [[3.0 + 2 * i] * 4 for i in range(3)]}] * 2, res
 
 
 def test_a_device_map_picks_the_eccl_backend_for_cpu():

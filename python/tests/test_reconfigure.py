@@ -1,14 +1,10 @@
 """torch's fault-tolerance API on eccl (issue 22): ProcessGroup.abort() and abort hooks,
 shrink_group."""
 
-import json
-import signal
-import subprocess
-
 import pytest
 
 pytest.importorskip("torch")
-from test_torch_backend import HERE, run_world, world_specs  # noqa: E402
+from test_torch_backend import HERE, run_world, run_world_losing_last  # noqa: E402
 
 
 def test_abort_fails_calls_in_flight_at_once_and_runs_the_hooks_once():
@@ -29,7 +25,7 @@ def test_shrink_group_drops_a_killed_rank_where_gloo_refuses(n):
     gloo, in the same scenario, refuses shrinking with TypeError."""
     script = HERE / "shrink_script.py"
     for backend in ("gloo", "eccl"):
-        res = _survivors(n, backend, script)
+        res = run_world_losing_last(n, [backend], script)
         if backend == "gloo":
             assert res == [{"error": "TypeError"}] * (n - 1), res
         else:
@@ -37,23 +33,3 @@ def test_shrink_group_drops_a_killed_rank_where_gloo_refuses(n):
             assert res == [{"sum": [total, total], "rank": r, "size": n - 1,
                             "group_size": n - 1, "quick": True} for r in range(n - 1)], res
 
-
-def _survivors(n, backend, script):
-    """Runs n ranks of `script`, the last of which kills itself; returns the others'
-    results (every process stopped by PID)."""
-    specs = world_specs(n, [backend], script)
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for argv, env in specs]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert procs[-1].returncode == -signal.SIGKILL
-    res = []
-    for p, (out, err) in zip(procs[:-1], outs[:-1]):
-        assert p.returncode == 0, f"{p.returncode}\n{err[-3000:]}"
-        res.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]))
-    return res

@@ -4,6 +4,7 @@ bad input raises instead of crashing or hanging."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,27 @@ def world_specs(n, args, script):
              dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                   RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r)))
             for r in range(n)]
+
+
+def run_world_losing_last(n, args, script):
+    """Runs n ranks of `script` as run_world does; the last one SIGKILLs itself. Returns
+    the others' JSON (every process stopped by PID)."""
+    specs = world_specs(n, args, script)
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv, env in specs]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[-1].returncode == -signal.SIGKILL, procs[-1].returncode
+    res = []
+    for p, (out, err) in zip(procs[:-1], outs[:-1]):
+        assert p.returncode == 0, f"{p.returncode}\n{err[-3000:]}"
+        res.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]))
+    return res
 
 
 def run_processes(specs):
