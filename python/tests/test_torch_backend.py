@@ -41,27 +41,31 @@ def world_specs(n, args, script):
 def run_world_losing_last(n, args, script):
     """Runs n ranks of `script` as run_world does; the last one SIGKILLs itself. Returns
     the others' JSON (every process stopped by PID)."""
-    specs = world_specs(n, args, script)
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for argv, env in specs]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs, outs = _start_and_wait(world_specs(n, args, script))
     assert procs[-1].returncode == -signal.SIGKILL, procs[-1].returncode
     res = []
     for p, (out, err) in zip(procs[:-1], outs[:-1]):
         assert p.returncode == 0, f"{p.returncode}\n{err[-3000:]}"
-        res.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]))
+        res.append(_result(out))
     return res
 
 
 def run_processes(specs):
     """Runs one process per (argv, env), stops every one of them, and returns the JSON
     each printed after "RESULT "."""
+    procs, outs = _start_and_wait(specs)
+    res = []
+    for (argv, _), p, (out, err) in zip(specs, procs, outs):
+        printed = any(l.startswith("RESULT ") for l in out.splitlines())
+        exit_abort = printed and "terminate called" in err
+        assert p.returncode == 0 or exit_abort, f"{argv[1:]}: exit {p.returncode}\n{out}\n{err[-3000:]}"
+        res.append(_result(out))
+    return res
+
+
+def _start_and_wait(specs):
+    """Starts one process per (argv, env) and waits for all; every one still running
+    when this returns or raises is killed by PID."""
     procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for argv, env in specs]
     try:
@@ -71,13 +75,11 @@ def run_processes(specs):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    res = []
-    for (argv, _), p, (out, err) in zip(specs, procs, outs):
-        printed = any(l.startswith("RESULT ") for l in out.splitlines())
-        exit_abort = printed and "terminate called" in err
-        assert p.returncode == 0 or exit_abort, f"{argv[1:]}: exit {p.returncode}\n{out}\n{err[-3000:]}"
-        res.append(json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]))
-    return res
+    return procs, outs
+
+
+def _result(out):
+    return json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
 
 
 @pytest.mark.parametrize("n", [2, 3])
