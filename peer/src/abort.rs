@@ -169,7 +169,6 @@ impl AbortState {
 /// breaks the epoch it names only if that is the current one, so frames of an old
 /// epoch never disturb the new one, also on links kept across epochs.
 pub(crate) struct EpochLinkObserver {
-    epoch: AtomicU64,
     pub state: Arc<AbortState>,
     /// Rank in the current epoch of the peer at the other end of each link, by link name.
     names: std::sync::Mutex<std::collections::HashMap<String, u32>>,
@@ -178,7 +177,6 @@ pub(crate) struct EpochLinkObserver {
 impl EpochLinkObserver {
     pub fn new(state: Arc<AbortState>) -> EpochLinkObserver {
         EpochLinkObserver {
-            epoch: Default::default(),
             state,
             names: Default::default(),
         }
@@ -191,13 +189,12 @@ impl EpochLinkObserver {
         }
         self.state.current.store(epoch, Ordering::Release);
         self.state.local.store(false, Ordering::Release);
-        self.epoch.store(epoch, Ordering::Release);
     }
 }
 
 impl LinkObserver for EpochLinkObserver {
     fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str) {
-        let epoch = self.epoch.load(Ordering::Acquire);
+        let epoch = self.state.current.load(Ordering::Acquire);
         if header.epoch != epoch {
             return;
         }

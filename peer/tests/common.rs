@@ -24,8 +24,18 @@ pub fn peer_cfg(master: &str) -> eccl::Config {
 
 /// `n` in-process communicators in their first world, sorted by rank.
 pub async fn world(master: &str, n: u32) -> Vec<eccl::Communicator> {
+    world_with(master, n, |_| {}).await
+}
+
+/// [`world`], with `tune` applied to each peer's configuration first.
+pub async fn world_with(
+    master: &str,
+    n: u32,
+    tune: impl Fn(&mut eccl::Config) + Copy,
+) -> Vec<eccl::Communicator> {
     let mut comms = futures::future::join_all((0..n).map(|r| async move {
         let mut c = peer_cfg(master);
+        tune(&mut c);
         c.rank_hint = Some(r);
         c.min_world = n;
         let mut comm = eccl::Communicator::connect(c).await.expect("connect");

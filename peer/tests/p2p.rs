@@ -87,20 +87,7 @@ async fn receive_from_any_source_takes_messages_as_they_come_and_names_the_sende
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receive_that_times_out_fails_alone_and_the_world_goes_on() {
     let m = start_master(&[]);
-    let mut comms = join_all((0..2u32).map(|r| {
-        let addr = m.addr.clone();
-        async move {
-            let mut c = peer_cfg(&addr);
-            c.rank_hint = Some(r);
-            c.min_world = 2;
-            c.timeout = Duration::from_millis(800);
-            let mut comm = eccl::Communicator::connect(c).await.expect("connect");
-            comm.update_topology().await.expect("first world");
-            comm
-        }
-    }))
-    .await;
-    comms.sort_by_key(|c| c.rank());
+    let mut comms = world_with(&m.addr, 2, |c| c.timeout = Duration::from_millis(800)).await;
     let epoch = comms[0].world().unwrap().epoch;
     // Nobody sends: rank 0's receives (from rank 1, and from anyone) time out.
     let mut b = [0i32; 2];

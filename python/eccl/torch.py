@@ -14,6 +14,7 @@ tensors are refused with `InvalidArgumentError` for now.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Optional
@@ -88,6 +89,16 @@ class ProcessGroupEccl(_C10dBackend):
         timeout, group name and global ranks (`split_group` starts from them)."""
         return self._options
 
+    def _named(self, name: str, global_ranks) -> "ProcessGroupEccl":
+        self._options.group_name = name
+        self._options.global_ranks_in_group = list(global_ranks)
+        return self
+
+    def _global_ranks(self, ranks) -> list:
+        """The global ranks of this group's `ranks`."""
+        mine = list(self._options.global_ranks_in_group) or list(range(self.size()))
+        return [mine[r] for r in ranks]
+
     def _ready(self) -> None:
         """Before a call: if an earlier one aborted the epoch, form the next one (every
         rank does the same at its next call). The same ranks go on; a world that lost or
@@ -133,7 +144,6 @@ class ProcessGroupEccl(_C10dBackend):
             try:
                 hook()
             except Exception:  # noqa: BLE001 - a hook's failure is not the call's
-                import logging
                 logging.getLogger("eccl").exception("abort hook failed")
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -369,10 +379,7 @@ class ProcessGroupEccl(_C10dBackend):
         name = getattr(opts, "group_name", "") or "-".join(map(str, ranks))
         sub = dist.PrefixStore(f"split/{name}/", store)
         pg = _connect(sub, ranks.index(self.rank()), len(ranks), timeout, default_group=False)
-        pg.options.group_name = name
-        parent = list(self.options.global_ranks_in_group) or list(range(self.size()))
-        pg.options.global_ranks_in_group = [parent[r] for r in ranks]
-        return pg
+        return pg._named(name, self._global_ranks(ranks))
 
     @property
     def supports_shrinking(self) -> bool:
@@ -400,9 +407,8 @@ class ProcessGroupEccl(_C10dBackend):
         new = ProcessGroupEccl(self.comm, self._master, self._timeout, self._store,
                                rank=w.rank, size=w.world_size)
         new._abort_hooks = dict(self._abort_hooks)
-        parent = list(self.options.global_ranks_in_group) or list(range(self.size()))
-        new.options.global_ranks_in_group = [g for r, g in enumerate(parent) if r not in excluded]
-        new.options.group_name = self.options.group_name
+        remaining = [r for r in range(self.size()) if r not in excluded]
+        new._named(self._options.group_name, self._global_ranks(remaining))
         self._master = None
         self._handed_over = True
         return new
@@ -447,7 +453,7 @@ def _recovering(fn):
 
 
 # torch's Backend trampoline forwards these capability queries to Python; left to the C++
-# base, each would call back into itself. eccl does none of them yet (issue 22 adds some).
+# base, each would call back into itself. These are the ones eccl does not do (yet).
 for _name in ("supports_coalescing",
               "supports_reconfigure", "_supports_time_estimate", "supports_window"):
     setattr(ProcessGroupEccl, _name, property(lambda self: False))
@@ -468,9 +474,7 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupEccl:
     (torch's extended form: `opts` names the group and its global ranks too)."""
     pg = _connect(opts.store, opts.group_rank, opts.group_size, opts.timeout,
                   default_group=not dist.is_initialized())
-    pg.options.group_name = opts.group_id
-    pg.options.global_ranks_in_group = list(opts.global_ranks_in_group)
-    return pg
+    return pg._named(opts.group_id, opts.global_ranks_in_group)
 
 
 def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,

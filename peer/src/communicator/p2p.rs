@@ -10,8 +10,9 @@ use crate::error::{Error, Result};
 use crate::executor::{self, Op};
 
 enum Direction<'a> {
-    Send(&'a [u8]),
-    Recv(&'a mut [u8]),
+    Send(&'a [u8], Rank),
+    /// From one rank, or from whichever rank's message comes first (`None`).
+    Recv(&'a mut [u8], Option<Rank>),
 }
 
 impl Communicator {
@@ -25,7 +26,7 @@ impl Communicator {
         peer: Rank,
         tag: u32,
     ) -> Result<OpInfo> {
-        self.p2p(dtype, data.len(), Some(peer), tag, Direction::Send(data))
+        self.p2p(dtype, data.len(), tag, Direction::Send(data, peer))
             .await
     }
 
@@ -41,7 +42,7 @@ impl Communicator {
         tag: u32,
     ) -> Result<OpInfo> {
         let n = out.len();
-        self.p2p(dtype, n, Some(peer), tag, Direction::Recv(out))
+        self.p2p(dtype, n, tag, Direction::Recv(out, Some(peer)))
             .await
     }
 
@@ -55,14 +56,13 @@ impl Communicator {
         tag: u32,
     ) -> Result<OpInfo> {
         let n = out.len();
-        self.p2p(dtype, n, None, tag, Direction::Recv(out)).await
+        self.p2p(dtype, n, tag, Direction::Recv(out, None)).await
     }
 
     async fn p2p(
         &mut self,
         dtype: DType,
         nbytes: usize,
-        peer: Option<Rank>,
         tag: u32,
         dir: Direction<'_>,
     ) -> Result<OpInfo> {
@@ -84,7 +84,11 @@ impl Communicator {
                 "{nbytes} bytes is not a whole number of {dtype} elements"
             )));
         }
-        if let Some(peer) = peer.filter(|p| p.0 >= world || *p == rank) {
+        let named = match &dir {
+            Direction::Send(_, to) => Some(*to),
+            Direction::Recv(_, from) => *from,
+        };
+        if let Some(peer) = named.filter(|p| p.0 >= world || *p == rank) {
             return Err(Error::InvalidArgument(format!(
                 "peer rank {peer} is not another rank of this world of {world}"
             )));
@@ -100,28 +104,26 @@ impl Communicator {
             abort: &self.abort,
             suspect: &self.suspect,
         };
-        // A receive first waits for its message to start arriving, consuming nothing:
-        // if none comes within the timeout the call fails on this rank alone (as a
+        // A receive first waits for its message's first frame, consuming nothing before
+        // it: if none comes within the timeout the call fails on this rank alone (as a
         // receive that times out in Gloo or MPI does) and the next receive from that
         // rank with that tag gets its next message.
-        let peer = match (&dir, peer) {
-            (Direction::Send(_), to) => to.ok_or_else(|| {
-                Error::InvalidArgument("a send must name the rank it goes to".into())
-            })?,
-            (Direction::Recv(_), from) => {
-                let seqs: Vec<u64> = (0..world)
-                    .map(|r| c.p2p_recvd.get(&(Rank(r), tag)).copied().unwrap_or(0))
-                    .collect();
-                match executor::probe_p2p(&op, &mut c.links, from.map(|p| p.0), tag, &seqs).await {
-                    Ok(r) => Rank(r),
+        let (peer, first) = match &dir {
+            Direction::Send(_, to) => (*to, None),
+            Direction::Recv(_, from) => {
+                let recvd = &c.p2p_recvd;
+                let seq_of = |r: u32| recvd.get(&(Rank(r), tag)).copied().unwrap_or(0);
+                let from = from.map(|p| p.0);
+                match executor::probe_p2p(&op, &mut c.links, from, tag, seq_of).await {
+                    Ok((r, f)) => (Rank(r), Some(f)),
                     Err(e @ Error::Timeout { .. }) => return Err(e),
                     Err(e) => return Err(self.fail(epoch, 0, desc, e).await),
                 }
             }
         };
         let counter = match dir {
-            Direction::Send(_) => &mut c.p2p_sent,
-            Direction::Recv(_) => &mut c.p2p_recvd,
+            Direction::Send(..) => &mut c.p2p_sent,
+            Direction::Recv(..) => &mut c.p2p_recvd,
         }
         .entry((peer, tag))
         .or_insert(0);
@@ -132,8 +134,8 @@ impl Communicator {
             .ok_or_else(|| Error::InvalidArgument(format!("no link to rank {peer}")))?;
         let op = Op { seq, ..op };
         let r = match dir {
-            Direction::Send(d) => executor::send_p2p(&op, link, peer.0, tag, d).await,
-            Direction::Recv(o) => executor::recv_p2p(&op, link, peer.0, tag, o).await,
+            Direction::Send(d, _) => executor::send_p2p(&op, link, peer.0, tag, d).await,
+            Direction::Recv(o, _) => executor::recv_p2p(&op, link, peer.0, tag, first, o).await,
         };
         match r {
             Ok(()) => Ok(OpInfo {

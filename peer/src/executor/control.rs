@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
+use eccl_transport::link::Incoming;
 use futures::future::try_join_all;
 
-use super::frames::{next_frame, probe, recv_msg, Want};
+use super::frames::{next_frame, recv_msg, Want};
 use super::Op;
 use crate::error::Result;
 use crate::links::PeerLink;
@@ -96,11 +97,13 @@ pub(crate) async fn send_p2p(
     }
 }
 
+/// Receives a message (the rest of it, after the `first` frame `probe_p2p` took).
 pub(crate) async fn recv_p2p(
     op: &Op<'_>,
     link: &mut PeerLink,
     rank: u32,
     tag: u32,
+    first: Option<Incoming>,
     out: &mut [u8],
 ) -> Result<()> {
     let want = Want {
@@ -111,7 +114,7 @@ pub(crate) async fn recv_p2p(
         tag,
     };
     let total = out.len();
-    let recv = recv_msg(op, &mut link.rx, rank, want, total, |off, b| {
+    let recv = recv_msg(op, &mut link.rx, rank, want, total, first, |off, b| {
         out[off..off + b.len()].copy_from_slice(b.as_bytes());
         Ok(())
     });
@@ -124,20 +127,22 @@ pub(crate) async fn recv_p2p(
 
 /// Waits for the first frame of the next message with tag `tag` from rank `from`, or
 /// from any rank when `from` is `None` (receive from any source), and returns the
-/// sender; the message stays in its link's stash for `recv_p2p`. `seqs[r]` is the number
-/// of rank r's next message on this tag. Already stashed messages win, lowest rank
-/// first. Nothing is consumed before a message is there, so a timeout here is the
-/// caller's alone: no rank is blamed and the world can go on.
+/// sender with that frame, for `recv_p2p`. `seq_of(r)` is the number of rank r's next
+/// message on this tag. Already stashed messages win, lowest rank first. Nothing is
+/// consumed before a message is there, so a timeout here is the caller's alone: no rank
+/// is blamed and the world can go on. Dropping the other links' waits loses nothing:
+/// `next_frame` stashes what it reads before its next await, and only the wait that
+/// returns has taken a frame of the message.
 pub(crate) async fn probe_p2p(
     op: &Op<'_>,
     links: &mut [Option<PeerLink>],
     from: Option<u32>,
     tag: u32,
-    seqs: &[u64],
-) -> Result<u32> {
+    seq_of: impl Fn(u32) -> u64,
+) -> Result<(u32, Incoming)> {
     let want = |r: usize| Want {
         kind: FrameKind::P2p,
-        seq: seqs[r],
+        seq: seq_of(r as u32),
         step: 0,
         desc: op.desc,
         tag,
@@ -155,9 +160,9 @@ pub(crate) async fn probe_p2p(
         .filter_map(|(r, l)| l.as_mut().map(|l| (r, l)))
         .map(|(r, l)| {
             Box::pin(async move {
-                probe(idle, &mut l.rx, r as u32, want(r))
+                next_frame(idle, &mut l.rx, r as u32, want(r))
                     .await
-                    .map(|()| r as u32)
+                    .map(|f| (r as u32, f))
             })
         })
         .collect();

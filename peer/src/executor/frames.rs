@@ -123,22 +123,6 @@ pub(crate) async fn next_frame(
     }
 }
 
-/// Waits until a frame that `want` names from `rank` is in the link's stash, without
-/// taking it (a receive from any source asks every link at once and takes the message
-/// from the first that has one). Cancel-safe: a frame read from the link is stashed
-/// before the next await, so a probe dropped for another link's loses nothing.
-pub(crate) async fn probe(op: &Op<'_>, rx: &mut PeerRx, rank: u32, want: Want) -> Result<()> {
-    if rx.stash.iter().any(|f| want.names(&f.header)) {
-        return Ok(());
-    }
-    let f = next_frame(op, rx, rank, want).await?;
-    rx.stash.push_front(Incoming {
-        header: f.header,
-        payload: f.payload.detach(),
-    });
-    Ok(())
-}
-
 fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
     if f.header.desc != want.desc {
         return Err(op.mismatch(
@@ -154,13 +138,14 @@ fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incomin
 }
 
 /// Receives one message of `total` bytes from `rank`, handing each frame's payload to
-/// `piece` with its byte offset.
+/// `piece` with its byte offset; `first`: a frame of it the caller already took.
 pub(crate) async fn recv_msg<F>(
     op: &Op<'_>,
     rx: &mut PeerRx,
     rank: u32,
     want: Want,
     total: usize,
+    mut first: Option<Incoming>,
     mut piece: F,
 ) -> Result<()>
 where
@@ -169,7 +154,10 @@ where
     let elem = want.desc.dtype.size();
     let mut covered = Coverage::default();
     while !covered.complete(total) {
-        let f = next_frame(op, rx, rank, want).await?;
+        let f = match first.take() {
+            Some(f) => f,
+            None => next_frame(op, rx, rank, want).await?,
+        };
         let (off, len) = (f.header.offset as usize, f.header.len as usize);
         let aligned = off % elem == 0 && len % elem == 0;
         if !aligned || !covered.add(off, len, total) {

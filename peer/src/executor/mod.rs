@@ -203,7 +203,7 @@ pub(crate) async fn run(
                     let peer = *peer;
                     futs.push(
                         async move {
-                            recv_msg(op, rx, peer, w, out.len(), |off, b| {
+                            recv_msg(op, rx, peer, w, out.len(), None, |off, b| {
                                 out[off..off + b.len()].copy_from_slice(b.as_bytes());
                                 Ok(())
                             })
@@ -218,7 +218,7 @@ pub(crate) async fn run(
                     let peer = *peer;
                     futs.push(
                         async move {
-                            recv_msg(op, rx, peer, w, r.len(), |off, b| {
+                            recv_msg(op, rx, peer, w, r.len(), None, |off, b| {
                                 r.combine_from(dtype, rop, off, b.as_bytes());
                                 Ok(())
                             })
@@ -298,7 +298,7 @@ where
 {
     let (ftx, mut frx) = mpsc::unbounded_channel::<(usize, Payload)>();
     let recv = async move {
-        recv_msg(op, rx, from, want, total, move |off, mut b| {
+        recv_msg(op, rx, from, want, total, None, move |off, mut b| {
             piece(off, &mut b)?;
             let _ = ftx.send((off, b));
             Ok(())
