@@ -51,6 +51,14 @@ pub enum Command {
         admit: Vec<PeerId>,
         remove: Vec<PeerId>,
     },
+    /// torch's `_reconfigure`: the next epoch is a world of exactly `members` (ranks in
+    /// list order when `ordered`), if `uuid` is newer than every earlier one. Members of
+    /// the current world left out are gone (G4: they never come back under their id).
+    Reconfigure {
+        uuid: u64,
+        members: Vec<PeerId>,
+        ordered: bool,
+    },
     /// The peer is gone for good (lease lapsed, link failures, hang).
     Evict { peer: PeerId, reason: String },
     /// The peer leaves on purpose.
@@ -104,6 +112,8 @@ pub struct Registry {
     )>,
     /// The key-value store (torchrun's rendezvous and stores).
     store: crate::store::Store,
+    /// The uuid of the last committed reconfigure: a later one must be newer.
+    last_uuid: Option<u64>,
 }
 
 /// Departed peers remembered (so that their late requests are told they are gone);
@@ -177,6 +187,11 @@ impl Registry {
                 admit,
                 remove,
             } => self.commit_epoch(*expected_epoch, admit, remove),
+            Command::Reconfigure {
+                uuid,
+                members,
+                ordered,
+            } => self.reconfigure(*uuid, members, *ordered),
             Command::Evict { peer, reason } => self.remove(*peer, reason.clone()),
             Command::Leave { peer } => self.remove(*peer, "left".to_string()),
             Command::StateRevision {
@@ -256,13 +271,74 @@ impl Registry {
             return Outcome::Rejected("an epoch needs at least one member".into());
         }
         self.epoch += 1;
-        let world = World {
+        let world = self.world_of(&members);
+        self.world = Some(world.clone());
+        Outcome::Epoch(world)
+    }
+
+    fn reconfigure(&mut self, uuid: u64, listed: &[PeerId], ordered: bool) -> Outcome {
+        if let Some(last) = self.last_uuid.filter(|l| uuid <= *l) {
+            return Outcome::Rejected(format!(
+                "reconfigure uuid {uuid} is not newer than the last one ({last}): pass a fresh, larger uuid"
+            ));
+        }
+        if listed.is_empty() || listed.len() > eccl_protocol::MAX_WORLD_SIZE {
+            return Outcome::Rejected(format!(
+                "a world of {} members (1 to {})",
+                listed.len(),
+                eccl_protocol::MAX_WORLD_SIZE
+            ));
+        }
+        for (i, p) in listed.iter().enumerate() {
+            match self.peers.get(p).map(|r| &r.state) {
+                None => return Outcome::Rejected(format!("peer {p} is not registered")),
+                Some(PeerState::Gone { reason }) => {
+                    return Outcome::Rejected(format!("peer {p} is gone ({reason})"))
+                }
+                Some(_) if listed[..i].contains(p) => {
+                    return Outcome::Rejected(format!("peer {p} is named twice"))
+                }
+                Some(_) => {}
+            }
+        }
+        let mut members = listed.to_vec();
+        if !ordered {
+            // A set: members of the current world keep their order, the others follow
+            // by rank hint, then id.
+            let rank = |p: &PeerId| {
+                self.world
+                    .as_ref()
+                    .and_then(|w| w.rank_of(*p))
+                    .map_or(u32::MAX, |r| r.0)
+            };
+            members.sort_by_key(|p| (rank(p), self.peers[p].rank_hint.unwrap_or(u32::MAX), *p));
+        }
+        for p in self.live_members() {
+            if !members.contains(&p) {
+                if let Some(rec) = self.peers.get_mut(&p) {
+                    rec.state = PeerState::Gone {
+                        reason: format!("left out of the world by reconfigure {uuid}"),
+                    };
+                }
+            }
+        }
+        self.last_uuid = Some(uuid);
+        self.epoch += 1;
+        let world = self.world_of(&members);
+        self.world = Some(world.clone());
+        Outcome::Epoch(world)
+    }
+
+    /// The world of the current epoch made of `members` in this order; each becomes a
+    /// member.
+    fn world_of(&mut self, members: &[PeerId]) -> World {
+        World {
             epoch: self.epoch,
             members: members
                 .iter()
                 .enumerate()
                 .map(|(rank, p)| {
-                    let rec = self.peers.get_mut(p).expect("filtered above");
+                    let rec = self.peers.get_mut(p).expect("checked by the caller");
                     rec.state = PeerState::Member;
                     Member {
                         peer_id: *p,
@@ -274,13 +350,16 @@ impl Registry {
                     }
                 })
                 .collect(),
-        };
-        self.world = Some(world.clone());
-        Outcome::Epoch(world)
+        }
     }
 
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// The uuid of the last committed reconfigure.
+    pub fn last_uuid(&self) -> Option<u64> {
+        self.last_uuid
     }
 
     /// The last agreed shared state: (epoch, revision, hash).
@@ -407,6 +486,47 @@ mod tests {
         assert_eq!(
             w2.members.iter().map(|m| m.rank.0).collect::<Vec<_>>(),
             vec![0, 1, 2]
+        );
+    }
+
+    #[test]
+    fn reconfigure_makes_exactly_the_named_world_once_per_uuid() {
+        let mut r = Registry::default();
+        let (a, b, c) = (reg(&mut r, None), reg(&mut r, None), reg(&mut r, None));
+        let rc = |uuid, members: Vec<PeerId>, ordered| Command::Reconfigure {
+            uuid,
+            members,
+            ordered,
+        };
+        // The first world comes from pending peers, ranks in list order.
+        let Outcome::Epoch(w) = r.apply(&rc(5, vec![c, a, b], true)) else {
+            panic!()
+        };
+        assert_eq!((w.epoch, w.peer_ids()), (1, vec![c, a, b]));
+        // A uuid not newer than the last is refused and changes nothing.
+        for uuid in [5, 4] {
+            assert!(
+                matches!(r.apply(&rc(uuid, vec![a, b], true)), Outcome::Rejected(m) if m.contains("not newer"))
+            );
+        }
+        assert_eq!(r.epoch(), 1);
+        // A set keeps the current order; the member left out is gone for good.
+        let Outcome::Epoch(w) = r.apply(&rc(6, vec![b, c], false)) else {
+            panic!()
+        };
+        assert_eq!((w.epoch, w.peer_ids()), (2, vec![c, b]));
+        assert!(matches!(r.peer(a).unwrap().state, PeerState::Gone { .. }));
+        assert!(
+            matches!(r.apply(&rc(7, vec![a, b], true)), Outcome::Rejected(m) if m.contains("gone"))
+        );
+        // A newcomer grows the world.
+        let d = reg(&mut r, None);
+        let Outcome::Epoch(w) = r.apply(&rc(8, vec![b, c, d], true)) else {
+            panic!()
+        };
+        assert_eq!(w.peer_ids(), vec![b, c, d]);
+        assert!(
+            matches!(r.apply(&rc(9, vec![b, b], true)), Outcome::Rejected(m) if m.contains("twice"))
         );
     }
 

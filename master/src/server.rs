@@ -226,6 +226,7 @@ async fn serve_peer(
                     | PeerRequest::Heartbeat { peer_id }
                     | PeerRequest::ReportFault { peer_id, .. }
                     | PeerRequest::Leave { peer_id }
+                    | PeerRequest::Reconfigure { peer_id, .. }
                     | PeerRequest::SyncState { peer_id, .. } => *peer_id,
                     PeerRequest::Register(_)
                     | PeerRequest::Attach { .. }
@@ -265,6 +266,18 @@ async fn serve_peer(
                     } => {
                         tokio::spawn(async move {
                             coord.vote(claimed, epoch, min_world, aborted, reply).await
+                        });
+                    }
+                    PeerRequest::Reconfigure {
+                        uuid,
+                        members,
+                        ordered,
+                        ..
+                    } => {
+                        tokio::spawn(async move {
+                            coord
+                                .reconfigure(claimed, uuid, members, ordered, reply)
+                                .await
                         });
                     }
                     PeerRequest::ArePeersPending { epoch, .. } => {

@@ -49,6 +49,18 @@ pub enum PeerRequest {
         peer_id: PeerId,
         epoch: u64,
     },
+    /// torch's `_reconfigure(uuid, handles)`: the next epoch is a world of exactly
+    /// `members`, ranks in list order when `ordered` (else the master chooses: members
+    /// of the current world first, in their order). Answered with the same `World` to
+    /// every member once all of them have asked with this `uuid` and this list, or with
+    /// the same error (a uuid not newer than the last one, a member that is gone, members
+    /// that disagree). Members of the current world left out are removed from the job.
+    Reconfigure {
+        peer_id: PeerId,
+        uuid: u64,
+        members: Vec<PeerId>,
+        ordered: bool,
+    },
     /// Renews the peer's lease.
     Heartbeat {
         peer_id: PeerId,

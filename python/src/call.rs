@@ -18,6 +18,13 @@ pub(crate) enum Call {
     Leave,
     /// Tells the other ranks of an abort made here (after the calls queued before it).
     AnnounceAbort,
+    /// torch's `_reconfigure`: a world of exactly these peers.
+    Reconfigure {
+        uuid: u64,
+        peers: Vec<u64>,
+        ordered: bool,
+        timeout: std::time::Duration,
+    },
     /// Out of place; a rank of a rooted collective passes `None` for a buffer it does
     /// not use (gather's output, scatter's input off the root).
     Collective {
@@ -61,9 +68,11 @@ impl Call {
     /// The buffers the call reads only, and those it writes.
     pub fn buffers(&self) -> (Vec<&HostBuffer>, Vec<&WritableBuffer>) {
         match self {
-            Call::UpdateTopology | Call::ArePeersPending | Call::Leave | Call::AnnounceAbort => {
-                (vec![], vec![])
-            }
+            Call::UpdateTopology
+            | Call::ArePeersPending
+            | Call::Leave
+            | Call::AnnounceAbort
+            | Call::Reconfigure { .. } => (vec![], vec![]),
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
@@ -160,6 +169,17 @@ async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome
         Call::AnnounceAbort => {
             comm.announce_abort().await;
             Ok(Done::Left)
+        }
+        Call::Reconfigure {
+            uuid,
+            peers,
+            ordered,
+            timeout,
+        } => {
+            let members = peers.iter().map(|p| eccl::PeerId(*p)).collect();
+            comm.reconfigure(*uuid, members, *ordered, *timeout)
+                .await
+                .map(Done::World)
         }
         Call::Leave => unreachable!("handled by serve"),
         Call::Collective {

@@ -55,6 +55,8 @@ pub(crate) struct Communicator {
     jobs: mpsc::UnboundedSender<Job>,
     info: Arc<Mutex<Info>>,
     aborter: eccl::AbortHandle,
+    job_id: String,
+    masters: String,
 }
 
 impl Communicator {
@@ -190,6 +192,7 @@ impl Communicator {
             ..Default::default()
         }));
         let aborter = comm.abort_handle();
+        let (job_id, masters) = (comm.job_id(), comm.masters().to_string());
         let (tx, rx) = mpsc::unbounded_channel();
         let stop = Arc::new(tokio::sync::Notify::new());
         track(
@@ -200,6 +203,8 @@ impl Communicator {
             jobs: tx,
             info,
             aborter,
+            job_id,
+            masters,
         })
     }
 
@@ -233,6 +238,45 @@ impl Communicator {
     /// peers are admitted, departed ones dropped. Returns a `WorldUpdate`.
     fn update_topology(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.submit(py, Call::UpdateTopology, false)
+    }
+
+    /// torch's `_reconfigure`: the next epoch is a world of exactly `peers` (peer ids),
+    /// ranks in list order when `ordered` (else the master chooses: members of the
+    /// current world first). Every one of them must call it with the same `uuid` and
+    /// list; the master commits the world once all have, or answers all with the same
+    /// error (a uuid not newer than the last one, a peer that is gone, lists that
+    /// differ). Members of the current world left out are removed from the job. Waits at
+    /// most `timeout_ms` (default: the join timeout). Returns a `WorldUpdate`.
+    #[pyo3(signature = (uuid, peers, ordered=true, *, timeout_ms=None, async_op=false))]
+    fn reconfigure(
+        &self,
+        py: Python<'_>,
+        uuid: u64,
+        peers: Vec<u64>,
+        ordered: bool,
+        timeout_ms: Option<u64>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let timeout = Duration::from_millis(timeout_ms.unwrap_or(60_000).max(1));
+        let call = Call::Reconfigure {
+            uuid,
+            peers,
+            ordered,
+            timeout,
+        };
+        self.submit(py, call, async_op)
+    }
+
+    /// The job's public name (a one-way hash of its secret): handles of one job carry it.
+    #[getter]
+    fn job_id(&self) -> String {
+        self.job_id.clone()
+    }
+
+    /// The master addresses this communicator was given (comma-separated).
+    #[getter]
+    fn masters(&self) -> String {
+        self.masters.clone()
     }
 
     /// Whether peers wait to be admitted; the same answer on every member, so all can

@@ -15,6 +15,7 @@ use crate::registry::{Command, Outcome, PeerState};
 use crate::sync::{self, Report};
 
 mod liveness;
+mod reconfigure;
 mod store;
 pub use liveness::{Timing, TAKEOVER_GRACE};
 
@@ -63,6 +64,8 @@ struct State {
     votes: HashMap<PeerId, Vote>,
     queries: HashMap<PeerId, (ReplyTo, u64)>,
     syncs: HashMap<PeerId, SyncEntry>,
+    /// Members waiting in a `reconfigure()` for the others it names.
+    reconfigs: HashMap<PeerId, reconfigure::Request>,
     /// The last epoch aborted because of a fault report (one abort per epoch is enough).
     reported_epoch: u64,
     /// The last epoch in which a member was evicted (its links are suspect).
@@ -558,6 +561,7 @@ impl Coordinator {
                         message: reason.to_string(),
                     });
                 }
+                self.reconfigure_lost(&mut st, peer, reason);
                 // A member that leaves on purpose has finished its part of every collective
                 // it returned from; the others learn of the new world at their next
                 // update_topology(). An evicted member may be holding a collective up,

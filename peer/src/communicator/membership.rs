@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use eccl_protocol::auth::LinkKeys;
 use eccl_protocol::{
-    MasterEvent, MasterReply, PeerRequest, Rank, RegisterRequest, World, PROTOCOL_VERSION,
+    MasterEvent, MasterReply, PeerId, PeerRequest, Rank, RegisterRequest, World, PROTOCOL_VERSION,
 };
 use eccl_transport::pool::AlignedBuf;
 use tokio::sync::mpsc;
@@ -163,6 +163,64 @@ impl Communicator {
             world_size: c.size(),
             links_kept,
         })
+    }
+
+    /// torch's `_reconfigure`: the next epoch is a world of exactly `members` (ranks in
+    /// list order when `ordered`; else members of the current world first, in their
+    /// order), once every one of them has asked for it with the same `uuid`. A `uuid` not
+    /// newer than the last reconfigure's, a member that is gone, or members that name
+    /// different worlds are refused, with the same error for all of them. Members of the
+    /// current world left out are removed from the job.
+    pub async fn reconfigure(
+        &mut self,
+        uuid: u64,
+        members: Vec<PeerId>,
+        ordered: bool,
+        timeout: Duration,
+    ) -> Result<WorldUpdate> {
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let epoch = self.epoch();
+        let req = PeerRequest::Reconfigure {
+            peer_id: self.peer_id,
+            uuid,
+            members,
+            ordered,
+        };
+        let (world, keys) = match self.master.request(req, timeout).await? {
+            MasterReply::World { world, keys, .. } => (world, keys),
+            other => return Err(reply_error(&self.cfg.master, epoch, other)),
+        };
+        // Always fresh links: the old epoch may have lost a member mid-collective.
+        self.install(world, keys, false).await?;
+        let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
+            epoch,
+            cause: "no world".into(),
+        })?;
+        tracing::info!(target: "eccl::init", "reconfigure {uuid}: epoch {}, rank {} of {}", c.world.epoch, c.rank, c.size());
+        Ok(WorldUpdate {
+            epoch: c.world.epoch,
+            changed: true,
+            rank: c.rank,
+            world_size: c.size(),
+            links_kept: 0,
+        })
+    }
+
+    /// The job's public name: a hash of its secret under a label of its own (it reveals
+    /// nothing of the secret), so that a handle of another job is told apart.
+    pub fn job_id(&self) -> String {
+        let secret = self.cfg.secret.as_ref().expect("connect() checked it");
+        secret.derive(b"eccl-job-id")[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// The master addresses this peer was given (comma-separated).
+    pub fn masters(&self) -> &str {
+        &self.cfg.master
     }
 
     /// Enters `world`, whose links this peer proves and checks with `keys`; returns how
