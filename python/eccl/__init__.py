@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import os
 from typing import Any, Optional
 
 from . import _eccl
@@ -71,6 +72,22 @@ __all__ = [
 atexit.register(_eccl._shutdown)
 
 
+def _lease(lease_ms: Optional[int], heartbeat_ms: Optional[int]):
+    """A master's lease and heartbeat: as given, else `ECCL_LEASE_MS` and
+    `ECCL_HEARTBEAT_MS` (as `eccl-master` reads them), else 800 and 200 ms."""
+    def pick(v, var, default):
+        if v is not None:
+            return v
+        raw = os.environ.get(var)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"{var}={raw!r} is not a number of milliseconds")  # noqa: F821
+    return pick(lease_ms, "ECCL_LEASE_MS", 800), pick(heartbeat_ms, "ECCL_HEARTBEAT_MS", 200)
+
+
 class Master:
     """An eccl master. `Master()` runs one in this process (a one-node raft cluster);
     `Master.spawn()` runs one in a child process, which survives this one's crashes only
@@ -83,9 +100,11 @@ class Master:
     given every member's client address, comma-separated."""
 
     def __init__(self, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,
-                 lease_ms: int = 800, heartbeat_ms: int = 200, node_id: int = 1,
-                 masters: Optional[str] = None, cluster_secret: Optional[str] = None,
-                 data_dir: Optional[str] = None, join: bool = False):
+                 lease_ms: Optional[int] = None, heartbeat_ms: Optional[int] = None,
+                 node_id: int = 1, masters: Optional[str] = None,
+                 cluster_secret: Optional[str] = None, data_dir: Optional[str] = None,
+                 join: bool = False):
+        lease_ms, heartbeat_ms = _lease(lease_ms, heartbeat_ms)
         self._m = _eccl.Master(listen, secret, lease_ms, heartbeat_ms, node_id, masters,
                                cluster_secret, data_dir, join)
         self._proc = None
@@ -100,9 +119,10 @@ class Master:
 
     @classmethod
     def spawn(cls, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,
-              lease_ms: int = 800, heartbeat_ms: int = 200) -> "Master":
+              lease_ms: Optional[int] = None, heartbeat_ms: Optional[int] = None) -> "Master":
         import subprocess
         import sys
+        lease_ms, heartbeat_ms = _lease(lease_ms, heartbeat_ms)
         secret = secret or _eccl_secret()
         # The secret goes through the child's stdin, never its argv (which `ps` shows
         # to every user of the machine); the child serves until stdin closes.

@@ -14,7 +14,6 @@ tensors are refused with `InvalidArgumentError` for now.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from datetime import timedelta
 from typing import Any, Optional
@@ -25,6 +24,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.overrides import has_torch_function
 
 import eccl
+from eccl.torch_fault import FaultTolerance, ReconfigurableGroup
 from eccl.torch_setup import _fresh_store, _share_secret, _store_get, monitored_barrier
 from eccl.torch_work import TorchWork, _Completer
 
@@ -55,7 +55,7 @@ def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     return t
 
 
-class ProcessGroupEccl(_C10dBackend):
+class ProcessGroupEccl(FaultTolerance, _C10dBackend):
     """torch's c10d `Backend` for the device type "cpu" whose collectives run on an
     `eccl.Communicator` (as ProcessGroupGloo is gloo's). torch wraps it in a
     ProcessGroup and registers it for its devices, so everything torch does with a
@@ -65,8 +65,14 @@ class ProcessGroupEccl(_C10dBackend):
     def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None,
                  timeout: timedelta = timedelta(minutes=30), store: Any = None,
                  rank: Optional[int] = None, size: Optional[int] = None):
-        super().__init__(comm.rank if rank is None else rank,
-                         comm.world_size if size is None else size)
+        rank = comm.rank if rank is None else rank
+        size = comm.world_size if size is None else size
+        super().__init__(rank, size)
+        # torch's Backend keeps the rank and size it was made with; a reconfigured
+        # group's change (see eccl.torch_fault).
+        self._rank, self._size = rank, size
+        self._unformed = False
+        self._reconfigurable = False
         self._handed_over = False
         self._timeout = timeout
         self._options = _C10dBackend.Options(BACKEND, timeout)
@@ -103,48 +109,20 @@ class ProcessGroupEccl(_C10dBackend):
         """Before a call: if an earlier one aborted the epoch, form the next one (every
         rank does the same at its next call). The same ranks go on; a world that lost or
         gained a member cannot be torch's fixed group any more, and says so."""
+        if self._unformed:
+            raise eccl.InvalidArgumentError(
+                "the group has no world yet: with enable_reconfigure=True it forms one at "
+                "dist._reconfigure(uuid, handles)")
         if not self._recover:
             return
         self._recover = False
         w = self.comm.update_topology()
         if w.rank != self.rank() or w.world_size != self.size():
+            fix = ("call dist._reconfigure with the members' handles" if self._reconfigurable
+                   else "re-create it, or use eccl.torch.ElasticDDP")
             raise eccl.AbortedError(
                 f"the group's world changed from {self.size()} ranks to {w.world_size} (this "
-                f"process was rank {self.rank()}, now {w.rank}): a torch process group has "
-                "fixed ranks; re-create it, or use eccl.torch.ElasticDDP")
-
-    # -- abort (torch's ProcessGroup.abort() and abort hooks) ------------------------
-
-    def abort(self) -> None:
-        """`ProcessGroup.abort()`: every call in flight or queued on this rank fails at
-        once with `eccl.AbortedError`, the other ranks are told, the abort hooks run
-        once; the next call forms the next epoch."""
-        self._epoch_aborted()
-        self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
-        self._recover = True
-
-    @property
-    def supports_abort_hooks(self) -> bool:
-        return True
-
-    def registerAbortHook(self, hook_id: int, hook) -> None:  # noqa: N802 - torch's name
-        self._abort_hooks[hook_id] = hook
-
-    def unregisterAbortHook(self, hook_id: int) -> None:  # noqa: N802
-        self._abort_hooks.pop(hook_id, None)
-
-    def _epoch_aborted(self) -> None:
-        """Runs the abort hooks, once per aborted epoch (an `abort()`, or a call that
-        failed in a way that aborted the epoch), before the failure is reported."""
-        epoch = self.comm.epoch
-        if epoch == self._hooked_epoch:
-            return
-        self._hooked_epoch = epoch
-        for hook in list(self._abort_hooks.values()):
-            try:
-                hook()
-            except Exception:  # noqa: BLE001 - a hook's failure is not the call's
-                logging.getLogger("eccl").exception("abort hook failed")
+                f"process was rank {self.rank()}, now {w.rank}): {fix}")
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -300,17 +278,17 @@ class ProcessGroupEccl(_C10dBackend):
     # so it leaves the epoch as it was: `p2p=True`.
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
         ws = [self.comm.send(_cpu(t).contiguous(), dstRank, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors, p2p=True)
+        return self._done.submit(ws, tensors, kind="p2p")
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
         ws = [self.comm.recv(_cpu(t), srcRank, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors, p2p=True)
+        return self._done.submit(ws, tensors, kind="p2p")
 
     def recv_anysource(self, tensors, tag):
         """`dist.recv(t)` / `dist.irecv(t)` with no `src`: the first message with `tag`
         from any rank; the Work's `source_rank()` names the sender."""
         ws = [self.comm.recv(_cpu(t), None, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors, p2p=True)
+        return self._done.submit(ws, tensors, kind="p2p")
 
     # torch 2.15 renamed the single-tensor forms; both names work.
     def all_gather_single(self, output, input, opts=None):
@@ -454,8 +432,7 @@ def _recovering(fn):
 
 # torch's Backend trampoline forwards these capability queries to Python; left to the C++
 # base, each would call back into itself. These are the ones eccl does not do (yet).
-for _name in ("supports_coalescing",
-              "supports_reconfigure", "_supports_time_estimate", "supports_window"):
+for _name in ("supports_coalescing", "_supports_time_estimate", "supports_window"):
     setattr(ProcessGroupEccl, _name, property(lambda self: False))
 
 # Every call torch makes first recovers an epoch an earlier call aborted.
@@ -469,16 +446,23 @@ for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgat
     setattr(ProcessGroupEccl, _name, _recovering(getattr(ProcessGroupEccl, _name)))
 
 
-def _create(opts: Any, backend_options: Any = None) -> ProcessGroupEccl:
+def _create(opts: Any, backend_options: Any = None) -> Any:
     """The backend's constructor, as `init_process_group` and `new_group` call it
-    (torch's extended form: `opts` names the group and its global ranks too)."""
+    (torch's extended form: `opts` names the group and its global ranks too). With
+    `enable_reconfigure=True`, a group whose members change (no world until the first
+    `dist._reconfigure`)."""
+    fixed = not getattr(opts, "enable_reconfigure", False)
     pg = _connect(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                  default_group=not dist.is_initialized())
-    return pg._named(opts.group_id, opts.global_ranks_in_group)
+                  default_group=not dist.is_initialized(), form=fixed)
+    pg._named(opts.group_id, opts.global_ranks_in_group)
+    if fixed:
+        return pg
+    pg._unformed = pg._reconfigurable = True
+    return ReconfigurableGroup(opts.store, pg)
 
 
 def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
-             default_group: bool) -> ProcessGroupEccl:
+             default_group: bool, form: bool = True) -> ProcessGroupEccl:
     store = _fresh_store(store, default_group)
     # ECCL_MASTER serves the default group. A group made later (`new_group`,
     # `split_group`) is a job of its own with a master in its rank 0: on a shared master
@@ -510,6 +494,8 @@ def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
     ms = max(1, int(timeout.total_seconds() * 1000))
     comm = eccl.Communicator(master_addr, secret, rank_hint=rank, min_world=world_size,
                              timeout_ms=ms, join_timeout_ms=ms)
+    if not form:
+        return ProcessGroupEccl(comm, master, timeout, store, rank=rank, size=world_size)
     topo = comm.update_topology()
     if topo.rank != rank or topo.world_size != world_size:
         raise eccl.EcclError(

@@ -82,6 +82,8 @@ class _Completer:
         # `pg`: the backend (eccl.torch.ProcessGroupEccl) whose epoch a failed call aborted.
         self._pg = pg
         self._q: "queue.Queue[Any]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
         self._t = threading.Thread(target=self._run, name="eccl-completer", daemon=True)
         self._t.start()
 
@@ -90,7 +92,7 @@ class _Completer:
             item = self._q.get()
             if item is None:
                 return
-            works, work, result, after, p2p = item
+            works, work, result, after, kind = item
             try:
                 infos = [w.wait() for w in works]
                 if infos and getattr(infos[0], "peer", None) is not None:
@@ -100,25 +102,40 @@ class _Completer:
             except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
                 # Errors that aborted the epoch on every rank: the next call forms the
                 # next one. A collective's refused argument and timeout abort it; a
-                # send's or receive's (checked on its rank, a receive's timeout) do not.
-                aborted = (eccl.MismatchError, eccl.AbortedError) if p2p else (
-                    eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError,
-                    eccl.TimeoutError)
+                # send's or receive's (checked on its rank, a receive's timeout) do not;
+                # a refused reconfigure leaves the world as it was.
+                aborted = {
+                    "p2p": (eccl.MismatchError, eccl.AbortedError),
+                    "collective": (eccl.InvalidArgumentError, eccl.MismatchError,
+                                   eccl.AbortedError, eccl.TimeoutError),
+                }.get(kind, ())
                 if self._pg is not None and isinstance(e, aborted):
                     self._pg._epoch_aborted()
                     self._pg._recover = True
                 work._finish(None, e)
             else:
                 work._finish(result, None)
+            finally:
+                with self._lock:
+                    self._pending -= 1
 
-    def submit(self, works: List[Any], result: Any, after=None, p2p: bool = False) -> dist.Work:
+    def submit(self, works: List[Any], result: Any, after=None,
+               kind: str = "collective") -> dist.Work:
+        """`kind`: "collective", "p2p" or "control" (which errors abort the epoch)."""
         work = TorchWork()
-        self._q.put((works, work, result, after, p2p))
+        with self._lock:
+            self._pending += 1
+        self._q.put((works, work, result, after, kind))
         return work
+
+    def in_flight(self) -> bool:
+        """Whether calls submitted here have not finished yet."""
+        with self._lock:
+            return self._pending > 0
 
     def call_soon(self, fn) -> None:
         """Runs `fn` on the completer thread after everything submitted before it."""
-        self._q.put(([], TorchWork(), None, fn, False))
+        self.submit([], None, fn, kind="control")
 
     def close(self) -> None:
         self._q.put(None)

@@ -1,10 +1,21 @@
 """torch's fault-tolerance API on eccl (issue 22): ProcessGroup.abort() and abort hooks,
-shrink_group."""
+shrink_group, and dist._reconfigure against gloo's in the same scenarios."""
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("torch")
-from test_torch_backend import HERE, run_world, run_world_losing_last  # noqa: E402
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from test_torch_backend import (  # noqa: E402
+    HERE, TIMEOUT, _result, run_world, run_world_losing_last, world_specs)
+
+if not hasattr(dist, "_reconfigure"):
+    pytest.skip(f"torch {torch.__version__} has no dist._reconfigure (torch 2.15 has it)",
+                allow_module_level=True)
+
+SECRET = "reconfigure-test-secret-0123456789"
 
 
 def test_abort_fails_calls_in_flight_at_once_and_runs_the_hooks_once():
@@ -33,3 +44,102 @@ def test_shrink_group_drops_a_killed_rank_where_gloo_refuses(n):
             assert res == [{"sum": [total, total], "rank": r, "size": n - 1,
                             "group_size": n - 1, "quick": True} for r in range(n - 1)], res
 
+
+
+# -- dist._reconfigure (reconfigure_script.py) ----------------------------------------
+
+SCRIPT = HERE / "reconfigure_script.py"
+
+
+def run_scenario(backend, scenario, n):
+    """n ranks of reconfigure_script.py (plus, for "kill", a fresh process that takes the
+    lost rank's place); the last rank kills or stops itself. Returns the survivors' JSON
+    (and the fresh process's last). Every process is stopped by PID, the stopped rank too."""
+    specs = [(argv, dict(env, ECCL_SECRET=SECRET)) for argv, env in world_specs(n, [backend, scenario], SCRIPT)]
+    if scenario == "kill":
+        argv, env = specs[-1]
+        specs.append((argv + ["fresh"], env))
+    procs = [subprocess.Popen(a, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a, e in specs]
+    try:
+        outs = [None if i == n - 1 else p.communicate(timeout=TIMEOUT)
+                for i, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = []
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        if out is None:
+            continue
+        assert p.returncode == 0, f"{backend} {scenario} {i}: exit {p.returncode}\n{out[1][-3000:]}"
+        res.append(_result(out[0]))
+    return res
+
+
+def both(scenario, n):
+    """The scenario under gloo and under eccl at once (gloo's survivors mostly wait out
+    its timeout); returns (gloo's results, eccl's)."""
+    with ThreadPoolExecutor(2) as ex:
+        g = ex.submit(run_scenario, "gloo", scenario, n)
+        e = ex.submit(run_scenario, "eccl", scenario, n)
+        return g.result(), e.result()
+
+
+def same_as_gloo(g, e, keys):
+    for r, (gr, er) in enumerate(zip(g, e)):
+        for k in keys:
+            assert er[k] == gr[k], f"rank {r} {k}: eccl {er[k]} gloo {gr[k]}"
+
+
+def check_eccl(e, n, lost_s=None):
+    total = float(sum(range(1, n)))
+    for r, er in enumerate(e):
+        assert er["supports"] is True
+        assert er["before_first"] == "InvalidArgumentError", er  # no world yet
+        assert er["lost"] == "AbortedError", er
+        assert (er["rank"], er["size"], er["sum"]) == (r, n - 1, [total, total]), er
+        assert er["hooks"] == 1, er  # once, for the one aborted epoch
+        if "reused_uuid" in er:
+            assert er["reused_uuid"] == "InvalidArgumentError", er
+            assert er["after_refusal"] == [total, total], er
+            assert er["foreign"] == "InvalidArgumentError: another job", er
+        if lost_s is not None:
+            assert er["error_s"] < lost_s, er
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_reconfigure_after_a_kill_matches_gloo_and_grows_back(n):
+    """Rank n-1 is SIGKILLed during an all_reduce; the survivors reconfigure over their
+    handles, all_reduce, and grow back to n with a freshly started process: the same
+    ranks, sizes and sums as gloo in the same scenario. eccl also refuses a reused uuid and
+    a handle of another job (the group goes on), and runs the abort hooks once."""
+    g, e = both("kill", n)
+    keys = ["first", "rank", "size", "sum", "grown"]
+    same_as_gloo(g[:-1], e[:-1], keys)
+    check_eccl(e[:-1], n)
+    assert e[-1] == g[-1] == {"rank": n - 1, "size": n, "sum": [float(sum(range(1, n + 1)))] * 2}
+    print(f"reconfigure of {n - 1} survivors: eccl {[round(x['reconfigure_ms'], 1) for x in e[:-1]]} ms, "
+          f"gloo {[round(x['reconfigure_ms'], 1) for x in g[:-1]]} ms")
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_hung_rank_is_reported_at_its_lease_where_gloo_waits_its_timeout(n):
+    """Rank n-1 is SIGSTOPped during an all_reduce: eccl's survivors fail when its lease
+    runs out (AbortedError), gloo's only at the group timeout (10 s); both then reconfigure
+    and agree on the sums."""
+    g, e = both("stop", n)
+    same_as_gloo(g, e, ["first", "rank", "size", "sum"])
+    check_eccl(e, n, lost_s=5.0)
+    assert all(x["error_s"] >= 9.0 for x in g), g
+
+
+@pytest.mark.parametrize("scenario", ["inflight", "shrink", "shrink_stop"])
+def test_reconfigure_in_flight_and_shrink_give_what_a_reconfigure_gives(scenario):
+    """`_reconfigure` called while an all_reduce waits on a hung rank: the all_reduce fails
+    with AbortedError at once and the reconfigure goes through. shrink_group after a kill
+    and after a stop (the excluded rank hung, not dead): the same world and sums as a
+    reconfigure over the survivors' handles."""
+    n = 3
+    check_eccl(run_scenario("eccl", scenario, n), n)

@@ -185,11 +185,17 @@ impl Coordinator {
                         // A new leader gives every peer the registry knows a fresh lease,
                         // starting after TAKEOVER_GRACE: nobody is evicted for the election
                         // gap or while finding this leader, and a peer that never comes
-                        // back is evicted one lease after the grace.
+                        // back is evicted one lease after the grace. Peers that already
+                        // spoke to this leader (registered with it: leases are cleared on
+                        // stepping down) keep the lease they have; they need no grace, and
+                        // a peer that hangs right after a master's start is evicted on time.
                         let from = Instant::now() + TAKEOVER_GRACE;
                         let live = c.raft.read(|r| r.live_peers());
                         tracing::info!(target: "eccl::master", "leading now; {} peers get a fresh lease", live.len());
-                        *leases = live.into_iter().map(|p| (p, from)).collect();
+                        *leases = live
+                            .into_iter()
+                            .map(|p| (p, leases.get(&p).copied().unwrap_or(from)))
+                            .collect();
                         was_leader = true;
                     }
                     leases

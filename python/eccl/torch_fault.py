@@ -1,0 +1,173 @@
+"""torch's fault-tolerance API on eccl: `ProcessGroup.abort()` and abort hooks,
+`init_process_group(..., enable_reconfigure=True)`, `dist._get_reconfigure_handle()` and
+`dist._reconfigure(uuid, handles)`.
+
+torch's ProcessGroup reads a group's rank and size from its backend's fixed values, so a
+group whose members change is a ProcessGroup of its own (`ReconfigurableGroup`) whose
+rank and size follow eccl's current world, with eccl's backend registered beneath it for
+"cpu" (every collective goes there as usual).
+
+A handle is `eccl1:<job id>:<peer id>:<master addresses>`: the job id is a one-way hash
+of the job's secret, so a handle tells two jobs apart and is of no use to anyone without
+the secret (the master admits no one else).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Tuple
+
+import torch
+from torch._C._distributed_c10d import ProcessGroup
+
+import eccl
+
+PREFIX = "eccl1"
+
+
+def handle_of(comm: eccl.Communicator) -> str:
+    """This peer's handle: its job, its id and where its masters are."""
+    return f"{PREFIX}:{comm.job_id}:{comm.peer_id}:{comm.masters}"
+
+
+def parse_handles(handles: Any, job_id: str) -> Tuple[List[int], bool]:
+    """The peer ids `handles` name, and whether their order is the ranks' (a list) or
+    eccl's to choose (a set). A handle of another job, or not eccl's, is refused."""
+    ordered = not isinstance(handles, (set, frozenset))
+    peers = []
+    for h in handles:
+        parts = str(h).split(":", 3)
+        if len(parts) != 4 or parts[0] != PREFIX or not parts[2].isdigit():
+            raise eccl.InvalidArgumentError(
+                f"reconfigure: {str(h)[:80]!r} is not an eccl handle (expected "
+                f"'{PREFIX}:<job>:<peer>:<masters>' from dist._get_reconfigure_handle())")
+        if parts[1] != job_id:
+            raise eccl.InvalidArgumentError(
+                f"reconfigure: handle of peer {parts[2]} belongs to another job ({parts[1]}, "
+                f"this one is {job_id}): handles come from processes of one job, which "
+                "share its secret")
+        peers.append(int(parts[2]))
+    if not peers:
+        raise eccl.InvalidArgumentError("reconfigure: no handles")
+    return peers, ordered
+
+
+def reconfigure(backend: Any, opts: Any) -> Any:
+    """`dist._reconfigure(uuid, handles)` on `backend` (an eccl.torch.ProcessGroupEccl):
+    calls still in flight here fail first (they belonged to the old world), then the
+    master commits the world of exactly those peers once every one of them has asked.
+    Returns torch's Work; once it completes, the group's rank and size are the new
+    world's."""
+    comm = backend.comm
+    peers, ordered = parse_handles(opts.handles, comm.job_id)
+    uuid = int(opts.uuid)
+    if uuid < 0:
+        raise eccl.InvalidArgumentError(f"reconfigure: uuid {uuid} is negative")
+    timeout = opts.timeout or backend._timeout
+    if backend._done.in_flight():
+        backend._epoch_aborted()
+        comm.abort(f"reconfigure {uuid} on rank {backend.rank()} while calls were in flight")
+    ms = max(1, int(timeout.total_seconds() * 1000))
+    w = comm.reconfigure(uuid, peers, ordered, timeout_ms=ms, async_op=True)
+
+    def adopt() -> None:
+        backend._rank, backend._size = comm.rank, comm.world_size
+        backend._unformed = False
+        backend._recover = False
+        backend._options.global_ranks_in_group = list(range(comm.world_size))
+    return backend._done.submit([w], None, adopt, kind="control")
+
+
+class FaultTolerance:
+    """The fault-tolerance part of eccl's torch Backend (`eccl.torch.ProcessGroupEccl`):
+    `abort()` and abort hooks, and the reconfigure calls. The backend holds `comm`,
+    `_rank`/`_size` (its current world's), `_recover`, `_unformed`, `_reconfigurable`,
+    `_abort_hooks`, `_hooked_epoch`, `_timeout` and `_done`."""
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def abort(self) -> None:
+        """`ProcessGroup.abort()`: every call in flight or queued on this rank fails at
+        once with `eccl.AbortedError`, the other ranks are told, the abort hooks run
+        once; the next call forms the next epoch."""
+        self._epoch_aborted()
+        self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
+        self._recover = True
+
+    @property
+    def supports_abort_hooks(self) -> bool:
+        return True
+
+    def registerAbortHook(self, hook_id: int, hook) -> None:  # noqa: N802 - torch's name
+        self._abort_hooks[hook_id] = hook
+
+    def unregisterAbortHook(self, hook_id: int) -> None:  # noqa: N802
+        self._abort_hooks.pop(hook_id, None)
+
+    def _epoch_aborted(self) -> None:
+        """Runs the abort hooks, once per aborted epoch (an `abort()`, or a call that
+        failed in a way that aborted the epoch), before the failure is reported."""
+        epoch = self.comm.epoch
+        if epoch == self._hooked_epoch:
+            return
+        self._hooked_epoch = epoch
+        for hook in list(self._abort_hooks.values()):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a hook's failure is not the call's
+                logging.getLogger("eccl").exception("abort hook failed")
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return self._reconfigurable
+
+    def get_reconfigure_handle(self) -> str:
+        return handle_of(self.comm)
+
+    def reconfigure(self, opts: Any) -> Any:
+        return reconfigure(self, opts)
+
+
+class ReconfigurableGroup(ProcessGroup):
+    """The process group of `init_process_group("eccl", enable_reconfigure=True)`: no
+    world until the first `dist._reconfigure`, then the rank and size of the newest one.
+    Collectives, abort and hooks go to the eccl backend registered beneath it."""
+
+    def __init__(self, store: Any, backend: Any) -> None:
+        super().__init__(store, backend.rank(), backend.size())
+        self._backend = backend
+        cpu = torch.device("cpu")
+        self._register_backend(cpu, ProcessGroup.BackendType.CUSTOM, backend)
+        self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+
+    def getRank(self) -> int:  # noqa: N802 - torch's names
+        return self._backend.rank()
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._backend.size()
+
+    def getBackendName(self) -> str:  # noqa: N802
+        return "eccl"
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return True
+
+    def get_reconfigure_handle(self) -> str:
+        return handle_of(self._backend.comm)
+
+    def reconfigure(self, opts: Any) -> Any:
+        return reconfigure(self._backend, opts)
+
+    def abort(self) -> None:
+        self._backend.abort()
+
+    def shutdown(self) -> None:
+        self._backend.shutdown()
+
+    def __repr__(self) -> str:
+        return f"ReconfigurableGroup({self._backend!r})"
