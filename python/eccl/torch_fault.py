@@ -61,8 +61,8 @@ def reconfigure(backend: Any, opts: Any) -> Any:
     comm = backend.comm
     peers, ordered = parse_handles(opts.handles, comm.job_id)
     uuid = int(opts.uuid)
-    if uuid < 0:
-        raise eccl.InvalidArgumentError(f"reconfigure: uuid {uuid} is negative")
+    if not 0 <= uuid < 1 << 64:
+        raise eccl.InvalidArgumentError(f"reconfigure: uuid {uuid} is not in 0..2**64")
     timeout = opts.timeout or backend._timeout
     if backend._done.in_flight():
         backend._epoch_aborted()
@@ -94,6 +94,8 @@ class FaultTolerance:
         """`ProcessGroup.abort()`: every call in flight or queued on this rank fails at
         once with `eccl.AbortedError`, the other ranks are told, the abort hooks run
         once; the next call forms the next epoch."""
+        if self._closed:
+            return
         self._epoch_aborted()
         self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
         self._recover = True
