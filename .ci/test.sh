@@ -6,6 +6,8 @@
 #   ECCL_SKIP_TORCH=1 bash .ci/test.sh   # skip installing torch (and the tests needing it)
 #   ECCL_SOAK=1 bash .ci/test.sh         # also the 10-minute chaos soak and the 6-peer,
 #                                        # 5-minute target run of issue 3
+#   ECCL_TORCHFT=1 bash .ci/test.sh      # also torchft on eccl (python/tests/test_torchft.py
+#                                        # installs torchft into .venv-torchft)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never

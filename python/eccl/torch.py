@@ -82,6 +82,8 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         self._master = master
         self._done = _Completer(self)
         self._closed = False
+        # The last call's failure (torchft's `errored()`).
+        self._error: Optional[BaseException] = None
         # Set when a call failed in a way that aborted the epoch on every rank (a
         # refused argument, a mismatch): the next call first forms the next epoch.
         self._recover = False
@@ -391,10 +393,12 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         self._handed_over = True
         return new
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the
         others' calls still in flight (a recv of what this rank sent) complete instead of
-        aborting as they would for a crashed rank. torch may call it more than once."""
+        aborting as they would for a crashed rank. torch may call it more than once.
+        `wait=False`: the rank hosting the master does not wait for the others to leave
+        (the job is being abandoned)."""
         if self._closed:
             return
         self._closed = True
@@ -413,7 +417,8 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         try:
             if self._master is None and self._store is not None:
                 self._store.set(f"{left}{self.rank()}", "1")
-            elif self._master is not None and self._store is not None and self.size() > 1:
+            elif self._master is not None and self._store is not None and self.size() > 1 \
+                    and wait:
                 bound = min(self._timeout, timedelta(seconds=5))
                 self._store.wait([f"{left}{r}" for r in range(1, self.size())], bound)
         except Exception:  # noqa: BLE001 - a store that is gone, a member that never left

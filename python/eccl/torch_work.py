@@ -40,8 +40,11 @@ class TorchWork(dist._Work):
     def _finish(self, result: Any, error: Optional[BaseException]) -> None:
         self._error = error
         self._result = result
-        self._event.set()
+        # The future first, as gloo's Work does: once `wait()` returns, `get_future()` is
+        # complete, and callbacks chained on it then run at once in the caller's thread
+        # (torchft's managed work relies on it).
         self._done.set_result(None)
+        self._event.set()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         secs = timeout.total_seconds() if timeout else None
@@ -109,6 +112,8 @@ class _Completer:
                     "collective": (eccl.InvalidArgumentError, eccl.MismatchError,
                                    eccl.AbortedError, eccl.TimeoutError),
                 }.get(kind, ())
+                if self._pg is not None:
+                    self._pg._error = e
                 if self._pg is not None and isinstance(e, aborted):
                     self._pg._epoch_aborted()
                     self._pg._recover = True
