@@ -1,7 +1,6 @@
 """torch's fault-tolerance API on eccl (issue 22): ProcessGroup.abort() and abort hooks,
 shrink_group, and dist._reconfigure against gloo's in the same scenarios."""
 
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from test_torch_backend import (  # noqa: E402
-    HERE, TIMEOUT, _result, run_world, run_world_losing_last, world_specs)
+    HERE, _result, _start_and_wait, run_world, run_world_losing_last, world_specs)
 
 if not hasattr(dist, "_reconfigure"):
     pytest.skip(f"torch {torch.__version__} has no dist._reconfigure (torch 2.15 has it)",
@@ -59,16 +58,7 @@ def run_scenario(backend, scenario, n):
     if scenario == "kill":
         argv, env = specs[-1]
         specs.append((argv + ["fresh"], env))
-    procs = [subprocess.Popen(a, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a, e in specs]
-    try:
-        outs = [None if i == n - 1 else p.communicate(timeout=TIMEOUT)
-                for i, p in enumerate(procs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs, outs = _start_and_wait(specs, hung={n - 1})
     res = []
     for i, (p, out) in enumerate(zip(procs, outs)):
         if out is None:

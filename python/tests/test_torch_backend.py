@@ -63,13 +63,15 @@ def run_processes(specs):
     return res
 
 
-def _start_and_wait(specs):
-    """Starts one process per (argv, env) and waits for all; every one still running
-    when this returns or raises is killed by PID."""
+def _start_and_wait(specs, hung=()):
+    """Starts one process per (argv, env) and waits for all but those at the indices in
+    `hung` (stopped ones: their output is None); every one still running when this
+    returns or raises is killed by PID."""
     procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for argv, env in specs]
     try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        outs = [None if i in hung else p.communicate(timeout=TIMEOUT)
+                for i, p in enumerate(procs)]
     finally:
         for p in procs:
             if p.poll() is None:
