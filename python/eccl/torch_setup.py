@@ -30,11 +30,12 @@ def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
     from eccl import _eccl
     if rank == 0:
         assert secret is not None
-        keys = [f"eccl/key/{r}" for r in range(1, world_size)]
-        if keys:
-            store.wait(keys, timeout)
-        for r, k in enumerate(keys, start=1):
-            public = bytes.fromhex(store.get(k).decode())
+        # Rank r says it published with a plain set: torch's non-libuv TCPStore server
+        # does not wake a waiter on compare_set.
+        if world_size > 1:
+            store.wait([f"eccl/published/{r}" for r in range(1, world_size)], timeout)
+        for r in range(1, world_size):
+            public = bytes.fromhex(store.get(f"eccl/key/{r}").decode())
             box = _eccl.seal(public, secret.encode(), f"eccl/torch rank {r}".encode())
             store.set(f"eccl/sealed/{r}", box.hex())
         return secret
@@ -46,6 +47,7 @@ def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
             f"another process published rank {rank}'s key in the rendezvous store before "
             "this one: something else on the store is posing as this rank (or two "
             "processes were started as the same rank)")
+    store.set(f"eccl/published/{rank}", "1")
     box = bytes.fromhex(_store_get(store, f"eccl/sealed/{rank}", timeout))
     return key.open(box, f"eccl/torch rank {rank}".encode()).decode()
 

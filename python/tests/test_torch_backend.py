@@ -271,6 +271,7 @@ def test_a_store_writer_posing_as_a_rank_is_noticed():
     nothing readable in the store; and a rank whose key someone else published first
     stops with an error instead of joining beside the impostor."""
     import threading
+    import time
     from datetime import timedelta
     import torch.distributed as dist
     import eccl
@@ -289,6 +290,23 @@ def test_a_store_writer_posing_as_a_rank_is_noticed():
     for k in ("eccl/key/1", "eccl/key/2", "eccl/sealed/1", "eccl/sealed/2"):
         v = store.get(k)
         assert b"s" * 8 not in v and bytes.fromhex(v.decode()).find(b"s" * 8) < 0
+    # Over torch's non-libuv TCPStore server, whose compare_set wakes no waiter: rank 0
+    # waits first and still hears of every rank's key.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           use_libuv=False)
+    got = {}
+    clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=False)
+               for _ in range(3)]
+    ts = [threading.Thread(target=lambda r=r: got.__setitem__(
+        r, _share_secret(clients[r], r, 3, "s" * 64 if r == 0 else None, timeout)))
+        for r in range(3)]
+    ts[0].start()
+    time.sleep(0.3)
+    for t in ts[1:]:
+        t.start()
+    for t in ts:
+        t.join()
+    assert got == {0: "s" * 64, 1: "s" * 64, 2: "s" * 64}
     # An impostor publishes rank 1's key first.
     store = dist.HashStore()
     impostor = eccl._eccl.OpenKey()
