@@ -51,14 +51,6 @@ pub enum Command {
         admit: Vec<PeerId>,
         remove: Vec<PeerId>,
     },
-    /// torch's `_reconfigure`: the next epoch is a world of exactly `members` (ranks in
-    /// list order when `ordered`), if `uuid` is newer than every earlier one. Members of
-    /// the current world left out are gone (G4: they never come back under their id).
-    Reconfigure {
-        uuid: u64,
-        members: Vec<PeerId>,
-        ordered: bool,
-    },
     /// The peer is gone for good (lease lapsed, link failures, hang).
     Evict { peer: PeerId, reason: String },
     /// The peer leaves on purpose.
@@ -76,6 +68,15 @@ pub enum Command {
     },
     /// A change to the key-value store (sessions, scopes, keys).
     Store(crate::store::StoreCommand),
+    // New variants go last: raft logs on disk name variants by their index.
+    /// torch's `_reconfigure`: the next epoch is a world of exactly `members` (ranks in
+    /// list order when `ordered`), if `uuid` is newer than every earlier one. Members of
+    /// the current world left out are gone (G4: they never come back under their id).
+    Reconfigure {
+        uuid: u64,
+        members: Vec<PeerId>,
+        ordered: bool,
+    },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -49,18 +49,6 @@ pub enum PeerRequest {
         peer_id: PeerId,
         epoch: u64,
     },
-    /// torch's `_reconfigure(uuid, handles)`: the next epoch is a world of exactly
-    /// `members`, ranks in list order when `ordered` (else the master chooses: members
-    /// of the current world first, in their order). Answered with the same `World` to
-    /// every member once all of them have asked with this `uuid` and this list, or with
-    /// the same error (a uuid not newer than the last one, a member that is gone, members
-    /// that disagree). Members of the current world left out are removed from the job.
-    Reconfigure {
-        peer_id: PeerId,
-        uuid: u64,
-        members: Vec<PeerId>,
-        ordered: bool,
-    },
     /// Renews the peer's lease.
     Heartbeat {
         peer_id: PeerId,
@@ -106,6 +94,19 @@ pub enum PeerRequest {
     /// A request to the key-value store (torchrun's rendezvous, `torch.distributed`
     /// stores): see [`crate::store`]. Store clients are not peers; they open a session.
     Store(crate::store::StoreRequest),
+    // New variants go last: the wire names variants by their index.
+    /// torch's `_reconfigure(uuid, handles)`: the next epoch is a world of exactly
+    /// `members`, ranks in list order when `ordered` (else the master chooses: members
+    /// of the current world first, in their order). Answered with the same `World` to
+    /// every member once all of them have asked with this `uuid` and this list, or with
+    /// the same error (a uuid not newer than the last one, a member that is gone, members
+    /// that disagree). Members of the current world left out are removed from the job.
+    Reconfigure {
+        peer_id: PeerId,
+        uuid: u64,
+        members: Vec<PeerId>,
+        ordered: bool,
+    },
 }
 
 /// A change to the master cluster (openraft joint consensus underneath).
