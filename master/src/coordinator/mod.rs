@@ -72,6 +72,14 @@ struct State {
     evicted_epoch: u64,
 }
 
+/// A refusal with `code`, saying why.
+fn refused(code: ErrorCode, message: impl Into<String>) -> MasterReply {
+    MasterReply::Error {
+        code,
+        message: message.into(),
+    }
+}
+
 fn aborted_reply(message: String) -> MasterReply {
     MasterReply::Error {
         code: ErrorCode::Aborted,

@@ -5,7 +5,7 @@
 
 use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
 
-use super::{propose_error, Coordinator, ReplyTo, State};
+use super::{propose_error, refused, Coordinator, ReplyTo, State};
 use crate::registry::{Command, Outcome, PeerState};
 
 /// One member's request, waiting for the others named in it.
@@ -14,10 +14,6 @@ pub(super) struct Request {
     uuid: u64,
     members: Vec<PeerId>,
     ordered: bool,
-}
-
-fn refused(code: ErrorCode, message: String) -> MasterReply {
-    MasterReply::Error { code, message }
 }
 
 impl Coordinator {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use eccl_protocol::{ErrorCode, MasterReply, StoreLimits, StoreReply, StoreRequest};
 
-use super::{propose_error, Coordinator, ReplyTo};
+use super::{propose_error, refused, Coordinator, ReplyTo};
 use crate::registry::{Command, Outcome};
 use crate::store::StoreCommand;
 
@@ -39,13 +39,6 @@ impl StoreLive {
 
     fn bump(&self) {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
-    }
-}
-
-fn refused(code: ErrorCode, message: impl Into<String>) -> MasterReply {
-    MasterReply::Error {
-        code,
-        message: message.into(),
     }
 }
 
