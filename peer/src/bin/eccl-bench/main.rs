@@ -56,10 +56,10 @@ struct Args {
     /// Check every element of the result (1) or not (0); `-c` alone means 1.
     #[arg(short = 'c', long = "check", default_value_t = 0, num_args = 0..=1, default_missing_value = "1")]
     check: u8,
-    #[arg(short = 'd', long = "datatype", default_value = "float", value_parser = dtype, help = DTYPE_HELP.as_str())]
-    dtype: DType,
-    #[arg(short = 'o', long = "op", default_value = "sum", value_parser = op, help = OP_HELP.as_str())]
-    op: ReduceOp,
+    #[arg(short = 'd', long = "datatype", default_value = "float", value_parser = dtypes, help = DTYPE_HELP.as_str())]
+    dtypes: Picks<DType>,
+    #[arg(short = 'o', long = "op", default_value = "sum", value_parser = ops, help = OP_HELP.as_str())]
+    ops: Picks<ReduceOp>,
     /// Root rank of rooted collectives.
     #[arg(short = 'r', long = "root", default_value_t = 0)]
     root: u32,
@@ -84,18 +84,84 @@ fn dtype_names() -> String {
 fn op_names() -> String {
     ReduceOp::ALL.map(|o| o.name()).join(", ")
 }
-static DTYPE_HELP: LazyLock<String> = LazyLock::new(|| format!("Element type: {}", dtype_names()));
-static OP_HELP: LazyLock<String> = LazyLock::new(|| format!("Reduction: {}", op_names()));
+static DTYPE_HELP: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "Element type: {}; a comma-separated list or `all` runs each in turn in one world",
+        dtype_names()
+    )
+});
+static OP_HELP: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "Reduction: {}; a comma-separated list or `all` runs each in turn in one world",
+        op_names()
+    )
+});
 
-fn dtype(s: &str) -> Result<DType, String> {
-    DType::parse(s).ok_or_else(|| format!("unknown datatype {s:?} (have {})", dtype_names()))
+/// What `-d` or `-o` named: a list of values, or `all` (nccl-tests' `-d all -o all`), where
+/// the pairs that are not defined (avg on integers, bitwise ops on floats) are left out
+/// instead of refused.
+#[derive(Debug, Clone)]
+struct Picks<T> {
+    values: Vec<T>,
+    all: bool,
 }
-fn op(s: &str) -> Result<ReduceOp, String> {
-    ReduceOp::parse(s).ok_or_else(|| format!("unknown op {s:?} (have {})", op_names()))
+
+fn picks<T: Copy>(
+    s: &str,
+    every: &[T],
+    parse: impl Fn(&str) -> Option<T>,
+    what: &str,
+    names: fn() -> String,
+) -> Result<Picks<T>, String> {
+    if s == "all" {
+        return Ok(Picks {
+            values: every.to_vec(),
+            all: true,
+        });
+    }
+    let values = s
+        .split(',')
+        .map(|p| {
+            parse(p.trim())
+                .ok_or_else(|| format!("unknown {what} {p:?} (have {}, or all)", names()))
+        })
+        .collect::<Result<Vec<T>, String>>()?;
+    Ok(Picks { values, all: false })
+}
+fn dtypes(s: &str) -> Result<Picks<DType>, String> {
+    picks(s, &DType::ALL, DType::parse, "datatype", dtype_names)
+}
+fn ops(s: &str) -> Result<Picks<ReduceOp>, String> {
+    picks(s, &ReduceOp::ALL, ReduceOp::parse, "op", op_names)
+}
+
+/// The (dtype, op) pairs one run measures, in the order given: every dtype with every op
+/// for a reduction, every dtype alone (the first op, unused) otherwise.
+fn combinations(args: &Args, kind: CollectiveKind) -> Result<Vec<(DType, ReduceOp)>, String> {
+    let mut out = Vec::new();
+    for &d in &args.dtypes.values {
+        if !kind.reduces() {
+            out.push((d, args.ops.values[0]));
+            continue;
+        }
+        for &o in &args.ops.values {
+            if o.valid_for(d) {
+                out.push((d, o));
+            } else if !(args.dtypes.all || args.ops.all) {
+                return Err(format!("op {o} is not defined for {d} (avg needs a floating type; band, bor, bxor an integer type)"));
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err("no datatype and op named here go together".into());
+    }
+    Ok(out)
 }
 
 #[derive(Serialize)]
 struct Row {
+    dtype: &'static str,
+    op: &'static str,
     bytes: usize,
     count: usize,
     time_us: f64,
@@ -149,10 +215,13 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    if kind.reduces() && !args.op.valid_for(args.dtype) {
-        eprintln!("eccl-bench: op {} is not defined for {} (avg needs a floating type; band, bor, bxor an integer type)", args.op, args.dtype);
-        return ExitCode::from(2);
-    }
+    let combos = match combinations(&args, kind) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("eccl-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
     match (args.local, &args.master) {
         (Some(n), _) => run_local(n),
         (None, Some(m)) => {
@@ -167,8 +236,8 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match rt.block_on(run_peer(&args, kind, m.clone())) {
-                Ok(wrong) if wrong == 0 => ExitCode::SUCCESS,
+            match rt.block_on(run_peer(&args, kind, &combos, m.clone())) {
+                Ok(0) => ExitCode::SUCCESS,
                 Ok(_) => ExitCode::from(3),
                 Err(e) => {
                     eprintln!("eccl-bench: {e} (hint: {})", e.hint());
@@ -332,7 +401,12 @@ fn count_for(kind: CollectiveKind, bytes: usize, elem: usize, n: usize) -> usize
     }
 }
 
-async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Result<u64> {
+async fn run_peer(
+    args: &Args,
+    kind: CollectiveKind,
+    combos: &[(DType, ReduceOp)],
+    master: String,
+) -> eccl::Result<u64> {
     let mut cfg = Config::from_env()?;
     cfg.master = master;
     cfg.rank_hint = args.rank_hint.or(cfg.rank_hint);
@@ -352,14 +426,18 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
             "sendrecv pairs ranks 0-1, 2-3, ...: use an even world".into(),
         ));
     }
-    let elem = args.dtype.size();
     let show = rank == 0 && !quiet;
+    let join = |f: fn(&(DType, ReduceOp)) -> &'static str| {
+        let mut names: Vec<&str> = combos.iter().map(f).collect();
+        names.dedup();
+        names.join(",")
+    };
+    let (dtype_list, op_list) = (join(|c| c.0.nccl_name()), join(|c| c.1.name()));
+    let json_dtypes = join(|c| c.0.name());
     if show {
         println!(
-            "# eccl-bench {}: {n} ranks, dtype {}, op {}, root {}, transport {}, {}",
+            "# eccl-bench {}: {n} ranks, dtype {dtype_list}, op {op_list}, root {}, transport {}, {}",
             kind,
-            args.dtype.nccl_name(),
-            args.op,
             args.root,
             comm.transport_summary(),
             if args.inplace {
@@ -384,7 +462,53 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         );
     }
     let mut rows = Vec::new();
-    let mut total_wrong = 0u64;
+    for &(dtype, op) in combos {
+        sweep(&mut comm, args, kind, dtype, op, (rank, n), show, &mut rows).await?;
+    }
+    let total_wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if show {
+        let avg = rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len().max(1) as f64;
+        println!(
+            "# Out of bounds values : {} {}",
+            total_wrong,
+            if total_wrong == 0 { "OK" } else { "WRONG" }
+        );
+        println!("# Avg bus bandwidth    : {avg:.3}");
+    }
+    if rank == 0 && std::env::var_os("ECCL_BENCH_NO_JSON").is_none() {
+        if let Some(path) = &args.json {
+            let report = Report {
+                collective: kind.name().into(),
+                world_size: n as u32,
+                dtype: json_dtypes,
+                op: op_list,
+                transport: comm.transport_summary(),
+                rows,
+            };
+            let text = serde_json::to_string_pretty(&report)
+                .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
+            std::fs::write(path, text)
+                .map_err(|e| eccl::Error::InvalidArgument(format!("cannot write {path}: {e}")))?;
+        }
+    }
+    comm.leave().await?;
+    Ok(total_wrong)
+}
+
+/// One (dtype, op) pair over every size from `-b` to `-e`: a table row each, appended to
+/// `rows`, with the slowest rank's time and (with `-c`) the wrong elements of every rank.
+#[allow(clippy::too_many_arguments)]
+async fn sweep(
+    comm: &mut Communicator,
+    args: &Args,
+    kind: CollectiveKind,
+    dtype: DType,
+    op: ReduceOp,
+    (rank, n): (usize, usize),
+    show: bool,
+    rows: &mut Vec<Row>,
+) -> eccl::Result<()> {
+    let elem = dtype.size();
     let mut bytes = args.minbytes.max(if kind == CollectiveKind::Barrier {
         0
     } else {
@@ -394,8 +518,8 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         let count = count_for(kind, bytes, elem, n);
         let call = check::Call {
             kind,
-            dtype: args.dtype,
-            op: args.op,
+            dtype,
+            op,
             root: args.root as usize,
             count,
             world: n,
@@ -411,8 +535,8 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         check::fill_input(&call, &mut input);
         let cargs = CollArgs {
             kind,
-            dtype: args.dtype,
-            op: args.op,
+            dtype,
+            op,
             root: eccl::Rank(args.root),
             count,
         };
@@ -424,12 +548,12 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         };
         comm.barrier().await?;
         for _ in 0..args.warmup {
-            one(&mut comm, &run, &input, &mut output).await?;
+            one(comm, &run, &input, &mut output).await?;
         }
         comm.barrier().await?;
         let t0 = Instant::now();
         for _ in 0..args.iters {
-            one(&mut comm, &run, &input, &mut output).await?;
+            one(comm, &run, &input, &mut output).await?;
         }
         let mut time_us = [t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64];
         // nccl-tests reports the slowest rank.
@@ -437,13 +561,13 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         let mut wrong = [0i64];
         if args.check != 0 {
             output.iter_mut().for_each(|b| *b = 0xA5);
-            one(&mut comm, &run, &input, &mut output).await?;
+            one(comm, &run, &input, &mut output).await?;
             let want = if kind == CollectiveKind::SendRecv {
                 sendrecv_expected(&call, rank, n)
             } else {
                 check::expected(&call, out_len)
             };
-            wrong[0] = check::count_wrong(args.dtype, &output[..out_len * elem], &want) as i64;
+            wrong[0] = check::count_wrong(dtype, &output[..out_len * elem], &want) as i64;
             comm.all_reduce(&mut wrong, ReduceOp::Sum).await?;
         }
         let t = time_us[0];
@@ -454,12 +578,8 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
         } else {
             -1
         };
+        let redop = if kind.reduces() { op.name() } else { "none" };
         if show {
-            let redop = if kind.reduces() {
-                args.op.name()
-            } else {
-                "none"
-            };
             let wrong_col = if args.check != 0 {
                 wrong[0].to_string()
             } else {
@@ -469,7 +589,7 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
                 "  {:>10} {:>12} {:>8} {:>6} {:>6} {:>10.2} {:>8.3} {:>8.3} {:>6}",
                 bytes,
                 count,
-                args.dtype.nccl_name(),
+                dtype.nccl_name(),
                 redop,
                 root_col,
                 t,
@@ -478,8 +598,9 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
                 wrong_col
             );
         }
-        total_wrong += wrong[0] as u64;
         rows.push(Row {
+            dtype: dtype.name(),
+            op: redop,
             bytes,
             count,
             time_us: t,
@@ -493,37 +614,10 @@ async fn run_peer(args: &Args, kind: CollectiveKind, master: String) -> eccl::Re
             bytes.saturating_mul(args.stepfactor)
         };
         if next > args.maxbytes || next == bytes {
-            break;
+            return Ok(());
         }
         bytes = next;
     }
-    if show {
-        let avg = rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len().max(1) as f64;
-        println!(
-            "# Out of bounds values : {} {}",
-            total_wrong,
-            if total_wrong == 0 { "OK" } else { "WRONG" }
-        );
-        println!("# Avg bus bandwidth    : {avg:.3}");
-    }
-    if rank == 0 && std::env::var_os("ECCL_BENCH_NO_JSON").is_none() {
-        if let Some(path) = &args.json {
-            let report = Report {
-                collective: kind.name().into(),
-                world_size: n as u32,
-                dtype: args.dtype.name().into(),
-                op: args.op.name().into(),
-                transport: comm.transport_summary(),
-                rows,
-            };
-            let text = serde_json::to_string_pretty(&report)
-                .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
-            std::fs::write(path, text)
-                .map_err(|e| eccl::Error::InvalidArgument(format!("cannot write {path}: {e}")))?;
-        }
-    }
-    comm.leave().await?;
-    Ok(total_wrong)
 }
 
 /// One call as the benchmark repeats it.
@@ -550,7 +644,7 @@ async fn one(
             return Ok(());
         }
         let peer = eccl::Rank((run.rank ^ 1) as u32);
-        if run.rank % 2 == 0 {
+        if run.rank.is_multiple_of(2) {
             comm.send_bytes(a.dtype, input, peer, 7).await?;
             comm.recv_bytes(a.dtype, output, peer, 7).await?;
         } else {
