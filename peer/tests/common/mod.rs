@@ -13,13 +13,14 @@ pub const SECRET: &str = "e2e-test-secret-0123456789abcdef";
 /// A peer's configuration for in-process communicators against `master`, with deadlines
 /// short enough that a hang fails the test instead of stalling it.
 pub fn peer_cfg(master: &str) -> eccl::Config {
-    let mut c = eccl::Config::default();
-    c.master = master.to_string();
-    c.secret = Some(eccl::Secret::new(SECRET).unwrap());
-    c.timeout = Duration::from_secs(8);
-    c.connect_timeout = Duration::from_secs(5);
-    c.join_timeout = Duration::from_secs(20);
-    c
+    eccl::Config {
+        master: master.to_string(),
+        secret: Some(eccl::Secret::new(SECRET).unwrap()),
+        timeout: Duration::from_secs(8),
+        connect_timeout: Duration::from_secs(5),
+        join_timeout: Duration::from_secs(20),
+        ..Default::default()
+    }
 }
 
 /// `n` in-process communicators in their first world, sorted by rank.

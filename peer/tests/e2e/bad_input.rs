@@ -3,11 +3,9 @@
 //! each failure the ranks recover with `update_topology()` and the next collective is
 //! right, and a failed in-place call leaves the caller's buffer as it was (G2).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use eccl::{Communicator, Error, Rank, ReduceOp, Secret};
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,10 +1,8 @@
 //! Bad flags print a one-line reason and the usage, and exit with status 2.
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn run(bin: std::path::PathBuf, args: &[&str]) -> (Option<i32>, String) {
     let out = Command::new(bin)

@@ -2,11 +2,9 @@
 //! process: shared-state sync with every strategy, a newcomer admitted at a step
 //! boundary, retry helpers after a member vanishes, and `TooFewPeers`.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use eccl::{Communicator, Error, ReduceOp, RetryPolicy, SharedTensor, SyncInfo, SyncStrategy};
 use futures::future::join_all;
 
@@ -164,7 +162,7 @@ async fn shared_state_of_another_shape_is_refused_without_hanging() {
     let m = start_master(&[]);
     let mut comms = world(&m.addr, 2).await;
     let (a, b) = comms.split_at_mut(1);
-    let mut x = vec![1.0f32; 10];
+    let mut x = [1.0f32; 10];
     let mut y = vec![2.0f32; 11];
     let t0 = std::time::Instant::now();
     let (ra, rb) = tokio::join!(

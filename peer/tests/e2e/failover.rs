@@ -4,15 +4,12 @@
 //! masters die (membership calls fail with `MasterUnavailable` within the deadline,
 //! collectives go on) and come back from their data directories (service resumes).
 
-mod common;
-mod masters;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
+use crate::masters::{cfg, members, Cluster};
 use eccl::{Communicator, Error, ReduceOp};
 use futures::future::join_all;
-use masters::{cfg, members, Cluster};
 
 /// `rounds` all_reduces on every member; each must be exact.
 async fn all_reduce_rounds(comms: &mut [Communicator], rounds: usize) {

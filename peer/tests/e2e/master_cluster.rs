@@ -4,16 +4,13 @@
 //! new one was elected commits nothing and evicts no one; masters added and removed at
 //! runtime with `eccl-master cluster`.
 
-mod common;
-mod masters;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
+use crate::masters::{cfg, members, Cluster};
 use eccl::{Communicator, ReduceOp, SharedTensor, SyncStrategy};
 use futures::future::join_all;
-use masters::{cfg, members, Cluster};
 
 async fn exact_all_reduce(comms: &mut [Communicator]) {
     let n = comms.len() as f32;

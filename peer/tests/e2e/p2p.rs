@@ -1,11 +1,9 @@
 //! Point-to-point messages between in-process communicators on a real master: receive
 //! from any source (torch's `recv(src=None)`), tags that do not wait for each other.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use eccl::{Error, Rank};
 use futures::future::join_all;
 

@@ -1,11 +1,9 @@
 //! torch's `_reconfigure` on a real master: a world of exactly the named peers, once per
 //! uuid, the same answer for everyone.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use eccl::{Error, PeerId, ReduceOp};
 use futures::future::join_all;
 

@@ -1,11 +1,9 @@
 //! Issue 9's attacks, each run against a real `eccl-master` process and real peers:
 //! what a holder of the job secret can no longer do to the master or to a job.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use eccl::{Communicator, Error, ReduceOp, Secret};
 use eccl_protocol::auth::Role;
 use eccl_protocol::{

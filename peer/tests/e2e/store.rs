@@ -3,12 +3,9 @@
 //! nothing), ephemeral keys and scopes that end with their sessions, bad credentials, no
 //! master, and a leader killed under a running client.
 
-mod common;
-mod masters;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use eccl::{Error, Secret, StoreClient};
 
 const T: Duration = Duration::from_secs(10);
@@ -164,7 +161,7 @@ async fn a_wrong_secret_or_no_master_fails_clearly_and_in_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_survives_its_leaders_death() {
-    let mut cl = masters::Cluster::start("store");
+    let mut cl = crate::masters::Cluster::start("store");
     let list = cl.list();
     let leader = cl.leader(Duration::from_secs(10)).expect("a leader");
     let a = open(&list, "job").await;

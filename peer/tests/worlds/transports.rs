@@ -3,11 +3,9 @@
 //! mixes transports: peers that share a host identity talk over shared memory, the
 //! others over TCP.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 fn check(
     master: &Master,

@@ -4,13 +4,11 @@
 //! the message arrives exact. (Plain TCP data links carry no MAC: see the README's
 //! threat model.)
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use eccl_protocol::auth::Role;
 use eccl_protocol::frame::FrameKind;
 use eccl_transport::connect::{dial_quic, dial_tcp, stream_link};
@@ -193,7 +191,7 @@ async fn udp_flipper(
                     client = Some(from);
                     if n > 1000 {
                         big += 1;
-                        if big % every == 0 {
+                        if big.is_multiple_of(every) {
                             a[n / 2] ^= 0x01;
                             count.fetch_add(1, Ordering::Relaxed);
                         }

@@ -3,12 +3,10 @@
 //! after the frames sent before them, the job secret required (and its absence named),
 //! and garbage refused without harm to the listener.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use eccl_protocol::auth::{AuthError, Secret};
 use eccl_protocol::frame::FrameKind;
 use eccl_transport::connect::{dial_quic, dial_shm, dial_tcp};

@@ -1,0 +1,17 @@
+//! The peer's end-to-end tests against real masters (one binary: each test file is a
+//! module, so the tests link once). Each module says what it covers.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../masters/mod.rs"]
+mod masters;
+
+mod bad_input;
+mod cli;
+mod elastic;
+mod failover;
+mod master_cluster;
+mod p2p;
+mod reconfigure;
+mod security;
+mod store;
