@@ -103,7 +103,7 @@ pub(crate) fn tree(cx: &Ctx) -> Body {
     let src = if v == 0 { Region::input(0, c) } else { out };
     for (step, k) in (0..levels).rev().enumerate() {
         let d = 1usize << k;
-        if v % (2 * d) == 0 && v + d < n {
+        if v.is_multiple_of(2 * d) && v + d < n {
             plan.push(
                 step,
                 Prim::Send {

@@ -95,7 +95,7 @@ pub(crate) fn tree(cx: &Ctx) -> Body {
     let mut acc = false;
     for k in 0..levels {
         let d = 1usize << k;
-        if v % (2 * d) == 0 && v + d < n {
+        if v.is_multiple_of(2 * d) && v + d < n {
             let local = if acc { acc_region } else { inp };
             plan.push(
                 k,

@@ -381,7 +381,7 @@ impl Coordinator {
                 if let Some(v) = st.votes.remove(&m) {
                     // Its links are older than the others' idea of "previous epoch".
                     v.reply.send(MasterReply::World {
-                        keys: self.raft.link_keys(&w, m),
+                        keys: self.raft.link_keys(w, m),
                         world: w.clone(),
                         changed: true,
                         reuse_links: false,

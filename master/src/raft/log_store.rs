@@ -191,7 +191,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 .map_err(disk::write_err)?;
         }
         let mut inner = self.lock();
-        if inner.last_purged.map_or(true, |p| p.index < log_id.index) {
+        if inner.last_purged.is_none_or(|p| p.index < log_id.index) {
             inner.last_purged = Some(log_id);
         }
         let keep = inner.entries.split_off(&log_id.index.saturating_add(1));

@@ -306,16 +306,15 @@ impl RaftRegistry {
     /// it has been added (it cannot know the others before the leader's first message).
     pub fn is_master(&self, id: MasterId) -> bool {
         if self.joining
-            && matches!(
-                self.raft
-                    .metrics()
-                    .borrow()
-                    .membership_config
-                    .membership()
-                    .voter_ids()
-                    .next(),
-                None
-            )
+            && self
+                .raft
+                .metrics()
+                .borrow()
+                .membership_config
+                .membership()
+                .voter_ids()
+                .next()
+                .is_none()
         {
             return true;
         }

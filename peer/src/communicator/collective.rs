@@ -297,7 +297,7 @@ fn validate(
             a.root
         )));
     }
-    if in_bytes % elem != 0 || out_bytes % elem != 0 {
+    if !in_bytes.is_multiple_of(elem) || !out_bytes.is_multiple_of(elem) {
         return Err(Error::InvalidArgument(format!(
             "buffer lengths must be whole {} elements",
             a.dtype

@@ -79,7 +79,7 @@ impl Communicator {
             count: (nbytes / dtype.size()) as u64,
         };
         // A rank-local mistake: nothing was sent, the other side has not been touched.
-        if nbytes % dtype.size() != 0 {
+        if !nbytes.is_multiple_of(dtype.size()) {
             return Err(Error::InvalidArgument(format!(
                 "{nbytes} bytes is not a whole number of {dtype} elements"
             )));

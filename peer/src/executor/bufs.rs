@@ -329,7 +329,6 @@ mod tests {
                 }
             }
         }
-        drop(bufs);
         assert_eq!(output.len(), s.output_len * elem);
     }
 

@@ -44,7 +44,7 @@ pub(crate) struct Geometry {
 impl Geometry {
     /// The geometry for slots of `slot_bytes`, if it is a page multiple within bounds.
     pub fn new(slot_bytes: usize) -> Option<Geometry> {
-        (slot_bytes % PAGE == 0 && (MIN_SLOT..=MAX_SLOT).contains(&slot_bytes))
+        (slot_bytes.is_multiple_of(PAGE) && (MIN_SLOT..=MAX_SLOT).contains(&slot_bytes))
             .then_some(Geometry { slot_bytes })
     }
 
