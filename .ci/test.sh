@@ -1,20 +1,55 @@
 #!/usr/bin/env bash
-# The one test command (README): installs what it needs, builds everything, runs every
-# test suite. Works on a fresh machine with only the Rust toolchain and Python 3.11.
+# The one test command (README): installs what it needs at pinned versions, builds
+# everything once, runs every suite, and prints how long each phase took. Works on a
+# fresh machine with only the Rust toolchain and Python 3.11 (Debian packages come
+# from apt-get; run it as root there).
 #
-#   bash .ci/test.sh            # everything CI runs
-#   ECCL_SKIP_TORCH=1 bash .ci/test.sh   # skip installing torch (and the tests needing it)
-#   ECCL_SOAK=1 bash .ci/test.sh         # also the 10-minute chaos soak and the 6-peer,
-#                                        # 5-minute target run of issue 3
+#   bash .ci/test.sh                     # everything CI runs
+#   ECCL_SKIP_TORCH=1 bash .ci/test.sh   # no torch: the Python tests are skipped
+#   ECCL_SOAK=1 bash .ci/test.sh         # also the long chaos runs (6 peers for 5 minutes,
+#                                        # 8 peers and 3 masters for 10) and the chaos soak
 #   ECCL_TORCHFT=1 bash .ci/test.sh      # also torchft on eccl (python/tests/test_torchft.py
 #                                        # installs torchft into .venv-torchft)
+#
+# One build serves cargo, maturin and the tests: every cargo command here sees the same
+# features for every dependency (workspace-hack/, checked by .ci/check_features.py), the
+# same lint wrapper and the same Python, so nothing is compiled twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 
-step() { printf '\n==> %s\n' "$*"; }
+# Miri's nightly, pinned by date so a new nightly cannot change what CI runs.
+MIRI_TOOLCHAIN=nightly-2026-10-30
 
-step "system packages: python3-venv, valgrind, and what the verbs feature builds with"
+started=$(date +%s)
+phase_name=""
+phase_start=0
+phase_times=()
+end_phase() {
+    if [ -n "$phase_name" ]; then
+        phase_times+=("$(($(date +%s) - phase_start))|$phase_name")
+    fi
+    phase_name=""
+}
+phase() {
+    end_phase
+    phase_name="$*"
+    phase_start=$(date +%s)
+    printf '\n==> %s\n' "$*"
+}
+summary() {
+    local rc=$?
+    end_phase
+    printf '\n==> phase times\n'
+    local t
+    for t in "${phase_times[@]}"; do
+        printf '%7ss  %s\n' "${t%%|*}" "${t#*|}"
+    done
+    printf '%7ss  total (exit %s)\n' "$(($(date +%s) - started))" "$rc"
+}
+trap summary EXIT
+
+phase "system packages: python3-venv, valgrind, and what the verbs feature builds with"
 pkgs=()
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || pkgs+=(python3-venv)
 command -v valgrind >/dev/null 2>&1 || pkgs+=(valgrind)
@@ -27,66 +62,90 @@ if [ ${#pkgs[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
 fi
 
-step "nightly toolchain with Miri (for the unsafe-code checks only)"
-rustup toolchain install nightly --profile minimal --component miri,rust-src --allow-downgrade
+phase "toolchains: clippy and rustfmt (stable), $MIRI_TOOLCHAIN with Miri (the unsafe-code checks)"
+rustup component add clippy rustfmt
+rustup toolchain install "$MIRI_TOOLCHAIN" --profile minimal --component miri,rust-src
 
-step "python venv (.venv): pip, maturin, pytest, numpy, torch"
+phase "python venv (.venv): the pinned tools and torch (python/requirements-*.txt)"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q maturin pytest numpy
+reqs=(-r python/requirements-test.txt)
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
-    .venv/bin/python -m pip install -q torch
+    reqs+=(-r python/requirements-torch.txt)
 fi
+.venv/bin/python -m pip install -q --disable-pip-version-check "${reqs[@]}"
 
-step "build (release, whole workspace)"
-cargo build --release --workspace
+phase "lint: rustfmt, ruff, one feature set per dependency"
+cargo fmt --all -- --check
+.venv/bin/ruff check python examples .ci
+python3 .ci/check_features.py
 
-step "python package: pip install ./python (maturin, abi3 wheel) into .venv"
-.venv/bin/python -m pip install -q ./python
+# Every cargo build below goes through clippy-driver (rustc with clippy's lints, the
+# way `cargo clippy` runs it), so the one release build is also the lint pass, with
+# warnings as errors; maturin inherits the same wrapper and Python, and reuses it all.
+export RUSTC_WORKSPACE_WRAPPER
+RUSTC_WORKSPACE_WRAPPER="$(rustup which clippy-driver)"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+# pyo3's build script reruns (and pyo3 and eccl-python compile again) when the Python it
+# was configured for changes: every command names the venv's, with the signature that
+# maturin sets for it.
+export PYO3_PYTHON="$PWD/.venv/bin/python"
+export PYO3_ENVIRONMENT_SIGNATURE="cpython-3.11-64bit"
 
-step "rust tests"
-cargo test --release --workspace
+phase "build: the workspace, its binaries and every test binary (release, clippy -D warnings)"
+cargo test --release --workspace --locked --no-run
+cargo build --release --workspace --locked
 
-step "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
+phase "python package: maturin into the shared target, then the wheel into .venv"
+.venv/bin/maturin build --release --locked -m python/Cargo.toml --out target/wheels -q
+.venv/bin/python -m pip install -q --no-deps --force-reinstall --disable-pip-version-check \
+    target/wheels/eccl-*.whl
+
+phase "rust tests"
+cargo test --release --workspace --locked
+
+phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
 ibv_devices 2>&1 | head -5 || true
-cargo test --release -p eccl-transport --features verbs -- verbs --nocapture
+cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 
-step "miri: the executor's buffer borrows and the shared-memory ring between threads"
+phase "miri: the executor's buffer borrows and the shared-memory ring between threads"
 # Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data
 # race; the Python layer's unsafe code calls into C, so valgrind checks it (pytest below).
-cargo +nightly miri test -p eccl --lib executor::bufs
-cargo +nightly miri test -p eccl-transport --lib shm::segment
+(
+    unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
+    cargo "+$MIRI_TOOLCHAIN" miri test --locked -p eccl --lib executor::bufs
+    cargo "+$MIRI_TOOLCHAIN" miri test --locked -p eccl-transport --lib shm::segment
+)
 
-step "python tests"
+phase "python tests"
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
-    .venv/bin/python -m pytest -q python/tests
+    .venv/bin/python -m pytest -q --durations=15 python/tests
 else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
 
-step "smoke: eccl-bench all_reduce --local 4 -c over every transport"
+phase "smoke: eccl-bench all_reduce --local 4 -c over every transport"
 for t in tcp shm quic; do
     ECCL_TRANSPORT=$t target/release/eccl-bench all_reduce --local 4 -b 8 -e 8M -f 8 -n 3 -w 1 -c
 done
 
 seed="${ECCL_CHAOS_SEED:-$RANDOM}"
-step "chaos: 45 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
+phase "chaos: 45 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
 target/release/eccl-chaos --peers 4 --duration 45 --seed "$seed" --transport shm
 for t in tcp quic tls; do
-    step "chaos: 20 s over $t"
+    phase "chaos: 20 s over $t"
     target/release/eccl-chaos --peers 4 --duration 20 --seed "$seed" --transport "$t"
 done
-step "chaos: 30 s with three masters, the leader killed and hung among peer faults"
+phase "chaos: 30 s with three masters, the leader killed and hung among peer faults"
 target/release/eccl-chaos --peers 4 --masters 3 --duration 30 --seed "$seed" --state-mb 4 \
     --faults kill,hang,join,master-kill,master-hang
 
 if [ -n "${ECCL_SOAK:-}" ]; then
-    step "soak: the issue-3 target run (6 peers, 5 minutes) and the 10-minute soak"
+    phase "soak: 6 peers for 5 minutes"
     target/release/eccl-chaos --peers 6 --duration 300 --seed 42 --interval-ms 2500
-    step "soak: the issue-10 target run (8 peers, 3 masters, 10 minutes, every fault)"
+    phase "soak: 8 peers, 3 masters, 10 minutes, every fault"
     target/release/eccl-chaos --peers 8 --masters 3 --duration 600 --seed 10 --state-mb 4 \
         --faults kill,hang,join,leave,master-kill,master-hang
-    cargo test --release -p eccl-chaos -- --ignored
+    cargo test --release --workspace --locked --test phases -- --ignored
 fi

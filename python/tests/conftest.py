@@ -1,0 +1,55 @@
+"""The suite's rules, for every test file here.
+
+- Every test has a time limit (pytest-timeout; the default is in python/pyproject.toml,
+  longer ones say so with `@pytest.mark.timeout(S)`), so a hang fails one test with a
+  stack instead of the whole run at CI's limit.
+- Skips are printed (`-rs`). Under CI (the variable `CI` set, as `.ci/run` is called), a
+  skip fails the run unless it is an opt-in (a test that runs only behind a flag says so
+  with `opt_in(FLAG, why)`) or the machine cannot do it at all (`not_possible_here(why)`:
+  network namespaces where the sandbox forbids them). Anything else that skips there
+  (valgrind missing, a torch without the API a test needs) hides a broken set-up, and
+  the run says which.
+"""
+
+import os
+
+import pytest
+
+OPT_IN = "opt-in:"
+NOT_POSSIBLE = "not possible on this machine:"
+
+
+def opt_in(flag: str, why: str) -> None:
+    """Skips the calling module unless the environment variable `flag` is set: for
+    tests kept out of the default run on purpose (long soaks, tools installed apart)."""
+    if not os.environ.get(flag):
+        pytest.skip(f"{OPT_IN} runs with {flag}=1 ({why})", allow_module_level=True)
+
+
+def not_possible_here(why: str) -> None:
+    """Skips the calling test: this machine cannot do what it needs, whatever is
+    installed (say why)."""
+    pytest.skip(f"{NOT_POSSIBLE} {why}")
+
+
+def _reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("CI"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    hidden = [r for r in reporter.stats.get("skipped", [])
+              if OPT_IN not in _reason(r) and NOT_POSSIBLE not in _reason(r)]
+    if hidden:
+        lines = "\n".join(f"  {r.nodeid or r.fspath}: {_reason(r)}" for r in hidden)
+        reporter.write_line(f"CI: {len(hidden)} test(s) skipped for a reason that is not "
+                            f"an opt-in flag; under CI that fails the run:\n{lines}",
+                            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
