@@ -5,9 +5,8 @@
 
 import multiprocessing as mp
 
-import numpy as np
-
 import eccl
+import numpy as np
 
 
 def rank(addr: str, secret: str, r: int) -> None:
@@ -15,7 +14,7 @@ def rank(addr: str, secret: str, r: int) -> None:
     comm.update_topology()                      # join the job: rank and epoch
     x = np.full(4, r + 1, dtype=np.float32)
     info = comm.all_reduce(x)                   # in place, GIL released while it runs
-    print(f"rank {comm.rank}: {x} (epoch {info.epoch}, members {list(info.members)})")
+    print(f"rank {comm.rank}: {x} (epoch {info.epoch}, members {list(info.members)})", flush=True)
 
 
 if __name__ == "__main__":

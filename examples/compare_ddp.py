@@ -4,9 +4,8 @@ same model and machine, in one run (alternating, so all see the same load).
     python examples/compare_ddp.py --width 4000 --steps 10 --rounds 2
 """
 
-import os
-
 import argparse
+import os
 import re
 import socket
 import subprocess

@@ -99,7 +99,7 @@ def run_gloo(world, szs, iters, warmup):
 def run_eccl(world, lo, hi, f, iters, warmup):
     out = tempfile.mktemp(suffix=".json")
     cmd = [str(BENCH), "all_reduce", "--local", str(world), "-b", str(lo), "-e", str(hi), "-f", str(f),
-           "-n", str(iters), "-w", str(warmup), "--json", out]
+           "-n", str(iters), "-w", str(warmup), "-c", "--json", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
     with open(out) as fh:
         rows = json.load(fh)["rows"]
@@ -131,10 +131,13 @@ def main():
         g = run_gloo(n, szs, a.n, a.w)
         results[n] = {"eccl": e, "gloo": g}
         print(f"\n# all_reduce float32 sum, {n} ranks, {a.n} iterations ({a.w} warm-up), same machine, same run")
-        print(f"# {'size(B)':>11} | {'eccl us':>10} {'busbw':>7} | {'gloo us':>10} {'busbw':>7} | {'busbw eccl/gloo':>15} {'time gloo/eccl':>14}")
+        print(f"# {'size(B)':>11} | {'eccl us':>10} {'busbw':>7} | {'gloo us':>10} {'busbw':>7} |"
+              f" {'busbw eccl/gloo':>15} {'time gloo/eccl':>14}")
         for er, gr in zip(e, g):
-            print(f"  {er['bytes']:>11} | {er['time_us']:>10.1f} {er['busbw_gbps']:>7.3f} | {gr['time_us']:>10.1f} {gr['busbw_gbps']:>7.3f} |"
-                  f" {er['busbw_gbps'] / max(gr['busbw_gbps'], 1e-12):>15.2f} {gr['time_us'] / max(er['time_us'], 1e-12):>14.2f}")
+            busbw_ratio = er['busbw_gbps'] / max(gr['busbw_gbps'], 1e-12)
+            time_ratio = gr['time_us'] / max(er['time_us'], 1e-12)
+            print(f"  {er['bytes']:>11} | {er['time_us']:>10.1f} {er['busbw_gbps']:>7.3f} |"
+                  f" {gr['time_us']:>10.1f} {gr['busbw_gbps']:>7.3f} | {busbw_ratio:>15.2f} {time_ratio:>14.2f}")
         sys.stdout.flush()
     if a.json:
         with open(a.json, "w") as f:

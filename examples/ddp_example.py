@@ -8,17 +8,15 @@
         --backend elastic                  # eccl.torch.ElasticDDP on an eccl master
 """
 
-import os
-
 import argparse
+import os
 import time
-
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import eccl
 import eccl.torch  # noqa: F401  registers the "eccl" backend
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def main() -> None:

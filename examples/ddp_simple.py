@@ -5,11 +5,10 @@ which every rank prints.
     torchrun --nproc-per-node 2 examples/ddp_simple.py
 """
 
+import eccl.torch  # noqa: F401  registers the "eccl" backend
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import eccl.torch  # noqa: F401  registers the "eccl" backend
 
 
 class Scale(torch.nn.Module):

@@ -17,10 +17,9 @@ import os
 import signal
 import time
 
-import torch
-
 import eccl
 import eccl.torch
+import torch
 
 
 def digest(model: torch.nn.Module) -> str:

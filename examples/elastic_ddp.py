@@ -18,10 +18,9 @@ import hashlib
 import os
 import time
 
-import torch
-
 import eccl
 import eccl.torch
+import torch
 
 
 def main() -> None:

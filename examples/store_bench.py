@@ -24,10 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
 sys.path.insert(0, HERE)
+from eccl.store import EcclStore  # noqa: E402
 from eccl_masters import Masters, write_secret  # noqa: E402
 from procs import free_port  # noqa: E402
-
-from eccl.store import EcclStore  # noqa: E402
 
 OPS = ("set", "get", "add", "compare_set")
 

@@ -15,7 +15,17 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// Runs eccl-chaos with `args` (split at spaces), requires a clean run, and returns its
 /// JSON report.
 fn chaos(name: &str, args: &str) -> Value {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = turn();
+    chaos_in_turn(name, args)
+}
+
+/// This test's turn: no other eccl-chaos run of this binary goes on until it is dropped.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`chaos`] for a caller that already holds its [`turn`].
+fn chaos_in_turn(name: &str, args: &str) -> Value {
     let path = std::env::temp_dir().join(format!("eccl-chaos-{}-{name}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))
         .args(args.split_whitespace())
@@ -51,7 +61,7 @@ fn one_kill(name: &str, spec: &str) -> Value {
 
 fn one_kill_over(name: &str, spec: &str, transport: &str) -> Value {
     let args = format!(
-        "--peers 4 --duration 10 --faults none --seed 1 --elements 65536 --transport {transport} --inject 1={spec}"
+        "--peers 4 --duration 6 --faults none --seed 1 --elements 65536 --transport {transport} --inject 1={spec}"
     );
     let r = chaos(name, &args);
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
@@ -79,7 +89,7 @@ fn kill_during_update_topology() {
 fn kill_a_source_while_a_newcomer_fetches_the_shared_state() {
     let r = chaos(
         "sync-serve",
-        "--peers 3 --duration 10 --faults join --interval-ms 2000 --seed 1 --inject 0=sync-serve:kill",
+        "--peers 3 --duration 8 --faults join --interval-ms 2000 --seed 1 --inject 0=sync-serve:kill",
     );
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
     assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
@@ -91,7 +101,7 @@ fn kill_a_source_while_a_newcomer_fetches_the_shared_state() {
 fn kill_a_newcomer_while_it_joins() {
     let r = chaos(
         "sync-fetch",
-        "--peers 3 --duration 10 --faults join --interval-ms 2000 --seed 1 --inject join=sync-fetch:kill",
+        "--peers 3 --duration 8 --faults join --interval-ms 2000 --seed 1 --inject join=sync-fetch:kill",
     );
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
     assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
@@ -102,7 +112,7 @@ fn kill_a_newcomer_while_it_joins() {
 fn a_stopped_peer_holding_its_sockets_is_evicted_within_the_lease() {
     let r = chaos(
         "mid-ring-stop",
-        "--peers 3 --duration 10 --faults none --seed 1 --lease-ms 1000 --elements 65536 --inject 1=mid-ring:stop@5",
+        "--peers 3 --duration 6 --faults none --seed 1 --lease-ms 1000 --elements 65536 --inject 1=mid-ring:stop@5",
     );
     assert_eq!(r["faults"]["hang"], 1, "{r:#}");
     let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
@@ -122,7 +132,7 @@ fn kill_and_stop_mid_ring_over_tcp_and_quic() {
         assert_eq!(r["transport"], t, "{r:#}");
         let r = chaos(
             &format!("mid-ring-stop-{t}"),
-            &format!("--peers 3 --duration 8 --faults none --seed 1 --lease-ms 1000 --elements 65536 --transport {t} --inject 1=mid-ring:stop@5"),
+            &format!("--peers 3 --duration 6 --faults none --seed 1 --lease-ms 1000 --elements 65536 --transport {t} --inject 1=mid-ring:stop@5"),
         );
         assert_eq!(r["faults"]["hang"], 1, "{t}: {r:#}");
         let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
@@ -148,8 +158,11 @@ fn nothing_is_left_behind_after_kills_over_shm() {
         v.sort();
         v
     };
+    // The turn is held from the first listing to the last scan, so that another test's
+    // run cannot add to either.
+    let _turn = turn();
     let before = listing();
-    let r = chaos(
+    let r = chaos_in_turn(
         "shm-residue",
         "--peers 4 --duration 12 --faults kill,hang,join --interval-ms 1500 --seed 3 --transport shm",
     );

@@ -84,7 +84,8 @@ def _lease(lease_ms: Optional[int], heartbeat_ms: Optional[int]):
         try:
             return int(raw)
         except ValueError:
-            raise InvalidArgumentError(f"{var}={raw!r} is not a number of milliseconds")  # noqa: F821
+            raise InvalidArgumentError(  # noqa: F821
+                f"{var}={raw!r} is not a number of milliseconds") from None
     return pick(lease_ms, "ECCL_LEASE_MS", 800), pick(heartbeat_ms, "ECCL_HEARTBEAT_MS", 200)
 
 

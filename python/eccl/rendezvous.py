@@ -40,6 +40,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     Token,
     _RendezvousState,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler as _torch_create_handler,
 )
 

@@ -18,6 +18,7 @@ def main():
     pg.register_abort_hook(7, lambda: hooks.append(time.monotonic()))
     dist.all_reduce(torch.ones(1))  # the world is up everywhere
     out = {}
+    store = dist.distributed_c10d._get_default_store()
     if r in (0, 1):
         w = dist.all_reduce(torch.ones(1000), async_op=True)
         time.sleep(0.3)
@@ -30,8 +31,11 @@ def main():
         except Exception as e:  # noqa: BLE001
             out["in_flight"] = type(e).__name__
             out["fast"] = time.monotonic() - t0 < 1.0
+        store.set(f"failed/{r}", "1")
     else:
-        time.sleep(2.0)
+        # Once ranks 0 and 1 are out of their call (the abort reached them), rank 2's next
+        # call runs into the aborted epoch.
+        store.wait(["failed/0", "failed/1"])
         try:
             dist.all_reduce(torch.ones(1))
             out["late_call"] = "completed"

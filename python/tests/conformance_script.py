@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 from torch_script import collectives
 
 
@@ -25,7 +24,7 @@ def calls(r, n):
     try:
         dist.broadcast(torch.ones(2), src=n + 5)
         out["bad_root"] = "accepted"
-    except Exception as e:  # noqa: BLE001
+    except Exception:  # noqa: BLE001
         out["bad_root"] = "refused"
     t = torch.ones(2) * (r + 1)
     dist.all_reduce(t)
@@ -151,7 +150,7 @@ def calls(r, n):
             dist.recv(torch.empty(1), src=1, group=tg, tag=99)
             out["recv_timeout"] = "received"
         except Exception:  # noqa: BLE001
-            out["recv_timeout"] = ["raised", time.monotonic() - t0 < 10]
+            out["recv_timeout"] = ["raised", 1.5 < time.monotonic() - t0 < 4]
     dist.barrier()  # the default group: rank 0 is done waiting
     t = torch.full((1,), float(r + 1))
     try:

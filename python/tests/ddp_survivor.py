@@ -1,7 +1,8 @@
 """One rank of a plain DDP job on backend "eccl" (started without torchrun: RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment). It trains until a step fails,
 then prints what DDP raised, its cause, and whether that error pickles to itself in
-this process, and exits 3. The test kills another rank meanwhile."""
+this process, and exits 3. It says TRAINING after ten steps; the test then kills
+another rank."""
 
 import pickle
 import sys
@@ -19,12 +20,13 @@ def main() -> None:
     model = DDP(torch.nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(8, 64)
-    print("READY", flush=True)
     for step in range(100000):
         try:
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
+            if step == 10:
+                print("TRAINING", flush=True)   # steps go through DDP's all_reduce
         except Exception as e:  # noqa: BLE001 - what DDP raised is the point
             chain = [e]
             while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:

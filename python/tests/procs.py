@@ -62,3 +62,32 @@ def stop_sessions(procs) -> None:
             kill_node(p)
         else:
             p.wait()
+
+
+def _state(pid: int):
+    """The state letter of `pid` in /proc (R, S, T, Z, ...), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def wait_dead(pid: int, timeout: float = 30.0) -> None:
+    """Waits until `pid` has died (gone, or a zombie its parent has not reaped yet): for a
+    script whose peer kills itself, the event to wait for instead of a fixed sleep."""
+    _wait_state(pid, lambda s: s in (None, "Z", "X"), "die", timeout)
+
+
+def wait_stopped(pid: int, timeout: float = 30.0) -> None:
+    """Waits until `pid` is stopped (SIGSTOP)."""
+    _wait_state(pid, lambda s: s in ("T", "t"), "stop", timeout)
+
+
+def _wait_state(pid, ok, what, timeout):
+    import time
+    end = time.monotonic() + timeout
+    while not ok(_state(pid)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"process {pid} did not {what} within {timeout} s")
+        time.sleep(0.005)

@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from procs import wait_dead, wait_stopped
 
 # The group's timeout: gloo's survivors of a hung rank wait this long.
 TIMEOUT = timedelta(seconds=10)
@@ -108,12 +109,14 @@ def main():
     out["first"] = all_reduce_ranks()
 
     last = n - 1
+    stops = scenario in ("stop", "inflight", "shrink_stop")
     if r == last:
-        store.set("losing", "1")
-        os.kill(os.getpid(), signal.SIGSTOP if scenario in ("stop", "inflight", "shrink_stop") else signal.SIGKILL)
+        store.set("losing", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP if stops else signal.SIGKILL)
         time.sleep(600)
     store.wait(["losing"])
-    time.sleep(0.2)
+    lost_pid = int(store.get("losing"))
+    (wait_stopped if stops else wait_dead)(lost_pid)
     survivors = list(range(last))
     t = torch.ones(2)
     t0 = time.monotonic()

@@ -9,15 +9,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from procs import wait_dead
 
 
 def main():
     dist.init_process_group(sys.argv[1])
     r, n = dist.get_rank(), dist.get_world_size()
     dist.all_reduce(torch.ones(1))
+    store = dist.distributed_c10d._get_default_store()
     if r == n - 1:
+        store.set("lost_pid", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(1.0)
+    wait_dead(int(store.get("lost_pid")))
     try:
         t0 = time.monotonic()
         g = dist.shrink_group([n - 1])

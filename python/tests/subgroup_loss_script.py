@@ -5,10 +5,10 @@ import json
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+from procs import wait_dead
 
 
 def main():
@@ -16,9 +16,11 @@ def main():
     r = dist.get_rank()
     g = dist.new_group([0, 1])
     dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
     if r == 2:
+        store.set("lost_pid", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(2.0)  # rank 2 is gone, and the default group's master knows it
+    wait_dead(int(store.get("lost_pid")))
     sums = []
     for i in range(3):
         t = torch.full((4,), float(r + 1 + i))

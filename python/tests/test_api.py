@@ -7,10 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import eccl
 import numpy as np
 import pytest
-
-import eccl
 
 TIMEOUT = 60
 
@@ -92,6 +91,7 @@ def test_every_collective_on_numpy_and_torch():
     """
     n = 3
     res = _run_ranks(n, body)
+    assert len({r["epoch"] for r in res}) == 1 and res[0]["epoch"] >= 1, res
     for rank, r in enumerate(res):
         assert r["ar"] == [float(3 * i + 3) for i in range(10)]
         assert r["members"] == n
@@ -126,24 +126,27 @@ def test_shared_state_brings_everyone_to_the_newest_revision():
     assert res[2]["recv"] == 300_000 * 4 + 80 and res[2]["sources"] == 2
 
 
-def test_a_dropped_work_never_writes_into_reused_memory():
+def test_a_dropped_work_never_writes_into_reused_memory(tmp_path):
     """Issue 9's use-after-free: a recv whose Work is dropped and collected before the
     data arrives, then memory that eccl was never given; and the same with Works and
     tensors of in-flight all_reduces dropped twenty times under gc.collect(). The calls
     own their buffers until they are done, so no other memory changes."""
     body = """
-    import gc, time, torch
+    import gc, os, time, torch
     def main(comm, rank, n):
         N, M, ROUNDS = 1 << 24, 1 << 20, 20
         canaries = []
+        dropped = os.path.join(os.environ["TEST_DIR"], "dropped")
         if rank == 0:
-            time.sleep(0.5)
+            while not os.path.exists(dropped):    # rank 1's Work is gone: now send
+                time.sleep(0.005)
             comm.send(np.full(N, 7.0, np.float32), 1)
         else:
             w = comm.recv(np.empty(N, np.float32), 0, async_op=True)
             del w
             gc.collect()
             canaries.append(np.zeros(N, np.float32))
+            open(dropped, "w").close()
         for i in range(ROUNDS):
             if i % 2 == rank:
                 time.sleep(0.02)        # the other rank's call is in flight meanwhile
@@ -156,7 +159,7 @@ def test_a_dropped_work_never_writes_into_reused_memory():
         comm.barrier()                  # calls run in order: everything before is done
         return {"changed": sum(int((c != 0).sum()) for c in canaries), "n": len(canaries)}
     """
-    res = _run_ranks(2, body)
+    res = _run_ranks(2, body, {"TEST_DIR": str(tmp_path)})
     assert res[1]["n"] == 41 and res[0]["n"] == 40
     assert [r["changed"] for r in res] == [0, 0]
 
@@ -282,21 +285,33 @@ def test_all_reduce_coalesced_is_one_collective():
 def test_exit_with_work_in_flight_neither_crashes_nor_hangs():
     master = eccl.Master()
     script = textwrap.dedent(f"""
-        import numpy as np, eccl
-        comm = eccl.Communicator({master.addr!r}, {master.secret!r}, min_world=2)
+        import sys, numpy as np, eccl
+        rank = int(sys.argv[1])
+        comm = eccl.Communicator({master.addr!r}, {master.secret!r}, rank_hint=rank,
+                                 min_world=2)
         comm.update_topology()
-        x = np.ones(1 << 22, dtype=np.float32)
-        w = comm.all_reduce(x, async_op=True)   # the other rank never calls it
-        print("submitted", flush=True)
+        if rank == 1:
+            x = np.ones(1 << 22, dtype=np.float32)
+            w = comm.all_reduce(x, async_op=True)   # rank 0 never calls it
+            print("submitted", flush=True)
+        else:
+            print("member", flush=True)
+            sys.stdin.readline()                    # stays in the world until rank 1 is gone
     """)
+    procs = []
     try:
-        procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-        for p, (out, err) in zip(procs, outs):
-            assert p.returncode == 0, err
-            assert "submitted" in out
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        out1, err1 = procs[1].communicate(timeout=TIMEOUT)
+        assert procs[1].returncode == 0 and out1 == "submitted\n", err1
+        out0, err0 = procs[0].communicate("go\n", timeout=TIMEOUT)
+        assert procs[0].returncode == 0 and out0 == "member\n", err0
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         master.shutdown()
 
 

@@ -17,7 +17,6 @@ pytest.importorskip("torch")
 import eccl  # noqa: E402
 from procs import free_port, kill_node, stop_sessions  # noqa: E402
 
-
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
 

@@ -28,8 +28,16 @@ def test_goodput_runs_the_schedule_and_reports_it(tmp_path):
     assert set(r["eccl"]) >= {"fault_free_steps_per_s", "faulted_steps_per_s", "goodput_ratio",
                               "lost_s_per_fault", "newcomer_first_step_s"}
     assert r["eccl"]["crashes"] == [], r["eccl"]["crashes"]
-    assert r["eccl"]["fault_free_steps_per_s"] > 0 and r["eccl"]["faulted_steps_per_s"] > 0
-    assert r["eccl"]["replacements"] == 2
-    assert r["gloo_ddp"]["fault_free_steps_per_s"] > 0
+    e = r["eccl"]
+    # A replacement was started for each kill, and the first (9 s before the phase ends;
+    # the second has 4 s, about a torch import here) joined and trained; the job kept
+    # training through the kills, at a tenth of its fault-free rate or more.
+    assert e["replacements"] == 2 and e["replacements_that_stepped"] >= 1, e
+    assert e["newcomer_first_step_s"] is not None and e["newcomer_first_step_s"] < 14, e
+    assert 0.1 <= e["goodput_ratio"] <= 1.5, e
+    assert e["faulted_steps_per_s"] == pytest.approx(
+        e["goodput_ratio"] * e["fault_free_steps_per_s"]), e
+    # gloo's DDP trained in its fault-free phase (steps of the same model and batch).
+    assert r["gloo_ddp"]["fault_free_steps_per_s"] * 14 >= 1, r["gloo_ddp"]
     assert "torchft" not in r
     assert "eccl/gloo DDP fault-free" in p.stdout

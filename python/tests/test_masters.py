@@ -9,9 +9,8 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 import eccl
+import pytest
 from procs import free_port  # noqa: E402
 
 TIMEOUT = 90
@@ -107,8 +106,10 @@ def test_communicators_go_on_when_the_leading_master_stops(tmp_path):
                   "c": float(c[0]), "world": u.world_size}), flush=True)
         """)
         res = run_ranks(script, 2, dict(os.environ), tmp_path / "go", old.shutdown)
+        # update_topology after the stop (the world of 2) was answered by another master.
         assert res == [{"a": 3.0, "b": 2.0, "c": 4.0, "world": 2}] * 2
-        assert leader([m for m in masters if m is not old]) is not old
+        # And one of the two others leads (leader() fails after 10 s without one).
+        leader([m for m in masters if m is not old])
     finally:
         for m in masters:
             m.shutdown()

@@ -11,29 +11,31 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import eccl
+import pytest
 
 TIMEOUT = 300
 
 BODY = """
-import gc, sys, time, json
+import gc, os, sys, time, json
 import numpy as np, eccl
 rank = int(sys.argv[1])
+dropped = sys.argv[2]
 comm = eccl.Communicator(ADDR, SECRET, rank_hint=rank, min_world=2)
 comm.update_topology()
 N, M = 1 << 22, 1 << 16
 canaries = []
 # The use-after-free of issue 9: the Work of a pending recv is dropped and collected.
 if rank == 0:
-    time.sleep(1.0)
+    while not os.path.exists(dropped):      # rank 1's Work is gone: now send
+        time.sleep(0.01)
     comm.send(np.full(N, 7.0, np.float32), 1)
 else:
     w = comm.recv(np.empty(N, np.float32), 0, async_op=True)
     del w
     gc.collect()
     canaries.append(np.zeros(N, np.float32))
+    open(dropped, "w").close()
 # In-flight all_reduces whose Works and arrays are dropped at once.
 for i in range(6):
     if i % 2 == rank:
@@ -74,6 +76,7 @@ def _memcheck():
 
 
 @pytest.mark.skipif(_memcheck() is None, reason="valgrind is not installed (bash .ci/test.sh installs it)")
+@pytest.mark.timeout(TIMEOUT + 60)
 def test_the_python_layer_is_clean_under_memcheck(tmp_path):
     # A rank under memcheck runs tens of times slower, its heartbeats included: a long
     # lease keeps it from being evicted for being slow.
@@ -90,7 +93,7 @@ def test_the_python_layer_is_clean_under_memcheck(tmp_path):
     procs = []
     try:
         for rank in range(2):
-            cmd = [sys.executable, "-c", script, str(rank)]
+            cmd = [sys.executable, "-c", script, str(rank), str(tmp_path / "dropped")]
             if rank == 1:
                 cmd = memcheck + cmd
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

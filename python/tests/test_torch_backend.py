@@ -99,6 +99,7 @@ def test_backend_covers_every_dtype_and_op_of_the_rust_lists():
     defined for goes through dist.all_reduce with the closed-form result."""
     import functools
     import operator
+
     import eccl
     torch_ops = {k for k in dir(torch.distributed.ReduceOp) if k.isupper()}
     assert set(eccl.TORCH_OP_NAMES.values()) <= torch_ops
@@ -271,10 +272,10 @@ def test_a_store_writer_posing_as_a_rank_is_noticed():
     nothing readable in the store; and a rank whose key someone else published first
     stops with an error instead of joining beside the impostor."""
     import threading
-    import time
     from datetime import timedelta
-    import torch.distributed as dist
+
     import eccl
+    import torch.distributed as dist
     from eccl.torch import _share_secret
 
     timeout = timedelta(seconds=20)
@@ -297,11 +298,26 @@ def test_a_store_writer_posing_as_a_rank_is_noticed():
     got = {}
     clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=False)
                for _ in range(3)]
+
+    class Waiting:
+        """Rank 0's store, which says when rank 0 has begun to wait on it."""
+
+        def __init__(self, store):
+            self.store, self.began = store, threading.Event()
+
+        def wait(self, keys, timeout):
+            self.began.set()
+            return self.store.wait(keys, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    clients[0] = Waiting(clients[0])
     ts = [threading.Thread(target=lambda r=r: got.__setitem__(
         r, _share_secret(clients[r], r, 3, "s" * 64 if r == 0 else None, timeout)))
         for r in range(3)]
     ts[0].start()
-    time.sleep(0.3)
+    assert clients[0].began.wait(20)
     for t in ts[1:]:
         t.start()
     for t in ts:

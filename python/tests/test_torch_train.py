@@ -74,11 +74,11 @@ def test_a_killed_worker_restarts_under_torchrun(tmp_path):
     assert "PicklingError" not in out, out[-4000:]
     hashes = finals(out)
     assert len(hashes) == 2 and len(set(hashes)) == 1, out[-3000:]
-    # The survivor usually fails its step before torchrun stops it; when it does, its
-    # error is eccl's, with the cause.
-    for l in out.splitlines():
-        if "Error" in l and "rank0" in l and "Traceback" not in l and "File" not in l:
-            assert "AbortedError" in l and "peer" in l, l
+    # Both workers ran twice: torchrun restarted the group (each attempt leaves a file
+    # named after its rank and pid). What the survivor raises when its peer dies is
+    # checked on its own below, where no agent stops it first.
+    attempts = sorted(f.split(".")[0] for f in os.listdir(tmp_path))
+    assert attempts == ["rank0", "rank0", "rank1", "rank1"], attempts
 
 
 def test_ddp_on_a_dead_peer_raises_eccls_error_naming_the_peer():
@@ -92,10 +92,9 @@ def test_ddp_on_a_dead_peer_raises_eccls_error_naming_the_peer():
     try:
         for p in procs:
             seen = []
-            while not seen or seen[-1].strip() not in ("READY", ""):
+            while not seen or seen[-1].strip() not in ("TRAINING", ""):
                 seen.append(p.stdout.readline())
-            assert seen[-1].strip() == "READY", "".join(seen)
-        time.sleep(0.5)
+            assert seen[-1].strip() == "TRAINING", "".join(seen)
         procs[1].kill()
         out, _ = procs[0].communicate(timeout=60)
     finally:

@@ -12,16 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+from conftest import opt_in
 from procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("torchft_worker.py")
 
-if not os.environ.get("ECCL_TORCHFT"):
-    pytest.skip("torchft tests run with ECCL_TORCHFT=1 (they install torchft into "
-                ".venv-torchft)", allow_module_level=True)
+opt_in("ECCL_TORCHFT", "installs torchft into .venv-torchft")
 
 
 def torchft_python():

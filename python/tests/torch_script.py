@@ -4,10 +4,9 @@ collective on fixed inputs, then a few DDP steps; prints the results as JSON."""
 import json
 import sys
 
+import eccl.torch  # noqa: F401  registers "eccl"
 import torch
 import torch.distributed as dist
-
-import eccl.torch  # noqa: F401  registers "eccl"
 
 
 def collectives(r, n):

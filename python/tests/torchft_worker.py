@@ -13,9 +13,8 @@ import time
 from datetime import timedelta
 
 import torch
-from torchft import DistributedDataParallel, Manager, Optimizer
-
 from eccl.torchft import ProcessGroupEccl
+from torchft import DistributedDataParallel, Manager, Optimizer
 
 
 def main() -> None:

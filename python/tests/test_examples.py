@@ -1,0 +1,116 @@
+"""Every example under examples/ runs, in a short form, as a user would start it. The
+examples that other tests already drive with their own checks are listed in COVERED
+with the test that runs them; this file runs the rest and checks what each prints."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+# Examples run by another test (file: the test that runs it), and helper modules that
+# the examples import (not programs of their own).
+COVERED = {
+    "compare_gloo.py": "test_compare_gloo.py",
+    "ddp_simple.py": "test_torch_backend.py (and ddp_example.py, eccl backend)",
+    "ddp_example.py": "test_torch_backend.py; its elastic and gloo paths: compare_ddp.py below",
+    "elastic_ddp.py": "test_elastic.py",
+    "diloco.py": "test_elastic_train.py",
+    "elastic_torchrun.py": "test_rendezvous.py",
+    "elastic_train.py": "test_rendezvous.py (elastic_torchrun.py's worker)",
+    "goodput.py": "test_goodput.py",
+    "goodput_worker.py": "test_goodput.py (goodput.py's worker)",
+    "eccl_masters.py": "a helper module: store_bench.py and elastic_torchrun.py use it",
+}
+RUN_HERE = {"allreduce.py", "compare_ddp.py", "compare_transports.py", "kill_latency.py",
+            "store_bench.py", "netns_transports.sh"}
+
+
+def run(args, timeout=240, **kw):
+    p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+    assert p.returncode == 0, f"{args}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def test_every_example_is_run_by_some_test():
+    examples = {f.name for f in EXAMPLES.iterdir() if f.suffix in (".py", ".sh")}
+    assert examples == set(COVERED) | RUN_HERE, examples ^ (set(COVERED) | RUN_HERE)
+
+
+def test_allreduce():
+    out = run([sys.executable, str(EXAMPLES / "allreduce.py")], timeout=60)
+    # The two processes share the pipe, so their lines may interleave.
+    lines = sorted(re.findall(r"rank \d+: \[[^\]]*\] \(epoch \d+, members \[[^\]]*\]\)", out))
+    assert lines == [f"rank {r}: [3. 3. 3. 3.] (epoch 1, members [1, 2])" for r in range(2)], out
+
+
+def test_compare_ddp():
+    out = run([sys.executable, str(EXAMPLES / "compare_ddp.py"), "--width", "64", "--steps",
+               "3", "--rounds", "1"])
+    for backend in ("eccl", "elastic", "gloo"):
+        m = re.search(rf"^\s+{backend}\s+([0-9.]+) \.\.\s+([0-9.]+) ms/step", out, re.M)
+        assert m and 0 < float(m.group(1)) <= float(m.group(2)) < 10_000, out
+
+
+def test_compare_transports(tmp_path):
+    out_json = tmp_path / "t.json"
+    run([sys.executable, str(EXAMPLES / "compare_transports.py"), "--ranks", "2", "--sizes",
+         "1K,1M", "--rounds", "1", "-n", "1", "-w", "0", "--json", str(out_json)])
+    data = json.loads(out_json.read_text())
+    r = data["rounds"][0]
+    for t in ("tcp", "tls", "shm", "quic"):
+        rows = r["eccl"][f"2/{t}"]
+        assert sorted(int(s) for s in rows) == [1024, 1 << 20], rows
+        assert all(row["wrong"] == 0 for row in rows.values()), rows
+
+
+def test_kill_latency():
+    out = run([sys.executable, str(EXAMPLES / "kill_latency.py"), "--trials", "1", "--ranks",
+               "2", "--backends", "eccl,gloo", "--reconfigure"])
+    # One survivor's error per backend, eccl's naming its cause; eccl's reconfigure of the
+    # survivor ran and its all_reduce after was right (inf otherwise).
+    m = re.search(r"^eccl, 2 ranks: 1 survivors' errors after SIGKILL: p50 ([0-9.]+) ms", out, re.M)
+    assert m and float(m.group(1)) < 5000, out
+    assert "AbortedError" in out, out
+    assert re.search(r"^gloo, 2 ranks: 1 survivors' errors after SIGKILL", out, re.M), out
+    rec = re.search(r"_reconfigure of 1 survivors: p50 ([0-9.inf]+) ms", out)
+    assert rec and rec.group(1) != "inf", out
+
+
+def test_store_bench():
+    out = run([sys.executable, str(EXAMPLES / "store_bench.py"), "--n", "20", "--rounds", "1"])
+    assert re.search(r"^store\s+set\s+get\s+add\s+compare_set$", out, re.M), out
+    for store in ("TCPStore", r"eccl, 1 master \(memory\)", r"eccl, 3 masters \(--data-dir\)"):
+        assert re.search(rf"^{store}(\s+\d+-\d+ \(\d+\)){{4}}$", out, re.M), out
+
+
+def _netns_possible():
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    name = f"eccl-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+def test_netns_transports():
+    if not _netns_possible():
+        from conftest import not_possible_here
+        not_possible_here("network namespaces cannot be made (needs root, ip and tc)")
+    out = run(["bash", str(EXAMPLES / "netns_transports.sh"), "100mbit", "1M"], timeout=180)
+    for t in ("tcp", "tls", "quic"):
+        assert re.search(rf"transport {t}\b", out), out
+    assert "Out of bounds values : 0 OK" in out, out
+    # It removed the namespaces it made.
+    assert "eccl-a-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout
