@@ -64,6 +64,10 @@ def main() -> None:
     if elastic:
         comm.leave()
     else:
+        # Every rank is done before any tears down: the rank that hosts torch's store
+        # leaving first can abort the others' exit ("terminate called without an active
+        # exception", under gloo as under eccl).
+        dist.barrier()
         dist.destroy_process_group()
 
 
