@@ -16,7 +16,7 @@ use eccl_transport::logging;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
-use crate::coordinator::{Coordinator, ReplyTo};
+use crate::coordinator::{Coordinator, Outgoing, ReplyTo};
 use crate::registry::Command;
 
 pub use eccl_transport::admission::MAX_PENDING;
@@ -63,27 +63,90 @@ pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secre
     }
 }
 
+/// Requests one connection may have in progress at once on tasks of their own (store
+/// reads and writes, waits, votes, reconfigures, cluster changes, sync reports): past
+/// that, a request is refused at once, so one client cannot make the master run an
+/// unbounded number of tasks. Store keep-alives and heartbeats are never bounded.
+const MAX_TASKS_PER_CONN: usize = 64;
+
+/// Runs `task` on a task of its own if the connection has fewer than
+/// [`MAX_TASKS_PER_CONN`] running; else answers `refuse_to` at once.
+fn spawn_bounded(
+    tasks: &Arc<tokio::sync::Semaphore>,
+    refuse_to: ReplyTo,
+    task: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    match tasks.clone().try_acquire_owned() {
+        Ok(permit) => {
+            tokio::spawn(async move {
+                task.await;
+                drop(permit);
+            });
+        }
+        Err(_) => refuse_to.send(MasterReply::Error {
+            code: ErrorCode::InvalidArgument,
+            message: format!(
+                "{MAX_TASKS_PER_CONN} requests are in progress on this connection (at most that many)"
+            ),
+        }),
+    }
+}
+
+/// How long an authenticated connection may say nothing before the master closes it.
+/// Every real client speaks far more often (peers heartbeat every lease / 4, store
+/// clients keep their session alive as often, the CLI asks once and leaves), so only a
+/// connection that holds a slot for nothing is closed: without this, a job member could
+/// keep any number of them open.
+pub fn idle_timeout(lease: std::time::Duration) -> std::time::Duration {
+    (lease * 10).max(std::time::Duration::from_secs(2))
+}
+
 async fn serve_peer(
     conn: ControlConn,
     remote: SocketAddr,
     coord: Arc<Coordinator>,
 ) -> anyhow::Result<()> {
     let ControlConn { mut rx, mut tx, .. } = conn;
-    let (out, mut out_rx) = mpsc::channel::<MasterMessage>(crate::coordinator::OUTBOX);
+    let (out, mut out_rx) = mpsc::channel::<Outgoing>(crate::coordinator::OUTBOX);
     let writer = tokio::spawn(async move {
-        while let Some(m) = out_rx.recv().await {
-            if tx.send(&m).await.is_err() {
-                break;
+        while let Some(o) = out_rx.recv().await {
+            match tx.send(&o.msg).await {
+                Ok(()) => {}
+                // A reply that cannot be encoded (the store bounds its replies well under
+                // the limit, so only a bug gets here) is answered with an error: the
+                // connection and the replies behind it go on.
+                Err(eccl_transport::TransportError::Codec { source, .. }) => {
+                    tracing::warn!(target: "eccl::master", ?remote, "a reply could not be sent: {source}");
+                    if let MasterMessage::Reply { id, .. } = o.msg {
+                        let body = MasterReply::Error {
+                            code: ErrorCode::Internal,
+                            message: format!("the reply could not be sent: {source}"),
+                        };
+                        if tx.send(&MasterMessage::Reply { id, body }).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                Err(_) => break,
             }
+            // What the message held of the master's reply budget is released here.
+            drop(o.held);
         }
     });
+    // Requests of this connection running on tasks of their own, bounded.
+    let tasks = Arc::new(tokio::sync::Semaphore::new(MAX_TASKS_PER_CONN));
     let mut me: Option<PeerId> = None;
     // The store session this connection speaks for, if it is a store client.
     let mut store_session: Option<u64> = None;
+    let idle = idle_timeout(coord.timing.lease);
     let result: Result<(), eccl_transport::TransportError> = loop {
-        let req: Request = match rx.recv().await {
-            Ok(r) => r,
-            Err(e) => break Err(e),
+        let req: Request = match tokio::time::timeout(idle, rx.recv()).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => break Err(e),
+            Err(_) => {
+                tracing::debug!(target: "eccl::master", ?remote, "closing a connection idle for {idle:?}");
+                break Ok(());
+            }
         };
         let reply = ReplyTo {
             conn: out.clone(),
@@ -115,10 +178,16 @@ async fn serve_peer(
                         coord.store_request(&mut store_session, sreq, reply).await
                     }
                     // A write may wait on raft (an election): never in the way of the
-                    // keep-alives behind it.
-                    sreq => {
+                    // keep-alives behind it, which are quick and never bounded.
+                    S::KeepAlive => {
                         let (coord, mut session) = (coord.clone(), store_session);
                         tokio::spawn(async move {
+                            coord.store_request(&mut session, S::KeepAlive, reply).await
+                        });
+                    }
+                    sreq => {
+                        let (coord, mut session) = (coord.clone(), store_session);
+                        spawn_bounded(&tasks, reply.clone(), async move {
                             coord.store_request(&mut session, sreq, reply).await
                         });
                     }
@@ -207,7 +276,7 @@ async fn serve_peer(
             }
             PeerRequest::ClusterChange { change, proof } => {
                 let coord = coord.clone();
-                tokio::spawn(async move {
+                spawn_bounded(&tasks, reply.clone(), async move {
                     use crate::raft::admin::AdminError;
                     reply.send(match coord.raft.change(&change, &proof).await {
                         Ok(status) => MasterReply::Cluster(status),
@@ -264,7 +333,7 @@ async fn serve_peer(
                         aborted,
                         ..
                     } => {
-                        tokio::spawn(async move {
+                        spawn_bounded(&tasks, reply.clone(), async move {
                             coord.vote(claimed, epoch, min_world, aborted, reply).await
                         });
                     }
@@ -274,16 +343,16 @@ async fn serve_peer(
                         ordered,
                         ..
                     } => {
-                        tokio::spawn(async move {
+                        spawn_bounded(&tasks, reply.clone(), async move {
                             coord
                                 .reconfigure(claimed, uuid, members, ordered, reply)
                                 .await
                         });
                     }
                     PeerRequest::ArePeersPending { epoch, .. } => {
-                        tokio::spawn(
-                            async move { coord.pending_query(claimed, epoch, reply).await },
-                        );
+                        spawn_bounded(&tasks, reply.clone(), async move {
+                            coord.pending_query(claimed, epoch, reply).await
+                        });
                     }
                     PeerRequest::Heartbeat { .. } => {
                         coord.heartbeat(claimed);
@@ -298,8 +367,9 @@ async fn serve_peer(
                         ..
                     } => {
                         tracing::info!(target: "eccl::master", "peer {claimed} reports a fault in epoch {epoch} (suspect {suspect:?}): {reason}");
-                        reply.send(MasterReply::Ok);
-                        tokio::spawn(async move {
+                        let answer = reply.clone();
+                        spawn_bounded(&tasks, reply, async move {
+                            answer.send(MasterReply::Ok);
                             coord.report_fault(claimed, epoch, suspect, reason).await
                         });
                     }
@@ -318,7 +388,7 @@ async fn serve_peer(
                             role: strategy,
                             tensors,
                         };
-                        tokio::spawn(async move {
+                        spawn_bounded(&tasks, reply.clone(), async move {
                             coord.sync_report(claimed, epoch, report, reply).await
                         });
                     }

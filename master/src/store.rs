@@ -8,16 +8,73 @@ use std::collections::{BTreeMap, VecDeque};
 use eccl_protocol::{StoreLimits, StoreReply, StoreWrite};
 use serde::{Deserialize, Serialize};
 
-/// Writes a session remembers the answers of, so that one sent again after a fail-over
-/// is answered, not applied twice.
+/// Writes a session remembers, so that one sent again after a fail-over is answered,
+/// not applied twice.
 const REMEMBERED_WRITES: usize = 64;
+
+/// What a resent write needs of the first one's answer: a few bytes, never a value (so
+/// the memory of every session is bounded by a few KiB whatever it wrote). Only writes
+/// that changed the store are remembered: one that was refused or changed nothing (a
+/// compare-and-set that did not match, a delete of no key) is simply done again when
+/// resent, which is as if the first had never arrived, since nobody saw its effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Remembered {
+    Done,
+    Int(i64),
+    Bool(bool),
+    /// A compare-and-set that set its `desired` value: the answer is that value, which
+    /// the resent write carries again.
+    Desired,
+}
+
+impl Remembered {
+    /// What to remember of `answer` to `op`, if it changed the store.
+    fn of(op: &StoreWrite, answer: &Result<StoreReply, String>) -> Option<Remembered> {
+        match (op, answer) {
+            (_, Err(_)) => None,
+            (StoreWrite::CompareSet { desired, .. }, Ok(StoreReply::Value(v))) => {
+                // Value(desired): it set them, or it found them there already (and the
+                // resend gets the same answer either way). Any other value: it changed
+                // nothing.
+                (v == desired).then_some(Remembered::Desired)
+            }
+            (StoreWrite::Delete { .. }, Ok(StoreReply::Bool(true))) => Some(Remembered::Bool(true)),
+            (StoreWrite::Delete { .. }, Ok(_)) => None,
+            (_, Ok(StoreReply::Done)) => Some(Remembered::Done),
+            (_, Ok(StoreReply::Int(i))) => Some(Remembered::Int(*i)),
+            (_, Ok(StoreReply::Bool(b))) => Some(Remembered::Bool(*b)),
+            (_, Ok(_)) => None,
+        }
+    }
+
+    /// The answer to `op` sent again.
+    fn answer(self, op: &StoreWrite) -> StoreReply {
+        match (self, op) {
+            (Remembered::Done, _) => StoreReply::Done,
+            (Remembered::Int(i), _) => StoreReply::Int(i),
+            (Remembered::Bool(b), _) => StoreReply::Bool(b),
+            (Remembered::Desired, StoreWrite::CompareSet { desired, .. }) => {
+                StoreReply::Value(desired.clone())
+            }
+            // The same seq with another kind of write: the client's own confusion; the
+            // first write was done, and this one is not.
+            (Remembered::Desired, _) => StoreReply::Done,
+        }
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Session {
     pub scope: String,
     pub token: [u8; 32],
-    /// (seq, answer) of its last writes, oldest first.
-    recent: VecDeque<(u64, Result<StoreReply, String>)>,
+    /// (seq, what the answer needs) of its last writes that changed the store, oldest
+    /// first.
+    recent: VecDeque<(u64, Remembered)>,
+}
+
+/// A key as an error message shows it: its first 64 bytes.
+fn shown(key: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(&key[..key.len().min(64)])
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,12 +104,22 @@ impl Scope {
         self.keys.is_empty()
     }
 
-    pub fn list(&self, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
-        self.keys
-            .range(prefix.to_vec()..)
-            .take_while(|(k, _)| k.starts_with(prefix))
-            .map(|(k, e)| (k.clone(), e.value.clone()))
-            .collect()
+    /// The keys under `prefix` and their values, or (copying nothing) how many bytes
+    /// they come to once that passes `max`.
+    pub fn list(&self, prefix: &[u8], max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>, usize> {
+        let under = || {
+            self.keys
+                .range(prefix.to_vec()..)
+                .take_while(|(k, _)| k.starts_with(prefix))
+        };
+        let mut bytes = 0usize;
+        for (k, e) in under() {
+            bytes += k.len() + e.value.len() + 2 * 5;
+            if bytes > max {
+                return Err(bytes);
+            }
+        }
+        Ok(under().map(|(k, e)| (k.clone(), e.value.clone())).collect())
     }
 
     /// Sets `key`, or says why the scope cannot hold it (and changes nothing). `limit`:
@@ -65,11 +132,18 @@ impl Scope {
         owner: Option<u64>,
         limit: u64,
     ) -> Result<(), String> {
+        self.bytes = self.fits(key, value.len(), limit)?;
+        self.keys.insert(key.to_vec(), Entry { value, owner });
+        Ok(())
+    }
+
+    /// The scope's bytes once `key` holds a value of `len` bytes, or why it cannot.
+    fn fits(&self, key: &[u8], len: usize, limit: u64) -> Result<u64, String> {
         let old = self
             .keys
             .get(key)
             .map(|e| (key.len() + e.value.len()) as u64);
-        let new = (key.len() + value.len()) as u64;
+        let new = (key.len() + len) as u64;
         if old.is_none() && self.keys.len() >= StoreLimits::MAX_KEYS {
             return Err(format!(
                 "the scope holds {} keys already (at most {})",
@@ -87,9 +161,83 @@ impl Scope {
                 StoreLimits::MAX_STORE_BYTES
             ));
         }
-        self.bytes = bytes;
-        self.keys.insert(key.to_vec(), Entry { value, owner });
-        Ok(())
+        Ok(bytes)
+    }
+
+    /// Why `op` would be refused here (nothing changes), as [`Scope::apply`] decides:
+    /// the leader asks before it proposes, so that a write the log would only carry to
+    /// be refused is never proposed.
+    fn check_write(&self, op: &StoreWrite, limit: u64) -> Result<(), String> {
+        op.check()?;
+        match op {
+            StoreWrite::Set { key, value, .. } => self.fits(key, value.len(), limit).map(drop),
+            StoreWrite::MultiSet { pairs } => self.multi_set_size(pairs, limit).map(drop),
+            StoreWrite::Add { key, delta } => {
+                let sum = self.added(key, *delta)?;
+                self.fits(key, sum.to_string().len(), limit).map(drop)
+            }
+            StoreWrite::Append { key, value } => {
+                let len = self.get(key).map_or(0, <[u8]>::len) + value.len();
+                if len > StoreLimits::MAX_VALUE {
+                    return StoreLimits::check_value(key, &vec![0; len]);
+                }
+                self.fits(key, len, limit).map(drop)
+            }
+            StoreWrite::CompareSet {
+                key,
+                expected,
+                desired,
+            } => match self.get(key) {
+                None if expected.is_empty() => self.fits(key, desired.len(), limit).map(drop),
+                Some(v) if v == expected.as_slice() => {
+                    self.fits(key, desired.len(), limit).map(drop)
+                }
+                _ => Ok(()),
+            },
+            StoreWrite::Delete { .. } => Ok(()),
+        }
+    }
+
+    /// The scope's (bytes, keys) after a multi-set of `pairs` (the last value of a key
+    /// repeated in it wins), or why it cannot hold them.
+    fn multi_set_size(&self, pairs: &[(Vec<u8>, Vec<u8>)], limit: u64) -> Result<u64, String> {
+        let last: BTreeMap<&[u8], &Vec<u8>> =
+            pairs.iter().map(|(k, v)| (k.as_slice(), v)).collect();
+        let (mut bytes, mut keys) = (self.bytes, self.keys.len());
+        for (k, v) in &last {
+            match self.keys.get(*k) {
+                Some(e) => bytes -= (k.len() + e.value.len()) as u64,
+                None => keys += 1,
+            }
+            bytes += (k.len() + v.len()) as u64;
+        }
+        if keys > StoreLimits::MAX_KEYS {
+            return Err(format!(
+                "the scope would hold {keys} keys (at most {})",
+                StoreLimits::MAX_KEYS
+            ));
+        }
+        if bytes > limit {
+            return Err(format!(
+                "the scope would hold {bytes} bytes (at most {limit} now)"
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// The value of `key` after adding `delta`, or why it cannot be added.
+    fn added(&self, key: &[u8], delta: i64) -> Result<i64, String> {
+        let now = match self.get(key) {
+            None => 0i64,
+            Some(v) => std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<i64>().ok())
+                .ok_or_else(|| {
+                    format!("add on key {:?}, whose value is not an integer", shown(key))
+                })?,
+        };
+        now.checked_add(delta)
+            .ok_or_else(|| format!("add of {delta} to {now} at key {:?} overflows", shown(key)))
     }
 
     fn remove(&mut self, key: &[u8]) -> bool {
@@ -115,29 +263,11 @@ impl Scope {
                 Ok(StoreReply::Done)
             }
             StoreWrite::MultiSet { pairs } => {
-                // All or none: the scope's size after the batch (the last value of a key
-                // repeated in it wins) is checked before any key changes.
+                // All or none: the scope's size after the batch is checked before any
+                // key changes.
+                let bytes = self.multi_set_size(pairs, limit)?;
                 let last: BTreeMap<&[u8], &Vec<u8>> =
                     pairs.iter().map(|(k, v)| (k.as_slice(), v)).collect();
-                let (mut bytes, mut keys) = (self.bytes, self.keys.len());
-                for (k, v) in &last {
-                    match self.keys.get(*k) {
-                        Some(e) => bytes -= (k.len() + e.value.len()) as u64,
-                        None => keys += 1,
-                    }
-                    bytes += (k.len() + v.len()) as u64;
-                }
-                if keys > StoreLimits::MAX_KEYS {
-                    return Err(format!(
-                        "the scope would hold {keys} keys (at most {})",
-                        StoreLimits::MAX_KEYS
-                    ));
-                }
-                if bytes > limit {
-                    return Err(format!(
-                        "the scope would hold {bytes} bytes (at most {limit} now)"
-                    ));
-                }
                 for (k, v) in last {
                     let value = v.clone();
                     self.keys.insert(k.to_vec(), Entry { value, owner: None });
@@ -146,24 +276,7 @@ impl Scope {
                 Ok(StoreReply::Done)
             }
             StoreWrite::Add { key, delta } => {
-                let now = match self.get(key) {
-                    None => 0i64,
-                    Some(v) => std::str::from_utf8(v)
-                        .ok()
-                        .and_then(|s| s.trim().parse::<i64>().ok())
-                        .ok_or_else(|| {
-                            format!(
-                                "add on key {:?}, whose value is not an integer",
-                                String::from_utf8_lossy(key)
-                            )
-                        })?,
-                };
-                let sum = now.checked_add(*delta).ok_or_else(|| {
-                    format!(
-                        "add of {delta} to {now} at key {:?} overflows",
-                        String::from_utf8_lossy(key)
-                    )
-                })?;
+                let sum = self.added(key, *delta)?;
                 let owner = self.keys.get(key.as_slice()).and_then(|e| e.owner);
                 self.put(key, sum.to_string().into_bytes(), owner, limit)?;
                 Ok(StoreReply::Int(sum))
@@ -274,25 +387,48 @@ impl Store {
                 let Some(s) = self.sessions.get_mut(session) else {
                     return Err(format!("store session {session} has ended"));
                 };
-                if let Some((_, answer)) = s.recent.iter().find(|(q, _)| q == seq) {
-                    return answer.clone();
+                if let Some((_, first)) = s.recent.iter().find(|(q, _)| q == seq) {
+                    return Ok(first.answer(op));
                 }
-                let others: u64 = self
-                    .scopes
-                    .iter()
-                    .filter(|(name, _)| **name != s.scope)
-                    .map(|(_, sc)| sc.bytes)
-                    .sum();
-                let limit = StoreLimits::MAX_SCOPE_BYTES
-                    .min(StoreLimits::MAX_STORE_BYTES.saturating_sub(others));
+                let limit = Self::limit_for(&self.scopes, &s.scope);
                 let scope = self.scopes.entry(s.scope.clone()).or_default();
                 let answer = scope.apply(*session, op, limit);
-                s.recent.push_back((*seq, answer.clone()));
-                if s.recent.len() > REMEMBERED_WRITES {
-                    s.recent.pop_front();
+                if let Some(r) = Remembered::of(op, &answer) {
+                    s.recent.push_back((*seq, r));
+                    if s.recent.len() > REMEMBERED_WRITES {
+                        s.recent.pop_front();
+                    }
                 }
                 answer
             }
+        }
+    }
+
+    /// The most the scope `name` may hold now: its own bound, or less where the other
+    /// scopes leave less of the store's.
+    fn limit_for(scopes: &BTreeMap<String, Scope>, name: &str) -> u64 {
+        let others: u64 = scopes
+            .iter()
+            .filter(|(n, _)| n.as_str() != name)
+            .map(|(_, sc)| sc.bytes)
+            .sum();
+        StoreLimits::MAX_SCOPE_BYTES.min(StoreLimits::MAX_STORE_BYTES.saturating_sub(others))
+    }
+
+    /// Why a write would be refused if proposed now (the session has ended, or the
+    /// scope cannot take it): the leader asks before it proposes, so the log never
+    /// carries writes that change nothing. A resent write is not refused (it is answered).
+    pub fn precheck(&self, session: u64, seq: u64, op: &StoreWrite) -> Result<(), String> {
+        let Some(s) = self.sessions.get(&session) else {
+            return Err(format!("store session {session} has ended"));
+        };
+        if s.recent.iter().any(|(q, _)| *q == seq) {
+            return Ok(());
+        }
+        let limit = Self::limit_for(&self.scopes, &s.scope);
+        match self.scopes.get(&s.scope) {
+            Some(scope) => scope.check_write(op, limit),
+            None => Scope::default().check_write(op, limit),
         }
     }
 
@@ -390,6 +526,61 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("not an integer"), "{e}");
+    }
+
+    /// A session's memory of its writes holds no values: 64 compare-and-sets with 1 MiB
+    /// expectations on a missing key (which change nothing and take no store space) once
+    /// made every master hold 64 MiB per session, snapshots included.
+    #[test]
+    fn remembered_writes_hold_no_values() {
+        let mut s = Store::default();
+        let a = open(&mut s, "job");
+        let big = vec![7u8; StoreLimits::MAX_VALUE];
+        for seq in 1..=64 {
+            let op = StoreWrite::CompareSet {
+                key: b"absent".to_vec(),
+                expected: big.clone(),
+                desired: b"x".to_vec(),
+            };
+            assert_eq!(
+                write(&mut s, a, seq, op),
+                Ok(StoreReply::Value(big.clone()))
+            );
+        }
+        // Sets of 1 MiB values, resent: answered from memory, not applied twice.
+        for seq in 65..=80 {
+            let op = StoreWrite::CompareSet {
+                key: format!("k{seq}").into_bytes(),
+                expected: vec![],
+                desired: big.clone(),
+            };
+            assert_eq!(
+                write(&mut s, a, seq, op.clone()),
+                Ok(StoreReply::Value(big.clone()))
+            );
+            assert_eq!(
+                write(&mut s, a, seq, op),
+                Ok(StoreReply::Value(big.clone()))
+            );
+        }
+        let encoded = bincode::serde::encode_to_vec(&s, bincode::config::standard()).unwrap();
+        let values = 16 * (StoreLimits::MAX_VALUE + 4);
+        assert!(
+            encoded.len() < values + (64 << 10),
+            "{} bytes encoded for {values} bytes of values",
+            encoded.len()
+        );
+        // A resend of a write that changed nothing is done again (a compare that now
+        // matches sets), as if the first had never arrived.
+        let op = StoreWrite::CompareSet {
+            key: b"absent".to_vec(),
+            expected: vec![],
+            desired: b"now".to_vec(),
+        };
+        assert_eq!(
+            write(&mut s, a, 1, op),
+            Ok(StoreReply::Value(b"now".to_vec()))
+        );
     }
 
     #[test]
@@ -502,7 +693,8 @@ mod tests {
         let keys: Vec<_> = s
             .scope("job")
             .unwrap()
-            .list(b"agent/")
+            .list(b"agent/", usize::MAX)
+            .unwrap()
             .into_iter()
             .map(|(k, _)| String::from_utf8(k).unwrap())
             .collect();

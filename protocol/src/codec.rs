@@ -7,7 +7,7 @@ use crate::MAX_CONTROL_MSG;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodecError {
-    #[error("control message of {0} bytes exceeds the limit of {MAX_CONTROL_MSG} bytes")]
+    #[error("control message of {0} bytes or more exceeds the limit of {MAX_CONTROL_MSG} bytes")]
     TooLarge(usize),
     #[error("malformed control message: {0}")]
     Malformed(String),
@@ -19,15 +19,42 @@ fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<MAX_CONTROL_MSG>()
 }
 
-/// Encodes `msg` with its length prefix.
-pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> {
-    let mut out = vec![0u8; 4];
-    bincode::serde::encode_into_std_write(msg, &mut out, config())
-        .map_err(|e| CodecError::Malformed(e.to_string()))?;
-    let len = out.len() - 4;
-    if len > MAX_CONTROL_MSG {
-        return Err(CodecError::TooLarge(len));
+/// A buffer that refuses to grow past the limit: a message too large to send fails as
+/// soon as it passes it, instead of after all of it was encoded (bincode's limit applies
+/// only to decoding).
+struct Limited {
+    out: Vec<u8>,
+}
+
+impl std::io::Write for Limited {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() - 4 + buf.len() > MAX_CONTROL_MSG {
+            return Err(std::io::Error::other(TOO_LARGE));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
     }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+const TOO_LARGE: &str = "eccl: past the control-message limit";
+
+/// Encodes `msg` with its length prefix, or says it is too large to send (after encoding
+/// no more than the limit).
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, CodecError> {
+    let mut w = Limited { out: vec![0u8; 4] };
+    match bincode::serde::encode_into_std_write(msg, &mut w, config()) {
+        Ok(_) => {}
+        Err(bincode::error::EncodeError::Io { inner, .. }) if inner.to_string() == TOO_LARGE => {
+            return Err(CodecError::TooLarge(MAX_CONTROL_MSG + 1))
+        }
+        Err(e) => return Err(CodecError::Malformed(e.to_string())),
+    }
+    let mut out = w.out;
+    let len = out.len() - 4;
     out[0..4].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(out)
 }
@@ -56,6 +83,16 @@ pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, CodecError> {
 mod tests {
     use super::*;
     use crate::msg::*;
+
+    /// A message past the limit fails after at most the limit was encoded, with a size.
+    #[test]
+    fn too_large_to_send_is_refused_while_encoding() {
+        let big = vec![7u8; MAX_CONTROL_MSG + 10];
+        assert!(matches!(encode(&big), Err(CodecError::TooLarge(n)) if n > MAX_CONTROL_MSG));
+        let fits = vec![7u8; MAX_CONTROL_MSG - 8];
+        let bytes = encode(&fits).unwrap();
+        assert_eq!(decode::<Vec<u8>>(&bytes[4..]).unwrap(), fits);
+    }
 
     #[test]
     fn round_trip_and_garbage() {

@@ -41,6 +41,14 @@ impl StoreLimits {
     pub const MAX_SESSIONS: usize = 4096;
     /// Longest `wait`.
     pub const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
+    /// Bytes of keys and values one write carries (a `multi_set` counted whole): what one
+    /// entry of the masters' replicated log holds at most, so that every entry fits in
+    /// one message between masters with room to spare.
+    pub const MAX_WRITE_BYTES: usize = 4 << 20;
+    /// Bytes of keys and values one reply carries (`get`, `multi_get`, `list`): a
+    /// request whose answer would be larger is refused before anything is copied. Well
+    /// under the control-message limit, so every answer can be sent.
+    pub const MAX_REPLY_BYTES: usize = 8 << 20;
 
     /// Why `key` cannot be a key: empty, or longer than [`Self::MAX_KEY`].
     pub fn check_key(key: &[u8]) -> Result<(), String> {
@@ -143,8 +151,31 @@ pub enum StoreWrite {
 }
 
 impl StoreWrite {
+    /// Bytes of keys and values this write carries.
+    pub fn bytes(&self) -> usize {
+        match self {
+            StoreWrite::Set { key, value, .. } | StoreWrite::Append { key, value } => {
+                key.len() + value.len()
+            }
+            StoreWrite::MultiSet { pairs } => pairs.iter().map(|(k, v)| k.len() + v.len()).sum(),
+            StoreWrite::Add { key, .. } | StoreWrite::Delete { key } => key.len(),
+            StoreWrite::CompareSet {
+                key,
+                expected,
+                desired,
+            } => key.len() + expected.len() + desired.len(),
+        }
+    }
+
     /// Why this change cannot be made whatever the scope holds (sizes, empty keys).
     pub fn check(&self) -> Result<(), String> {
+        let bytes = self.bytes();
+        if bytes > StoreLimits::MAX_WRITE_BYTES {
+            return Err(format!(
+                "one write of {bytes} bytes of keys and values (at most {}): split it",
+                StoreLimits::MAX_WRITE_BYTES
+            ));
+        }
         match self {
             StoreWrite::Set { key, value, .. } | StoreWrite::Append { key, value } => {
                 StoreLimits::check_key(key)?;

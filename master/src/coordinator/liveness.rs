@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
+use eccl_protocol::{ErrorCode, MasterEvent, MasterReply, PeerId};
 use tokio::task::JoinHandle;
 
 use super::{Coordinator, Outbox};
@@ -155,7 +155,7 @@ impl Coordinator {
         };
         for m in self.raft.read(|r| r.live_members()) {
             if let Some(c) = st.conns.get(&m) {
-                let _ = c.try_send(MasterMessage::Event(ev.clone()));
+                let _ = c.try_send(super::Outgoing::event(ev.clone()));
             }
         }
     }

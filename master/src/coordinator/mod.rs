@@ -25,10 +25,27 @@ mod tests;
 /// What the master sends a peer, queued for the connection's writer. Bounded: a peer
 /// that does not read what it asked for loses what does not fit (its requests time out
 /// on its side) instead of making the master hold it.
-pub type Outbox = mpsc::Sender<MasterMessage>;
+pub type Outbox = mpsc::Sender<Outgoing>;
 
 /// Messages a peer's outbox holds.
 pub const OUTBOX: usize = 1024;
+
+/// A message on its way to a connection's writer, with what it holds of the master's
+/// budget for large replies until it is written (or dropped).
+#[derive(Debug)]
+pub struct Outgoing {
+    pub msg: MasterMessage,
+    pub held: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Outgoing {
+    pub fn event(ev: MasterEvent) -> Outgoing {
+        Outgoing {
+            msg: MasterMessage::Event(ev),
+            held: None,
+        }
+    }
+}
 
 /// Where the answer to one request goes.
 #[derive(Clone)]
@@ -39,9 +56,16 @@ pub struct ReplyTo {
 
 impl ReplyTo {
     pub fn send(&self, body: MasterReply) {
-        let _ = self
-            .conn
-            .try_send(MasterMessage::Reply { id: self.id, body });
+        self.send_holding(body, None)
+    }
+
+    /// Sends a large reply that holds `held` (its bytes in the master's reply budget)
+    /// until the writer has written it.
+    pub fn send_holding(&self, body: MasterReply, held: Option<tokio::sync::OwnedSemaphorePermit>) {
+        let _ = self.conn.try_send(Outgoing {
+            msg: MasterMessage::Reply { id: self.id, body },
+            held,
+        });
     }
 }
 
@@ -550,7 +574,7 @@ impl Coordinator {
                 tracing::info!(target: "eccl::master", "peer {peer} removed ({reason}); member of epoch {epoch}: {was_member}");
                 if let Some(c) = st.conns.remove(&peer) {
                     if !leave {
-                        let _ = c.try_send(MasterMessage::Event(MasterEvent::Evicted {
+                        let _ = c.try_send(Outgoing::event(MasterEvent::Evicted {
                             reason: reason.to_string(),
                         }));
                     }
@@ -582,7 +606,7 @@ impl Coordinator {
                         evicted: Some(peer),
                     };
                     for c in st.conns.values() {
-                        let _ = c.try_send(MasterMessage::Event(ev.clone()));
+                        let _ = c.try_send(Outgoing::event(ev.clone()));
                     }
                 }
                 self.try_commit(&mut st).await;

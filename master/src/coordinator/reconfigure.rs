@@ -3,7 +3,7 @@
 //! is committed through raft as the next epoch and each gets it. Until then the requests
 //! wait here, in the leader's memory (a new leader hears them again as peers resend).
 
-use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
+use eccl_protocol::{ErrorCode, MasterEvent, MasterReply, PeerId};
 
 use super::{propose_error, refused, Coordinator, ReplyTo, State};
 use crate::registry::{Command, Outcome, PeerState};
@@ -187,7 +187,7 @@ impl Coordinator {
                                 reason: format!("left out of the world by reconfigure {uuid}"),
                             },
                         ] {
-                            let _ = c.try_send(MasterMessage::Event(ev));
+                            let _ = c.try_send(super::Outgoing::event(ev));
                         }
                     }
                     if let Some(r) = st.reconfigs.remove(p) {

@@ -13,6 +13,17 @@ use super::{propose_error, refused, Coordinator, ReplyTo};
 use crate::registry::{Command, Outcome};
 use crate::store::StoreCommand;
 
+/// Bytes of store replies (values and listings) queued for their connections' writers
+/// on one master at once: what clients that ask and never read can make it hold.
+pub const MAX_REPLY_BYTES_QUEUED: usize = 256 << 20;
+
+/// Bytes of store writes proposed and not yet applied on one master at once: what the
+/// raft log's unapplied tail and the messages that replicate it can be made to hold.
+pub const MAX_WRITE_BYTES_IN_FLIGHT: usize = 64 << 20;
+
+/// The unit of [`StoreLive::replies`] and [`StoreLive::writes`]: one permit per KiB.
+const REPLY_UNIT: usize = 1024;
+
 /// The leader's soft state of the store: when each session last renewed its lease, and
 /// a counter that moves whenever the store changes (what `wait` requests watch).
 pub(crate) struct StoreLive {
@@ -20,6 +31,11 @@ pub(crate) struct StoreLive {
     changed: tokio::sync::watch::Sender<u64>,
     /// `wait` requests pending at once, bounded.
     waits: Arc<tokio::sync::Semaphore>,
+    /// [`MAX_REPLY_BYTES_QUEUED`], in KiB: a reply with values holds its size until it
+    /// is written.
+    replies: Arc<tokio::sync::Semaphore>,
+    /// [`MAX_WRITE_BYTES_IN_FLIGHT`], in KiB: a write holds its size until applied.
+    writes: Arc<tokio::sync::Semaphore>,
 }
 
 impl Default for StoreLive {
@@ -28,6 +44,12 @@ impl Default for StoreLive {
             leases: Default::default(),
             changed: tokio::sync::watch::channel(0).0,
             waits: Arc::new(tokio::sync::Semaphore::new(StoreLimits::MAX_WAITS)),
+            replies: Arc::new(tokio::sync::Semaphore::new(
+                MAX_REPLY_BYTES_QUEUED / REPLY_UNIT,
+            )),
+            writes: Arc::new(tokio::sync::Semaphore::new(
+                MAX_WRITE_BYTES_IN_FLIGHT / REPLY_UNIT,
+            )),
         }
     }
 }
@@ -40,6 +62,36 @@ impl StoreLive {
     fn bump(&self) {
         self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
+
+    /// Room in the reply budget for a reply of `bytes`, or the refusal to send instead.
+    fn reply_room(&self, bytes: usize) -> Result<tokio::sync::OwnedSemaphorePermit, MasterReply> {
+        let units = bytes.div_ceil(REPLY_UNIT).max(1) as u32;
+        self.replies.clone().try_acquire_many_owned(units).map_err(|_| {
+            refused(
+                ErrorCode::Timeout,
+                format!(
+                    "the master holds {MAX_REPLY_BYTES_QUEUED} bytes of store replies not yet read by their clients; try again"
+                ),
+            )
+        })
+    }
+}
+
+/// Bytes a reply of `count` names with these values takes on the wire, about (a tag and
+/// a length per value): what is compared with [`StoreLimits::MAX_REPLY_BYTES`] before
+/// any value is copied.
+fn reply_bytes<'a>(values: impl Iterator<Item = Option<&'a [u8]>>) -> usize {
+    values.map(|v| 1 + v.map_or(0, |v| v.len() + 5)).sum()
+}
+
+fn too_large(bytes: usize) -> MasterReply {
+    refused(
+        ErrorCode::InvalidArgument,
+        format!(
+            "the answer would carry {bytes} bytes (at most {} per reply): ask for fewer keys",
+            StoreLimits::MAX_REPLY_BYTES
+        ),
+    )
 }
 
 fn check_keys(keys: &[Vec<u8>]) -> Result<(), MasterReply> {
@@ -147,7 +199,6 @@ impl Coordinator {
         req: StoreRequest,
         reply: ReplyTo,
     ) {
-        let read = |keys: &[Vec<u8>]| self.store_read(id, keys);
         let ended = || {
             refused(
                 ErrorCode::UnknownPeer,
@@ -175,9 +226,26 @@ impl Coordinator {
                 reply.send(MasterReply::Ok);
             }
             StoreRequest::Write { seq, op } => {
-                if let Err(e) = op.check() {
+                // What apply would refuse is refused here, and never proposed: the log
+                // carries only writes that change something.
+                if let Err(e) = self.raft.read(|r| r.store().precheck(id, seq, &op)) {
                     return reply.send(refused(ErrorCode::InvalidArgument, e));
                 }
+                if self.raft.log_bytes() > crate::raft::log_store::REFUSE_WRITES_AT_BYTES {
+                    return reply.send(refused(
+                        ErrorCode::Timeout,
+                        "the masters' log is being compacted (a snapshot is on its way); try again",
+                    ));
+                }
+                let units = op.bytes().div_ceil(REPLY_UNIT).max(1) as u32;
+                let Ok(_writing) = self.store.writes.clone().try_acquire_many_owned(units) else {
+                    return reply.send(refused(
+                        ErrorCode::Timeout,
+                        format!(
+                            "{MAX_WRITE_BYTES_IN_FLIGHT} bytes of store writes are on their way through the masters' log; try again"
+                        ),
+                    ));
+                };
                 let r = self
                     .store_propose(StoreCommand::Write {
                         session: id,
@@ -194,17 +262,20 @@ impl Coordinator {
                 if let Err(e) = check_keys(&keys) {
                     return reply.send(e);
                 }
-                reply.send(match read(&keys) {
-                    Some(v) => MasterReply::Store(StoreReply::Values(v)),
-                    None => ended(),
-                });
+                match self.store_values(id, &keys) {
+                    Some(Ok((v, held))) => {
+                        reply.send_holding(MasterReply::Store(StoreReply::Values(v)), Some(held))
+                    }
+                    Some(Err(r)) => reply.send(r),
+                    None => reply.send(ended()),
+                }
             }
             StoreRequest::Check { keys } => {
                 if let Err(e) = check_keys(&keys) {
                     return reply.send(e);
                 }
-                reply.send(match read(&keys) {
-                    Some(v) => MasterReply::Store(StoreReply::Bool(v.iter().all(Option::is_some))),
+                reply.send(match self.store_present(id, &keys) {
+                    Some(p) => MasterReply::Store(StoreReply::Bool(p.iter().all(|p| *p))),
                     None => ended(),
                 });
             }
@@ -218,13 +289,23 @@ impl Coordinator {
                 });
             }
             StoreRequest::List { prefix } => {
-                let l = self
-                    .raft
-                    .read(|r| r.store().scope_of(id).map(|s| s.list(&prefix)));
-                reply.send(match l {
-                    Some(l) => MasterReply::Store(StoreReply::Pairs(l)),
-                    None => ended(),
+                let l = self.raft.read(|r| {
+                    r.store()
+                        .scope_of(id)
+                        .map(|s| s.list(&prefix, StoreLimits::MAX_REPLY_BYTES))
                 });
+                match l {
+                    Some(Ok(l)) => {
+                        let bytes: usize = l.iter().map(|(k, v)| k.len() + v.len() + 10).sum();
+                        match self.store.reply_room(bytes) {
+                            Ok(held) => reply
+                                .send_holding(MasterReply::Store(StoreReply::Pairs(l)), Some(held)),
+                            Err(r) => reply.send(r),
+                        }
+                    }
+                    Some(Err(bytes)) => reply.send(too_large(bytes)),
+                    None => reply.send(ended()),
+                }
             }
             StoreRequest::Wait { keys, timeout_ms } => {
                 if let Err(e) = check_keys(&keys) {
@@ -250,33 +331,37 @@ impl Coordinator {
                         if !me.raft.is_leader() {
                             return reply.send(me.not_leader());
                         }
-                        match me.store_read(id, &keys) {
+                        // Whether each key is there, copying no value.
+                        match me.store_present(id, &keys) {
                             None => {
                                 return reply.send(refused(
                                     ErrorCode::UnknownPeer,
                                     format!("store session {id} has ended"),
                                 ))
                             }
-                            Some(v) if v.iter().all(Option::is_some) => {
-                                return reply.send(MasterReply::Ok)
-                            }
-                            Some(v) => {
-                                let missing: Vec<String> = keys
-                                    .iter()
-                                    .zip(&v)
-                                    .filter(|(_, v)| v.is_none())
-                                    .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
-                                    .collect();
+                            Some(p) if p.iter().all(|p| *p) => return reply.send(MasterReply::Ok),
+                            Some(p) => {
                                 match tokio::time::timeout_at(until, changed.changed()).await {
                                     Ok(Ok(())) => {}
                                     _ => {
+                                        // Named only now, and a few at most.
+                                        let missing: Vec<String> = keys
+                                            .iter()
+                                            .zip(&p)
+                                            .filter(|(_, p)| !**p)
+                                            .take(8)
+                                            .map(|(k, _)| {
+                                                String::from_utf8_lossy(&k[..k.len().min(64)])
+                                                    .into_owned()
+                                            })
+                                            .collect();
                                         return reply.send(refused(
                                             ErrorCode::Timeout,
                                             format!(
                                                 "wait for {missing:?} timed out after {} ms",
                                                 timeout.as_millis()
                                             ),
-                                        ))
+                                        ));
                                     }
                                 }
                             }
@@ -287,12 +372,40 @@ impl Coordinator {
         }
     }
 
-    /// The values of `keys` in `session`'s scope; `None` once the session has ended.
-    fn store_read(&self, session: u64, keys: &[Vec<u8>]) -> Option<Vec<Option<Vec<u8>>>> {
+    /// The values of `keys` in `session`'s scope, with the room they hold in the reply
+    /// budget; or the refusal, decided before any value is copied (a request may name
+    /// one large value thousands of times); `None` once the session has ended.
+    #[allow(clippy::type_complexity)]
+    fn store_values(
+        &self,
+        session: u64,
+        keys: &[Vec<u8>],
+    ) -> Option<Result<(Vec<Option<Vec<u8>>>, tokio::sync::OwnedSemaphorePermit), MasterReply>>
+    {
+        self.raft.read(|r| {
+            let s = r.store().scope_of(session)?;
+            let bytes = reply_bytes(keys.iter().map(|k| s.get(k)));
+            if bytes > StoreLimits::MAX_REPLY_BYTES {
+                return Some(Err(too_large(bytes)));
+            }
+            let held = match self.store.reply_room(bytes) {
+                Ok(h) => h,
+                Err(r) => return Some(Err(r)),
+            };
+            Some(Ok((
+                keys.iter().map(|k| s.get(k).map(<[u8]>::to_vec)).collect(),
+                held,
+            )))
+        })
+    }
+
+    /// Whether each of `keys` is in `session`'s scope (nothing copied); `None` once the
+    /// session has ended.
+    fn store_present(&self, session: u64, keys: &[Vec<u8>]) -> Option<Vec<bool>> {
         self.raft.read(|r| {
             r.store()
                 .scope_of(session)
-                .map(|s| keys.iter().map(|k| s.get(k).map(<[u8]>::to_vec)).collect())
+                .map(|s| keys.iter().map(|k| s.get(k).is_some()).collect())
         })
     }
 

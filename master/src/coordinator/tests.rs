@@ -69,10 +69,14 @@ fn report(peer: PeerId, round: u64, revision: u64, h: u8) -> Report {
     }
 }
 
-async fn answer(rx: &mut mpsc::Receiver<MasterMessage>) -> (u64, MasterReply) {
+async fn answer(rx: &mut mpsc::Receiver<Outgoing>) -> (u64, MasterReply) {
     match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await {
-        Ok(Some(MasterMessage::Reply { id, body })) => (id, body),
-        other => panic!("no reply: {other:?}"),
+        Ok(Some(Outgoing {
+            msg: MasterMessage::Reply { id, body },
+            ..
+        })) => (id, body),
+        Ok(Some(o)) => panic!("not a reply: {:?}", o.msg),
+        Ok(None) | Err(_) => panic!("no reply"),
     }
 }
 

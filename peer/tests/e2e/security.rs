@@ -1,5 +1,6 @@
-//! Issue 9's attacks, each run against a real `eccl-master` process and real peers:
-//! what a holder of the job secret can no longer do to the master or to a job.
+//! Attacks, each run against a real `eccl-master` process and real peers: what a holder
+//! of the job secret (or a stranger) can no longer do to the master or to a job. Each
+//! test is named after the finding it answers.
 
 use std::time::{Duration, Instant};
 
@@ -7,7 +8,8 @@ use crate::common::*;
 use eccl::{Communicator, Error, ReduceOp, Secret};
 use eccl_protocol::auth::Role;
 use eccl_protocol::{
-    MasterMessage, MasterReply, PeerRequest, RegisterRequest, Request, PROTOCOL_VERSION,
+    MasterMessage, MasterReply, PeerRequest, RegisterRequest, Request, StoreLimits, StoreReply,
+    StoreRequest, StoreWrite, PROTOCOL_VERSION,
 };
 use eccl_transport::control;
 use futures::future::join_all;
@@ -253,4 +255,218 @@ async fn a_link_impostor_racing_a_real_rank_is_refused() {
         matches!(n, Ok(Ok(0)) | Ok(Err(_))),
         "the impostor must be dropped: {n:?}"
     );
+}
+
+/// Peak resident memory of process `pid` (VmHWM), in bytes.
+fn peak(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// A raw store client: an authenticated connection with a session open in `scope`.
+struct RawStore {
+    conn: control::ControlConn,
+    next: u64,
+}
+
+impl RawStore {
+    async fn open(addr: &str, scope: &str) -> RawStore {
+        let conn = control::connect(addr, &secret(), Role::PeerToMaster, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let mut s = RawStore { conn, next: 1 };
+        let r = s
+            .ask(StoreRequest::Open {
+                scope: scope.into(),
+            })
+            .await;
+        assert!(
+            matches!(r, MasterReply::Store(StoreReply::Session { .. })),
+            "{r:?}"
+        );
+        s
+    }
+
+    async fn send(&mut self, req: StoreRequest) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        self.conn
+            .send(&Request {
+                id,
+                body: PeerRequest::Store(req),
+            })
+            .await
+            .unwrap();
+        id
+    }
+
+    async fn reply(&mut self, id: u64) -> MasterReply {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), self.conn.recv::<MasterMessage>())
+                .await
+                .expect("the master answers within 10 s")
+                .unwrap()
+            {
+                MasterMessage::Reply { id: got, body } if got == id => return body,
+                _ => continue,
+            }
+        }
+    }
+
+    async fn ask(&mut self, req: StoreRequest) -> MasterReply {
+        let id = self.send(req).await;
+        self.reply(id).await
+    }
+
+    async fn set(&mut self, seq: u64, key: &str, value: Vec<u8>) -> MasterReply {
+        self.ask(StoreRequest::Write {
+            seq,
+            op: StoreWrite::Set {
+                key: key.into(),
+                value,
+                ephemeral: false,
+            },
+        })
+        .await
+    }
+}
+
+fn refused_with(r: &MasterReply, words: &str) -> bool {
+    matches!(r, MasterReply::Error { message, .. } if message.contains(words))
+}
+
+/// Finding: store read amplification. A `check` naming one 1 MiB key 4,096 times, a
+/// `wait` on it beside 100 writes, a `get` naming it 64 times and a `list` of 20 MiB: the
+/// master copies no value to answer a check or a wait, refuses a reply larger than
+/// `StoreLimits::MAX_REPLY_BYTES` before building it, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_reads_cannot_make_the_master_copy_gigabytes() {
+    // A long lease: this raw client sends no keep-alives between its requests.
+    let m = start_master(&["--lease-ms", "60000", "--heartbeat-ms", "1000"]);
+    let pid = m.proc.0.id();
+    let mut s = RawStore::open(&m.addr, "amplify").await;
+    let mut seq = 0;
+    for i in 0..20 {
+        seq += 1;
+        let r = s.set(seq, &format!("k{i}"), vec![i as u8; 1 << 20]).await;
+        assert_eq!(r, MasterReply::Store(StoreReply::Done));
+    }
+    let before = peak(pid);
+    let many = vec![b"k0".to_vec(); StoreLimits::MAX_BATCH];
+    let r = s.ask(StoreRequest::Check { keys: many.clone() }).await;
+    assert_eq!(r, MasterReply::Store(StoreReply::Bool(true)));
+    // A wait that stays pending (one key is missing) while 100 writes land.
+    let mut waiting = many.clone();
+    *waiting.last_mut().unwrap() = b"missing".to_vec();
+    let w = s
+        .send(StoreRequest::Wait {
+            keys: waiting,
+            timeout_ms: 3000,
+        })
+        .await;
+    let mut other = RawStore::open(&m.addr, "other").await;
+    for i in 0..100 {
+        other.set(i + 1, "x", vec![1]).await;
+    }
+    let grew = peak(pid).saturating_sub(before);
+    assert!(
+        grew < 64 << 20,
+        "the master's peak grew by {} MiB",
+        grew >> 20
+    );
+    let r = s.reply(w).await;
+    assert!(refused_with(&r, "timed out"), "{r:?}");
+    // Replies past the bound are refused, and the connection serves the next request.
+    let r = s
+        .ask(StoreRequest::Get {
+            keys: vec![b"k0".to_vec(); 64],
+        })
+        .await;
+    assert!(refused_with(&r, "per reply"), "{r:?}");
+    let r = s.ask(StoreRequest::List { prefix: vec![] }).await;
+    assert!(refused_with(&r, "per reply"), "{r:?}");
+    let r = s.ask(StoreRequest::KeepAlive).await;
+    assert_eq!(r, MasterReply::Ok);
+    // What fits is answered.
+    let r = s
+        .ask(StoreRequest::Get {
+            keys: vec![b"k1".to_vec(); 4],
+        })
+        .await;
+    assert_eq!(
+        r,
+        MasterReply::Store(StoreReply::Values(vec![Some(vec![1u8; 1 << 20]); 4]))
+    );
+}
+
+/// Finding: writes without a byte bound. A write larger than
+/// `StoreLimits::MAX_WRITE_BYTES` (a multi-set of 5 MiB) is refused before it reaches the
+/// masters' log, as is a write the scope would refuse; the store goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_writes_never_reach_the_log() {
+    let m = start_master(&["--lease-ms", "60000", "--heartbeat-ms", "1000"]);
+    let mut s = RawStore::open(&m.addr, "big").await;
+    let pairs = (0..5)
+        .map(|i| (format!("p{i}").into_bytes(), vec![0u8; 1 << 20]))
+        .collect();
+    let r = s
+        .ask(StoreRequest::Write {
+            seq: 1,
+            op: StoreWrite::MultiSet { pairs },
+        })
+        .await;
+    assert!(refused_with(&r, "split it"), "{r:?}");
+    s.set(2, "text", b"abc".to_vec()).await;
+    let r = s
+        .ask(StoreRequest::Write {
+            seq: 3,
+            op: StoreWrite::Add {
+                key: b"text".to_vec(),
+                delta: 1,
+            },
+        })
+        .await;
+    assert!(refused_with(&r, "not an integer"), "{r:?}");
+    assert_eq!(
+        s.set(4, "ok", vec![7; 1000]).await,
+        MasterReply::Store(StoreReply::Done)
+    );
+}
+
+/// Finding: idle authenticated connections held forever. A connection that says
+/// nothing is closed after ten leases (at least 2 s); one that speaks stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_is_closed() {
+    let m = start_master(&["--lease-ms", "200", "--heartbeat-ms", "50"]);
+    let mut idle = control::connect(
+        &m.addr,
+        &secret(),
+        Role::PeerToMaster,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let mut s = RawStore::open(&m.addr, "talks").await;
+    let t0 = Instant::now();
+    // A client that speaks as real ones do (a keep-alive every lease / 4) meanwhile.
+    let talker = tokio::spawn(async move {
+        for _ in 0..80 {
+            assert_eq!(s.ask(StoreRequest::KeepAlive).await, MasterReply::Ok);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let r = tokio::time::timeout(Duration::from_secs(6), idle.recv::<MasterMessage>()).await;
+    assert!(matches!(r, Ok(Err(_))), "{r:?}");
+    let after = t0.elapsed();
+    assert!(
+        after >= Duration::from_millis(1900) && after < Duration::from_secs(4),
+        "closed after {after:?}"
+    );
+    talker.await.unwrap();
 }
