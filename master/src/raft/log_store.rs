@@ -16,12 +16,55 @@ use openraft::{Entry, LogId, LogState, RaftLogReader, StorageError, Vote};
 use super::disk::{self, blocking, Disk};
 use super::types::{MasterId, TypeConfig};
 
+/// Bytes of entries one AppendEntries carries (at least one entry, whatever its size):
+/// a batch stays well under the control-message limit, so a lagging follower is always
+/// sent something it can take. One entry is at most a store write
+/// (`StoreLimits::MAX_WRITE_BYTES`, 4 MiB) and its envelope.
+pub const MAX_APPEND_BYTES: usize = 8 << 20;
+
+/// Bytes of entries held in memory that make the log ask for a snapshot (after which the
+/// entries behind it are purged), whatever the entry count.
+pub const SNAPSHOT_AT_BYTES: usize = 64 << 20;
+
+/// Bytes of entries held past which the leader takes no store write until a snapshot
+/// has caught up: the hard bound on the log's memory.
+pub const REFUSE_WRITES_AT_BYTES: usize = 2 * SNAPSHOT_AT_BYTES;
+
 #[derive(Debug, Default)]
 struct LogInner {
     last_purged: Option<LogId<MasterId>>,
-    entries: BTreeMap<u64, Entry<TypeConfig>>,
+    /// Each entry with its encoded size.
+    entries: BTreeMap<u64, (Entry<TypeConfig>, usize)>,
+    /// Sum of the sizes in `entries`.
+    bytes: usize,
     committed: Option<LogId<MasterId>>,
     vote: Option<Vote<MasterId>>,
+}
+
+impl LogInner {
+    fn insert(&mut self, e: Entry<TypeConfig>, size: usize) {
+        if let Some((_, old)) = self.entries.insert(e.log_id.index, (e, size)) {
+            self.bytes -= old;
+        }
+        self.bytes += size;
+    }
+
+    /// Drops the entries from `index` on (`after` false: up to and including it).
+    fn drop_entries(&mut self, index: u64, after: bool) {
+        let gone = if after {
+            self.entries.split_off(&index)
+        } else {
+            let keep = self.entries.split_off(&index.saturating_add(1));
+            std::mem::replace(&mut self.entries, keep)
+        };
+        self.bytes -= gone.values().map(|(_, s)| s).sum::<usize>();
+    }
+}
+
+/// An entry's encoded size, as it travels between masters.
+fn entry_size(e: &Entry<TypeConfig>) -> usize {
+    bincode::serde::encode_to_vec(e, bincode::config::standard())
+        .map_or(usize::MAX / 4, |v| v.len())
 }
 
 /// The raft log, vote and committed index of one master, in memory. Cloning gives
@@ -30,6 +73,9 @@ struct LogInner {
 pub struct LogStore {
     inner: Arc<Mutex<LogInner>>,
     disk: Option<Arc<Disk>>,
+    /// Told when the entries held pass [`SNAPSHOT_AT_BYTES`]; the raft registry then
+    /// asks for a snapshot, which purges them.
+    too_big: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl LogStore {
@@ -43,15 +89,31 @@ impl LogStore {
         let l = disk.load().map_err(|e| {
             anyhow::anyhow!("cannot read the raft log in {}: {e}", disk.path().display())
         })?;
+        let mut inner = LogInner {
+            last_purged: l.last_purged,
+            committed: l.committed,
+            vote: l.vote,
+            ..Default::default()
+        };
+        for (_, e) in l.entries {
+            let size = entry_size(&e);
+            inner.insert(e, size);
+        }
         Ok(LogStore {
-            inner: Arc::new(Mutex::new(LogInner {
-                last_purged: l.last_purged,
-                entries: l.entries,
-                committed: l.committed,
-                vote: l.vote,
-            })),
+            inner: Arc::new(Mutex::new(inner)),
             disk: Some(disk),
+            too_big: None,
         })
+    }
+
+    /// Notifies `n` whenever the entries held pass [`SNAPSHOT_AT_BYTES`].
+    pub fn notify_when_too_big(&mut self, n: Arc<tokio::sync::Notify>) {
+        self.too_big = Some(n);
+    }
+
+    /// Bytes of the entries held (encoded); for tests and metrics.
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
     }
 
     /// Whether this master has taken part in a cluster before (it has a vote or a log).
@@ -81,7 +143,31 @@ impl RaftLogReader<TypeConfig> for LogStore {
         range: RB,
     ) -> Result<Vec<Entry<TypeConfig>>, StorageError<MasterId>> {
         let inner = self.lock();
-        Ok(inner.entries.range(range).map(|(_, e)| e.clone()).collect())
+        Ok(inner
+            .entries
+            .range(range)
+            .map(|(_, (e, _))| e.clone())
+            .collect())
+    }
+
+    /// The entries from `start` on, as many as fit in [`MAX_APPEND_BYTES`] (at least one):
+    /// what replication sends in one AppendEntries.
+    async fn limited_get_log_entries(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<MasterId>> {
+        let inner = self.lock();
+        let mut bytes = 0usize;
+        let mut out = Vec::new();
+        for (_, (e, size)) in inner.entries.range(start..end) {
+            if !out.is_empty() && bytes + size > MAX_APPEND_BYTES {
+                break;
+            }
+            bytes += size;
+            out.push(e.clone());
+        }
+        Ok(out)
     }
 }
 
@@ -93,7 +179,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let last = inner
             .entries
             .last_key_value()
-            .map(|(_, e)| e.log_id)
+            .map(|(_, (e, _))| e.log_id)
             .or(inner.last_purged);
         Ok(LogState {
             last_purged_log_id: inner.last_purged,
@@ -147,22 +233,32 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: Send,
     {
         let entries: Vec<_> = entries.into_iter().collect();
-        if let Some(d) = &self.disk {
+        let sizes: Vec<usize> = if let Some(d) = &self.disk {
             let rows = entries
                 .iter()
                 .map(disk::encode_entry)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(disk::write_err)?;
+            let sizes = rows.iter().map(|(_, r)| r.len()).collect();
             if let Err(e) = blocking(d, move |d| d.append(&rows)).await {
                 let io = std::io::Error::other(e.to_string());
                 callback.log_io_completed(Err(io));
                 return Err(disk::write_err(e));
             }
-        }
-        {
+            sizes
+        } else {
+            entries.iter().map(entry_size).collect()
+        };
+        let too_big = {
             let mut inner = self.lock();
-            for e in entries {
-                inner.entries.insert(e.log_id.index, e);
+            for (e, size) in entries.into_iter().zip(sizes) {
+                inner.insert(e, size);
+            }
+            inner.bytes > SNAPSHOT_AT_BYTES
+        };
+        if too_big {
+            if let Some(n) = &self.too_big {
+                n.notify_one();
             }
         }
         // Flushed: on disk (fsynced) when there is one, else in the map.
@@ -178,8 +274,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 .await
                 .map_err(disk::write_err)?;
         }
-        let mut inner = self.lock();
-        let _ = inner.entries.split_off(&log_id.index);
+        self.lock().drop_entries(log_id.index, true);
         Ok(())
     }
 
@@ -194,8 +289,71 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         if inner.last_purged.is_none_or(|p| p.index < log_id.index) {
             inner.last_purged = Some(log_id);
         }
-        let keep = inner.entries.split_off(&log_id.index.saturating_add(1));
-        inner.entries = keep;
+        inner.drop_entries(log_id.index, false);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Command;
+    use crate::store::StoreCommand;
+    use eccl_protocol::StoreWrite;
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    fn write(index: u64, bytes: usize) -> Entry<TypeConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Normal(Command::Store(StoreCommand::Write {
+                session: 1,
+                seq: index,
+                op: StoreWrite::Set {
+                    key: b"k".to_vec(),
+                    value: vec![7; bytes],
+                    ephemeral: false,
+                },
+            })),
+        }
+    }
+
+    /// What replication sends in one AppendEntries is bounded by bytes (at least one
+    /// entry, however large), so a follower far behind is never sent a batch that
+    /// cannot be encoded; the log counts the bytes it holds, and purging frees them.
+    #[tokio::test]
+    async fn batches_are_bounded_by_bytes_and_the_log_counts_them() {
+        let mut log = LogStore::new();
+        for i in 1..=20 {
+            let e = write(i, 3 << 20);
+            let size = entry_size(&e);
+            log.lock().insert(e, size);
+        }
+        assert!(log.bytes() > 60 << 20);
+        let batch = log.limited_get_log_entries(1, 21).await.unwrap();
+        let bytes: usize = batch.iter().map(entry_size).sum();
+        assert!(
+            !batch.is_empty() && bytes <= MAX_APPEND_BYTES,
+            "{} entries, {bytes} bytes",
+            batch.len()
+        );
+        assert_eq!(
+            batch.len(),
+            MAX_APPEND_BYTES / entry_size(&write(1, 3 << 20))
+        );
+        // The encoded batch fits in one message between masters.
+        let rpc = crate::raft::RaftRpc::AppendEntries(openraft::raft::AppendEntriesRequest {
+            vote: openraft::Vote::new(1, 1),
+            prev_log_id: None,
+            entries: batch,
+            leader_commit: None,
+        });
+        assert!(eccl_protocol::codec::encode(&rpc).is_ok());
+        // One entry over the batch bound still goes alone.
+        let big = write(21, MAX_APPEND_BYTES);
+        let size = entry_size(&big);
+        log.lock().insert(big, size);
+        assert_eq!(log.limited_get_log_entries(21, 22).await.unwrap().len(), 1);
+        log.lock().drop_entries(20, false);
+        assert_eq!(log.bytes(), size);
     }
 }

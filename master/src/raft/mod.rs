@@ -65,8 +65,15 @@ use crate::registry::{Command, Outcome, Registry};
 /// How long a proposal may wait to be committed and applied.
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Take a snapshot (and purge the log behind it) every this many applied entries.
+/// Take a snapshot (and purge the log behind it) every this many applied entries (or
+/// sooner, when the entries pass `log_store::SNAPSHOT_AT_BYTES`).
 const SNAPSHOT_EVERY: u64 = 1000;
+
+/// Entries kept behind a snapshot, for followers a little behind (one further behind is
+/// sent the snapshot). With entries of up to a store write each (4 MiB) they hold at
+/// most 32 MiB: well under `log_store::SNAPSHOT_AT_BYTES`, so a purge always brings the
+/// log back under it.
+const KEPT_BEHIND_SNAPSHOT: u64 = 8;
 
 /// One master's raft node and its replica of the registry.
 pub struct RaftRegistry {
@@ -85,6 +92,10 @@ pub struct RaftRegistry {
     registry: SmHandle,
     network: MasterNetwork,
     bootstrap: Option<tokio::task::JoinHandle<()>>,
+    /// Asks for a snapshot whenever the log's entries pass their byte bound.
+    snapshotter: tokio::task::JoinHandle<()>,
+    /// Another handle to the log, for what it holds.
+    log: LogStore,
     /// The data directory's database, watched so that [`RaftRegistry::shutdown`] returns
     /// only once raft's tasks have let go of it (a restart in the same process can then
     /// open it again).
@@ -107,7 +118,7 @@ fn raft_config(timing: RaftTiming) -> anyhow::Result<Config> {
         election_timeout_min: timing.election_min_ms,
         election_timeout_max: timing.election_max_ms,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY),
-        max_in_snapshot_log_to_keep: SNAPSHOT_EVERY,
+        max_in_snapshot_log_to_keep: KEPT_BEHIND_SNAPSHOT,
         ..Default::default()
     };
     Ok(config.validate()?)
@@ -146,11 +157,29 @@ impl RaftRegistry {
             }
             None => (LogStore::new(), StateMachineStore::new(), false),
         };
+        // The log's memory is bounded by bytes too: past SNAPSHOT_AT_BYTES it asks for a
+        // snapshot, and the entries behind the snapshot are purged.
+        let mut log = log;
+        let too_big = Arc::new(tokio::sync::Notify::new());
+        log.notify_when_too_big(too_big.clone());
         let registry = sm.handle();
         let link_key = secret.derive(b"eccl-link-key");
         let admin_key = secret.derive(eccl_protocol::ClusterChange::KEY_LABEL);
         let network = MasterNetwork::new(secret, node_id);
+        let log_handle = log.clone();
         let raft = openraft::Raft::new(node_id, config, network.clone(), log, sm).await?;
+        let snapshotter = {
+            let raft = raft.clone();
+            tokio::spawn(async move {
+                loop {
+                    too_big.notified().await;
+                    tracing::debug!(target: "eccl::master", "master {node_id}: the raft log holds more than {} bytes: snapshot", log_store::SNAPSHOT_AT_BYTES);
+                    if raft.trigger().snapshot().await.is_err() {
+                        return; // raft stopped
+                    }
+                }
+            })
+        };
 
         let nodes = members.clone();
         let lowest = members.keys().next().copied() == Some(node_id);
@@ -188,6 +217,8 @@ impl RaftRegistry {
             registry,
             network,
             bootstrap,
+            snapshotter,
+            log: log_handle,
             disk_closed,
         };
         if me.members.len() == 1 && !me.joining {
@@ -247,6 +278,12 @@ impl RaftRegistry {
     pub fn read<R>(&self, f: impl FnOnce(&Registry) -> R) -> R {
         let data = self.registry.read().unwrap_or_else(|e| e.into_inner());
         f(&data.registry)
+    }
+
+    /// Bytes of the raft log's entries held in memory (bounded: see
+    /// `log_store::SNAPSHOT_AT_BYTES`).
+    pub fn log_bytes(&self) -> usize {
+        self.log.bytes()
     }
 
     /// The shared state machine data, for callers that keep a handle.
@@ -346,6 +383,7 @@ impl RaftRegistry {
         if let Some(b) = &self.bootstrap {
             b.abort();
         }
+        self.snapshotter.abort();
         if let Err(e) = self.raft.shutdown().await {
             tracing::warn!(error = %e, "raft core ended abnormally");
         }

@@ -379,10 +379,16 @@ fn fatal_of(e: RaftError<MasterId>) -> Fatal<MasterId> {
 pub async fn serve_raft_conn(raft: RaftNode, mut conn: ControlConn, from: MasterId) {
     let peer = conn.peer_addr;
     loop {
-        let req: RaftRpc = match conn.recv().await {
-            Ok(r) => r,
-            Err(e) => {
+        // A master's pooled connection that said nothing this long is closed (the pool
+        // dials again when it needs one): idle authenticated connections hold nothing.
+        let req: RaftRpc = match tokio::time::timeout(RAFT_IDLE, conn.recv()).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
                 tracing::trace!(?peer, error = %e, "raft connection closed");
+                return;
+            }
+            Err(_) => {
+                tracing::trace!(?peer, "raft connection idle for {RAFT_IDLE:?}: closed");
                 return;
             }
         };
@@ -418,13 +424,17 @@ pub async fn serve_raft_conn(raft: RaftNode, mut conn: ControlConn, from: Master
 /// TLS, the handshake with the cluster's `secret` for `Role::MasterToMaster`, and a
 /// hello from a master that `is_master` knows; then serves them with
 /// [`serve_raft_conn`]. Anything else is dropped. Runs until the task is aborted.
+///
+/// At most [`MAX_PENDING_RAFT`] connections authenticate at once; past that the oldest
+/// handshake in progress is cancelled (as on the client listener), so connections that
+/// never speak cannot keep another master out: a real one finishes within milliseconds.
 pub async fn serve_raft_listener(
     listener: TcpListener,
     raft: RaftNode,
     secret: Secret,
     is_master: Arc<dyn Fn(MasterId) -> bool + Send + Sync>,
 ) {
-    let pending = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_RAFT));
+    let pending = eccl_transport::admission::Admission::new(MAX_PENDING_RAFT);
     loop {
         let (stream, from_addr) = match listener.accept().await {
             Ok(x) => x,
@@ -434,11 +444,8 @@ pub async fn serve_raft_listener(
                 continue;
             }
         };
-        let Ok(permit) = pending.clone().try_acquire_owned() else {
-            continue;
-        };
         let (raft, secret, is_master) = (raft.clone(), secret.clone(), is_master.clone());
-        tokio::spawn(async move {
+        let handshake = async move {
             let start = async {
                 let (role, mut conn) = control::accept(stream, &secret).await?;
                 if role != Role::MasterToMaster {
@@ -453,19 +460,23 @@ pub async fn serve_raft_listener(
                 Ok::<_, anyhow::Error>((conn, hello.from))
             };
             match start.await {
-                Ok((conn, from)) => {
-                    drop(permit);
-                    serve_raft_conn(raft, conn, from).await
-                }
+                Ok(started) => Some(started),
                 Err(e) => {
                     if let Some(held) = eccl_transport::logging::limit("raft: refused") {
                         tracing::warn!(target: "eccl::master", "refused raft connection from {from_addr}: {e}{}", eccl_transport::logging::held_note(held))
                     }
+                    None
                 }
             }
+        };
+        pending.admit(handshake, move |(conn, from)| {
+            serve_raft_conn(raft, conn, from)
         });
     }
 }
 
 /// Raft connections that may be authenticating at once.
 const MAX_PENDING_RAFT: usize = 16;
+
+/// How long a raft connection may carry nothing before it is closed.
+const RAFT_IDLE: Duration = Duration::from_secs(60);

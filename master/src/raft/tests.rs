@@ -483,6 +483,123 @@ async fn raft_probes_are_refused_and_the_cluster_goes_on() {
     }
 }
 
+/// Finding: the raft listener turned masters away once 16 connections sat silent in
+/// their handshake. With 40 silent connections held open on each follower's raft
+/// listener, the leader stops: the two followers, which never spoke to each other
+/// before, connect, elect one of them and commit (the oldest silent handshake makes
+/// room, as on the client listener).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_do_not_keep_masters_apart() {
+    let mut members = BTreeMap::new();
+    let mut listeners = Vec::new();
+    for id in 1..=3u64 {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        members.insert(id, node_at(id, &l));
+        listeners.push((id, l));
+    }
+    let mut nodes = BTreeMap::new();
+    for (id, l) in listeners {
+        nodes.insert(id, start_node(id, l, &members).await);
+    }
+    let leader = nodes[&1]
+        .reg
+        .wait_leader(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let followers: Vec<u64> = nodes.keys().copied().filter(|id| *id != leader).collect();
+    let mut silent = Vec::new();
+    for f in &followers {
+        for _ in 0..40 {
+            silent.push(
+                tokio::net::TcpStream::connect(&members[f].raft)
+                    .await
+                    .unwrap(),
+            );
+        }
+    }
+    let old = nodes.remove(&leader).unwrap();
+    old.listener.abort();
+    old.reg.shutdown().await;
+    // An election needs the followers' raft listeners (election timeouts are 150-300 ms;
+    // a handshake slot held by a silent connection was freed only after 5 s).
+    wait_until(
+        "a follower leads, beside 80 silent connections",
+        Duration::from_secs(3),
+        || nodes.values().any(|n| n.reg.is_leader()),
+    )
+    .await;
+    let new = nodes
+        .values()
+        .find(|n| n.reg.is_leader())
+        .unwrap()
+        .reg
+        .clone();
+    let e = new.read(|r| r.epoch());
+    assert_eq!(register_three_and_commit(&new, e).await, e + 1);
+    drop(silent);
+    for n in nodes.into_values() {
+        n.listener.abort();
+        n.reg.shutdown().await;
+    }
+}
+
+/// Finding: the in-memory raft log could hold GiBs (1,000 entries of up to 16 MiB kept
+/// behind each snapshot). 300 store writes of 1 MiB: the log asks for a snapshot once
+/// its entries pass 64 MiB and is purged behind it, so what it holds stays bounded (a
+/// log bounded by entry count alone held all 300 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_is_bounded_by_bytes() {
+    use crate::store::StoreCommand;
+    use eccl_protocol::StoreWrite;
+    let node = MasterNode::new("127.0.0.1:1", "");
+    let members = BTreeMap::from([(1u64, node.clone())]);
+    let r = RaftRegistry::start(
+        1,
+        node,
+        members,
+        secret(),
+        RaftTiming::default(),
+        None,
+        false,
+    )
+    .await
+    .unwrap();
+    let session = match r
+        .propose(Command::Store(StoreCommand::Open {
+            scope: "s".into(),
+            token: [1; 32],
+        }))
+        .await
+        .unwrap()
+    {
+        Outcome::Store(Ok(eccl_protocol::StoreReply::Session { session, .. })) => session,
+        o => panic!("{o:?}"),
+    };
+    let mut most = 0;
+    for seq in 1..=300 {
+        let op = StoreWrite::Set {
+            key: b"k".to_vec(),
+            value: vec![seq as u8; 1 << 20],
+            ephemeral: false,
+        };
+        let out = r
+            .propose(Command::Store(StoreCommand::Write { session, seq, op }))
+            .await
+            .unwrap();
+        assert!(matches!(out, Outcome::Store(Ok(_))), "{out:?}");
+        most = most.max(r.log_bytes());
+    }
+    let bound = 2 * log_store::SNAPSHOT_AT_BYTES;
+    assert!(most < bound, "the log held {} MiB", most >> 20);
+    wait_until(
+        "the log purged behind a snapshot",
+        Duration::from_secs(5),
+        || r.log_bytes() < log_store::SNAPSHOT_AT_BYTES,
+    )
+    .await;
+    r.shutdown().await;
+}
+
 #[test]
 fn handle_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
