@@ -147,6 +147,7 @@ pub async fn dial_shm(
     std.set_nonblocking(true)
         .map_err(|e| TransportError::io(&peer, e))?;
     let mut s = UnixStream::from_std(std).map_err(|e| TransportError::io(&peer, e))?;
+    crate::shm::check_same_user(&s, &peer)?;
     s.write_all(&[MODE_PLAIN])
         .await
         .map_err(|e| TransportError::io(&peer, e))?;

@@ -283,6 +283,7 @@ async fn shm_one(mut stream: UnixStream, secret: &Secret) -> Result<Accepted, Tr
         Ok(c) => format!("local pid {}", c.pid().unwrap_or(0)),
         Err(_) => "a local process".to_string(),
     };
+    crate::shm::check_same_user(&stream, &name)?;
     let mut mode = [0u8; 1];
     tokio::time::timeout(handshake::HANDSHAKE_TIMEOUT, stream.read_exact(&mut mode))
         .await

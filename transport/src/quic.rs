@@ -30,6 +30,13 @@ const MAX_PACKET: u16 = 6500;
 const STREAM_WINDOW: u32 = 32 << 20;
 /// Bytes a connection may have in flight over all its streams.
 const CONN_WINDOW: u32 = 64 << 20;
+/// What an acceptor lets a connection send before eccl's handshake has authenticated it:
+/// the mode byte, the handshake and the hello fit many times over. A stranger cannot
+/// make a peer buffer more than this per connection (the windows above are granted once
+/// the dialer has proven the secret, see [`authenticated`]).
+const PRE_AUTH_WINDOW: u32 = 64 << 10;
+/// Most streams a link has (its hello's `nstreams`).
+const MAX_STREAMS: u16 = 64;
 /// UDP socket buffers asked for (the kernel caps them at `net.core.*mem_max`).
 const SOCKET_BUFFER: usize = 16 << 20;
 
@@ -94,12 +101,20 @@ impl LinkGuard for ConnGuard {
     }
 }
 
-fn transport_config() -> TransportConfig {
+/// The configuration of both ends. The acceptor's (`accepting`) starts with one stream
+/// and a connection window of [`PRE_AUTH_WINDOW`], raised by [`authenticated`]; the
+/// dialer's lets the acceptor open no stream at all (links are opened by the dialer).
+fn transport_config(accepting: bool) -> TransportConfig {
     let mut t = TransportConfig::default();
+    let (window, streams) = if accepting {
+        (PRE_AUTH_WINDOW, 1)
+    } else {
+        (CONN_WINDOW, 0)
+    };
     t.stream_receive_window(VarInt::from_u32(STREAM_WINDOW))
-        .receive_window(VarInt::from_u32(CONN_WINDOW))
+        .receive_window(VarInt::from_u32(window))
         .send_window(u64::from(CONN_WINDOW))
-        .max_concurrent_bidi_streams(VarInt::from_u32(64))
+        .max_concurrent_bidi_streams(VarInt::from_u32(streams))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
         .keep_alive_interval(Some(Duration::from_secs(2)))
         .max_idle_timeout(Some(
@@ -126,7 +141,7 @@ pub fn endpoint(bind: SocketAddr) -> Result<quinn::Endpoint, TransportError> {
     let server = tls::server_config().map_err(|e| quic_err(&name, e))?;
     let server = QuicServerConfig::try_from(server).map_err(|e| quic_err(&name, e))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
-    server.transport_config(Arc::new(transport_config()));
+    server.transport_config(Arc::new(transport_config(true)));
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(bind),
         socket2::Type::DGRAM,
@@ -155,8 +170,16 @@ pub fn client_config(peer: &str) -> Result<quinn::ClientConfig, TransportError> 
     let client = tls::client_config().map_err(|e| quic_err(peer, e))?;
     let client = QuicClientConfig::try_from(client).map_err(|e| quic_err(peer, e))?;
     let mut c = quinn::ClientConfig::new(Arc::new(client));
-    c.transport_config(Arc::new(transport_config()));
+    c.transport_config(Arc::new(transport_config(false)));
     Ok(c)
+}
+
+/// Grants an accepted connection whose dialer has authenticated the full connection
+/// window and `nstreams` streams (the acceptor's configuration gives a stranger one
+/// stream and [`PRE_AUTH_WINDOW`] bytes).
+pub fn authenticated(conn: &quinn::Connection, nstreams: u16) {
+    conn.set_receive_window(VarInt::from_u32(CONN_WINDOW));
+    conn.set_max_concurrent_bi_streams(VarInt::from(nstreams.min(MAX_STREAMS)));
 }
 
 /// The session's exported keying material, which the secret is bound to.
@@ -245,12 +268,13 @@ pub(crate) async fn accept(
         };
         expect_link_role(role, peer)?;
         let hello = read_hello(&mut s, peer).await?;
-        if hello.nstreams == 0 || hello.nstreams > 64 {
+        if hello.nstreams == 0 || hello.nstreams > MAX_STREAMS {
             return Err(TransportError::BadHello {
                 peer: peer.to_string(),
                 reason: format!("{} streams", hello.nstreams),
             });
         }
+        authenticated(&conn, hello.nstreams);
         let (r, w) = s.into_inner();
         let mut streams = vec![(r, w)];
         for i in 1..hello.nstreams {

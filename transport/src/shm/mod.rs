@@ -37,6 +37,27 @@ use crate::TransportError;
 pub(crate) use segment::Geometry;
 use segment::{Mapping, Peek, NSLOTS};
 
+/// Refuses a local connection from (or to) a process of another user: the abstract
+/// socket has no file permissions, so any local user can reach it, and the job secret's
+/// handshake would then be all that stands between another user of the host and the
+/// job's memory. Checked before anything is read or sent.
+pub fn check_same_user(stream: &UnixStream, peer: &str) -> Result<(), TransportError> {
+    let cred = stream
+        .peer_cred()
+        .map_err(|e| TransportError::io(peer, e))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if cred.uid() != me {
+        return Err(TransportError::BadHello {
+            peer: peer.to_string(),
+            reason: format!(
+                "a process of user {} on the shm socket of user {me}: only the job's own user may connect",
+                cred.uid()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Microseconds a waiting side spins before it sleeps; see [`plan_spin`].
 static SPIN_US: AtomicU64 = AtomicU64::new(SPIN_IDLE_CORES_US);
 /// When every local peer can have a core: long enough to catch a peer on another core

@@ -505,3 +505,100 @@ async fn a_relay_between_two_tls_sessions_is_refused() {
     );
     mitm.abort();
 }
+
+/// Finding: QUIC buffered tens of MiB per connection before eccl's handshake (64
+/// streams of 32 MiB windows each). A stranger whose connection is not authenticated
+/// gets one stream (the one the handshake reads, and refuses garbage on) and a 64 KiB
+/// connection window: a second stream, where it could park data unread, is never
+/// granted; a real link is set up as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_gets_one_stream_and_a_small_window_before_the_handshake() {
+    use eccl_transport::quic;
+    let l = listeners(false).await;
+    let ep = quic::endpoint("127.0.0.1:0".parse().unwrap()).unwrap();
+    let conn = ep
+        .connect_with(
+            quic::client_config("test").unwrap(),
+            l.quic_addr.unwrap(),
+            "eccl",
+        )
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut w, _r) = conn.open_bi().await.unwrap();
+    // The mode byte of a QUIC link, then nothing: the acceptor waits for the handshake.
+    w.write_all(b"Q").await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(1), async {
+        let (mut w2, _r2) = conn.open_bi().await?;
+        w2.write_all(&vec![0u8; 1 << 20]).await?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .await;
+    assert!(
+        second.is_err(),
+        "a second stream took 1 MiB before any handshake: {second:?}"
+    );
+    drop(conn);
+    // A real link over the same listener still comes up, with its streams.
+    let obs = Arc::new(Seen::default());
+    let (a, b) = pair(Transport::Quic, obs).await;
+    drop((a, b));
+}
+
+/// Finding: the shm listener's abstract socket has no file permissions, and it took
+/// any local user's connection to the job secret's handshake. A process of another
+/// user (uid 65534 here) is closed on before a byte is read or sent; the job's own user
+/// is served. Needs root to start the other user's process (CI runs as root).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_users_process_is_refused_on_the_shm_socket() {
+    use std::os::unix::process::CommandExt;
+    if !nix_is_root() {
+        eprintln!("not run: starting another user's process needs root");
+        return;
+    }
+    let l = listeners(false).await;
+    let name = l.shm_name.clone().unwrap();
+    // The stranger connects, says it is a plain link and waits for the handshake's
+    // first message; it prints what it got.
+    let script = format!(
+        "import socket; s = socket.socket(socket.AF_UNIX); s.connect('\\0{name}'); \
+         s.sendall(b'P'); s.settimeout(5)\n\
+         try: print(len(s.recv(100)))\n\
+         except ConnectionResetError: print(0)"
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "0",
+        "the stranger was answered"
+    );
+    // The job's own user still gets a link.
+    let obs = Arc::new(Seen::default());
+    let (a, b) = pair(Transport::Shm, obs).await;
+    drop((a, b));
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .map(|v| v.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}

@@ -195,6 +195,8 @@ async fn quic_sink(o: &Opts) -> Result<(), String> {
     println!("sink {addr}");
     let incoming = ep.accept().await.ok_or("the endpoint closed")?;
     let conn = incoming.await.map_err(|e| e.to_string())?;
+    // The probe has no eccl handshake: grant what an authenticated link gets.
+    quic::authenticated(&conn, o.nstreams as u16);
     let mut streams = Vec::new();
     for _ in 0..o.nstreams {
         let (w, r) = conn.accept_bi().await.map_err(|e| e.to_string())?;
