@@ -52,18 +52,21 @@ impl Role {
 pub struct Secret(Vec<u8>);
 
 impl Secret {
-    /// A secret this long is used as it is (what `eccl-master` and `eccl.Master` make:
-    /// 32 random bytes, hex-encoded).
+    /// Random bytes in a key that is used as it is: what `eccl-master`, `eccl.Master` and
+    /// the torch backend make (32 random bytes, written as [`Self::KEY_HEX`] hex digits).
     pub const KEY_LEN: usize = 32;
-    /// Shortest passphrase taken; from this up to [`Self::KEY_LEN`] it is stretched with
-    /// PBKDF2, so that guessing it offline costs [`Self::KDF_ROUNDS`] HMACs a try.
-    pub const MIN_LEN: usize = 12;
+    /// Hex digits of such a key.
+    pub const KEY_HEX: usize = 2 * Self::KEY_LEN;
+    /// Shortest passphrase taken. Every secret that is not a key as eccl makes them is
+    /// stretched with PBKDF2, so that guessing it offline (from a handshake seen on a
+    /// plain-TCP link) costs [`Self::KDF_ROUNDS`] HMACs a try, however long it is.
+    pub const MIN_LEN: usize = 16;
     pub const KDF_ROUNDS: u32 = 100_000;
 
-    /// The job secret from what a user gave: at least [`Self::KEY_LEN`] bytes are used as
-    /// they are; a shorter passphrase (at least [`Self::MIN_LEN`]) is stretched with
-    /// PBKDF2-HMAC-SHA256; shorter than that is refused. Surrounding whitespace (a file's
-    /// newline) is ignored.
+    /// The job secret from what a user gave: a key as eccl makes them (at least
+    /// [`Self::KEY_HEX`] hex digits) is used as it is; any other passphrase of at least
+    /// [`Self::MIN_LEN`] bytes is stretched with PBKDF2-HMAC-SHA256; shorter than that is
+    /// refused. Surrounding whitespace (a file's newline) is ignored.
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Secret, AuthError> {
         let bytes: Vec<u8> = bytes.into();
         let trimmed: Vec<u8> = {
@@ -81,7 +84,7 @@ impl Secret {
         if trimmed.len() < Self::MIN_LEN {
             return Err(AuthError::WeakSecret(trimmed.len()));
         }
-        if trimmed.len() >= Self::KEY_LEN {
+        if trimmed.len() >= Self::KEY_HEX && trimmed.iter().all(u8::is_ascii_hexdigit) {
             return Ok(Secret(trimmed));
         }
         let mut key = [0u8; 32];
@@ -180,11 +183,21 @@ impl Secret {
     /// Reads a secret file, as ssh reads a private key: a file that its group or others
     /// may read (or write) is refused, since anyone who can read it can join the job.
     pub fn read_file(path: &std::path::Path) -> Result<Secret, String> {
+        let bytes = Self::read_file_bytes(path)?;
+        Secret::new(bytes).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// The bytes of a secret file, refused (with the `chmod` that fixes it) when anyone
+    /// but its owner may read or write it. Every reader of secret files goes through
+    /// this: the Rust side and, through the native module, the Python one.
+    pub fn read_file_bytes(path: &std::path::Path) -> Result<Vec<u8>, String> {
         let shown = path.display();
+        let file = std::fs::File::open(path).map_err(|e| format!("{shown}: {e}"))?;
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            let meta = std::fs::metadata(path).map_err(|e| format!("{shown}: {e}"))?;
+            // The mode of the file opened, not of whatever the path names a moment later.
+            let meta = file.metadata().map_err(|e| format!("{shown}: {e}"))?;
             let mode = meta.permissions().mode() & 0o777;
             if mode & 0o077 != 0 {
                 return Err(format!(
@@ -192,8 +205,9 @@ impl Secret {
                 ));
             }
         }
-        let bytes = std::fs::read(path).map_err(|e| format!("{shown}: {e}"))?;
-        Secret::new(bytes).map_err(|e| format!("{shown}: {e}"))
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut &file, &mut bytes).map_err(|e| format!("{shown}: {e}"))?;
+        Ok(bytes)
     }
 }
 
@@ -299,7 +313,7 @@ impl std::fmt::Debug for Secret {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
-    #[error("the job secret has {0} bytes: give at least 32 random bytes (eccl-master makes such a file) or a passphrase of at least 12 characters")]
+    #[error("the job secret has {0} bytes: give a key of 64 hex digits (eccl-master makes such a file) or a passphrase of at least 16 characters")]
     WeakSecret(usize),
     #[error("not an eccl handshake (bad magic)")]
     BadMagic,
@@ -404,6 +418,17 @@ mod tests {
             Secret::new("short"),
             Err(AuthError::WeakSecret(5))
         ));
+        // 15 bytes: one short of the documented 16.
+        assert!(matches!(
+            Secret::new("0123456789abcde"),
+            Err(AuthError::WeakSecret(15))
+        ));
+        // A long passphrase is stretched too (only eccl's own hex keys are used as they
+        // are): its bytes are not the key.
+        let phrase = "correct horse battery staple, twice over";
+        assert_ne!(Secret::new(phrase).unwrap().0, phrase.as_bytes());
+        let key = "ab".repeat(32);
+        assert_eq!(Secret::new(key.as_str()).unwrap().0, key.as_bytes());
         let a = Secret::new("  0123456789abcdef\n").unwrap();
         let b = Secret::new("0123456789abcdef").unwrap();
         let n = [0u8; NONCE_LEN];

@@ -149,8 +149,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EcclRendezvousBackend,
     secret = None
     secret_file = params.get("secret_file")
     if secret_file:
-        with open(secret_file) as f:
-            secret = f.read().strip()
+        secret = eccl._eccl.read_secret_file(secret_file)
     timeout = timedelta(seconds=float(params.get("timeout", 30)))
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint must name the eccl master(s): host:port[,host:port...]")

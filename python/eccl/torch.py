@@ -476,8 +476,7 @@ def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
     master_addr = os.environ.get("ECCL_MASTER") if default_group else None
     secret = os.environ.get("ECCL_SECRET")
     if secret is None and os.environ.get("ECCL_SECRET_FILE"):
-        with open(os.environ["ECCL_SECRET_FILE"]) as f:
-            secret = f.read().strip()
+        secret = eccl._eccl.read_secret_file(os.environ["ECCL_SECRET_FILE"])
     master = None
     if master_addr is None:
         # Rank 0 hosts the master and publishes where it is through the rendezvous

@@ -36,6 +36,18 @@ fn dtype_of(obj: &Bound<'_, PyAny>) -> PyResult<u8> {
     Ok(buffer::HostBuffer::extract(obj, "the object")?.dtype() as u8)
 }
 
+/// The text of the secret file at `path`, stripped, as the Rust side reads it: refused
+/// with `InvalidArgumentError` (naming the `chmod` that fixes it) when others may read
+/// or write the file.
+#[pyfunction]
+fn read_secret_file(path: std::path::PathBuf) -> PyResult<String> {
+    let bytes = eccl_protocol::auth::Secret::read_file_bytes(&path).map_err(errors::invalid)?;
+    let text = String::from_utf8(bytes).map_err(|_| {
+        errors::invalid(format!("{}: the secret is not UTF-8 text", path.display()))
+    })?;
+    Ok(text.trim().to_string())
+}
+
 #[pymodule]
 fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -48,6 +60,7 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::StoreClient>()?;
     m.add_function(wrap_pyfunction!(runtime::_shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_of, m)?)?;
+    m.add_function(wrap_pyfunction!(read_secret_file, m)?)?;
     m.add_class::<seal::OpenKey>()?;
     m.add_function(wrap_pyfunction!(seal::seal, m)?)?;
     // The single lists, which the Python package turns into its enums and exceptions.

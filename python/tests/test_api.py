@@ -325,3 +325,16 @@ def test_master_in_a_child_process():
         assert comm.update_topology().world_size == 1
     finally:
         m.shutdown()
+
+
+def test_a_secret_file_others_may_read_is_refused(tmp_path):
+    """The Python side reads secret files (ECCL_SECRET_FILE for the torch backend,
+    torchrun's secret_file) with the Rust side's check: one that others may read is
+    refused, naming the chmod that fixes it."""
+    path = tmp_path / "secret"
+    path.write_text("0123456789abcdef" * 4 + "\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(eccl.InvalidArgumentError, match="chmod 600"):
+        eccl._eccl.read_secret_file(str(path))
+    os.chmod(path, 0o600)
+    assert eccl._eccl.read_secret_file(str(path)) == "0123456789abcdef" * 4
