@@ -121,7 +121,7 @@ export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 # was configured for changes: every command names the venv's, with the signature that
 # maturin sets for it.
 export PYO3_PYTHON="$PWD/.venv/bin/python"
-PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import struct, sys; print(f"cpython-{sys.version_info[0]}.{sys.version_info[1]}-{8 * struct.calcsize("P")}bit")')"
+PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import struct, sys; print("cpython-%d.%d-%dbit" % (sys.version_info[0], sys.version_info[1], 8 * struct.calcsize("P")))')"
 export PYO3_ENVIRONMENT_SIGNATURE
 
 # First, while pip downloads: its dependencies (tokio and the rest, the same features as
