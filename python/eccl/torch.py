@@ -6,9 +6,10 @@
 The eccl master runs inside rank 0 unless `ECCL_MASTER` names one; its address reaches
 the other ranks through torch's rendezvous store. When `ECCL_SECRET`/`ECCL_SECRET_FILE`
 are not set, rank 0's fresh job secret goes through the store too, sealed to each rank
-(see `_share_secret`): a store reader learns nothing, a store writer posing as a rank is
-noticed by that rank. Every collective torch.distributed offers for CPU tensors runs on eccl; CUDA
-tensors are refused with `InvalidArgumentError` for now.
+(see `_share_secret`): a store reader learns nothing; a store writer can pose as a rank,
+and when it does so visibly (a rank finds its key taken) every rank stops. Every
+collective torch.distributed offers for CPU tensors runs on eccl; CUDA tensors are
+refused with `InvalidArgumentError` for now.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl.torch_fault import FaultTolerance, ReconfigurableGroup
-from eccl.torch_setup import _fresh_store, _share_secret, _store_get, monitored_barrier
+from eccl.torch_setup import (
+    _check_no_conflict,
+    _fresh_store,
+    _share_secret,
+    _store_get,
+    monitored_barrier,
+)
 from eccl.torch_work import TorchWork, _Completer
 
 __all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
@@ -478,6 +485,7 @@ def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
     if secret is None and os.environ.get("ECCL_SECRET_FILE"):
         secret = eccl._eccl.read_secret_file(os.environ["ECCL_SECRET_FILE"])
     master = None
+    fresh_secret = False
     if master_addr is None:
         # Rank 0 hosts the master and publishes where it is through the rendezvous
         # store; when no job secret was given, rank 0's fresh one goes to each rank
@@ -492,6 +500,7 @@ def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
             secret = master.secret
         master_addr = _store_get(store, "eccl/master", timeout)
         if fresh:
+            fresh_secret = True
             secret = _share_secret(store, rank, world_size, secret, timeout)
     # torch's timeout (init_process_group's, or a group's own) bounds every wait of
     # every call; forming the first world may take as long.
@@ -501,6 +510,10 @@ def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
     if not form:
         return ProcessGroupEccl(comm, master, timeout, store, rank=rank, size=world_size)
     topo = comm.update_topology()
+    if fresh_secret:
+        # A rank that found its key posed as has marked the store: then every rank
+        # stops here, not only that one.
+        _check_no_conflict(store)
     if topo.rank != rank or topo.world_size != world_size:
         raise eccl.EcclError(
             f"eccl formed a world where this process is rank {topo.rank} of "

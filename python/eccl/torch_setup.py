@@ -19,14 +19,22 @@ def _store_get(store: Any, key: str, timeout: timedelta) -> str:
     return store.get(key).decode()
 
 
+CONFLICT = "eccl/conflict"
+
+
 def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
                   timeout: timedelta) -> str:
     """Rank 0's fresh job secret, handed to every other rank through the store sealed to
     that rank alone: rank r publishes a one-use X25519 public key (write-once, with
-    `compare_set`), rank 0 answers with the secret encrypted to it. A process that reads
-    the store learns nothing; one that writes rank r's key first would get the box, so
-    the real rank r, finding another key there, stops with an error instead of running
-    beside it."""
+    `compare_set`), rank 0 answers with the secret encrypted to it.
+
+    What this protects, and what it cannot: a process that can only *read* the store
+    learns nothing. One that can *write* it can always pose as a rank or as rank 0 (the
+    store authenticates nobody, and nothing else is shared yet). eccl notices the form
+    it can see: a rank that finds another key published in its place marks the store
+    (`eccl/conflict`) and stops; rank 0 seals nothing once the mark is there, and every
+    rank checks for it once its world has formed (`_check_no_conflict`), so every rank
+    fails, not only the one posed as. The README says which stores to trust with this."""
     from eccl import _eccl
     if rank == 0:
         assert secret is not None
@@ -35,6 +43,7 @@ def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
         if world_size > 1:
             store.wait([f"eccl/published/{r}" for r in range(1, world_size)], timeout)
         for r in range(1, world_size):
+            _check_no_conflict(store)
             public = bytes.fromhex(store.get(f"eccl/key/{r}").decode())
             box = _eccl.seal(public, secret.encode(), f"eccl/torch rank {r}".encode())
             store.set(f"eccl/sealed/{r}", box.hex())
@@ -43,13 +52,22 @@ def _share_secret(store: Any, rank: int, world_size: int, secret: Optional[str],
     mine = key.public.hex()
     stored = store.compare_set(f"eccl/key/{rank}", "", mine)
     if (stored.decode() if isinstance(stored, bytes) else stored) != mine:
-        raise eccl.InvalidArgumentError(
-            f"another process published rank {rank}'s key in the rendezvous store before "
-            "this one: something else on the store is posing as this rank (or two "
-            "processes were started as the same rank)")
+        why = (f"another process published rank {rank}'s key in the rendezvous store "
+               "before this one: something else on the store is posing as this rank (or "
+               "two processes were started as the same rank)")
+        store.set(CONFLICT, why)
+        raise eccl.InvalidArgumentError(why)
     store.set(f"eccl/published/{rank}", "1")
     box = bytes.fromhex(_store_get(store, f"eccl/sealed/{rank}", timeout))
     return key.open(box, f"eccl/torch rank {rank}".encode()).decode()
+
+
+def _check_no_conflict(store: Any) -> None:
+    """Raises if a rank found its key published by another process: the job secret may
+    have gone to that process, so no rank goes on with it."""
+    if store.check([CONFLICT]):
+        why = store.get(CONFLICT).decode(errors="replace")
+        raise eccl.InvalidArgumentError(f"the job's set-up was tampered with: {why}")
 
 
 _created = 0

@@ -323,12 +323,42 @@ def test_a_store_writer_posing_as_a_rank_is_noticed():
     for t in ts:
         t.join()
     assert got == {0: "s" * 64, 1: "s" * 64, 2: "s" * 64}
-    # An impostor publishes rank 1's key first.
+    # An impostor publishes rank 1's key (and says it did) before rank 1. Rank 0 cannot
+    # tell (the store authenticates nobody): it seals the secret to the impostor's key.
+    # But rank 1, finding the key taken, stops and marks the store, and every rank stops
+    # at the check it makes once its world has formed, so none goes on with a secret
+    # the impostor may hold.
+    from eccl.torch_setup import _check_no_conflict
     store = dist.HashStore()
     impostor = eccl._eccl.OpenKey()
     store.set("eccl/key/1", impostor.public.hex())
-    with pytest.raises(eccl.InvalidArgumentError, match="posing as this rank"):
-        _share_secret(store, 1, 2, None, timeout)
+    store.set("eccl/published/1", "1")
+    short = timedelta(seconds=2)
+    got = {}
+
+    def rank(r):
+        got[r] = _try(lambda: _share_secret(store, r, 3, "s" * 64 if r == 0 else None, short))
+
+    rank(1)
+    assert isinstance(got[1], eccl.InvalidArgumentError) and "posing as this rank" in str(got[1])
+    # Ranks 0 and 2 then: rank 0 seals nothing more once the mark is there, so rank 2
+    # gets no box (its wait fails), and the check every rank makes stops them all.
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert isinstance(got[0], eccl.InvalidArgumentError) and "tampered with" in str(got[0]), got
+    assert isinstance(got[2], Exception), got
+    with pytest.raises(eccl.InvalidArgumentError, match="tampered with: another process"):
+        _check_no_conflict(store)
+
+
+def _try(f):
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+        return e
 
 
 EXAMPLES = HERE.parents[1] / "examples"
