@@ -46,6 +46,10 @@ pub struct MasterOptions {
     pub advertise: Option<String>,
     /// The job's secret, which peers and clients hold.
     pub secret: Secret,
+    /// Other jobs whose stores these masters keep too (torchrun rendezvous of several
+    /// jobs on shared masters): each name's secret opens that job's store scopes and
+    /// nothing else, neither the job's peers nor another job's scopes.
+    pub store_jobs: Vec<(String, Secret)>,
     /// This master's raft node id.
     pub node_id: u64,
     /// `None`: a single master (a one-node raft cluster with no raft listener).
@@ -62,6 +66,7 @@ impl MasterOptions {
             listen: listen.into(),
             advertise: None,
             secret,
+            store_jobs: Vec::new(),
             node_id: 1,
             cluster: None,
             timing: Timing::default(),
@@ -188,7 +193,7 @@ pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
     tasks.push(tokio::spawn(server::serve(
         listener,
         coordinator.clone(),
-        opts.secret.clone(),
+        server::Jobs::new(opts.secret.clone(), opts.store_jobs.clone())?,
     )));
     let raft_addr = match raft_listener {
         Some(l) => {

@@ -32,6 +32,12 @@ struct Args {
     /// Default: ~/.eccl/secret.
     #[arg(long, env = "ECCL_SECRET_FILE")]
     secret_file: Option<PathBuf>,
+    /// Keep the store of another job too, as NAME=SECRET_FILE (repeat it for each):
+    /// clients holding that job's secret open that job's own scopes (torchrun's
+    /// rendezvous of several jobs on shared masters) and nothing else. The file must
+    /// exist and be readable by its owner only.
+    #[arg(long = "store-job", value_name = "NAME=SECRET_FILE")]
+    store_jobs: Vec<String>,
     /// This master's raft node id (with --masters).
     #[arg(long, default_value_t = 1)]
     node_id: u64,
@@ -210,6 +216,16 @@ fn run(mut args: Args) -> anyhow::Result<()> {
     }
     let (secret, source) = job_secret(args.secret_file.as_ref())?;
     let mut opts = MasterOptions::new(args.listen.clone(), secret);
+    for spec in &args.store_jobs {
+        let Some((name, file)) = spec.split_once('=') else {
+            anyhow::bail!("--store-job {spec:?}: give NAME=SECRET_FILE");
+        };
+        eccl_master::store::check_job_name(name)
+            .map_err(|e| anyhow::anyhow!("--store-job: {e}"))?;
+        let s = Secret::read_file(std::path::Path::new(file))
+            .map_err(|e| anyhow::anyhow!("--store-job {name}: {e}"))?;
+        opts.store_jobs.push((name.to_string(), s));
+    }
     opts.node_id = args.node_id;
     opts.advertise = args.advertise.clone();
     if let Some(m) = &args.masters {

@@ -22,7 +22,56 @@ use crate::registry::Command;
 pub use eccl_transport::admission::MAX_PENDING;
 
 /// Accepts connections until the task is aborted.
-pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secret) {
+/// The credentials the client listener takes: the job's (its peers and its store), and
+/// those of other jobs whose stores these masters keep too, each opening only its own
+/// job's scopes.
+#[derive(Clone)]
+pub struct Jobs {
+    /// The job's secret first, then each store job's, in [`Jobs::names`]' order.
+    secrets: Arc<Vec<Secret>>,
+    names: Arc<Vec<String>>,
+}
+
+/// Store jobs one master set keeps at most.
+pub const MAX_STORE_JOBS: usize = 64;
+
+impl Jobs {
+    pub fn new(job: Secret, store_jobs: Vec<(String, Secret)>) -> anyhow::Result<Jobs> {
+        if store_jobs.len() > MAX_STORE_JOBS {
+            anyhow::bail!("{} store jobs (at most {MAX_STORE_JOBS})", store_jobs.len());
+        }
+        let mut names = Vec::new();
+        let id = |s: &Secret| s.derive(b"eccl-distinct-jobs");
+        let mut ids = vec![id(&job)];
+        let mut secrets = vec![job];
+        for (name, secret) in store_jobs {
+            if ids.contains(&id(&secret)) {
+                anyhow::bail!(
+                    "store job {name:?} has the secret of another job: give each its own"
+                );
+            }
+            ids.push(id(&secret));
+            crate::store::check_job_name(&name).map_err(|e| anyhow::anyhow!(e))?;
+            if names.contains(&name) {
+                anyhow::bail!("store job {name:?} is named twice");
+            }
+            names.push(name);
+            secrets.push(secret);
+        }
+        Ok(Jobs {
+            secrets: Arc::new(secrets),
+            names: Arc::new(names),
+        })
+    }
+
+    /// The store job a connection authenticated with secret `i` belongs to (`None`: the
+    /// job whose peers these masters serve).
+    fn of(&self, i: usize) -> Option<String> {
+        i.checked_sub(1).and_then(|j| self.names.get(j).cloned())
+    }
+}
+
+pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, jobs: Jobs) {
     let pending = Admission::new(MAX_PENDING);
     loop {
         let (stream, remote) = match listener.accept().await {
@@ -33,12 +82,12 @@ pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secre
                 continue;
             }
         };
-        let (coord, secret) = (coord.clone(), secret.clone());
+        let (coord, jobs) = (coord.clone(), jobs.clone());
         pending.admit(
             async move {
-                match control::accept(stream, &secret).await {
-                    Ok((Role::PeerToMaster, conn)) => Some(conn),
-                    Ok((role, _)) => {
+                match control::accept_any(stream, &jobs.secrets).await {
+                    Ok((Role::PeerToMaster, i, conn)) => Some((conn, jobs.of(i))),
+                    Ok((role, _, _)) => {
                         if let Some(held) = logging::limit("master: wrong role") {
                             tracing::warn!(target: "eccl::master", "refused a {role:?} connection from {remote} on the client listener{}", logging::held_note(held));
                         }
@@ -54,8 +103,8 @@ pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, secret: Secre
                     }
                 }
             },
-            move |conn| async move {
-                if let Err(e) = serve_peer(conn, remote, coord).await {
+            move |(conn, job)| async move {
+                if let Err(e) = serve_peer(conn, remote, coord, job).await {
                     tracing::warn!(target: "eccl::master", "connection from {remote}: {e}");
                 }
             },
@@ -105,6 +154,7 @@ async fn serve_peer(
     conn: ControlConn,
     remote: SocketAddr,
     coord: Arc<Coordinator>,
+    job: Option<String>,
 ) -> anyhow::Result<()> {
     let ControlConn { mut rx, mut tx, .. } = conn;
     let (out, mut out_rx) = mpsc::channel::<Outgoing>(crate::coordinator::OUTBOX);
@@ -162,6 +212,17 @@ async fn serve_peer(
             reply.send(MasterReply::NotLeader { leader });
             continue;
         }
+        if let Some(name) = &job {
+            if !matches!(req.body, PeerRequest::Store(_)) {
+                reply.send(MasterReply::Error {
+                    code: ErrorCode::InvalidArgument,
+                    message: format!(
+                        "the secret of store job {name:?} opens that job's store on these masters, nothing else"
+                    ),
+                });
+                continue;
+            }
+        }
         match req.body {
             PeerRequest::Store(sreq) => {
                 use eccl_protocol::StoreRequest as S;
@@ -175,20 +236,26 @@ async fn serve_peer(
                 match sreq {
                     // These change whom the connection speaks for: in order, here.
                     S::Open { .. } | S::Attach { .. } | S::Close => {
-                        coord.store_request(&mut store_session, sreq, reply).await
+                        coord
+                            .store_request(&mut store_session, job.as_deref(), sreq, reply)
+                            .await
                     }
                     // A write may wait on raft (an election): never in the way of the
                     // keep-alives behind it, which are quick and never bounded.
                     S::KeepAlive => {
-                        let (coord, mut session) = (coord.clone(), store_session);
+                        let (coord, mut session, job) = (coord.clone(), store_session, job.clone());
                         tokio::spawn(async move {
-                            coord.store_request(&mut session, S::KeepAlive, reply).await
+                            coord
+                                .store_request(&mut session, job.as_deref(), S::KeepAlive, reply)
+                                .await
                         });
                     }
                     sreq => {
-                        let (coord, mut session) = (coord.clone(), store_session);
+                        let (coord, mut session, job) = (coord.clone(), store_session, job.clone());
                         spawn_bounded(&tasks, reply.clone(), async move {
-                            coord.store_request(&mut session, sreq, reply).await
+                            coord
+                                .store_request(&mut session, job.as_deref(), sreq, reply)
+                                .await
                         });
                     }
                 }

@@ -8,6 +8,44 @@ use std::collections::{BTreeMap, VecDeque};
 use eccl_protocol::{StoreLimits, StoreReply, StoreWrite};
 use serde::{Deserialize, Serialize};
 
+/// Bytes of keys and values all scopes of one store job hold together (see
+/// [`job_scope`]), and sessions one job may have open: one job cannot take the store's
+/// whole room from the others.
+pub const MAX_JOB_BYTES: u64 = 64 << 20;
+pub const MAX_JOB_SESSIONS: usize = 1024;
+
+/// Why `name` cannot name a store job: 1 to 64 of `[A-Za-z0-9_-]`.
+pub fn check_job_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name:?} cannot name a store job (1 to 64 of A-Z a-z 0-9 _ -)"
+        ))
+    }
+}
+
+/// The scope a store job's client means by `scope`: the job's scopes are kept apart from
+/// every other job's (and from those of the job whose peers the masters serve, `None`,
+/// which keep their plain names) by a prefix that no client-given name can hold (`#` is
+/// not allowed in one).
+pub fn job_scope(job: Option<&str>, scope: &str) -> String {
+    match job {
+        None => scope.to_string(),
+        Some(j) => format!("{j}#{scope}"),
+    }
+}
+
+/// The store job a scope belongs to (see [`job_scope`]).
+pub fn job_of_scope(scope: &str) -> Option<&str> {
+    scope.split_once('#').map(|(j, _)| j)
+}
+
 /// Writes a session remembers, so that one sent again after a fail-over is answered,
 /// not applied twice.
 const REMEMBERED_WRITES: usize = 64;
@@ -338,7 +376,25 @@ impl Store {
     pub fn apply(&mut self, cmd: &StoreCommand) -> Result<StoreReply, String> {
         match cmd {
             StoreCommand::Open { scope, token } => {
-                StoreLimits::check_scope(scope)?;
+                let job = job_of_scope(scope);
+                let (job_name, plain) = match scope.split_once('#') {
+                    Some((j, s)) => (Some(j), s),
+                    None => (None, scope.as_str()),
+                };
+                StoreLimits::check_scope(plain)?;
+                if let Some(j) = job_name {
+                    check_job_name(j)?;
+                }
+                let of_job = self
+                    .sessions
+                    .values()
+                    .filter(|s| job_of_scope(&s.scope) == job)
+                    .count();
+                if of_job >= MAX_JOB_SESSIONS {
+                    return Err(format!(
+                        "{of_job} store sessions of this job are open (at most {MAX_JOB_SESSIONS})"
+                    ));
+                }
                 if self.sessions.len() >= StoreLimits::MAX_SESSIONS {
                     return Err(format!(
                         "{} store sessions are open (at most {})",
@@ -412,7 +468,16 @@ impl Store {
             .filter(|(n, _)| n.as_str() != name)
             .map(|(_, sc)| sc.bytes)
             .sum();
-        StoreLimits::MAX_SCOPE_BYTES.min(StoreLimits::MAX_STORE_BYTES.saturating_sub(others))
+        // The job's other scopes: a job's scopes together hold at most MAX_JOB_BYTES.
+        let job = job_of_scope(name);
+        let same_job: u64 = scopes
+            .iter()
+            .filter(|(n, _)| n.as_str() != name && job_of_scope(n) == job)
+            .map(|(_, sc)| sc.bytes)
+            .sum();
+        StoreLimits::MAX_SCOPE_BYTES
+            .min(StoreLimits::MAX_STORE_BYTES.saturating_sub(others))
+            .min(MAX_JOB_BYTES.saturating_sub(same_job))
     }
 
     /// Why a write would be refused if proposed now (the session has ended, or the
@@ -662,7 +727,9 @@ mod tests {
         let scopes = StoreLimits::MAX_STORE_BYTES / StoreLimits::MAX_SCOPE_BYTES;
         let mut refused = 0;
         for sc in 0..=scopes {
-            let a = open(&mut s, &format!("s{sc}"));
+            // Each scope of its own job: a job's scopes together hold no more than a
+            // scope's worth (MAX_JOB_BYTES), which is tested below.
+            let a = open(&mut s, &job_scope(Some(&format!("j{sc}")), "s"));
             for i in 0..per_scope {
                 let op = StoreWrite::Set {
                     key: format!("k{i}").into_bytes(),
@@ -678,6 +745,47 @@ mod tests {
         assert!(refused >= per_scope - 4, "{refused}");
         let total: u64 = s.scopes.values().map(|sc| sc.bytes).sum();
         assert!(total <= StoreLimits::MAX_STORE_BYTES);
+    }
+
+    /// Store jobs: one job's scopes are apart from every other's (the same name is two
+    /// scopes), and all of one job's scopes together hold at most MAX_JOB_BYTES, so
+    /// one job cannot take the store's room from the others.
+    #[test]
+    fn jobs_have_scopes_of_their_own_and_a_bound_together() {
+        let mut s = Store::default();
+        let a = open(&mut s, "rdzv");
+        let b = open(&mut s, &job_scope(Some("other"), "rdzv"));
+        write(&mut s, a, 1, set("addr", "mine")).unwrap();
+        assert_eq!(s.scope_of(b).unwrap().get(b"addr"), None);
+        write(&mut s, b, 1, set("addr", "theirs")).unwrap();
+        assert_eq!(s.scope_of(a).unwrap().get(b"addr"), Some(&b"mine"[..]));
+        let value = vec![0u8; StoreLimits::MAX_VALUE];
+        let mut refused = None;
+        for i in 0..(MAX_JOB_BYTES / StoreLimits::MAX_VALUE as u64 + 2) {
+            // A fresh scope of job "other" for every eight values.
+            let sess = open(&mut s, &job_scope(Some("other"), &format!("s{}", i / 8)));
+            let op = StoreWrite::Set {
+                key: format!("k{i}").into_bytes(),
+                value: value.clone(),
+                ephemeral: false,
+            };
+            if let Err(e) = write(&mut s, sess, 1, op) {
+                refused = Some(e);
+                break;
+            }
+        }
+        let e = refused.expect("the job's bound refused a write");
+        assert!(e.contains("at most"), "{e}");
+        // The first job still writes.
+        let big = StoreWrite::Set {
+            key: b"big".to_vec(),
+            value,
+            ephemeral: false,
+        };
+        write(&mut s, a, 2, big).unwrap();
+        assert!(
+            job_scope(Some("x"), "y").contains('#') && StoreLimits::check_scope("x#y").is_err()
+        );
     }
 
     #[test]

@@ -70,6 +70,19 @@ pub async fn accept(
     Ok((role, ControlConn::new(tls, name, peer_addr)))
 }
 
+/// [`accept`] with several secrets: also the index of the one the dialer proved (a
+/// master serving several jobs' stores tells their connections apart by it).
+pub async fn accept_any(
+    stream: TcpStream,
+    secrets: &[Secret],
+) -> Result<(Role, usize, ControlConn), TransportError> {
+    let peer_addr = stream.peer_addr().ok();
+    let name = peer_addr.map_or_else(|| "?".to_string(), |a| a.to_string());
+    let _ = stream.set_nodelay(true);
+    let (role, i, tls) = crate::tls::accept_any(stream, secrets, &name).await?;
+    Ok((role, i, ControlConn::new(tls, name, peer_addr)))
+}
+
 /// A framed control connection; split it to read and write from different tasks.
 pub struct ControlConn {
     pub rx: ControlRx,

@@ -81,6 +81,19 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     secret: &Secret,
     peer: &str,
 ) -> Result<Role, TransportError> {
+    accept_any(stream, std::slice::from_ref(secret), peer)
+        .await
+        .map(|(role, _)| role)
+}
+
+/// [`accept`] for an acceptor that holds several secrets (a master that serves the
+/// stores of several jobs): returns the role and the index of the secret the dialer
+/// proved. Every secret is tried, so the time taken does not say which one matched.
+pub async fn accept_any<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    secrets: &[Secret],
+    peer: &str,
+) -> Result<(Role, usize), TransportError> {
     let run = async {
         let io = |e| TransportError::io(peer, e);
         let auth = |e| TransportError::Auth {
@@ -103,13 +116,20 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
                 theirs: msg.version,
             }));
         }
-        if !secret.verify_dialer(msg.role, &my_nonce, &msg.nonce, &msg.proof) {
-            return Err(auth(AuthError::BadProof));
+        let mut matched = None;
+        for (i, secret) in secrets.iter().enumerate() {
+            let ok = secret.verify_dialer(msg.role, &my_nonce, &msg.nonce, &msg.proof);
+            if ok && matched.is_none() {
+                matched = Some(i);
+            }
         }
-        let proof = secret.acceptor_proof(msg.role, &msg.nonce, &my_nonce);
+        let Some(i) = matched else {
+            return Err(auth(AuthError::BadProof));
+        };
+        let proof = secrets[i].acceptor_proof(msg.role, &msg.nonce, &my_nonce);
         stream.write_all(&proof).await.map_err(io)?;
         stream.flush().await.map_err(io)?;
-        Ok(msg.role)
+        Ok((msg.role, i))
     };
     tokio::time::timeout(HANDSHAKE_TIMEOUT, run)
         .await

@@ -163,6 +163,18 @@ pub async fn accept(
     secret: &Secret,
     peer: &str,
 ) -> Result<(Role, tokio_rustls::server::TlsStream<TcpStream>), TransportError> {
+    accept_any(tcp, std::slice::from_ref(secret), peer)
+        .await
+        .map(|(role, _, tls)| (role, tls))
+}
+
+/// [`accept`] with several secrets (see [`handshake::accept_any`]): also says which one
+/// the dialer proved.
+pub async fn accept_any(
+    tcp: TcpStream,
+    secrets: &[Secret],
+    peer: &str,
+) -> Result<(Role, usize, tokio_rustls::server::TlsStream<TcpStream>), TransportError> {
     let config = server_config().map_err(|e| tls_err(peer, e))?;
     let run = async {
         let mut tls = TlsAcceptor::from(config)
@@ -174,8 +186,9 @@ pub async fn accept(
             .1
             .export_keying_material([0u8; 32], EXPORTER_LABEL, None)
             .map_err(|e| tls_err(peer, e))?;
-        let role = handshake::accept(&mut tls, &secret.bind(&ekm), peer).await?;
-        Ok((role, tls))
+        let bound: Vec<Secret> = secrets.iter().map(|s| s.bind(&ekm)).collect();
+        let (role, i) = handshake::accept_any(&mut tls, &bound, peer).await?;
+        Ok((role, i, tls))
     };
     tokio::time::timeout(handshake::HANDSHAKE_TIMEOUT, run)
         .await

@@ -123,10 +123,13 @@ fn check_keys(keys: &[Vec<u8>]) -> Result<(), MasterReply> {
 
 impl Coordinator {
     /// Answers one store request of a connection. `session` is the session this
-    /// connection speaks for (set by `Open`/`Attach`, cleared by `Close`).
+    /// connection speaks for (set by `Open`/`Attach`, cleared by `Close`); `job` the
+    /// store job its secret belongs to (`None`: the job whose peers the masters serve),
+    /// whose scopes are the only ones it opens or attaches to.
     pub async fn store_request(
         self: &Arc<Self>,
         session: &mut Option<u64>,
+        job: Option<&str>,
         req: StoreRequest,
         reply: ReplyTo,
     ) {
@@ -146,7 +149,7 @@ impl Coordinator {
                 }
                 let token: [u8; 32] = rand::random();
                 let cmd = StoreCommand::Open {
-                    scope: scope.clone(),
+                    scope: crate::store::job_scope(job, &scope),
                     token,
                 };
                 match self.store_propose(cmd).await {
@@ -167,7 +170,13 @@ impl Coordinator {
                 }
             }
             StoreRequest::Attach { session: id, token } => {
-                let known = self.raft.read(|r| r.store().session(id).map(|s| s.token));
+                // A session of another job is as unknown as one that never was.
+                let known = self.raft.read(|r| {
+                    r.store()
+                        .session(id)
+                        .filter(|s| crate::store::job_of_scope(&s.scope) == job)
+                        .map(|s| s.token)
+                });
                 match known {
                     Some(t) if blake3::Hash::from(t) == blake3::Hash::from(token) => {
                         self.store.leases().insert(id, Instant::now());

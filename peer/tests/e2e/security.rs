@@ -36,7 +36,22 @@ async fn registered(
     addr: &str,
     host: &str,
 ) -> (control::ControlConn, Option<eccl::PeerId>, MasterReply) {
-    let mut c = control::connect(addr, &secret(), Role::PeerToMaster, Duration::from_secs(5))
+    registered_as(addr, host, &secret()).await
+}
+
+async fn registered_with(
+    addr: &str,
+    secret: &Secret,
+) -> (control::ControlConn, Option<eccl::PeerId>, MasterReply) {
+    registered_as(addr, "h", secret).await
+}
+
+async fn registered_as(
+    addr: &str,
+    host: &str,
+    secret: &Secret,
+) -> (control::ControlConn, Option<eccl::PeerId>, MasterReply) {
+    let mut c = control::connect(addr, secret, Role::PeerToMaster, Duration::from_secs(5))
         .await
         .unwrap();
     let reg = RegisterRequest {
@@ -273,23 +288,35 @@ fn peak(pid: u32) -> u64 {
 struct RawStore {
     conn: control::ControlConn,
     next: u64,
+    /// The session and its credential.
+    session: (u64, [u8; 32]),
 }
 
 impl RawStore {
     async fn open(addr: &str, scope: &str) -> RawStore {
-        let conn = control::connect(addr, &secret(), Role::PeerToMaster, Duration::from_secs(5))
+        RawStore::open_with(addr, &secret(), scope).await
+    }
+
+    async fn open_with(addr: &str, secret: &Secret, scope: &str) -> RawStore {
+        let conn = control::connect(addr, secret, Role::PeerToMaster, Duration::from_secs(5))
             .await
             .unwrap();
-        let mut s = RawStore { conn, next: 1 };
+        let mut s = RawStore {
+            conn,
+            next: 1,
+            session: (0, [0; 32]),
+        };
         let r = s
             .ask(StoreRequest::Open {
                 scope: scope.into(),
             })
             .await;
-        assert!(
-            matches!(r, MasterReply::Store(StoreReply::Session { .. })),
-            "{r:?}"
-        );
+        match r {
+            MasterReply::Store(StoreReply::Session { session, token, .. }) => {
+                s.session = (session, token)
+            }
+            r => panic!("{r:?}"),
+        }
         s
     }
 
@@ -469,4 +496,66 @@ async fn an_idle_connection_is_closed() {
         "closed after {after:?}"
     );
     talker.await.unwrap();
+}
+
+/// Finding: store scopes did not separate jobs. Masters that keep another job's store
+/// (`--store-job other=FILE`) take that job's secret for its scopes only: the same scope
+/// name is two scopes, a session of one job cannot be attached to with the other's
+/// secret, the other job's secret opens nothing but its store, and a third secret
+/// opens nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_jobs_store_is_apart() {
+    let dir = std::env::temp_dir().join(format!("eccl-store-job-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("other");
+    let other_secret = "another-jobs-secret-0123456789abcdef";
+    std::fs::write(&file, other_secret).unwrap();
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let spec = format!("other={}", file.display());
+    let m = start_master(&[
+        "--lease-ms",
+        "60000",
+        "--heartbeat-ms",
+        "1000",
+        "--store-job",
+        &spec,
+    ]);
+    let other = Secret::new(other_secret).unwrap();
+    let mut a = RawStore::open(&m.addr, "rdzv").await;
+    let mut b = RawStore::open_with(&m.addr, &other, "rdzv").await;
+    let done = MasterReply::Store(StoreReply::Done);
+    assert_eq!(a.set(1, "addr", b"mine".to_vec()).await, done);
+    let get = |k: &str| StoreRequest::Get {
+        keys: vec![k.as_bytes().to_vec()],
+    };
+    assert_eq!(
+        b.ask(get("addr")).await,
+        MasterReply::Store(StoreReply::Values(vec![None]))
+    );
+    assert_eq!(b.set(1, "addr", b"theirs".to_vec()).await, done);
+    assert_eq!(
+        a.ask(get("addr")).await,
+        MasterReply::Store(StoreReply::Values(vec![Some(b"mine".to_vec())]))
+    );
+    assert_eq!(
+        b.ask(StoreRequest::List { prefix: vec![] }).await,
+        MasterReply::Store(StoreReply::Pairs(vec![(
+            b"addr".to_vec(),
+            b"theirs".to_vec()
+        )]))
+    );
+    // The other job's secret cannot attach to this job's session, even with its token.
+    let mut c = RawStore::open_with(&m.addr, &other, "x").await;
+    let (session, token) = a.session;
+    let r = c.ask(StoreRequest::Attach { session, token }).await;
+    assert!(refused_with(&r, "has ended"), "{r:?}");
+    // Nor register as a peer of the job the masters serve.
+    let (_, id, reply) = registered_with(&m.addr, &other).await;
+    assert!(id.is_none(), "{reply:?}");
+    assert!(refused_with(&reply, "opens that job's store"), "{reply:?}");
+    // A secret of neither job opens nothing.
+    let third = Secret::new("a-third-jobs-secret-0123456789abcd").unwrap();
+    let r = control::connect(&m.addr, &third, Role::PeerToMaster, Duration::from_secs(5)).await;
+    assert!(r.is_err(), "a third secret was taken");
+    let _ = std::fs::remove_dir_all(&dir);
 }
