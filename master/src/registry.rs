@@ -1,11 +1,22 @@
-//! The replicated registry: who registered, who is a member, and the world of the
-//! current epoch. A pure state machine: `apply` is deterministic, so every master that
-//! applies the same raft log holds the same registry (guarantee G6 rests on this).
+//! The replicated registry: who registered, who is a member of which world, and each
+//! world's current epoch. A pure state machine: `apply` is deterministic, so every master
+//! that applies the same raft log holds the same registry (guarantee G6 rests on this).
+//!
+//! **Worlds.** A job usually has one world, formed and grown by `update_topology()`: the
+//! *elastic* world, the one that admits pending peers. torch's `_reconfigure` can split a
+//! job into several disjoint worlds and merge them again: a reconfigure forms a world of
+//! exactly the peers it names (all of whom asked for it), and the worlds they came from
+//! go on with the members that were not named, each at a new epoch of its own. Nobody is
+//! ever removed by someone else's reconfigure: a member leaves a world only by asking to
+//! (a reconfigure that names it, `leave`), or by failing (eviction). Every world takes
+//! its epoch numbers from one counter, so an epoch number names one world (G6) and a
+//! member's epochs only grow. Reconfigure uuids are unique per job (a reused one is
+//! refused), with no order between them.
 //!
 //! Only decisions live here. Heartbeats, votes in progress and connections live in the
 //! leader's memory ([`crate::coordinator`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use eccl_protocol::{Member, PeerId, World};
 use serde::{Deserialize, Serialize};
@@ -69,9 +80,9 @@ pub enum Command {
     /// A change to the key-value store (sessions, scopes, keys).
     Store(crate::store::StoreCommand),
     // New variants go last: raft logs on disk name variants by their index.
-    /// torch's `_reconfigure`: the next epoch is a world of exactly `members` (ranks in
-    /// list order when `ordered`), if `uuid` is newer than every earlier one. Members of
-    /// the current world left out are gone (G4: they never come back under their id).
+    /// torch's `_reconfigure`: a world of exactly `members` (ranks in list order when
+    /// `ordered`) at a new epoch, if `uuid` was not used before in this job. The worlds
+    /// they come from go on with their other members at new epochs of their own.
     Reconfigure {
         uuid: u64,
         members: Vec<PeerId>,
@@ -95,14 +106,31 @@ pub enum Outcome {
     Rejected(String),
     /// The answer to a store command, or why it was refused (nothing changed).
     Store(Result<eccl_protocol::StoreReply, String>),
+    /// A reconfigure's world, and each world its members came from that goes on with
+    /// the others: (that world's epoch before, its world now).
+    Reconfigured {
+        world: World,
+        remainders: Vec<(u64, World)>,
+    },
+}
+
+/// One of the job's worlds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorldEntry {
+    pub world: World,
+    /// Formed by a reconfigure (or what is left of one): it changes only by reconfigures
+    /// and losses, and admits no pending peer at update_topology().
+    pub by_reconfigure: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registry {
     next_peer_id: PeerId,
     peers: BTreeMap<PeerId, PeerRecord>,
+    /// The last epoch number given to any world.
     epoch: u64,
-    world: Option<World>,
+    /// The job's worlds, by their current epoch.
+    worlds: BTreeMap<u64, WorldEntry>,
     /// The last shared state the members agreed on: (epoch, revision, hash).
     state_revision: Option<(u64, u64, [u8; 32])>,
     /// The newest sync plan: (epoch, round, the reply every member of the round gets).
@@ -113,9 +141,14 @@ pub struct Registry {
     )>,
     /// The key-value store (torchrun's rendezvous and stores).
     store: crate::store::Store,
-    /// The uuid of the last committed reconfigure: a later one must be newer.
-    last_uuid: Option<u64>,
+    /// Reconfigure uuids used, newest last: one is refused while it is here (the newest
+    /// [`MAX_USED_UUIDS`]).
+    used_uuids: VecDeque<u64>,
 }
+
+/// Reconfigure uuids remembered as used: what one job member can make the masters hold
+/// by reconfiguring itself over and over.
+pub const MAX_USED_UUIDS: usize = 4096;
 
 /// Departed peers remembered (so that their late requests are told they are gone);
 /// older ones are forgotten and get "unknown peer" instead.
@@ -131,9 +164,16 @@ impl Registry {
         out
     }
 
-    /// Forgets all but the [`MAX_GONE`] most recent departed peers. Deterministic, so
-    /// every replica prunes alike.
+    /// Forgets all but the [`MAX_GONE`] most recent departed peers, and worlds with no
+    /// member left. Deterministic, so every replica prunes alike.
     fn prune(&mut self) {
+        let peers = &self.peers;
+        self.worlds.retain(|_, e| {
+            e.world
+                .members
+                .iter()
+                .any(|m| matches!(peers.get(&m.peer_id), Some(r) if r.state == PeerState::Member))
+        });
         let gone: Vec<PeerId> = self
             .peers
             .iter()
@@ -221,6 +261,7 @@ impl Registry {
     }
 
     fn remove(&mut self, peer: PeerId, reason: String) -> Outcome {
+        let epoch = self.world_of(peer).map_or(self.epoch, |w| w.epoch);
         let Some(rec) = self.peers.get_mut(&peer) else {
             return Outcome::Rejected(format!("unknown peer {peer}"));
         };
@@ -228,7 +269,7 @@ impl Registry {
             return Outcome::Removed {
                 peer,
                 was_member: false,
-                epoch: self.epoch,
+                epoch,
             };
         }
         let was_member = rec.state == PeerState::Member;
@@ -236,14 +277,33 @@ impl Registry {
         Outcome::Removed {
             peer,
             was_member,
-            epoch: self.epoch,
+            epoch,
         }
     }
 
+    /// The next epoch of the world whose epoch is `expected` (its live members in their
+    /// order, then the pending peers of `admit` if it is the elastic world), or the
+    /// elastic world's first epoch when `expected` is 0 and there is none (a
+    /// compare-and-set: a stale leader cannot commit over a newer epoch).
     fn commit_epoch(&mut self, expected: u64, admit: &[PeerId], remove: &[PeerId]) -> Outcome {
-        if expected != self.epoch {
-            return Outcome::Rejected(format!("epoch is {} not {expected}", self.epoch));
-        }
+        let entry = if expected == 0 {
+            if self.elastic().is_some() {
+                return Outcome::Rejected(
+                    "a world is formed already: commit its next epoch instead".into(),
+                );
+            }
+            None
+        } else {
+            match self.worlds.get(&expected) {
+                Some(e) => Some(e.clone()),
+                None => {
+                    return Outcome::Rejected(format!(
+                        "epoch {expected} is not a world's current epoch (the last given is {})",
+                        self.epoch
+                    ))
+                }
+            }
+        };
         for p in remove {
             if let Some(rec) = self.peers.get_mut(p) {
                 if !matches!(rec.state, PeerState::Gone { .. }) {
@@ -254,33 +314,34 @@ impl Registry {
             }
         }
         // Survivors keep their relative order; newcomers follow, by rank hint then id.
-        let mut members: Vec<PeerId> = self
-            .world
+        let mut members: Vec<PeerId> = entry
             .iter()
-            .flat_map(|w| w.members.iter().map(|m| m.peer_id))
+            .flat_map(|e| e.world.members.iter().map(|m| m.peer_id))
             .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
             .collect();
-        let mut newcomers: Vec<PeerId> = admit
-            .iter()
-            .copied()
-            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Pending))
-            .collect();
-        newcomers.sort_by_key(|p| (self.peers[p].rank_hint.unwrap_or(u32::MAX), *p));
-        newcomers.dedup();
-        members.extend(newcomers);
+        let by_reconfigure = entry.as_ref().is_some_and(|e| e.by_reconfigure);
+        if !by_reconfigure {
+            let mut newcomers: Vec<PeerId> = admit
+                .iter()
+                .copied()
+                .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Pending))
+                .collect();
+            newcomers.sort_by_key(|p| (self.peers[p].rank_hint.unwrap_or(u32::MAX), *p));
+            newcomers.dedup();
+            members.extend(newcomers);
+        }
         if members.is_empty() {
             return Outcome::Rejected("an epoch needs at least one member".into());
         }
-        self.epoch += 1;
-        let world = self.world_of(&members);
-        self.world = Some(world.clone());
+        self.worlds.remove(&expected);
+        let world = self.new_world(&members, by_reconfigure);
         Outcome::Epoch(world)
     }
 
     fn reconfigure(&mut self, uuid: u64, listed: &[PeerId], ordered: bool) -> Outcome {
-        if let Some(last) = self.last_uuid.filter(|l| uuid <= *l) {
+        if self.used_uuids.contains(&uuid) {
             return Outcome::Rejected(format!(
-                "reconfigure uuid {uuid} is not newer than the last one ({last}): pass a fresh, larger uuid"
+                "reconfigure uuid {uuid} was already used in this job: pass a fresh one"
             ));
         }
         if listed.is_empty() || listed.len() > eccl_protocol::MAX_WORLD_SIZE {
@@ -304,36 +365,57 @@ impl Registry {
         }
         let mut members = listed.to_vec();
         if !ordered {
-            // A set: members of the current world keep their order, the others follow
-            // by rank hint, then id.
-            let rank = |p: &PeerId| {
-                self.world
-                    .as_ref()
-                    .and_then(|w| w.rank_of(*p))
-                    .map_or(u32::MAX, |r| r.0)
+            // A set: members keep the order of the worlds they come from (older worlds
+            // first), the others follow by rank hint, then id.
+            let place = |p: &PeerId| {
+                self.world_of(*p)
+                    .and_then(|w| w.rank_of(*p).map(|r| (w.epoch, r.0)))
+                    .unwrap_or((u64::MAX, u32::MAX))
             };
-            members.sort_by_key(|p| (rank(p), self.peers[p].rank_hint.unwrap_or(u32::MAX), *p));
+            members.sort_by_key(|p| (place(p), self.peers[p].rank_hint.unwrap_or(u32::MAX), *p));
         }
-        for p in self.live_members() {
-            if !members.contains(&p) {
-                if let Some(rec) = self.peers.get_mut(&p) {
-                    rec.state = PeerState::Gone {
-                        reason: format!("left out of the world by reconfigure {uuid}"),
-                    };
-                }
+        // The worlds the named members come from go on with the others, each at a new
+        // epoch; nobody is removed.
+        let from: Vec<u64> = {
+            let mut f: Vec<u64> = members
+                .iter()
+                .filter_map(|p| self.world_of(*p).map(|w| w.epoch))
+                .collect();
+            f.sort_unstable();
+            f.dedup();
+            f
+        };
+        let mut remainders = Vec::new();
+        for epoch in from {
+            let Some(old) = self.worlds.remove(&epoch) else {
+                continue;
+            };
+            let rest: Vec<PeerId> = old
+                .world
+                .members
+                .iter()
+                .map(|m| m.peer_id)
+                .filter(|p| !members.contains(p))
+                .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
+                .collect();
+            if !rest.is_empty() {
+                let w = self.new_world(&rest, old.by_reconfigure);
+                remainders.push((epoch, w));
             }
         }
-        self.last_uuid = Some(uuid);
-        self.epoch += 1;
-        let world = self.world_of(&members);
-        self.world = Some(world.clone());
-        Outcome::Epoch(world)
+        self.used_uuids.push_back(uuid);
+        while self.used_uuids.len() > MAX_USED_UUIDS {
+            self.used_uuids.pop_front();
+        }
+        let world = self.new_world(&members, true);
+        Outcome::Reconfigured { world, remainders }
     }
 
-    /// The world of the current epoch made of `members` in this order; each becomes a
-    /// member.
-    fn world_of(&mut self, members: &[PeerId]) -> World {
-        World {
+    /// A world of `members` in this order at the next epoch number; each becomes a
+    /// member of it.
+    fn new_world(&mut self, members: &[PeerId], by_reconfigure: bool) -> World {
+        self.epoch += 1;
+        let world = World {
             epoch: self.epoch,
             members: members
                 .iter()
@@ -351,16 +433,59 @@ impl Registry {
                     }
                 })
                 .collect(),
-        }
+        };
+        self.worlds.insert(
+            self.epoch,
+            WorldEntry {
+                world: world.clone(),
+                by_reconfigure,
+            },
+        );
+        world
     }
 
+    /// The last epoch number given to any world.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
 
-    /// The uuid of the last committed reconfigure.
-    pub fn last_uuid(&self) -> Option<u64> {
-        self.last_uuid
+    /// Whether reconfigure `uuid` was used in this job already.
+    pub fn uuid_used(&self, uuid: u64) -> bool {
+        self.used_uuids.contains(&uuid)
+    }
+
+    /// The world `peer` is a member of now.
+    pub fn world_of(&self, peer: PeerId) -> Option<&World> {
+        if !matches!(self.peers.get(&peer), Some(r) if r.state == PeerState::Member) {
+            return None;
+        }
+        self.worlds
+            .values()
+            .map(|e| &e.world)
+            .find(|w| w.rank_of(peer).is_some())
+    }
+
+    /// The job's worlds, oldest epoch first.
+    pub fn worlds(&self) -> impl Iterator<Item = &WorldEntry> {
+        self.worlds.values()
+    }
+
+    /// The world update_topology() grows (the one not formed by a reconfigure).
+    pub fn elastic(&self) -> Option<&World> {
+        self.worlds
+            .values()
+            .find(|e| !e.by_reconfigure)
+            .map(|e| &e.world)
+    }
+
+    /// Members of the world at `epoch` that are still members (not evicted since).
+    pub fn live_members_of(&self, epoch: u64) -> Vec<PeerId> {
+        self.worlds
+            .get(&epoch)
+            .iter()
+            .flat_map(|e| e.world.members.iter().map(|m| m.peer_id))
+            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
+            .collect()
     }
 
     /// The last agreed shared state: (epoch, revision, hash).
@@ -385,20 +510,21 @@ impl Registry {
         &self.store
     }
 
+    /// The newest world (the only one, unless reconfigures split the job).
     pub fn world(&self) -> Option<&World> {
-        self.world.as_ref()
+        self.worlds.values().next_back().map(|e| &e.world)
     }
 
     pub fn peer(&self, id: PeerId) -> Option<&PeerRecord> {
         self.peers.get(&id)
     }
 
-    /// Members of the current world that are still members (not evicted since).
+    /// Members of every world that are still members (not evicted since).
     pub fn live_members(&self) -> Vec<PeerId> {
-        self.world
+        self.peers
             .iter()
-            .flat_map(|w| w.members.iter().map(|m| m.peer_id))
-            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
+            .filter(|(_, r)| r.state == PeerState::Member)
+            .map(|(p, _)| *p)
             .collect()
     }
 
@@ -490,45 +616,97 @@ mod tests {
         );
     }
 
+    fn rc(uuid: u64, members: Vec<PeerId>, ordered: bool) -> Command {
+        Command::Reconfigure {
+            uuid,
+            members,
+            ordered,
+        }
+    }
+
+    fn reconfigured(o: Outcome) -> (World, Vec<(u64, World)>) {
+        match o {
+            Outcome::Reconfigured { world, remainders } => (world, remainders),
+            o => panic!("{o:?}"),
+        }
+    }
+
     #[test]
     fn reconfigure_makes_exactly_the_named_world_once_per_uuid() {
         let mut r = Registry::default();
         let (a, b, c) = (reg(&mut r, None), reg(&mut r, None), reg(&mut r, None));
-        let rc = |uuid, members: Vec<PeerId>, ordered| Command::Reconfigure {
-            uuid,
-            members,
-            ordered,
-        };
         // The first world comes from pending peers, ranks in list order.
-        let Outcome::Epoch(w) = r.apply(&rc(5, vec![c, a, b], true)) else {
-            panic!()
-        };
-        assert_eq!((w.epoch, w.peer_ids()), (1, vec![c, a, b]));
-        // A uuid not newer than the last is refused and changes nothing.
-        for uuid in [5, 4] {
-            assert!(
-                matches!(r.apply(&rc(uuid, vec![a, b], true)), Outcome::Rejected(m) if m.contains("not newer"))
-            );
-        }
-        assert_eq!(r.epoch(), 1);
-        // A set keeps the current order; the member left out is gone for good.
-        let Outcome::Epoch(w) = r.apply(&rc(6, vec![b, c], false)) else {
-            panic!()
-        };
-        assert_eq!((w.epoch, w.peer_ids()), (2, vec![c, b]));
-        assert!(matches!(r.peer(a).unwrap().state, PeerState::Gone { .. }));
+        let (w, rest) = reconfigured(r.apply(&rc(5, vec![c, a, b], true)));
+        assert_eq!((w.epoch, w.peer_ids(), rest.len()), (1, vec![c, a, b], 0));
+        // A used uuid is refused and changes nothing; an older one is as good as any.
         assert!(
-            matches!(r.apply(&rc(7, vec![a, b], true)), Outcome::Rejected(m) if m.contains("gone"))
+            matches!(r.apply(&rc(5, vec![a, b], true)), Outcome::Rejected(m) if m.contains("already used"))
         );
-        // A newcomer grows the world.
+        assert_eq!(r.epoch(), 1);
+        // A set keeps the current order. The member left out is not removed: it goes on
+        // in a world of its own, at an epoch of its own.
+        let (w, rest) = reconfigured(r.apply(&rc(4, vec![b, c], false)));
+        assert_eq!(w.peer_ids(), vec![c, b]);
+        assert_eq!(rest.len(), 1);
+        let (was, left) = &rest[0];
+        assert_eq!((*was, left.peer_ids()), (1, vec![a]));
+        assert!(w.epoch != left.epoch && w.epoch > 1 && left.epoch > 1);
+        assert_eq!(r.world_of(a).map(|w| w.epoch), Some(left.epoch));
+        assert_eq!(r.peer(a).unwrap().state, PeerState::Member);
+        // The two worlds merge again, with a newcomer.
         let d = reg(&mut r, None);
-        let Outcome::Epoch(w) = r.apply(&rc(8, vec![b, c, d], true)) else {
-            panic!()
-        };
-        assert_eq!(w.peer_ids(), vec![b, c, d]);
+        let (w, rest) = reconfigured(r.apply(&rc(8, vec![b, c, d, a], true)));
+        assert_eq!((w.peer_ids(), rest.len()), (vec![b, c, d, a], 0));
+        assert_eq!(r.worlds().count(), 1);
         assert!(
             matches!(r.apply(&rc(9, vec![b, b], true)), Outcome::Rejected(m) if m.contains("twice"))
         );
+    }
+
+    /// torch's split-brain shape: two disjoint halves reconfigure into two worlds, each
+    /// at epochs of its own, update_topology() on one changes nothing in the other, and
+    /// a member's reconfigure of itself alone removes nobody (the finding: one member
+    /// once evicted the whole world with uuid 2^64-1 and burned every later uuid).
+    #[test]
+    fn disjoint_worlds_live_side_by_side_and_nobody_is_evicted_by_anothers_reconfigure() {
+        let mut r = Registry::default();
+        let p: Vec<PeerId> = (0..4).map(|i| reg(&mut r, Some(i))).collect();
+        let Outcome::Epoch(all) = r.apply(&Command::CommitEpoch {
+            expected_epoch: 0,
+            admit: p.clone(),
+            remove: vec![],
+        }) else {
+            panic!()
+        };
+        let (left, rest) = reconfigured(r.apply(&rc(100, vec![p[0], p[1]], true)));
+        assert_eq!(rest.len(), 1);
+        let right = &rest[0].1;
+        assert_eq!((rest[0].0, right.peer_ids()), (all.epoch, vec![p[2], p[3]]));
+        let (right2, rest) = reconfigured(r.apply(&rc(7, vec![p[2], p[3]], true)));
+        assert!(rest.is_empty());
+        assert_eq!(r.worlds().count(), 2);
+        // Each world's own next epoch, and no other's.
+        let Outcome::Epoch(l2) = r.apply(&Command::CommitEpoch {
+            expected_epoch: left.epoch,
+            admit: vec![],
+            remove: vec![],
+        }) else {
+            panic!()
+        };
+        assert_eq!(l2.peer_ids(), left.peer_ids());
+        assert_eq!(r.world_of(p[2]).unwrap(), &right2);
+        // One member alone, with the largest uuid: its world goes on without it.
+        let (solo, rest) = reconfigured(r.apply(&rc(u64::MAX, vec![p[0]], true)));
+        assert_eq!(solo.peer_ids(), vec![p[0]]);
+        assert_eq!(rest[0].1.peer_ids(), vec![p[1]]);
+        assert!(p
+            .iter()
+            .all(|x| r.peer(*x).unwrap().state == PeerState::Member));
+        // No uuid is burned: a smaller one still works, and the job merges back.
+        let (merged, _) = reconfigured(r.apply(&rc(3, p.clone(), true)));
+        assert_eq!(merged.peer_ids(), p);
+        // Epochs only grow for every member (G6), one number one world.
+        assert!(merged.epoch > solo.epoch && solo.epoch > l2.epoch);
     }
 
     #[test]

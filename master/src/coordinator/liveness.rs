@@ -128,8 +128,8 @@ impl Coordinator {
         suspect: Option<PeerId>,
         reason: String,
     ) {
-        let current = self.raft.read(|r| r.epoch());
-        if epoch != current {
+        let current = self.raft.read(|r| r.world_of(reporter).map(|w| w.epoch));
+        if current != Some(epoch) {
             return;
         }
         let silent_for = suspect.and_then(|s| self.leases().get(&s).map(|t| (s, t.elapsed())));
@@ -143,17 +143,16 @@ impl Coordinator {
             }
         }
         let mut st = self.state.lock().await;
-        if st.reported_epoch >= epoch {
+        if !st.reported.insert(epoch) {
             return;
         }
-        st.reported_epoch = epoch;
         tracing::info!(target: "eccl::master", "epoch {epoch} aborted: peer {reporter} reports {reason}");
         let ev = MasterEvent::AbortEpoch {
             epoch,
             cause: format!("peer {reporter} reports: {reason}"),
             evicted: None,
         };
-        for m in self.raft.read(|r| r.live_members()) {
+        for m in self.raft.read(|r| r.live_members_of(epoch)) {
             if let Some(c) = st.conns.get(&m) {
                 let _ = c.try_send(super::Outgoing::event(ev.clone()));
             }

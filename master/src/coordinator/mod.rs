@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId};
+use eccl_protocol::{ErrorCode, MasterEvent, MasterMessage, MasterReply, PeerId, World};
 use tokio::sync::{mpsc, Mutex};
 
 use crate::raft::{ProposeError, RaftRegistry};
@@ -90,10 +90,19 @@ struct State {
     syncs: HashMap<PeerId, SyncEntry>,
     /// Members waiting in a `reconfigure()` for the others it names.
     reconfigs: HashMap<PeerId, reconfigure::Request>,
-    /// The last epoch aborted because of a fault report (one abort per epoch is enough).
-    reported_epoch: u64,
-    /// The last epoch in which a member was evicted (its links are suspect).
-    evicted_epoch: u64,
+    /// Epochs aborted because of a fault report (one abort per epoch is enough), and
+    /// epochs in which a member was evicted (their links are suspect); trimmed to the
+    /// worlds' current epochs.
+    reported: std::collections::BTreeSet<u64>,
+    evicted: std::collections::BTreeSet<u64>,
+}
+
+impl State {
+    /// Forgets per-epoch marks of epochs that are no world's current one any more.
+    fn trim(&mut self, current: &[u64]) {
+        self.reported.retain(|e| current.contains(e));
+        self.evicted.retain(|e| current.contains(e));
+    }
 }
 
 /// A refusal with `code`, saying why.
@@ -243,7 +252,7 @@ impl Coordinator {
         );
         // A member that moved on to the next epoch will not join this epoch's sync
         // round, and will not ask whether peers are pending: answer those who wait.
-        if self.raft.read(|r| r.epoch()) == epoch {
+        if self.raft.read(|r| r.world_of(peer).map(|w| w.epoch)) == Some(epoch) {
             let cur: Vec<PeerId> = st
                 .syncs
                 .iter()
@@ -287,10 +296,10 @@ impl Coordinator {
         }
         let mut st = self.state.lock().await;
         self.touch(peer);
-        let current = self.raft.read(|r| r.epoch());
+        let current = self.raft.read(|r| r.world_of(peer).map_or(0, |w| w.epoch));
         if epoch != current {
             return reply.send(aborted_reply(format!(
-                "epoch {epoch} is over (the current epoch is {current})"
+                "epoch {epoch} is over (this peer's world is at epoch {current})"
             )));
         }
         // This round was decided (by a leader that then died, or while this member's
@@ -316,20 +325,37 @@ impl Coordinator {
         self.try_sync(&mut st).await;
     }
 
+    /// Completes every world's sync round whose live members have all reported.
     async fn try_sync(&self, st: &mut State) {
-        let (epoch, members) = self.raft.read(|r| (r.epoch(), r.live_members()));
-        let gone: Vec<PeerId> = st
+        let worlds = self.raft.read(|r| {
+            r.worlds()
+                .map(|e| (e.world.epoch, r.live_members_of(e.world.epoch)))
+                .collect::<Vec<_>>()
+        });
+        // A report from outside its world's current epoch (a member evicted since, or
+        // moved to another world) is over.
+        let over: Vec<PeerId> = st
             .syncs
-            .keys()
-            .copied()
-            .filter(|p| !members.contains(p))
+            .iter()
+            .filter(|(p, e)| {
+                !worlds
+                    .iter()
+                    .any(|(epoch, m)| *epoch == e.epoch && m.contains(p))
+            })
+            .map(|(p, _)| *p)
             .collect();
-        for p in gone {
+        for p in over {
             if let Some(e) = st.syncs.remove(&p) {
                 e.reply
                     .send(aborted_reply(format!("peer {p} is no longer a member")));
             }
         }
+        for (epoch, members) in worlds {
+            self.try_sync_world(st, epoch, members).await;
+        }
+    }
+
+    async fn try_sync_world(&self, st: &mut State, epoch: u64, members: Vec<PeerId>) {
         if members.is_empty()
             || !members
                 .iter()
@@ -389,39 +415,9 @@ impl Coordinator {
         }
     }
 
-    /// Completes the vote round if every live member has voted.
+    /// Completes every world's vote round whose live members have all voted, and forms
+    /// the elastic world from pending peers when there is none.
     async fn try_commit(&self, st: &mut State) {
-        let (epoch, members, world) = self
-            .raft
-            .read(|r| (r.epoch(), r.live_members(), r.world().cloned()));
-        // A member still in an older epoch catches up at once; it missed a commit.
-        if let Some(w) = &world {
-            let behind: Vec<PeerId> = members
-                .iter()
-                .copied()
-                .filter(|m| st.votes.get(m).is_some_and(|v| v.epoch != epoch))
-                .collect();
-            for m in behind {
-                if let Some(v) = st.votes.remove(&m) {
-                    // Its links are older than the others' idea of "previous epoch".
-                    v.reply.send(MasterReply::World {
-                        keys: self.raft.link_keys(w, m),
-                        world: w.clone(),
-                        changed: true,
-                        reuse_links: false,
-                    });
-                }
-            }
-        }
-        if !members.iter().all(|m| st.votes.contains_key(m)) {
-            return;
-        }
-        let pending: Vec<PeerId> = st
-            .votes
-            .keys()
-            .copied()
-            .filter(|p| self.known(*p) == Some(PeerState::Pending))
-            .collect();
         // Votes of peers that are gone are answered and dropped.
         let gone: Vec<PeerId> = st
             .votes
@@ -437,39 +433,128 @@ impl Coordinator {
                 });
             }
         }
-        let lost_members = world.as_ref().map_or(0, |w| w.size()) != members.len();
+        let worlds: Vec<(World, Vec<PeerId>, bool)> = self.raft.read(|r| {
+            r.worlds()
+                .map(|e| {
+                    (
+                        e.world.clone(),
+                        r.live_members_of(e.world.epoch),
+                        e.by_reconfigure,
+                    )
+                })
+                .collect()
+        });
+        let current: Vec<u64> = worlds.iter().map(|(w, _, _)| w.epoch).collect();
+        st.trim(&current);
+        let has_elastic = worlds.iter().any(|(_, _, by_rc)| !by_rc);
+        for (world, members, by_reconfigure) in worlds {
+            self.try_commit_world(st, world, members, !by_reconfigure)
+                .await;
+        }
+        if !has_elastic {
+            self.try_first_world(st).await;
+        }
+    }
+
+    /// Pending peers that voted, in id order.
+    fn pending_voters(&self, st: &State) -> Vec<PeerId> {
+        let mut p: Vec<PeerId> = st
+            .votes
+            .keys()
+            .copied()
+            .filter(|p| self.known(*p) == Some(PeerState::Pending))
+            .collect();
+        p.sort();
+        p
+    }
+
+    /// The elastic world's first epoch, once as many pending peers voted as any of them
+    /// asked for.
+    async fn try_first_world(&self, st: &mut State) {
+        let pending = self.pending_voters(st);
+        if pending.is_empty() {
+            return;
+        }
+        let need = pending
+            .iter()
+            .filter_map(|p| st.votes.get(p))
+            .map(|v| v.min_world)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        if pending.len() < need as usize {
+            return;
+        }
+        self.commit(st, 0, pending, false, false).await;
+    }
+
+    /// Completes the vote round of `world` if every live member of it has voted.
+    async fn try_commit_world(
+        &self,
+        st: &mut State,
+        world: World,
+        members: Vec<PeerId>,
+        elastic: bool,
+    ) {
+        let epoch = world.epoch;
+        // A member still in an older epoch catches up at once; it missed a commit (or
+        // its world went on without the members a reconfigure took).
+        let behind: Vec<PeerId> = members
+            .iter()
+            .copied()
+            .filter(|m| st.votes.get(m).is_some_and(|v| v.epoch != epoch))
+            .collect();
+        for m in behind {
+            if let Some(v) = st.votes.remove(&m) {
+                // Its links are older than the others' idea of "previous epoch".
+                v.reply.send(MasterReply::World {
+                    keys: self.raft.link_keys(&world, m),
+                    world: world.clone(),
+                    changed: true,
+                    reuse_links: false,
+                });
+            }
+        }
+        if members.is_empty() || !members.iter().all(|m| st.votes.contains_key(m)) {
+            return;
+        }
+        let pending = if elastic {
+            self.pending_voters(st)
+        } else {
+            vec![]
+        };
+        let lost_members = world.size() != members.len();
         let aborted = members
             .iter()
             .any(|m| st.votes.get(m).is_some_and(|v| v.aborted));
-        if members.is_empty() {
-            // The first world: wait until as many peers as anyone asked for are here.
-            let need = pending
-                .iter()
-                .filter_map(|p| st.votes.get(p))
-                .map(|v| v.min_world)
-                .max()
-                .unwrap_or(1)
-                .max(1);
-            if pending.len() < need as usize {
-                return;
-            }
-        }
         if pending.is_empty() && !lost_members && !aborted {
-            if let Some(w) = world {
-                for m in &members {
-                    if let Some(v) = st.votes.remove(m) {
-                        v.reply.send(MasterReply::World {
-                            keys: self.raft.link_keys(&w, *m),
-                            world: w.clone(),
-                            changed: false,
-                            reuse_links: true,
-                        });
-                    }
+            for m in &members {
+                if let Some(v) = st.votes.remove(m) {
+                    v.reply.send(MasterReply::World {
+                        keys: self.raft.link_keys(&world, *m),
+                        world: world.clone(),
+                        changed: false,
+                        reuse_links: true,
+                    });
                 }
             }
             return;
         }
-        let reuse_links = !aborted && st.evicted_epoch != epoch && st.reported_epoch != epoch;
+        self.commit(st, epoch, pending, lost_members, aborted).await;
+    }
+
+    /// Proposes the next epoch of the world at `epoch` (0: the elastic world's first),
+    /// admitting `pending`, and answers the new world's voters.
+    async fn commit(
+        &self,
+        st: &mut State,
+        epoch: u64,
+        pending: Vec<PeerId>,
+        lost_members: bool,
+        aborted: bool,
+    ) {
+        let reuse_links =
+            epoch != 0 && !aborted && !st.evicted.contains(&epoch) && !st.reported.contains(&epoch);
         let cmd = Command::CommitEpoch {
             expected_epoch: epoch,
             admit: pending.clone(),
@@ -518,12 +603,27 @@ impl Coordinator {
     }
 
     fn answer_queries(&self, st: &mut State) {
-        let (epoch, members) = self.raft.read(|r| (r.epoch(), r.live_members()));
-        // Someone outside the current epoch must call update_topology() to catch up.
+        let worlds: Vec<(u64, Vec<PeerId>, bool)> = self.raft.read(|r| {
+            r.worlds()
+                .map(|e| {
+                    (
+                        e.world.epoch,
+                        r.live_members_of(e.world.epoch),
+                        !e.by_reconfigure,
+                    )
+                })
+                .collect()
+        });
+        // Someone outside its world's current epoch must call update_topology() to catch
+        // up.
         let stale: Vec<PeerId> = st
             .queries
             .iter()
-            .filter(|(p, (_, e))| *e != epoch || !members.contains(p))
+            .filter(|(p, (_, e))| {
+                !worlds
+                    .iter()
+                    .any(|(epoch, m, _)| epoch == e && m.contains(p))
+            })
             .map(|(p, _)| *p)
             .collect();
         for p in stale {
@@ -531,21 +631,26 @@ impl Coordinator {
                 r.send(MasterReply::PeersPending(true));
             }
         }
-        let voted = members
-            .iter()
-            .any(|m| st.votes.get(m).is_some_and(|v| v.epoch == epoch));
-        if members.is_empty() || (!voted && !members.iter().all(|m| st.queries.contains_key(m))) {
-            return;
-        }
-        // A member that already voted for the next epoch waits for the others: the answer
-        // must send them to update_topology() too.
-        let waiting = st
+        let pending_voter = st
             .votes
-            .iter()
-            .any(|(p, v)| v.epoch == epoch || self.known(*p) == Some(PeerState::Pending));
-        for m in &members {
-            if let Some((r, _)) = st.queries.remove(m) {
-                r.send(MasterReply::PeersPending(waiting));
+            .keys()
+            .any(|p| self.known(*p) == Some(PeerState::Pending));
+        for (epoch, members, elastic) in worlds {
+            let voted = members
+                .iter()
+                .any(|m| st.votes.get(m).is_some_and(|v| v.epoch == epoch));
+            if members.is_empty() || (!voted && !members.iter().all(|m| st.queries.contains_key(m)))
+            {
+                continue;
+            }
+            // A member that already voted for the next epoch waits for the others: the
+            // answer must send them to update_topology() too; so must a newcomer waiting
+            // to be admitted to the elastic world.
+            let waiting = voted || (elastic && pending_voter);
+            for m in &members {
+                if let Some((r, _)) = st.queries.remove(m) {
+                    r.send(MasterReply::PeersPending(waiting));
+                }
             }
         }
     }
@@ -599,14 +704,17 @@ impl Coordinator {
                 // update_topology(). An evicted member may be holding a collective up,
                 // so its epoch is aborted everywhere at once.
                 if was_member && !leave {
-                    st.evicted_epoch = epoch;
+                    st.evicted.insert(epoch);
                     let ev = MasterEvent::AbortEpoch {
                         epoch,
                         cause: format!("peer {peer} {reason}"),
                         evicted: Some(peer),
                     };
-                    for c in st.conns.values() {
-                        let _ = c.try_send(Outgoing::event(ev.clone()));
+                    // The members of its world; the job's other worlds go on.
+                    for m in self.raft.read(|r| r.live_members_of(epoch)) {
+                        if let Some(c) = st.conns.get(&m) {
+                            let _ = c.try_send(Outgoing::event(ev.clone()));
+                        }
                     }
                 }
                 self.try_commit(&mut st).await;

@@ -1,7 +1,12 @@
 //! torch's `_reconfigure(uuid, handles)` on the master: every member named in the
 //! handles asks for the same world with the same uuid; once all of them have, the world
-//! is committed through raft as the next epoch and each gets it. Until then the requests
+//! is committed through raft at a new epoch and each gets it. Until then the requests
 //! wait here, in the leader's memory (a new leader hears them again as peers resend).
+//!
+//! A reconfigure changes only who it names, and only with their agreement: the worlds
+//! its members come from go on with the others, whose calls of the old epoch fail at
+//! once (they were waiting on members that left) and whose next update_topology() gets
+//! their smaller world. Nobody is evicted by it (see `crate::registry`).
 
 use eccl_protocol::{ErrorCode, MasterEvent, MasterReply, PeerId};
 
@@ -41,11 +46,21 @@ impl Coordinator {
             members,
             ordered,
         };
-        // Members that named different worlds under one uuid all hear so.
-        let clash = st
+        // Members that named different worlds under one uuid all hear so. A peer that is
+        // not among the members of the request it clashes with cannot fail theirs: only
+        // its own is refused.
+        let clashing: Vec<&Request> = st
             .reconfigs
             .values()
-            .any(|r| r.uuid == uuid && (r.members != req.members || r.ordered != req.ordered));
+            .filter(|r| r.uuid == uuid && (r.members != req.members || r.ordered != req.ordered))
+            .collect();
+        if !clashing.is_empty() && clashing.iter().all(|r| !r.members.contains(&peer)) {
+            return req.reply.send(refused(
+                ErrorCode::InvalidArgument,
+                format!("reconfigure {uuid} is in progress for other members"),
+            ));
+        }
+        let clash = !clashing.is_empty();
         if let Some(old) = st.reconfigs.insert(peer, req) {
             if old.uuid != uuid {
                 old.reply.send(refused(
@@ -92,10 +107,10 @@ impl Coordinator {
                 ),
             ));
         }
-        if let Some(last) = self.raft.read(|r| r.last_uuid()).filter(|l| uuid <= *l) {
+        if self.raft.read(|r| r.uuid_used(uuid)) {
             return Some(refused(
                 ErrorCode::InvalidArgument,
-                format!("reconfigure uuid {uuid} is not newer than the last one ({last}): pass a fresh, larger uuid"),
+                format!("reconfigure uuid {uuid} was already used in this job: pass a fresh one"),
             ));
         }
         for (i, p) in members.iter().enumerate() {
@@ -140,27 +155,26 @@ impl Coordinator {
         {
             return;
         }
-        let old = self.raft.read(|r| (r.epoch(), r.live_members()));
         let cmd = Command::Reconfigure {
             uuid,
             members: members.clone(),
             ordered,
         };
         match self.raft.propose(cmd).await {
-            Ok(Outcome::Epoch(w)) => {
-                let (epoch, before) = old;
-                let dropped: Vec<PeerId> = before
-                    .iter()
-                    .copied()
-                    .filter(|p| w.rank_of(*p).is_none())
-                    .collect();
+            Ok(Outcome::Reconfigured {
+                world: w,
+                remainders,
+            }) => {
                 tracing::info!(
                     target: "eccl::master",
                     "epoch {} committed by reconfigure {uuid}: {} members {:?}{}",
                     w.epoch,
                     w.size(),
                     w.peer_ids(),
-                    if dropped.is_empty() { String::new() } else { format!(" (left out: {dropped:?})") }
+                    remainders
+                        .iter()
+                        .map(|(was, r)| format!("; world of epoch {was} goes on as epoch {} with {:?}", r.epoch, r.peer_ids()))
+                        .collect::<String>()
                 );
                 for m in w.peer_ids() {
                     if let Some(r) = st.reconfigs.remove(&m) {
@@ -172,32 +186,22 @@ impl Coordinator {
                         });
                     }
                 }
-                // Members left out stop at once: their calls of the old epoch fail and
-                // they are out of the job.
-                for p in &dropped {
-                    self.forget(*p);
-                    if let Some(c) = st.conns.remove(p) {
-                        for ev in [
-                            MasterEvent::AbortEpoch {
-                                epoch,
-                                cause: format!("left out of the world by reconfigure {uuid}"),
-                                evicted: None,
-                            },
-                            MasterEvent::Evicted {
-                                reason: format!("left out of the world by reconfigure {uuid}"),
-                            },
-                        ] {
-                            let _ = c.try_send(super::Outgoing::event(ev));
+                // The members a reconfigure did not name stop their calls of the old
+                // epoch at once (they wait on members that left); their next
+                // update_topology() gets the world that went on without them.
+                for (was, rest) in &remainders {
+                    let ev = MasterEvent::AbortEpoch {
+                        epoch: *was,
+                        cause: format!("members {:?} left for reconfigure {uuid}", w.peer_ids()),
+                        evicted: None,
+                    };
+                    for p in rest.peer_ids() {
+                        if let Some(c) = st.conns.get(&p) {
+                            let _ = c.try_send(super::Outgoing::event(ev.clone()));
                         }
                     }
-                    if let Some(r) = st.reconfigs.remove(p) {
-                        r.reply.send(refused(
-                            ErrorCode::Evicted,
-                            format!("left out of the world by reconfigure {uuid}"),
-                        ));
-                    }
                 }
-                // update_topology() votes of the old epoch now catch up or end.
+                // update_topology() votes of the old epochs now catch up.
                 self.try_commit(st).await;
                 self.answer_queries(st);
             }
