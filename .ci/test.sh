@@ -73,19 +73,6 @@ phase "toolchains: clippy and rustfmt (stable), $MIRI_TOOLCHAIN with Miri (the u
 rustup component add clippy rustfmt
 rustup toolchain install "$MIRI_TOOLCHAIN" --profile minimal --component miri,rust-src
 
-phase "miri: the executor's buffer borrows and the shared-memory ring, started in the background"
-# Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data
-# race; the Python layer's unsafe code calls into C, so valgrind checks it (pytest below).
-# It builds into its own target (target/miri) at the lowest CPU priority: it takes what
-# the build leaves and most of what the tests leave while they wait on processes and
-# timeouts, and is waited for before the chaos runs.
-mkdir -p target
-# In a session of its own, so that a failed run stops all of it (kill -- -PID).
-setsid -w nice -n 19 bash -c "cargo +$MIRI_TOOLCHAIN miri test --locked -p eccl --lib executor::bufs &&
-    cargo +$MIRI_TOOLCHAIN miri test --locked -p eccl-transport --lib shm::segment" \
-    >target/miri.log 2>&1 &
-miri_pid=$!
-
 phase "python venv (.venv): made now; the pinned tools and torch install in the background"
 # pip spends its minute mostly downloading and unpacking: it runs beside the Rust builds
 # below (which need only the venv's interpreter, for pyo3) and is waited for before the
@@ -97,6 +84,7 @@ reqs=(-r python/requirements-test.txt)
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
     reqs+=(-r python/requirements-torch.txt)
 fi
+mkdir -p target
 .venv/bin/python -m pip install -q --disable-pip-version-check "${reqs[@]}" >target/pip.log 2>&1 &
 pip_pid=$!
 wait_for_pip() {
@@ -124,21 +112,32 @@ export PYO3_PYTHON="$PWD/.venv/bin/python"
 PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import struct, sys; print("cpython-%d.%d-%dbit" % (sys.version_info[0], sys.version_info[1], 8 * struct.calcsize("P")))')"
 export PYO3_ENVIRONMENT_SIGNATURE
 
-# First, while pip downloads: its dependencies (tokio and the rest, the same features as
-# everywhere) are the main build's too.
-phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
-ibv_devices 2>&1 | head -5 || true
-cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
-
 phase "build: the workspace, its binaries and every test binary (release, clippy -D warnings)"
 cargo test --release --workspace --locked --no-run
 cargo build --release --workspace --locked
+
+phase "miri: the executor's buffer borrows and the shared-memory ring, started in the background"
+# Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data
+# race; the Python layer's unsafe code calls into C, so valgrind checks it (pytest below).
+# It builds into its own target (target/miri) at the lowest CPU priority, beside the
+# tests (which leave a core idle much of the time while they wait on processes and
+# timeouts), and is waited for before the chaos runs. In a session of its own, so that a
+# failed run stops all of it (kill -- -PID).
+setsid -w nice -n 19 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS bash -c "cargo +$MIRI_TOOLCHAIN miri test --locked -p eccl --lib executor::bufs &&
+    cargo +$MIRI_TOOLCHAIN miri test --locked -p eccl-transport --lib shm::segment" \
+    >target/miri.log 2>&1 &
+miri_pid=$!
+
+phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
+ibv_devices 2>&1 | head -5 || true
+cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 
 phase "python tools: the background install, ruff"
 wait_for_pip
 .venv/bin/ruff check python examples .ci
 
 phase "python package: maturin into the shared target, then the wheel into .venv"
+rm -f target/wheels/eccl-*.whl
 .venv/bin/maturin build --release --locked -m python/Cargo.toml --out target/wheels -q
 .venv/bin/python -m pip install -q --no-deps --force-reinstall --disable-pip-version-check \
     target/wheels/eccl-*.whl
@@ -148,12 +147,7 @@ cargo test --release --workspace --locked
 
 phase "python tests"
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
-    # Two passes (python/pyproject.toml says why): the failing one fails the phase, after
-    # both ran.
-    failed=0
-    .venv/bin/python -m pytest -q -n 2 -m "not serial" --durations=10 python/tests || failed=1
-    .venv/bin/python -m pytest -q -m serial --durations=10 python/tests || failed=1
-    [ "$failed" = 0 ]
+    .venv/bin/python -m pytest -q --durations=15 python/tests
 else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi

@@ -41,7 +41,6 @@ BETTER_THAN_GLOO = {"after_recv_timeout"}
 
 
 @pytest.mark.parametrize("n", [3, 4])
-@pytest.mark.serial      # only the late ranks may miss the 1 s barrier
 def test_monitored_barrier_names_the_missing_ranks_as_gloo_does(n):
     """Everyone arrives: all pass. Ranks 2 and up arrive 2 s past a 1 s timeout: rank 0
     names them all (wait_all_ranks) in gloo's words, the others raise too."""

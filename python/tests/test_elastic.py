@@ -21,7 +21,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
 
 
-@pytest.mark.serial      # the newcomer must join before the job ends
 def test_kill_one_rank_and_add_another():
     master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
     env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)

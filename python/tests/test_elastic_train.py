@@ -94,7 +94,6 @@ def test_compressed_gradients_are_identical_on_every_rank(tmp_path):
 FINAL = re.compile(r"FINAL peer (\d+) outer (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
 
 
-@pytest.mark.serial      # the newcomer must join before the job ends
 def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
     master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
     env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)

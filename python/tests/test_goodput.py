@@ -15,7 +15,6 @@ pytest.importorskip("torch")
 GOODPUT = Path(__file__).resolve().parents[2] / "examples" / "goodput.py"
 
 
-@pytest.mark.serial      # the replacements must train within the run
 def test_goodput_runs_the_schedule_and_reports_it(tmp_path):
     out = tmp_path / "goodput.json"
     # goodput.py stops every process it started (whole nodes, by PID) before it returns.

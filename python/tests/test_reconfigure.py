@@ -15,9 +15,6 @@ if not hasattr(dist, "_reconfigure"):
 
 SECRET = "reconfigure-test-secret-0123456789"
 
-# Each test bounds how long a loss takes to surface (and runs gloo beside eccl already).
-pytestmark = pytest.mark.serial
-
 
 def test_abort_fails_calls_in_flight_at_once_and_runs_the_hooks_once():
     """Rank 0 aborts while it and rank 1 wait in an all_reduce rank 2 has not joined:

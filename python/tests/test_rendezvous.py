@@ -175,7 +175,6 @@ def elastic(tmp_path, *args):
     return json.loads(out.read_text()), p.stdout
 
 
-@pytest.mark.serial      # its phases have time limits
 def test_elastic_torchrun_survives_node_and_leader_loss_and_c10d_does_not(tmp_path):
     """Three agents; the node started first (with c10d: the store's host) is SIGKILLed
     with its worker; a replacement joins. With eccl's rendezvous on three masters, whose
