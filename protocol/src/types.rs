@@ -176,6 +176,26 @@ reduce_ops! {
     BXor = 7, "bxor", "BXOR", Integers, ["xor"];
 }
 
+impl DType {
+    /// The element type of a Python buffer (PEP 3118) with struct format `format` and
+    /// items of `itemsize` bytes, in native byte order; `None` where eccl has none (a
+    /// bool, a complex number, a struct of several fields).
+    pub fn from_buffer_format(format: &str, itemsize: usize) -> Option<DType> {
+        let f = if cfg!(target_endian = "little") {
+            format.trim_start_matches(['@', '=', '<'])
+        } else {
+            format.trim_start_matches(['@', '=', '>', '!'])
+        };
+        let class = match f {
+            "e" | "f" | "d" => NumClass::Float,
+            "b" | "h" | "i" | "l" | "q" | "n" => NumClass::Signed,
+            "B" | "H" | "I" | "L" | "Q" | "N" => NumClass::Unsigned,
+            _ => return None,
+        };
+        DType::from_class(class, itemsize)
+    }
+}
+
 impl ReduceOp {
     /// Whether this operator is defined for `dtype`: avg needs a floating type, the
     /// bitwise operators an integer type.
@@ -464,6 +484,20 @@ impl World {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn buffer_formats_map_through_the_dtype_table() {
+        assert_eq!(DType::from_buffer_format("f", 4), Some(DType::F32));
+        assert_eq!(DType::from_buffer_format("<d", 8), Some(DType::F64));
+        assert_eq!(DType::from_buffer_format("e", 2), Some(DType::F16));
+        assert_eq!(DType::from_buffer_format("l", 8), Some(DType::I64));
+        assert_eq!(DType::from_buffer_format("q", 8), Some(DType::I64));
+        assert_eq!(DType::from_buffer_format("B", 1), Some(DType::U8));
+        assert_eq!(DType::from_buffer_format("b", 1), Some(DType::I8));
+        assert_eq!(DType::from_buffer_format("H", 2), None);
+        assert_eq!(DType::from_buffer_format("?", 1), None);
+        assert_eq!(DType::from_buffer_format("Zf", 8), None);
+    }
 
     #[test]
     fn descriptor_round_trips_and_rejects_unknown_codes() {

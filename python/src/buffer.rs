@@ -17,7 +17,7 @@ use std::ffi::CStr;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use eccl::{DType, NumClass};
+use eccl::DType;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -267,18 +267,7 @@ fn from_buffer_protocol(
 /// The dtype of a buffer-protocol format (`struct` module syntax), native or
 /// little-endian byte order only.
 fn dtype_of_format(format: &str, itemsize: usize) -> Option<DType> {
-    let f = if cfg!(target_endian = "little") {
-        format.trim_start_matches(['@', '=', '<'])
-    } else {
-        format.trim_start_matches(['@', '=', '>', '!'])
-    };
-    let class = match f {
-        "e" | "f" | "d" => NumClass::Float,
-        "b" | "h" | "i" | "l" | "q" | "n" => NumClass::Signed,
-        "B" | "H" | "I" | "L" | "Q" | "N" => NumClass::Unsigned,
-        _ => return None,
-    };
-    DType::from_class(class, itemsize)
+    DType::from_buffer_format(format, itemsize)
 }
 
 /// Refuses a call whose writable buffers overlap any other of its buffers: the native
@@ -339,24 +328,5 @@ impl Drop for Claim {
     fn drop(&mut self) {
         let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
         running.retain(|(id, _, _)| *id != self.0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn formats_map_through_the_dtype_table() {
-        assert_eq!(dtype_of_format("f", 4), Some(DType::F32));
-        assert_eq!(dtype_of_format("<d", 8), Some(DType::F64));
-        assert_eq!(dtype_of_format("e", 2), Some(DType::F16));
-        assert_eq!(dtype_of_format("l", 8), Some(DType::I64));
-        assert_eq!(dtype_of_format("q", 8), Some(DType::I64));
-        assert_eq!(dtype_of_format("B", 1), Some(DType::U8));
-        assert_eq!(dtype_of_format("b", 1), Some(DType::I8));
-        assert_eq!(dtype_of_format("H", 2), None);
-        assert_eq!(dtype_of_format("?", 1), None);
-        assert_eq!(dtype_of_format("Zf", 8), None);
     }
 }

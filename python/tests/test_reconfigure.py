@@ -49,11 +49,13 @@ def test_shrink_group_drops_a_killed_rank_where_gloo_refuses(n):
 SCRIPT = HERE / "reconfigure_script.py"
 
 
-def run_scenario(backend, scenario, n):
+def run_scenario(backend, scenario, n, timeout_s=None):
     """n ranks of reconfigure_script.py (plus, for "kill", a fresh process that takes the
     lost rank's place); the last rank kills or stops itself. Returns the survivors' JSON
     (and the fresh process's last). Every process is stopped by PID, the stopped rank too."""
-    specs = [(argv, dict(env, ECCL_SECRET=SECRET)) for argv, env in world_specs(n, [backend, scenario], SCRIPT)]
+    extra = {} if timeout_s is None else {"RECONFIGURE_TEST_TIMEOUT_S": str(timeout_s)}
+    specs = [(argv, dict(env, ECCL_SECRET=SECRET, **extra))
+             for argv, env in world_specs(n, [backend, scenario], SCRIPT)]
     if scenario == "kill":
         argv, env = specs[-1]
         specs.append((argv + ["fresh"], env))
@@ -67,12 +69,12 @@ def run_scenario(backend, scenario, n):
     return res
 
 
-def both(scenario, n):
+def both(scenario, n, timeout_s=None):
     """The scenario under gloo and under eccl at once (gloo's survivors mostly wait out
     its timeout); returns (gloo's results, eccl's)."""
     with ThreadPoolExecutor(2) as ex:
-        g = ex.submit(run_scenario, "gloo", scenario, n)
-        e = ex.submit(run_scenario, "eccl", scenario, n)
+        g = ex.submit(run_scenario, "gloo", scenario, n, timeout_s)
+        e = ex.submit(run_scenario, "eccl", scenario, n, timeout_s)
         return g.result(), e.result()
 
 
@@ -118,12 +120,12 @@ def test_reconfigure_after_a_kill_matches_gloo_and_grows_back(n):
 @pytest.mark.parametrize("n", [3, 4])
 def test_a_hung_rank_is_reported_at_its_lease_where_gloo_waits_its_timeout(n):
     """Rank n-1 is SIGSTOPped during an all_reduce: eccl's survivors fail when its lease
-    runs out (AbortedError), gloo's only at the group timeout (10 s); both then reconfigure
-    and agree on the sums."""
-    g, e = both("stop", n)
+    runs out (AbortedError), gloo's only at the group timeout (4 s here, 30 min by
+    default); both then reconfigure and agree on the sums."""
+    g, e = both("stop", n, timeout_s=4)
     same_as_gloo(g, e, ["first", "rank", "size", "sum"])
     check_eccl(e, n, "stop", lost_s=2.5)     # the lease is 0.8 s
-    assert all(x["error_s"] >= 9.0 for x in g), g
+    assert all(x["error_s"] >= 3.6 for x in g), g
 
 
 @pytest.mark.parametrize("scenario", ["inflight", "shrink", "shrink_stop"])
