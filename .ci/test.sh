@@ -141,6 +141,9 @@ rm -f target/wheels/eccl-*.whl
 .venv/bin/maturin build --release --locked -m python/Cargo.toml --out target/wheels -q
 .venv/bin/python -m pip install -q --no-deps --force-reinstall --disable-pip-version-check \
     target/wheels/eccl-*.whl
+# The type stubs (python/eccl/_eccl.pyi) name what the extension really has, with the
+# same signatures.
+.venv/bin/python -m mypy.stubtest eccl._eccl
 
 phase "rust tests"
 cargo test --release --workspace --locked

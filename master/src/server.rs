@@ -71,8 +71,14 @@ impl Jobs {
     }
 }
 
+/// Bytes of large control messages (past 64 KiB) the client listener's connections may be
+/// reading at once, together: many connections sending large messages cannot make the
+/// master hold more (a message past it ends its connection).
+pub const MAX_BODY_BYTES_READING: usize = 128 << 20;
+
 pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, jobs: Jobs) {
     let pending = Admission::new(MAX_PENDING);
+    let bodies = Arc::new(tokio::sync::Semaphore::new(MAX_BODY_BYTES_READING / 1024));
     loop {
         let (stream, remote) = match listener.accept().await {
             Ok(x) => x,
@@ -82,11 +88,14 @@ pub async fn serve(listener: TcpListener, coord: Arc<Coordinator>, jobs: Jobs) {
                 continue;
             }
         };
-        let (coord, jobs) = (coord.clone(), jobs.clone());
+        let (coord, jobs, bodies) = (coord.clone(), jobs.clone(), bodies.clone());
         pending.admit(
             async move {
                 match control::accept_any(stream, &jobs.secrets).await {
-                    Ok((Role::PeerToMaster, i, conn)) => Some((conn, jobs.of(i))),
+                    Ok((Role::PeerToMaster, i, mut conn)) => {
+                        conn.rx.share_body_budget(bodies);
+                        Some((conn, jobs.of(i)))
+                    }
                     Ok((role, _, _)) => {
                         if let Some(held) = logging::limit("master: wrong role") {
                             tracing::warn!(target: "eccl::master", "refused a {role:?} connection from {remote} on the client listener{}", logging::held_note(held));

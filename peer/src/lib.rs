@@ -2,7 +2,7 @@
 //!
 //! A [`Communicator`] registers with an `eccl-master`, joins a world with
 //! [`Communicator::update_topology`], and runs collectives over authenticated links to
-//! the other members. See the README for the fault model.
+//! the other members. See docs/architecture.md for the fault model.
 
 mod abort;
 pub mod blocking;
@@ -16,6 +16,7 @@ pub use eccl_transport::logging;
 mod master_client;
 pub mod shared_state;
 pub mod store;
+pub mod variables;
 
 pub use abort::AbortHandle;
 pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, WorldUpdate};
@@ -26,5 +27,11 @@ pub use eccl_protocol::{
     Rank, ReduceOp, World, MAX_WORLD_SIZE,
 };
 pub use error::{Error, ErrorKind, Result};
+
+/// The README's Rust example, compiled with the doc tests so that it stays what the API
+/// takes.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 pub use shared_state::{SharedTensor, SyncInfo, SyncStrategy};
 pub use store::StoreClient;

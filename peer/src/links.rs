@@ -442,7 +442,7 @@ impl Dialer<'_> {
                 .map_err(|e| cannot(&e))
             }
             // The verbs link (eccl_transport::verbs) is built and tested on its own; no
-            // ECCL_TRANSPORT setting selects it for a world's links yet (issue 12).
+            // ECCL_TRANSPORT setting selects it for a world's links yet.
             Transport::Verbs => Err(cannot(&"verbs links are not selectable for a world yet")),
             Transport::Quic => {
                 let ep = self

@@ -137,7 +137,7 @@ class EcclStore(dist.Store):
         # torch's own callers catch that.
         try:
             return fn(keys, seconds)
-        except eccl.TimeoutError as e:
+        except eccl.EcclTimeoutError as e:
             raise dist.DistStoreError(str(e)) from e
 
     def multi_set(self, keys, values) -> None:

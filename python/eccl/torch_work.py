@@ -49,7 +49,7 @@ class TorchWork(dist._Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         secs = timeout.total_seconds() if timeout else None
         if not self._event.wait(secs):
-            raise eccl.TimeoutError(f"the collective did not finish within {timeout}")
+            raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
         if self._error is not None:
             raise self._error
         return True
@@ -110,7 +110,7 @@ class _Completer:
                 aborted = {
                     "p2p": (eccl.MismatchError, eccl.AbortedError),
                     "collective": (eccl.InvalidArgumentError, eccl.MismatchError,
-                                   eccl.AbortedError, eccl.TimeoutError),
+                                   eccl.AbortedError, eccl.EcclTimeoutError),
                 }.get(kind, ())
                 if self._pg is not None:
                     self._pg._error = e

@@ -23,20 +23,43 @@ create_exception!(
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
 
-/// The Python name of the class for `kind`.
-pub(crate) fn class_name(kind: ErrorKind) -> String {
-    format!("{}Error", kind.name())
+/// The Python name of the class for `kind`: `KindError`, or `EcclKindError` where
+/// `KindError` is a Python builtin (`TimeoutError`), which eccl's must not shadow.
+pub(crate) fn class_name(py: Python<'_>, kind: ErrorKind) -> PyResult<String> {
+    let plain = format!("{}Error", kind.name());
+    Ok(if py.import("builtins")?.hasattr(plain.as_str())? {
+        format!("Eccl{plain}")
+    } else {
+        plain
+    })
 }
 
-/// The exception classes, in the order of [`ErrorKind::ALL`].
+/// The exception classes, in the order of [`ErrorKind::ALL`]. A class whose plain name
+/// is a builtin's also derives from that builtin (`EcclTimeoutError` is a
+/// `TimeoutError`), so `except TimeoutError` catches it as Python code expects.
 pub(crate) fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
     CLASSES.get_or_try_init(py, || {
         let base = py.get_type::<EcclError>();
+        let builtins = py.import("builtins")?;
         ErrorKind::ALL
             .iter()
             .map(|k| {
-                let name = CString::new(format!("eccl.{}", class_name(*k)))?;
-                let doc = CString::new(format!("{}. Hint: {}.", k.name(), k.hint()))?;
+                let name = class_name(py, *k)?;
+                let doc = format!("{}. Hint: {}.", k.name(), k.hint());
+                let plain = format!("{}Error", k.name());
+                if name != plain {
+                    // type(name, (EcclError, builtin), {...}): both bases.
+                    let builtin = builtins.getattr(plain.as_str())?;
+                    let dict = pyo3::types::PyDict::new(py);
+                    dict.set_item("__doc__", doc)?;
+                    dict.set_item("__module__", "eccl")?;
+                    let t = py
+                        .get_type::<PyType>()
+                        .call1((name, (base.clone(), builtin), dict))?;
+                    return Ok(t.cast_into::<PyType>()?.unbind());
+                }
+                let name = CString::new(format!("eccl.{name}"))?;
+                let doc = CString::new(doc)?;
                 PyErr::new_type(py, &name, Some(&doc), Some(&base), None)
             })
             .collect()

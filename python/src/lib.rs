@@ -76,6 +76,12 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
         })
         .collect();
     m.add("DTYPES", dtypes)?;
+    // Every ECCL_* variable: (name, default, read by, meaning), from the one list.
+    let variables: Vec<_> = eccl::variables::VARIABLES
+        .iter()
+        .map(|v| (v.name, v.default, v.read_by, v.meaning))
+        .collect();
+    m.add("VARIABLES", variables)?;
     let ops: Vec<_> = ReduceOp::ALL
         .iter()
         .map(|o| {
@@ -98,7 +104,7 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EcclError", py.get_type::<errors::EcclError>())?;
     let classes = errors::classes(py)?;
     for (kind, cls) in eccl::ErrorKind::ALL.iter().zip(classes) {
-        m.add(errors::class_name(*kind).as_str(), cls.clone_ref(py))?;
+        m.add(errors::class_name(py, *kind)?.as_str(), cls.clone_ref(py))?;
     }
     let errors: Vec<_> = classes.iter().map(|c| c.clone_ref(py)).collect();
     m.add("ERRORS", errors)?;

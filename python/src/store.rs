@@ -174,7 +174,7 @@ impl StoreClient {
         self.run(py, async move { c.check(keys).await })
     }
 
-    /// Returns once every key exists; `TimeoutError` (eccl's) after `timeout_s`.
+    /// Returns once every key exists; `eccl.EcclTimeoutError` (a `TimeoutError`) after `timeout_s`.
     fn wait(&self, py: Python<'_>, keys: Vec<B<'_>>, timeout_s: f64) -> PyResult<()> {
         let keys = vs(&keys);
         let c = self.client.clone();

@@ -132,7 +132,7 @@ impl Work {
     }
 
     /// Waits for the call (the GIL is released meanwhile) and returns its result, or
-    /// raises its error. With `timeout` (seconds), raises `TimeoutError` if it passes
+    /// raises its error. With `timeout` (seconds), raises `eccl.EcclTimeoutError` (a `TimeoutError`) if it passes
     /// first; the call goes on.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {

@@ -127,7 +127,7 @@ def test_shared_state_brings_everyone_to_the_newest_revision():
 
 
 def test_a_dropped_work_never_writes_into_reused_memory(tmp_path):
-    """Issue 9's use-after-free: a recv whose Work is dropped and collected before the
+    """A use-after-free once: a recv whose Work is dropped and collected before the
     data arrives, then memory that eccl was never given; and the same with Works and
     tensors of in-flight all_reduces dropped twenty times under gc.collect(). The calls
     own their buffers until they are done, so no other memory changes."""
@@ -227,10 +227,15 @@ def test_every_error_is_one_class_per_rust_kind_and_pickles_to_itself():
     (with their fields) to the same class in another process."""
     import pickle
     names = [c.__name__ for c in eccl.ERRORS]
-    assert names == ["AbortedError", "EvictedError", "MismatchError", "TimeoutError",
+    assert names == ["AbortedError", "EvictedError", "MismatchError", "EcclTimeoutError",
                      "MasterUnavailableError", "InvalidArgumentError", "TooFewPeersError"]
     assert all(issubclass(c, eccl.EcclError) and getattr(eccl, c.__name__) is c
                for c in eccl.ERRORS)
+    # No class shadows a builtin: eccl's timeout is EcclTimeoutError, and it is a
+    # TimeoutError, so `except TimeoutError` catches it.
+    import builtins
+    assert not any(hasattr(builtins, n) for n in names)
+    assert issubclass(eccl.EcclTimeoutError, TimeoutError) and not hasattr(eccl, "TimeoutError")
     raised = []
     try:
         eccl.Communicator("127.0.0.1:1", "s" * 32, connect_timeout_ms=200)

@@ -1,4 +1,4 @@
-"""torch.distributed conformance (issue 20): the documented CPU calls give gloo's results
+"""torch.distributed conformance: the documented CPU calls give gloo's results
 under "eccl", at 3 and 4 ranks: the collectives and their coalesced and tensor forms, the
 object collectives, p2p with any-source receives and batches, subgroups in every form,
 monitored_barrier, group timeouts, futures; and a subgroup survives a rank lost outside

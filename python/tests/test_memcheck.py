@@ -25,7 +25,7 @@ comm = eccl.Communicator(ADDR, SECRET, rank_hint=rank, min_world=2)
 comm.update_topology()
 N, M = 1 << 22, 1 << 16
 canaries = []
-# The use-after-free of issue 9: the Work of a pending recv is dropped and collected.
+# A use-after-free once: the Work of a pending recv is dropped and collected.
 if rank == 0:
     while not os.path.exists(dropped):      # rank 1's Work is gone: now send
         time.sleep(0.01)

@@ -1,4 +1,4 @@
-"""torch's fault-tolerance API on eccl (issue 22): ProcessGroup.abort() and abort hooks,
+"""torch's fault-tolerance API on eccl: ProcessGroup.abort() and abort hooks,
 shrink_group, and dist._reconfigure against gloo's in the same scenarios."""
 
 from concurrent.futures import ThreadPoolExecutor

@@ -4,6 +4,7 @@
 //! and decide who is in the job, so every byte of them is encrypted and authenticated.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use eccl_protocol::auth::{Role, Secret};
@@ -11,6 +12,7 @@ use eccl_protocol::codec;
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, ToSocketAddrs};
+use tokio::sync::Semaphore;
 
 use crate::link::stream::{BoxRead, BoxWrite};
 use crate::TransportError;
@@ -102,6 +104,7 @@ impl ControlConn {
                 r: Box::new(r),
                 name: name.clone(),
                 buf: Vec::new(),
+                budget: None,
             },
             tx: ControlTx {
                 w: Box::new(w),
@@ -143,9 +146,21 @@ pub struct ControlRx {
     r: BoxRead,
     name: String,
     buf: Vec<u8>,
+    /// Shared by every connection of one listener: room, in KiB, for the bodies of
+    /// large messages being read (see [`ControlRx::share_body_budget`]).
+    budget: Option<Arc<Semaphore>>,
 }
 
 impl ControlRx {
+    /// Counts the bodies of large messages this connection reads against `budget`
+    /// (permits of 1 KiB, shared by every connection of one listener): a message that
+    /// would pass it ends its connection instead of being read, so that many connections
+    /// sending large messages at once cannot make the reader hold more than the budget.
+    /// Messages up to 64 KiB (heartbeats, votes, most requests) are never counted.
+    pub fn share_body_budget(&mut self, budget: Arc<Semaphore>) {
+        self.budget = Some(budget);
+    }
+
     /// Reads one message. Cancel-safe only between messages: dropping this future in
     /// the middle of a message leaves the stream at an unknown position, so callers
     /// read from one dedicated task.
@@ -159,6 +174,23 @@ impl ControlRx {
             peer: self.name.clone(),
             source: e,
         })?;
+        let _room = match &self.budget {
+            Some(b) if len > BODY_PIECE => {
+                let kib = len.div_ceil(1024).min(u32::MAX as usize) as u32;
+                match b.clone().try_acquire_many_owned(kib) {
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        return Err(TransportError::io(
+                            &self.name,
+                            std::io::Error::other(format!(
+                                "a message of {len} bytes while others fill the reader's budget for large messages"
+                            )),
+                        ))
+                    }
+                }
+            }
+            _ => None,
+        };
         // The body is read as it arrives, in pieces: memory follows the bytes received,
         // not the length announced, and a body that stalls ends the connection.
         self.buf.clear();

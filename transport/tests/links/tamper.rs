@@ -1,4 +1,4 @@
-//! Issue 9: an on-path attacker who flips bits after the handshake. Over TLS (data links
+//! An on-path attacker who flips bits after the handshake. Over TLS (data links
 //! with `ECCL_TLS=1`, every control connection) the receiver gets an error and never a
 //! byte that was not sent; over QUIC the damaged packet is discarded and sent again, so
 //! the message arrives exact. (Plain TCP data links carry no MAC: see the README's

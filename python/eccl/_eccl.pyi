@@ -1,0 +1,381 @@
+"""Type stubs for `eccl._eccl`, the native half of the package (built from python/src/*.rs)."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterable
+from typing import Any, final
+
+# -- tables (lib.rs) ---------------------------------------------------------------------
+
+#: Every `eccl::DType`: (NAME, code, numpy/torch name, bytes per element), e.g. ("F32", 0, "float32", 4).
+DTYPES: list[tuple[str, int, str, int]]
+#: Every `ECCL_*` variable: (name, default, read_by, meaning).
+VARIABLES: list[tuple[str, str, str, str]]
+#: Every `eccl::ReduceOp`: (NAME, code, torch's ReduceOp member name, domain: "all" | "floats" | "integers").
+REDUCE_OPS: list[tuple[str, int, str, str]]
+#: The names of the sync strategies: "enforce_popular", "receive_only", "send_only".
+SYNC_STRATEGIES: list[str]
+#: One exception class per `eccl::ErrorKind`, in the order of `ErrorKind::ALL`.
+ERRORS: list[type[EcclError]]
+
+# -- errors (errors.rs) ------------------------------------------------------------------
+
+class EcclError(Exception):
+    """Base class of every eccl error; `retryable` says whether update_topology() and the same call can succeed, `hint`
+    what to do.
+    """
+
+    retryable: bool
+    hint: str
+
+class AbortedError(EcclError):
+    """Aborted. Hint: call update_topology() and retry the collective."""
+
+    epoch: int
+    cause: str
+
+class EvictedError(EcclError):
+    """Evicted. Hint: create a new Communicator to register again."""
+
+    reason: str
+
+class MismatchError(EcclError):
+    """Mismatch. Hint: make every rank call the same collectives in the same order with the same count, dtype, op and
+    root; then update_topology().
+    """
+
+    rank: int | None
+    detail: str
+
+class EcclTimeoutError(EcclError, TimeoutError):
+    """Timeout. Hint: call update_topology() and retry the collective."""
+
+    what: str
+    ms: int
+
+class MasterUnavailableError(EcclError):
+    """MasterUnavailable. Hint: check ECCL_MASTER / --master and that eccl-master is running and reachable."""
+
+    addr: str
+    reason: str
+
+class InvalidArgumentError(EcclError):
+    """InvalidArgument. Hint: fix the arguments; then update_topology() before the next collective."""
+
+    detail: str
+
+class TooFewPeersError(EcclError):
+    """TooFewPeers. Hint: wait for peers to join or lower the minimum."""
+
+    have: int
+    need: int
+
+# -- results (results.rs) ----------------------------------------------------------------
+
+@final
+class OpInfo:
+    """What a successful collective reports (G3): its epoch and the members whose contributions the result holds."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def seq(self) -> int:
+        """Number of the collective in its epoch."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Peer ids of the members, in rank order."""
+    @property
+    def algo(self) -> str: ...
+    @property
+    def peer(self) -> int | None:
+        """Point-to-point: the rank at the other end (a receive's sender); None for collectives."""
+    def __repr__(self) -> str: ...
+
+@final
+class WorldUpdate:
+    """What `update_topology()` returns: the world this peer is in now."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def changed(self) -> bool:
+        """Whether a new epoch began (someone joined or left, or the last one was aborted)."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def links_kept(self) -> int:
+        """Links to other members carried over from the previous epoch."""
+    def __repr__(self) -> str: ...
+
+@final
+class SyncInfo:
+    """What `sync_shared_state()` did."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def revision(self) -> int:
+        """The revision every member now holds."""
+    @property
+    def bytes_sent(self) -> int: ...
+    @property
+    def bytes_received(self) -> int: ...
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """Peers this member fetched chunks from."""
+    @property
+    def updated(self) -> tuple[str, ...]:
+        """Names of the tensors that were replaced."""
+    @property
+    def hash(self) -> str:
+        """blake3 of the whole state (hex), equal on every member (G5)."""
+    def __repr__(self) -> str: ...
+
+# -- Work (work.rs) ----------------------------------------------------------------------
+
+@final
+class Work:
+    """A call in flight. `wait()` returns its result or raises its error."""
+
+    def is_completed(self) -> bool:
+        """Whether the call has finished, successfully or not."""
+    def wait(self, timeout: float | None = None) -> Any:
+        """Waits for the call (GIL released) and returns its result (OpInfo, WorldUpdate, SyncInfo, bool or None), or
+        raises its error; with `timeout` (seconds), raises `EcclTimeoutError` if it passes first (the call goes on).
+        """
+    def exception(self) -> EcclError | None:
+        """The error the call ended with, `None` if it succeeded or is still running."""
+    def __repr__(self) -> str: ...
+
+# -- Communicator (communicator.rs) ------------------------------------------------------
+
+@final
+class Communicator:
+    """One peer's membership in a job, and every collective, on numpy arrays, CPU torch tensors and other buffer-
+    protocol objects, used where they are.
+    """
+
+    def __init__(
+        self,
+        master: str | None = None,
+        secret: str | None = None,
+        *,
+        rank_hint: int | None = None,
+        min_world: int | None = None,
+        timeout_ms: int | None = None,
+        connect_timeout_ms: int | None = None,
+        join_timeout_ms: int | None = None,
+        transport: str | None = None,
+        tls: bool | None = None,
+    ) -> None:
+        """Registers with the master. Arguments beat the `ECCL_*` variables (`ECCL_MASTER`, `ECCL_SECRET`,
+        `ECCL_TIMEOUT_MS`, ...).
+        """
+    @property
+    def peer_id(self) -> int: ...
+    @property
+    def rank(self) -> int | None:
+        """This peer's rank in its current world, `None` before the first one."""
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def transport(self) -> str:
+        """What this peer's links run on now: "shm", "tcp", "tls", "quic", "shm+tcp" for a mixed world, "local" in a
+        world of one.
+        """
+    @property
+    def job_id(self) -> str:
+        """The job's public name (a one-way hash of its secret): handles of one job carry it."""
+    @property
+    def masters(self) -> str:
+        """The master addresses this communicator was given (comma-separated)."""
+
+    # membership
+    def update_topology(self) -> WorldUpdate:
+        """Votes for the next epoch and waits until every live member has voted: pending peers are admitted, departed
+        ones dropped.
+        """
+    def reconfigure(
+        self,
+        uuid: int,
+        peers: list[int],
+        ordered: bool = True,
+        *,
+        timeout_ms: int | None = None,
+        async_op: bool = False,
+    ) -> WorldUpdate | Work:
+        """torch's `_reconfigure`: the next epoch is a world of exactly `peers` (peer ids), ranks in list order when
+        `ordered`.
+        """
+    def are_peers_pending(self) -> bool:
+        """Whether peers wait to be admitted; the same answer on every member, so all can skip `update_topology()`
+        together.
+        """
+    def abort(self, reason: str = "abort() was called") -> None:
+        """Aborts this peer's calls at once (torch's `ProcessGroup.abort()`); returns without waiting."""
+    def leave(self) -> None:
+        """Leaves the job on purpose; the others see it at their next update_topology()."""
+
+    # collectives (`op`: an `eccl.ReduceOp`/int code, or any name of eccl's table such as "sum", "avg", torch's
+    # "PRODUCT"; None is sum)
+
+    def all_reduce(self, tensor: Any, op: Any | None = None, *, async_op: bool = False) -> OpInfo | Work:
+        """Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`)."""
+    def all_reduce_coalesced(
+        self, tensors: Iterable[Any], op: Any | None = None, *, async_op: bool = False
+    ) -> OpInfo | Work:
+        """Several tensors of one dtype reduced in place by one all_reduce (one collective, one descriptor), as gloo's
+        `allreduce_coalesced` does.
+        """
+    def broadcast(self, tensor: Any, root: int = 0, *, async_op: bool = False) -> OpInfo | Work:
+        """Copies root's `tensor` into every member's, in place."""
+    def reduce(
+        self, tensor: Any, root: int = 0, op: Any | None = None, *, async_op: bool = False
+    ) -> OpInfo | Work:
+        """Reduces into `tensor` on `root`; other ranks' tensors stay as they were."""
+    def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> OpInfo | Work:
+        """`output` holds world_size blocks of `input`'s size; block r is rank r's input."""
+    def reduce_scatter(
+        self, output: Any, input: Any, op: Any | None = None, *, async_op: bool = False
+    ) -> OpInfo | Work:
+        """`input` holds world_size blocks of `output`'s size; rank r gets block r reduced."""
+    def all_to_all(self, output: Any, input: Any, *, async_op: bool = False) -> OpInfo | Work:
+        """Block j of `input` goes to rank j; block j of `output` comes from rank j."""
+    def gather(
+        self, output: Any | None, input: Any, root: int = 0, *, async_op: bool = False
+    ) -> OpInfo | Work:
+        """On `root`, `output` holds world_size blocks; elsewhere pass `output=None`."""
+    def scatter(
+        self, output: Any, input: Any | None, root: int = 0, *, async_op: bool = False
+    ) -> OpInfo | Work:
+        """On `root`, `input` holds world_size blocks; elsewhere pass `input=None`."""
+    def barrier(self, *, async_op: bool = False) -> OpInfo | Work:
+        """Waits until every member has reached it (a collective with no data)."""
+    def send(self, tensor: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> OpInfo | Work:
+        """Sends `tensor` to rank `peer`, matched by its `recv` with the same tag."""
+    def recv(
+        self, tensor: Any, peer: int | None = None, tag: int = 0, *, async_op: bool = False
+    ) -> OpInfo | Work:
+        """Receives into `tensor` from rank `peer` what it sent with the same tag; `peer=None`: from whichever rank's
+        message comes first (`OpInfo.peer` names it).
+        """
+
+    # shared state
+    def sync_shared_state(
+        self,
+        revision: int,
+        tensors: dict[str, Any],
+        strategy: str = "enforce_popular",
+        *,
+        async_op: bool = False,
+    ) -> SyncInfo | Work:
+        """Brings every member's `tensors` (name -> array or tensor) to the content most members hold at the highest
+        revision.
+        """
+
+# -- Master (master.rs) ------------------------------------------------------------------
+
+@final
+class Master:
+    """An embedded master in this process: alone (a one-node raft cluster), or one member of a cluster of masters."""
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        secret: str | None = None,
+        lease_ms: int = 800,
+        heartbeat_ms: int = 200,
+        node_id: int = 1,
+        masters: str | None = None,
+        cluster_secret: str | None = None,
+        data_dir: str | os.PathLike[str] | None = None,
+        join: bool = False,
+    ) -> None: ...
+    @property
+    def addr(self) -> str: ...
+    @property
+    def secret(self) -> str: ...
+    @property
+    def raft_addr(self) -> str | None:
+        """The raft listener's address, for a member of a master cluster."""
+    @property
+    def node_id(self) -> int: ...
+    def is_leader(self) -> bool:
+        """Whether this master leads its cluster now."""
+    def shutdown(self) -> None:
+        """Stops the master (peers then get `MasterUnavailableError` from calls that need it)."""
+
+# -- StoreClient (store.rs) --------------------------------------------------------------
+
+@final
+class StoreClient:
+    """A session in the master's key-value store, with blocking methods (the GIL released while they wait); keys and
+    values are `bytes`.
+    """
+
+    def __init__(
+        self, masters: str, scope: str, secret: str | None = None, timeout_s: float = 30.0
+    ) -> None:
+        """Opens a session in `scope` on `masters` (comma-separated client addresses of the master or its cluster)."""
+    @property
+    def masters(self) -> str: ...
+    @property
+    def scope(self) -> str: ...
+    @property
+    def session(self) -> int: ...
+    def set(self, key: bytes, value: bytes, ephemeral: bool = False) -> None: ...
+    def get(self, keys: builtins.list[bytes]) -> builtins.list[bytes | None]:
+        """The values of `keys` now: bytes, or None for a missing key."""
+    def wait_get(self, keys: builtins.list[bytes], timeout_s: float) -> builtins.list[bytes]:
+        """Waits (at most `timeout_s`) for `keys`, then returns their values."""
+    def multi_set(self, pairs: builtins.list[tuple[bytes, bytes]]) -> None: ...
+    def add(self, key: bytes, delta: int) -> int: ...
+    def append(self, key: bytes, value: bytes) -> None: ...
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes: ...
+    def delete_key(self, key: bytes) -> bool: ...
+    def check(self, keys: builtins.list[bytes]) -> bool: ...
+    def wait(self, keys: builtins.list[bytes], timeout_s: float) -> None:
+        """Returns once every key exists; `EcclTimeoutError` (a `TimeoutError`) after `timeout_s`."""
+    def num_keys(self) -> int: ...
+    def list(self, prefix: bytes) -> builtins.list[tuple[bytes, bytes]]:
+        """The keys that start with `prefix`, with their values, in key order."""
+    def close(self) -> None:
+        """Ends the session (its ephemeral keys go; the scope's keys too if it was the last session of the scope)."""
+
+# -- sealing (seal.rs) -------------------------------------------------------------------
+
+@final
+class OpenKey:
+    """A one-use X25519 key (made by `OpenKey()`): publish `public`, then `open` the box sealed to it."""
+
+    @property
+    def public(self) -> bytes: ...
+    def open(self, sealed: bytes, context: bytes) -> bytes:
+        """The contents of `sealed`, a box sealed to this key under `context`."""
+
+def seal(public: bytes, plain: bytes, context: bytes) -> bytes:
+    """`plain` sealed to the holder of the key whose public half is `public`, under `context`."""
+
+# -- functions (lib.rs, runtime.rs) ------------------------------------------------------
+
+def dtype_of(obj: Any) -> int:
+    """The element type of `obj` (a numpy array, torch tensor or buffer) as eccl reads it: the code of its
+    `eccl.DType`.
+    """
+
+def read_secret_file(path: str | os.PathLike[str]) -> str:
+    """The text of the secret file at `path`, stripped; `InvalidArgumentError` when others may read or write the file.
+    """
+
+def _shutdown() -> None:
+    """Stops every communicator of this process (registered with `atexit`); returns once every task has stopped."""

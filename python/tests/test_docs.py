@@ -1,0 +1,95 @@
+"""The docs say what the code does: docs/configuration.md lists exactly the ECCL_*
+variables of eccl's one list (`eccl::variables::VARIABLES`, exported as
+`eccl._eccl.VARIABLES`) with their defaults, no source file reads a variable that is not
+in it, and the page lists exactly the flags each binary's --help shows. No page names an
+issue number."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import eccl
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "docs" / "configuration.md"
+BINARIES = ["eccl-master", "eccl-bench", "eccl-chaos"]
+
+
+def _table(section: str):
+    """The rows of the first table after the heading `section` of the page."""
+    text = CONFIG.read_text()
+    start = text.index(section)
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("#") and rows:
+            break
+        if line.startswith("| ") and not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows[1:]      # past the header
+
+
+def test_the_page_lists_every_variable_with_its_default():
+    listed = {r[0].strip("`"): r[1] for r in _table("## Environment variables")}
+    known = {name: default for name, default, _, _ in eccl._eccl.VARIABLES}
+    assert set(listed) == set(known), set(listed) ^ set(known)
+    for name, default in known.items():
+        assert listed[name].strip("`") == default, (name, listed[name], default)
+
+
+def test_no_source_reads_a_variable_missing_from_the_list():
+    known = {v[0] for v in eccl._eccl.VARIABLES}
+    used = set()
+    for pattern in ("*.rs", "*.py", "*.sh"):
+        for f in ROOT.rglob(pattern):
+            if any(part in (".venv", "target", ".venv-torchft", ".git") for part in f.parts):
+                continue
+            used |= set(re.findall(r"\bECCL_[A-Z][A-Z0-9_]*", f.read_text(errors="replace")))
+    missing = used - known
+    assert not missing, f"read but not in eccl::variables::VARIABLES: {sorted(missing)}"
+
+
+def _flags_of(binary: str):
+    out = subprocess.run([str(ROOT / "target" / "release" / binary), "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9_-]*)", out, re.M)) - {"--help", "--version"}
+
+
+def test_the_page_lists_every_flag_of_every_binary():
+    for binary in BINARIES:
+        listed = {re.search(r"--[a-z][a-z0-9_-]*", r[0]).group(0)
+                  for r in _table(f"### `{binary}`")}
+        shown = _flags_of(binary)
+        assert listed == shown, (binary, listed ^ shown)
+
+
+def test_no_page_names_an_issue_number():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        hits = re.findall(r"\bissues? \d+|\bissue-\d+", page.read_text(), re.I)
+        assert not hits, (page.name, hits)
+
+
+def test_links_between_pages_resolve():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            assert (page.parent / target).exists(), (page.name, target)
+
+
+def test_the_readme_torch_example_runs_as_written(tmp_path):
+    """The README's first PyTorch job, run the way it says: torchrun, two processes."""
+    import sys
+
+    from procs import free_port
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(# train\.py.*?)```", text, re.S)
+    assert block, "the README's train.py block"
+    script = tmp_path / "train.py"
+    script.write_text(block.group(1))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          f"--master-port={free_port()}", str(script)],
+                         capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.endswith(" done")) == \
+        ["0 done", "1 done"], out.stdout
