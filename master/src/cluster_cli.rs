@@ -28,7 +28,9 @@ pub async fn status(masters: &[String], secret: &Secret) -> anyhow::Result<Clust
 }
 
 /// Makes `change`, signed with `cluster_secret`, through whichever master leads; waits up
-/// to `deadline` (adding a master waits for it to catch up).
+/// to `deadline` (adding a master waits for it to catch up). Each try asks the master for
+/// the cluster's membership first and signs the change for it, so the request is good
+/// for this one change only.
 pub async fn change(
     masters: &[String],
     secret: &Secret,
@@ -36,7 +38,7 @@ pub async fn change(
     change: ClusterChange,
     deadline: Duration,
 ) -> anyhow::Result<ClusterStatus> {
-    let proof = change.proof(&cluster_secret.derive(ClusterChange::KEY_LABEL));
+    let key = cluster_secret.derive(ClusterChange::KEY_LABEL);
     let end = Instant::now() + deadline;
     let mut candidates: Vec<String> = masters.to_vec();
     let mut errors: Vec<String> = Vec::new();
@@ -49,10 +51,20 @@ pub async fn change(
         };
         candidates.remove(0);
         let left = end.saturating_duration_since(Instant::now());
-        let body = PeerRequest::ClusterChange {
-            change: change.clone(),
-            proof,
+        let membership = match ask(&addr, secret, PeerRequest::ClusterStatus, DIAL.min(left)).await
+        {
+            Ok(MasterReply::Cluster(s)) => s.membership,
+            Ok(other) => {
+                errors.push(format!("{addr}: unexpected answer {other:?}"));
+                continue;
+            }
+            Err(e) => {
+                errors.push(format!("{addr}: {e:#}"));
+                continue;
+            }
         };
+        let body = signed(&change, membership, &key);
+        let left = end.saturating_duration_since(Instant::now());
         match ask(&addr, secret, body, left).await {
             Ok(MasterReply::Cluster(s)) => return Ok(s),
             Ok(MasterReply::NotLeader { leader: Some(l) }) if l != addr => candidates.insert(0, l),
@@ -74,7 +86,19 @@ pub async fn change(
     )
 }
 
-async fn ask(
+/// The request that makes `change` to the cluster at `membership`, signed with the
+/// cluster's admin key `key` (`derive(ClusterChange::KEY_LABEL)` of the cluster secret).
+pub fn signed(change: &ClusterChange, membership: u64, key: &[u8; 32]) -> PeerRequest {
+    PeerRequest::ClusterChange {
+        change: change.clone(),
+        membership,
+        proof: change.proof(key, membership),
+    }
+}
+
+/// Sends one request to the master at `addr` (a client address) with the job secret and
+/// returns its answer, waiting at most `wait`.
+pub async fn ask(
     addr: &str,
     secret: &Secret,
     body: PeerRequest,
@@ -98,9 +122,10 @@ async fn ask(
 /// Prints a status as `eccl-master cluster status` shows it.
 pub fn render(s: &ClusterStatus) -> String {
     let mut out = format!(
-        "leader: {}\nterm: {}\npeers: {} live, epoch {}\nmasters (as master {} sees them):\n",
+        "leader: {}\nterm: {}\nmembership: {}\npeers: {} live, epoch {}\nmasters (as master {} sees them):\n",
         s.leader.map_or("none".to_string(), |l| l.to_string()),
         s.term,
+        s.membership,
         s.peers,
         s.epoch,
         s.me

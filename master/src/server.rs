@@ -350,11 +350,15 @@ async fn serve_peer(
                     Err(r) => reply.send(r),
                 }
             }
-            PeerRequest::ClusterChange { change, proof } => {
+            PeerRequest::ClusterChange {
+                change,
+                membership,
+                proof,
+            } => {
                 let coord = coord.clone();
                 spawn_bounded(&tasks, reply.clone(), async move {
                     use crate::raft::admin::AdminError;
-                    reply.send(match coord.raft.change(&change, &proof).await {
+                    reply.send(match coord.raft.change(&change, membership, &proof).await {
                         Ok(status) => MasterReply::Cluster(status),
                         Err(AdminError::NotLeader(leader)) => MasterReply::NotLeader { leader },
                         Err(AdminError::Refused(code, message)) => {

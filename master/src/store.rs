@@ -217,7 +217,7 @@ impl Scope {
             StoreWrite::Append { key, value } => {
                 let len = self.get(key).map_or(0, <[u8]>::len) + value.len();
                 if len > StoreLimits::MAX_VALUE {
-                    return StoreLimits::check_value(key, &vec![0; len]);
+                    return StoreLimits::check_value_len(key, len);
                 }
                 self.fits(key, len, limit).map(drop)
             }
@@ -514,6 +514,55 @@ impl Store {
 
     pub fn scope(&self, name: &str) -> Option<&Scope> {
         self.scopes.get(name)
+    }
+
+    /// Checks what every change must keep true: each scope's byte count is the sum of its
+    /// keys and values, every value and key is within its bound, every scope, job and
+    /// the whole store within theirs, and so are the sessions (run after every step by
+    /// the tests and the store fuzzer).
+    pub fn check_bounds(&self) -> Result<(), String> {
+        let mut total = 0u64;
+        let mut of_job: BTreeMap<Option<&str>, u64> = BTreeMap::new();
+        for (name, scope) in &self.scopes {
+            let mut bytes = 0u64;
+            for (k, e) in &scope.keys {
+                StoreLimits::check_key(k)?;
+                StoreLimits::check_value(k, &e.value)?;
+                bytes += (k.len() + e.value.len()) as u64;
+            }
+            if bytes != scope.bytes {
+                return Err(format!(
+                    "scope {name} counts {} bytes but holds {bytes}",
+                    scope.bytes
+                ));
+            }
+            if bytes > StoreLimits::MAX_SCOPE_BYTES || scope.keys.len() > StoreLimits::MAX_KEYS {
+                return Err(format!(
+                    "scope {name} holds {bytes} bytes in {} keys",
+                    scope.keys.len()
+                ));
+            }
+            total += bytes;
+            *of_job.entry(job_of_scope(name)).or_default() += bytes;
+        }
+        if total > StoreLimits::MAX_STORE_BYTES {
+            return Err(format!("the store holds {total} bytes"));
+        }
+        if let Some((job, bytes)) = of_job.iter().find(|(_, b)| **b > MAX_JOB_BYTES) {
+            return Err(format!("job {job:?} holds {bytes} bytes"));
+        }
+        if self.sessions.len() > StoreLimits::MAX_SESSIONS {
+            return Err(format!("{} sessions", self.sessions.len()));
+        }
+        for (id, s) in &self.sessions {
+            if !self.scopes.contains_key(&s.scope) {
+                return Err(format!("session {id} is in scope {} that is gone", s.scope));
+            }
+            if s.recent.len() > REMEMBERED_WRITES {
+                return Err(format!("session {id} remembers {} writes", s.recent.len()));
+            }
+        }
+        Ok(())
     }
 }
 

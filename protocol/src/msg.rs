@@ -86,9 +86,13 @@ pub enum PeerRequest {
     /// master answers, leader or not.
     ClusterStatus,
     /// Change the master cluster's membership. `proof` is [`ClusterChange::proof`] under
-    /// the cluster's admin key: the job secret alone cannot change the cluster.
+    /// the cluster's admin key for the cluster's membership `membership` (its
+    /// [`ClusterStatus::membership`] when the change was signed): the job secret alone
+    /// cannot change the cluster, and a recorded change cannot be played again once the
+    /// membership has moved on.
     ClusterChange {
         change: ClusterChange,
+        membership: u64,
         proof: [u8; 32],
     },
     /// A request to the key-value store (torchrun's rendezvous, `torch.distributed`
@@ -126,13 +130,17 @@ impl ClusterChange {
     /// The label the admin key is derived under from the cluster secret.
     pub const KEY_LABEL: &'static [u8] = b"eccl-cluster-admin";
 
-    /// HMAC-SHA256 of this change under `key` (the cluster secret's
-    /// `derive(ClusterChange::KEY_LABEL)`).
-    pub fn proof(&self, key: &[u8; 32]) -> [u8; 32] {
+    /// HMAC-SHA256 of this change, made to the cluster whose membership is
+    /// `membership` ([`ClusterStatus::membership`]), under `key` (the cluster secret's
+    /// `derive(ClusterChange::KEY_LABEL)`). Every change moves the membership on, so a
+    /// proof is good for one change at most: a recorded request played again later (to
+    /// remove a master the operator added back, say) is refused.
+    pub fn proof(&self, key: &[u8; 32], membership: u64) -> [u8; 32] {
         use hmac::{Hmac, Mac};
         let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
             .expect("HMAC takes keys of any length");
-        m.update(b"eccl-cluster-change-v1");
+        m.update(b"eccl-cluster-change-v2");
+        m.update(&membership.to_le_bytes());
         match self {
             ClusterChange::Add { id, client, raft } => {
                 m.update(b"add");
@@ -169,6 +177,9 @@ pub struct ClusterStatus {
     pub me: u64,
     pub leader: Option<u64>,
     pub term: u64,
+    /// The raft log index of the membership in effect: it grows with every change to the
+    /// cluster, and a change is signed for it ([`ClusterChange::proof`]).
+    pub membership: u64,
     pub members: Vec<MasterInfo>,
     /// Live peers in this master's replica of the registry.
     pub peers: u64,
@@ -373,5 +384,28 @@ impl VerbsHello {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ClusterChange;
+
+    #[test]
+    fn a_cluster_change_proof_holds_for_one_membership_and_one_change() {
+        let key = [3u8; 32];
+        let remove = ClusterChange::Remove { id: 2 };
+        let p = remove.proof(&key, 7);
+        assert_eq!(p, remove.proof(&key, 7));
+        assert_ne!(p, remove.proof(&key, 8), "bound to the membership");
+        assert_ne!(p, ClusterChange::Remove { id: 3 }.proof(&key, 7));
+        assert_ne!(p, remove.proof(&[4u8; 32], 7), "bound to the key");
+        let add = |client: &str, raft: &str| ClusterChange::Add {
+            id: 2,
+            client: client.into(),
+            raft: raft.into(),
+        };
+        // Lengths are part of the proof: moving bytes between the addresses changes it.
+        assert_ne!(add("ab", "c").proof(&key, 7), add("a", "bc").proof(&key, 7));
     }
 }

@@ -66,10 +66,15 @@ impl StoreLimits {
     }
 
     pub fn check_value(key: &[u8], value: &[u8]) -> Result<(), String> {
-        if value.len() > Self::MAX_VALUE {
+        Self::check_value_len(key, value.len())
+    }
+
+    /// Why a value of `len` bytes cannot be stored at `key`.
+    pub fn check_value_len(key: &[u8], len: usize) -> Result<(), String> {
+        if len > Self::MAX_VALUE {
             return Err(format!(
                 "a value of {} bytes for key {:?} (at most {})",
-                value.len(),
+                len,
                 String::from_utf8_lossy(&key[..key.len().min(64)]),
                 Self::MAX_VALUE
             ));

@@ -110,10 +110,12 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
                 client: "10.0.0.4:48148".into(),
                 raft: "10.0.0.4:48149".into(),
             },
+            membership: 5,
             proof: [7; 32],
         },
         PeerRequest::ClusterChange {
             change: eccl_protocol::ClusterChange::Remove { id: 2 },
+            membership: 9,
             proof: [8; 32],
         },
         PeerRequest::Store(StoreRequest::Open {
@@ -178,6 +180,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             me: 1,
             leader: Some(2),
             term: 5,
+            membership: 12,
             members: vec![eccl_protocol::MasterInfo {
                 id: 2,
                 client: "10.0.0.2:48148".into(),

@@ -43,17 +43,28 @@ impl RaftRegistry {
             me: self.node_id,
             leader: m.current_leader,
             term: m.current_term,
+            membership: Self::membership_index(&m),
             members,
             peers,
             epoch,
         }
     }
 
-    /// Makes `change` if `proof` is its HMAC under the cluster's admin key; returns the
-    /// status once the change is committed.
+    /// The log index of the membership in effect (0 before the first one): every change
+    /// to the cluster moves it on.
+    fn membership_index(m: &openraft::RaftMetrics<MasterId, MasterNode>) -> u64 {
+        m.membership_config.log_id().map_or(0, |l| l.index)
+    }
+
+    /// Makes `change` if `proof` is its HMAC under the cluster's admin key for the
+    /// membership in effect now (`membership`, as the signer saw it); returns the status
+    /// once the change is committed. A proof for any other membership is refused: either
+    /// the request is a replay of one already made, or the cluster changed since it was
+    /// signed (the CLI then asks again).
     pub async fn change(
         &self,
         change: &ClusterChange,
+        membership: u64,
         proof: &[u8; 32],
     ) -> Result<ClusterStatus, AdminError> {
         if self.node.raft.is_empty() {
@@ -62,7 +73,13 @@ impl RaftRegistry {
                 "this master runs alone (no --masters): it has no cluster to change".into(),
             ));
         }
-        let expected = change.proof(&self.admin_key);
+        let metrics = self.raft.metrics().borrow().clone();
+        if metrics.current_leader != Some(self.node_id) {
+            return Err(AdminError::NotLeader(
+                metrics.current_leader.and_then(|id| self.addr_of(id)),
+            ));
+        }
+        let expected = change.proof(&self.admin_key, membership);
         // blake3::Hash compares in constant time.
         if blake3::Hash::from(expected) != blake3::Hash::from(*proof) {
             return Err(AdminError::Refused(
@@ -70,14 +87,19 @@ impl RaftRegistry {
                 "the change is not signed with this cluster's secret".into(),
             ));
         }
-        let voters: BTreeSet<MasterId> = self
-            .raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .voter_ids()
-            .collect();
+        let now = Self::membership_index(&metrics);
+        if membership != now {
+            return Err(AdminError::Refused(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "the change was signed for membership {membership} of the cluster, which is at \
+                     {now} now: a replay of a change already made, or the cluster changed since \
+                     it was signed (ask again)"
+                ),
+            ));
+        }
+        let voters: BTreeSet<MasterId> =
+            metrics.membership_config.membership().voter_ids().collect();
         match change {
             ClusterChange::Add { id, client, raft } => {
                 if voters.contains(id) {

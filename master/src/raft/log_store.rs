@@ -106,6 +106,17 @@ impl LogStore {
         })
     }
 
+    /// A handle that reads the log's counts ([`LogStore::bytes`], [`LogStore::len`]) and
+    /// holds nothing else: not the data directory, which must be released when raft
+    /// stops (a handle with the disk kept every shutdown waiting for it).
+    pub fn reader(&self) -> LogStore {
+        LogStore {
+            inner: self.inner.clone(),
+            disk: None,
+            too_big: None,
+        }
+    }
+
     /// Notifies `n` whenever the entries held pass [`SNAPSHOT_AT_BYTES`].
     pub fn notify_when_too_big(&mut self, n: Arc<tokio::sync::Notify>) {
         self.too_big = Some(n);

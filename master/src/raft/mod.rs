@@ -166,7 +166,7 @@ impl RaftRegistry {
         let link_key = secret.derive(b"eccl-link-key");
         let admin_key = secret.derive(eccl_protocol::ClusterChange::KEY_LABEL);
         let network = MasterNetwork::new(secret, node_id);
-        let log_handle = log.clone();
+        let log_handle = log.reader();
         let raft = openraft::Raft::new(node_id, config, network.clone(), log, sm).await?;
         let snapshotter = {
             let raft = raft.clone();

@@ -54,7 +54,9 @@ fn encode_snapshot(data: &SmData) -> Result<Vec<u8>, StorageError<MasterId>> {
         .map_err(|e| StorageError::from(StorageIOError::write_snapshot(None, AnyError::new(&e))))
 }
 
-fn decode_snapshot(bytes: &[u8]) -> Result<SmData, StorageIOError<MasterId>> {
+/// A snapshot's bytes as the state machine reads them (one a leader sent, or one from the
+/// data directory), refused whole if they do not decode exactly.
+pub fn decode_snapshot(bytes: &[u8]) -> Result<SmData, StorageIOError<MasterId>> {
     let (data, used): (SmData, usize) = bincode::serde::decode_from_slice(bytes, bincode_config())
         .map_err(|e| StorageIOError::read_snapshot(None, AnyError::new(&e)))?;
     if used != bytes.len() {

@@ -2,15 +2,31 @@
 //! leader killed during an `update_topology` vote, during a shared-state sync round and
 //! while a peer is hung (the next leader evicts it); a SIGSTOPped leader that wakes after a
 //! new one was elected commits nothing and evicts no one; masters added and removed at
-//! runtime with `eccl-master cluster`.
+//! runtime with `eccl-master cluster`, and a recorded change played again is refused.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::*;
 use crate::masters::{cfg, members, Cluster};
-use eccl::{Communicator, ReduceOp, SharedTensor, SyncStrategy};
+use eccl::{Communicator, ReduceOp, Secret, SharedTensor, SyncStrategy};
 use futures::future::join_all;
+
+/// One request to the master at `addr` on a control connection of its own.
+async fn ask(addr: &str, body: eccl_protocol::PeerRequest) -> eccl_protocol::MasterReply {
+    use eccl_protocol::{auth::Role, MasterMessage, Request};
+    let secret = Secret::new(SECRET).unwrap();
+    let mut c =
+        eccl_transport::control::connect(addr, &secret, Role::PeerToMaster, Duration::from_secs(5))
+            .await
+            .unwrap();
+    c.send(&Request { id: 1, body }).await.unwrap();
+    loop {
+        if let MasterMessage::Reply { id: 1, body } = c.recv::<MasterMessage>().await.unwrap() {
+            return body;
+        }
+    }
+}
 
 async fn exact_all_reduce(comms: &mut [Communicator]) {
     let n = comms.len() as f32;
@@ -256,6 +272,11 @@ async fn masters_are_added_and_removed_at_runtime() {
     );
     assert!(text.contains(&format!("leader: {}", leader + 1)), "{text}");
     assert_eq!(text.matches(" voter ").count(), 3, "{text}");
+    let membership_before: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("membership: "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a membership line: {text}"));
 
     let four = cl.start_joiner();
     let (client, raft) = (cl.clients[four].clone(), cl.rafts[four].clone());
@@ -296,6 +317,34 @@ async fn masters_are_added_and_removed_at_runtime() {
         "{text} {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert_eq!(text.matches(" voter ").count(), 4, "{text}");
+
+    // The add exactly as the CLI sent it (signed for the membership it saw), played
+    // again by whoever recorded it: refused as signed for an older membership, before
+    // anything else is looked at, and nothing changes.
+    let change = eccl_protocol::ClusterChange::Add {
+        id: 4,
+        client: client.clone(),
+        raft: raft.clone(),
+    };
+    let key = Secret::read_file(&cl.cluster_secret())
+        .unwrap()
+        .derive(eccl_protocol::ClusterChange::KEY_LABEL);
+    let replay = eccl_protocol::PeerRequest::ClusterChange {
+        proof: change.proof(&key, membership_before),
+        change,
+        membership: membership_before,
+    };
+    match ask(&cl.clients[leader], replay).await {
+        eccl_protocol::MasterReply::Error { message, .. } => assert!(
+            message.contains(&format!("signed for membership {membership_before}"))
+                && message.contains("replay"),
+            "{message}"
+        ),
+        other => panic!("a replayed change was answered {other:?}"),
+    }
+    let out = cl.cli(&list, &["status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(text.matches(" voter ").count(), 4, "{text}");
 
     // Peers that know only the new master are served through it.
