@@ -116,16 +116,16 @@ phase "build: the workspace, its binaries and every test binary (release, clippy
 cargo test --release --workspace --locked --no-run
 cargo build --release --workspace --locked
 
-phase "miri: the executor's buffer borrows and the shared-memory ring, started in the background"
+phase "miri and cargo fuzz (.ci/nightly_checks.sh), started in the background"
 # Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data
-# race; the Python layer's unsafe code calls into C, so valgrind checks it (pytest below).
-# It builds into its own target (target/miri) at the lowest CPU priority, beside the
-# tests (which leave a core idle much of the time while they wait on processes and
-# timeouts), and is waited for before the chaos runs. In a session of its own, so that a
-# failed run stops all of it (kill -- -PID).
-setsid -w nice -n 19 env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS bash -c "cargo +$MIRI_TOOLCHAIN miri test --locked -p eccl --lib executor::bufs &&
-    cargo +$MIRI_TOOLCHAIN miri test --locked -p eccl-transport --lib shm::segment" \
-    >target/miri.log 2>&1 &
+# race (the Python layer's unsafe code calls into C, so valgrind checks it, pytest
+# below); then each fuzz target runs briefly from the committed corpus. They build into
+# targets of their own at the lowest CPU priority, beside the tests (which leave a core
+# idle much of the time while they wait on processes and timeouts), and are waited for
+# before the chaos runs. In a session of their own, so that a failed run stops all of it
+# (kill -- -PID).
+export MIRI_TOOLCHAIN
+setsid -w nice -n 19 bash .ci/nightly_checks.sh >target/miri.log 2>&1 &
 miri_pid=$!
 
 phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
@@ -155,13 +155,13 @@ else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
 
-phase "miri: the rest of the background run"
+phase "miri and cargo fuzz: the rest of the background run"
 if ! wait "$miri_pid"; then
     cat target/miri.log
-    echo "miri failed" >&2
+    echo "miri or cargo fuzz failed (target/miri.log above)" >&2
     exit 1
 fi
-grep -E "^(test |test result)" target/miri.log
+grep -E "^(test |test result|[a-z]+: )" target/miri.log
 
 phase "smoke: eccl-bench all_reduce --local 4 -c over every transport"
 for t in tcp shm quic; do

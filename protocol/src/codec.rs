@@ -69,10 +69,41 @@ pub fn check_len(prefix: [u8; 4]) -> Result<usize, CodecError> {
     Ok(len)
 }
 
+/// Decodes a `T` from the start of `bytes` with bincode's standard configuration and a
+/// limit that follows from the input's own length: returns it and the bytes used.
+///
+/// bincode allocates a string's buffer from its length prefix before it reads the
+/// string, so without a limit a few bytes claiming a string of 2^60 bytes panic
+/// ("capacity overflow") and smaller claims allocate what they claim. Everything a value
+/// claims is in the input, at most 16 times over (bincode counts a primitive's size in
+/// memory, a varint is one byte or more), so the limit is the first of 64 KiB, 1 MiB,
+/// 16 MiB, 256 MiB, 4 GiB that is at least 16 times the input: no valid encoding is
+/// refused, and no input makes the decoder allocate more than 16 times its length (or 64
+/// KiB).
+pub fn decode_slice<T: DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<(T, usize), bincode::error::DecodeError> {
+    use bincode::config::standard;
+    let claims = bytes.len().saturating_mul(16);
+    macro_rules! within {
+        ($($limit:expr),*) => {
+            $(
+                if claims <= $limit {
+                    return bincode::serde::decode_from_slice(bytes, standard().with_limit::<{ $limit }>());
+                }
+            )*
+        };
+    }
+    within!(64 << 10, 1 << 20, 16 << 20, 256 << 20);
+    bincode::serde::decode_from_slice(bytes, standard().with_limit::<{ 4 << 30 }>())
+}
+
 /// Decodes a message body (without its prefix). Every byte must be used.
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, CodecError> {
-    let (msg, used) = bincode::serde::decode_from_slice(body, config())
-        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    if body.len() > MAX_CONTROL_MSG {
+        return Err(CodecError::TooLarge(body.len()));
+    }
+    let (msg, used) = decode_slice(body).map_err(|e| CodecError::Malformed(e.to_string()))?;
     if used != body.len() {
         return Err(CodecError::Trailing(body.len() - used));
     }
@@ -92,6 +123,30 @@ mod tests {
         let fits = vec![7u8; MAX_CONTROL_MSG - 8];
         let bytes = encode(&fits).unwrap();
         assert_eq!(decode::<Vec<u8>>(&bytes[4..]).unwrap(), fits);
+    }
+
+    /// A length prefix that claims more than the input holds is refused before anything
+    /// is allocated: 2^62 bytes once panicked ("capacity overflow"), and 15 MiB from a
+    /// ten-byte body allocated 15 MiB.
+    #[test]
+    fn a_string_longer_than_the_input_is_refused_before_it_is_allocated() {
+        for claimed in [1u64 << 62, 15 << 20, 100] {
+            // bincode's varint: 253 then a u64.
+            let mut body = vec![253u8];
+            body.extend_from_slice(&claimed.to_le_bytes());
+            body.push(b'x');
+            assert!(matches!(
+                decode::<String>(&body),
+                Err(CodecError::Malformed(_))
+            ));
+            assert!(decode_slice::<(String, String)>(&body).is_err());
+        }
+        // Strings as long as the input allows still decode, at every size.
+        for len in [0usize, 1, 4 << 10, 70 << 10, 3 << 20] {
+            let s = "y".repeat(len);
+            let bytes = encode(&s).unwrap();
+            assert_eq!(decode::<String>(&bytes[4..]).unwrap(), s);
+        }
     }
 
     #[test]

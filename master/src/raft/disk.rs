@@ -65,8 +65,8 @@ fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, AnyError> {
 }
 
 fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, AnyError> {
-    let (v, used) = bincode::serde::decode_from_slice(bytes, bincode::config::standard())
-        .map_err(|e| AnyError::new(&e))?;
+    // A damaged record is an error, not a panic or a huge allocation.
+    let (v, used) = eccl_protocol::codec::decode_slice(bytes).map_err(|e| AnyError::new(&e))?;
     if used != bytes.len() {
         return Err(AnyError::error(format!(
             "{} trailing bytes in a stored record",

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The checks that need the pinned nightly toolchain ($MIRI_TOOLCHAIN), run by .ci/test.sh
+# in the background at the lowest CPU priority, beside the tests:
+#  - Miri over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
+#    ring): fails on any undefined behaviour or data race;
+#  - coverage-guided fuzzing (cargo fuzz, libFuzzer) of every decoder a stranger or a job
+#    member reaches, ECCL_FUZZ_SECONDS (default 10) per target, starting from the corpus
+#    committed in fuzz/corpus (what a run finds goes to target/fuzz-corpus, not into the
+#    repository; a crash leaves its input in fuzz/artifacts and fails the run).
+# Each builds into a target of its own (target/miri, fuzz/target).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${MIRI_TOOLCHAIN:?}"
+unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
+
+echo "== miri"
+cargo +"$MIRI_TOOLCHAIN" miri test --locked -p eccl --lib executor::bufs
+cargo +"$MIRI_TOOLCHAIN" miri test --locked -p eccl-transport --lib shm::segment
+
+echo "== cargo fuzz"
+CARGO_FUZZ_VERSION=0.13.2
+if [ "$(cargo fuzz --version 2>/dev/null || true)" != "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
+    cargo install --locked --quiet "cargo-fuzz@$CARGO_FUZZ_VERSION"
+fi
+cd fuzz
+# No sanitizer: the decoders are safe Rust; what fuzzing looks for is a panic, an
+# unbounded allocation (-rss_limit_mb, -malloc_limit_mb) or a hang (-timeout).
+# cargo fuzz takes no --locked: fetching first with it checks fuzz/Cargo.lock holds.
+cargo +"$MIRI_TOOLCHAIN" fetch --locked
+cargo +"$MIRI_TOOLCHAIN" fuzz build -s none
+seconds="${ECCL_FUZZ_SECONDS:-10}"
+for t in $(cargo +"$MIRI_TOOLCHAIN" fuzz list); do
+    mkdir -p "../target/fuzz-corpus/$t"
+    log="../target/fuzz-$t.log"
+    if ! cargo +"$MIRI_TOOLCHAIN" fuzz run -s none "$t" "../target/fuzz-corpus/$t" "corpus/$t" -- \
+        -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=256 -timeout=10 >"$log" 2>&1; then
+        tail -60 "$log"
+        echo "cargo fuzz: target $t failed; its input is in fuzz/artifacts/$t" >&2
+        exit 1
+    fi
+    grep -E "^Done [0-9]+ runs" "$log" | sed "s/^/$t: /"
+done
