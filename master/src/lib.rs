@@ -5,6 +5,7 @@
 //! one-node raft cluster); the `eccl-master` binary wraps it.
 
 pub mod cluster_cli;
+pub mod connection;
 pub mod coordinator;
 pub mod raft;
 pub mod registry;

@@ -113,6 +113,28 @@ pub enum PeerRequest {
     },
 }
 
+impl PeerRequest {
+    /// The member a request is made in the name of, for the requests a registered peer
+    /// makes (a connection may make them only for the peer it registered); `None` for
+    /// registration, attaching, the store and the cluster's requests.
+    pub fn member(&self) -> Option<PeerId> {
+        match self {
+            PeerRequest::UpdateTopology { peer_id, .. }
+            | PeerRequest::ArePeersPending { peer_id, .. }
+            | PeerRequest::Heartbeat { peer_id }
+            | PeerRequest::ReportFault { peer_id, .. }
+            | PeerRequest::Leave { peer_id }
+            | PeerRequest::Reconfigure { peer_id, .. }
+            | PeerRequest::SyncState { peer_id, .. } => Some(*peer_id),
+            PeerRequest::Register(_)
+            | PeerRequest::Attach { .. }
+            | PeerRequest::ClusterStatus
+            | PeerRequest::ClusterChange { .. }
+            | PeerRequest::Store(_) => None,
+        }
+    }
+}
+
 /// A change to the master cluster (openraft joint consensus underneath).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClusterChange {
