@@ -9,10 +9,9 @@ use std::sync::Arc;
 
 use eccl_protocol::auth::{LinkKeys, Secret};
 use eccl_protocol::{LinkHello, Member, PeerId, World};
-use eccl_transport::connect::{self, stream_link};
-use eccl_transport::link::stream::{BoxRead, BoxWrite};
 use eccl_transport::link::{Incoming, LinkObserver, LinkRx, LinkTx, Transport};
-use eccl_transport::listen::{self, Accepted, Conn, ListenOptions, Listeners};
+use eccl_transport::listen::{self, Accepted, ListenOptions, Listeners};
+use eccl_transport::mesh::{self, Addresses, Assembler, LinkSettings};
 use eccl_transport::shm;
 use futures::future::try_join_all;
 
@@ -199,32 +198,59 @@ impl LinkManager {
             .collect();
         let kept = keep.len();
 
-        let dialer = Dialer {
-            keys,
+        let settings = LinkSettings {
+            nstreams,
+            shm_frame_bytes: cfg.buffsize,
+            connect_timeout: cfg.connect_timeout,
+            keep_buf_max: KEEP_BUF_MAX,
+            observer: observer.clone(),
+        };
+        let dialer = mesh::Dialer {
             secret: &self.secret,
             quic: self.listeners.quic.as_ref(),
-            cfg,
-            observer: observer.clone(),
-            epoch,
-            me,
-            nstreams,
+            settings: &settings,
+        };
+        // The hello of each stream of our link to `to`: the master's proof for it is
+        // missing only if its world and keys disagree; the acceptor then refuses the
+        // link and the epoch's connection deadline reports it.
+        let hello = |to: PeerId| {
+            let proof = keys.proof_for(to).unwrap_or_default();
+            move |stream: u16| LinkHello {
+                from: me,
+                to,
+                epoch,
+                stream,
+                nstreams,
+                proof,
+            }
         };
         let to_dial = world
             .members
             .iter()
             .filter(|m| m.peer_id > me && !keep.contains_key(&m.peer_id));
         let dials = try_join_all(to_dial.map(|m| {
-            let dialer = &dialer;
-            let peer = name(m.rank.0);
+            let (dialer, peer) = (&dialer, name(m.rank.0));
+            let at = Addresses {
+                tcp: &m.addr,
+                quic: m.quic.as_deref(),
+                shm: m.shm.as_deref(),
+            };
+            let cannot = move |t: Transport, e: eccl_transport::TransportError| Error::Aborted {
+                epoch,
+                cause: format!("cannot connect to rank {} over {t}: {e}", m.rank),
+            };
             async move {
                 let t = choose(cfg, mine, m)?;
-                let link = match dialer.dial(m, t, peer.clone()).await {
+                let link = match dialer.link(at, t, hello(m.peer_id), peer.clone()).await {
                     Err(e) if t == Transport::Shm && cfg.transport == TransportChoice::Auto => {
                         let tcp = if cfg.tls { Transport::Tls } else { Transport::Tcp };
                         tracing::warn!(target: "eccl::net", "shm link to {peer} failed ({e}); using {tcp}");
-                        dialer.dial(m, tcp, peer.clone()).await?
+                        dialer
+                            .link(at, tcp, hello(m.peer_id), peer.clone())
+                            .await
+                            .map_err(|e| cannot(tcp, e))?
                     }
-                    other => other?,
+                    other => other.map_err(|e| cannot(t, e))?,
                 };
                 tracing::info!(target: "eccl::net", "epoch {epoch}: link to rank {} ({peer}) over {}", m.rank, link.0.transport());
                 Ok::<_, Error>((m.rank.0, link))
@@ -234,9 +260,8 @@ impl LinkManager {
         let early = std::mem::take(&mut self.early);
         let accepted = &mut self.listeners.accepted;
         let mut later = Vec::new();
+        let mut assembler = Assembler::new(settings.clone());
         let accepts = async {
-            let mut streams: HashMap<u32, Vec<Option<(BoxRead, BoxWrite)>>> = HashMap::new();
-            let mut kinds: HashMap<u32, Transport> = HashMap::new();
             let mut done: Vec<(u32, (LinkTx, LinkRx))> = Vec::new();
             let mut queue: VecDeque<Accepted> = early.into();
             while done.len() < expected.len() {
@@ -281,65 +306,17 @@ impl LinkManager {
                     continue;
                 }
                 let peer = name(rank);
-                let stream = a.hello.stream as usize;
-                match a.conn {
-                    Conn::Stream {
-                        transport,
-                        read,
-                        write,
-                    } => {
-                        if *kinds.entry(rank).or_insert(transport) != transport {
-                            continue;
-                        }
-                        let slots = streams
-                            .entry(rank)
-                            .or_insert_with(|| (0..nstreams).map(|_| None).collect());
-                        if slots[stream].is_none() {
-                            slots[stream] = Some((read, write));
-                        }
-                        if slots.iter().all(Option::is_some) {
-                            let all = streams.remove(&rank).unwrap_or_default();
-                            let all = all.into_iter().flatten().collect();
-                            let link = stream_link(
-                                peer.clone(),
-                                transport,
-                                all,
-                                observer.clone(),
-                                KEEP_BUF_MAX,
-                                None,
-                            );
-                            done.push((rank, link));
-                        }
-                    }
-                    Conn::Shm(s) => {
-                        let link = shm::accept_link(
-                            s,
-                            peer.clone(),
-                            observer.clone(),
-                            cfg.connect_timeout,
-                        )
-                        .await
-                        .map_err(|e| Error::Aborted {
-                            epoch,
-                            cause: format!("shm link from {peer}: {e}"),
-                        })?;
-                        done.push((rank, link));
-                    }
-                    Conn::Quic(q) => {
-                        let (all, guard) = q.into_parts();
-                        let link = stream_link(
-                            peer.clone(),
-                            Transport::Quic,
-                            all,
-                            observer.clone(),
-                            KEEP_BUF_MAX,
-                            Some(guard),
-                        );
-                        done.push((rank, link));
-                    }
-                }
-                if let Some((r, l)) = done.last().filter(|(r, _)| *r == rank) {
-                    tracing::info!(target: "eccl::net", "epoch {epoch}: link from rank {r} ({}) over {}", name(*r), l.0.transport());
+                let stream = a.hello.stream;
+                let link = assembler
+                    .add(rank, stream, a.conn, peer.clone())
+                    .await
+                    .map_err(|e| Error::Aborted {
+                        epoch,
+                        cause: format!("link from {peer}: {e}"),
+                    })?;
+                if let Some(link) = link {
+                    tracing::info!(target: "eccl::net", "epoch {epoch}: link from rank {rank} ({peer}) over {}", link.0.transport());
+                    done.push((rank, link));
                 }
             }
             Ok::<_, Error>(done)
@@ -368,109 +345,5 @@ impl LinkManager {
         }
         tracing::info!(target: "eccl::net", "epoch {epoch}: kept {kept} links, connected {} ({} stream(s) per stream link)", world.size().saturating_sub(1 + kept), nstreams);
         Ok(links)
-    }
-}
-
-/// What dialing one link needs.
-struct Dialer<'a> {
-    keys: &'a LinkKeys,
-    secret: &'a Secret,
-    quic: Option<&'a eccl_transport::quic::Endpoint>,
-    cfg: &'a Config,
-    observer: Arc<dyn LinkObserver>,
-    epoch: u64,
-    me: PeerId,
-    nstreams: u16,
-}
-
-impl Dialer<'_> {
-    fn hello(&self, to: PeerId, stream: u16) -> LinkHello {
-        LinkHello {
-            from: self.me,
-            to,
-            epoch: self.epoch,
-            stream,
-            nstreams: self.nstreams,
-            // Missing only if the master's world and keys disagree; the acceptor then
-            // refuses the link and the epoch's connection deadline reports it.
-            proof: self.keys.proof_for(to).unwrap_or_default(),
-        }
-    }
-
-    async fn dial(&self, m: &Member, t: Transport, peer: String) -> Result<(LinkTx, LinkRx)> {
-        let (epoch, timeout) = (self.epoch, self.cfg.connect_timeout);
-        let cannot = |e: &dyn std::fmt::Display| Error::Aborted {
-            epoch,
-            cause: format!("cannot connect to rank {} over {t}: {e}", m.rank),
-        };
-        match t {
-            Transport::Tcp | Transport::Tls => {
-                let mut streams = Vec::new();
-                for s in 0..self.nstreams {
-                    let h = self.hello(m.peer_id, s);
-                    let st =
-                        connect::dial_tcp(&m.addr, self.secret, &h, t == Transport::Tls, timeout)
-                            .await
-                            .map_err(|e| cannot(&format!("{} at {}", e, m.addr)))?;
-                    streams.push(st);
-                }
-                Ok(stream_link(
-                    peer,
-                    t,
-                    streams,
-                    self.observer.clone(),
-                    KEEP_BUF_MAX,
-                    None,
-                ))
-            }
-            Transport::Shm => {
-                let name = m
-                    .shm
-                    .as_deref()
-                    .ok_or_else(|| cannot(&"it has no shm socket"))?;
-                let h = self.hello(m.peer_id, 0);
-                connect::dial_shm(
-                    name,
-                    self.secret,
-                    &h,
-                    self.cfg.buffsize,
-                    peer,
-                    self.observer.clone(),
-                    timeout,
-                )
-                .await
-                .map_err(|e| cannot(&e))
-            }
-            // The verbs link (eccl_transport::verbs) is built and tested on its own; no
-            // ECCL_TRANSPORT setting selects it for a world's links yet.
-            Transport::Verbs => Err(cannot(&"verbs links are not selectable for a world yet")),
-            Transport::Quic => {
-                let ep = self
-                    .quic
-                    .ok_or_else(|| cannot(&"this peer has no QUIC endpoint"))?;
-                let addr = m
-                    .quic
-                    .as_deref()
-                    .ok_or_else(|| cannot(&"it has no QUIC endpoint"))?;
-                let addr: SocketAddr = tokio::net::lookup_host(addr)
-                    .await
-                    .map_err(|e| cannot(&e))?
-                    .next()
-                    .ok_or_else(|| cannot(&format!("{addr} does not resolve")))?;
-                let h = self.hello(m.peer_id, 0);
-                let link = connect::dial_quic(ep, addr, self.secret, &h, timeout)
-                    .await
-                    .map_err(|e| cannot(&e))?;
-                let (all, guard) = link.into_parts();
-                Ok(stream_link(
-                    peer,
-                    Transport::Quic,
-                    all,
-                    self.observer.clone(),
-                    KEEP_BUF_MAX,
-                    Some(guard),
-                ))
-            }
-        }
     }
 }

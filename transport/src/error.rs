@@ -44,6 +44,10 @@ pub enum TransportError {
     /// could not set the link up.
     #[error("RDMA link with {peer} failed: {reason}")]
     Verbs { peer: String, reason: String },
+    /// The link cannot be made over the transport asked for: the peer (or this process)
+    /// has no address for it.
+    #[error("cannot reach {peer}: {reason}")]
+    Unavailable { peer: String, reason: String },
 }
 
 impl TransportError {

@@ -6,7 +6,8 @@
 //! | [`tls`] | TLS 1.3 and the binding of the job secret to a TLS or QUIC session |
 //! | [`control`] | length-prefixed control messages (peer <-> master, master <-> master) |
 //! | [`link`] | a data link to one peer, as the executor sees it, over any transport |
-//! | [`connect`], [`listen`] | dialing and accepting data links over TCP, TLS, shm and QUIC |
+//! | [`mesh`] | finished links to peers over any transport: dial one, or assemble what was accepted |
+//! | [`connect`], [`listen`] | dialing and accepting data connections over TCP, TLS, shm and QUIC |
 //! | [`shm`] | the shared-memory transport (rings in a sealed memfd) |
 //! | [`quic`] | QUIC endpoints and links (quinn) |
 //! | [`pool`] | receive buffers |
@@ -25,6 +26,7 @@ pub mod handshake;
 pub mod link;
 pub mod listen;
 pub mod logging;
+pub mod mesh;
 pub mod pool;
 pub mod quic;
 pub mod shm;

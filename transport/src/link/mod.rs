@@ -23,6 +23,10 @@ use std::time::Duration;
 
 use eccl_protocol::frame::FrameHeader;
 
+pub mod frames;
+
+pub use frames::Frames;
+
 use crate::pool::{AlignedBuf, PooledBuf};
 use crate::shm::{ShmRx, ShmTx, Slot};
 use crate::TransportError;

@@ -16,7 +16,7 @@ use futures::future::try_join_all;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use super::{Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload, Transport};
+use super::{Frames, Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload, Transport};
 use crate::pool::Pool;
 use crate::TransportError;
 
@@ -79,16 +79,21 @@ impl StreamTx {
                 peer: self.peer.clone(),
             });
         }
-        let align = align.max(1);
-        let frame_bytes = (frame_bytes.max(align) / align * align)
-            .min(eccl_protocol::MAX_FRAME_PAYLOAD / align * align);
-        let nframes = payload.len().div_ceil(frame_bytes).max(1);
+        let frames = Frames::new(
+            header,
+            payload,
+            frame_bytes,
+            align,
+            eccl_protocol::MAX_FRAME_PAYLOAD,
+        );
+        let nframes = frames.count();
         self.poisoned = true;
         let peer = &self.peer;
+        let frames = &frames;
         if self.streams.len() == 1 || nframes == 1 {
             let w = &mut self.streams[0];
             for i in 0..nframes {
-                send_one(w, header, payload, i, frame_bytes, timeout, peer).await?;
+                send_one(w, frames.get(i), timeout, peer).await?;
             }
         } else {
             let n = self.streams.len();
@@ -99,7 +104,7 @@ impl StreamTx {
                     .map(|(s, w)| async move {
                         let mut i = s;
                         while i < nframes {
-                            send_one(w, header, payload, i, frame_bytes, timeout, peer).await?;
+                            send_one(w, frames.get(i), timeout, peer).await?;
                             i += n;
                         }
                         Ok::<(), TransportError>(())
@@ -167,19 +172,10 @@ impl StreamTx {
 
 async fn send_one(
     w: &mut BoxWrite,
-    header: FrameHeader,
-    payload: &[u8],
-    i: usize,
-    frame_bytes: usize,
+    (h, part): (FrameHeader, &[u8]),
     timeout: Duration,
     peer: &str,
 ) -> Result<(), TransportError> {
-    let start = i * frame_bytes;
-    let end = (start + frame_bytes).min(payload.len());
-    let part = payload.get(start..end).unwrap_or(&[]);
-    let mut h = header;
-    h.offset = start as u64;
-    h.len = part.len() as u32;
     match tokio::time::timeout(timeout, write_frame(w, &h.encode(), part)).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(TransportError::io(peer, e)),

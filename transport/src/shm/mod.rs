@@ -32,7 +32,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
-use crate::link::{Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload};
+use crate::link::{Frames, Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload};
 use crate::TransportError;
 pub(crate) use segment::Geometry;
 use segment::{Mapping, Peek, NSLOTS};
@@ -293,15 +293,8 @@ impl ShmTx {
         align: usize,
         timeout: Duration,
     ) -> Result<(), TransportError> {
-        let align = align.max(1);
         let slot = self.shared.map.geometry().slot_bytes;
-        let frame = (frame_bytes.clamp(align, slot) / align * align).max(align);
-        if payload.is_empty() {
-            return self.publish(header, &[], timeout).await;
-        }
-        for (i, part) in payload.chunks(frame).enumerate() {
-            let mut h = header;
-            h.offset = (i * frame) as u64;
+        for (h, part) in Frames::new(header, payload, frame_bytes, align, slot).iter() {
             self.publish(h, part, timeout).await?;
         }
         Ok(())

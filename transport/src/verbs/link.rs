@@ -18,7 +18,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::engine::Engine;
-use crate::link::{LinkEvent, LinkObserver, LinkRx, LinkTx};
+use crate::link::{Frames, LinkEvent, LinkObserver, LinkRx, LinkTx};
 use crate::TransportError;
 
 /// How a verbs link is made.
@@ -323,16 +323,8 @@ impl VerbsTx {
         align: usize,
         timeout: Duration,
     ) -> Result<(), TransportError> {
-        let align = align.max(1);
-        let frame =
-            (frame_bytes.clamp(align, self.max_payload.max(align)) / align * align).max(align);
-        if payload.is_empty() {
-            return self.push(header, &[], timeout).await;
-        }
-        for (i, part) in payload.chunks(frame).enumerate() {
-            let mut h = header;
-            h.offset = (i * frame) as u64;
-            h.len = part.len() as u32;
+        let frames = Frames::new(header, payload, frame_bytes, align, self.max_payload);
+        for (h, part) in frames.iter() {
             self.push(h, part, timeout).await?;
         }
         Ok(())

@@ -1,0 +1,214 @@
+//! Finished links, whatever the transport (gloo's `transport::Pair`, which its
+//! `connectFullMesh` makes for every pair): [`Dialer::link`] opens a link to a peer's
+//! addresses over the transport the caller chose, and [`Assembler::add`] turns what the
+//! listeners accepted into links once they are complete (every stream of a TCP or TLS
+//! link, a shm link's segment, a QUIC connection). A caller deals in `(LinkTx, LinkRx)`
+//! and names a transport only to choose one; how each is dialed, accepted and put
+//! together stays here.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use eccl_protocol::auth::Secret;
+use eccl_protocol::LinkHello;
+
+use crate::connect;
+use crate::link::stream::{link_from_streams, BoxRead, BoxWrite};
+use crate::link::{LinkObserver, LinkRx, LinkTx, Transport};
+use crate::listen::Conn;
+use crate::{quic, shm, TransportError};
+
+/// What every link of a mesh is made with.
+#[derive(Clone)]
+pub struct LinkSettings {
+    /// Streams (connections) per TCP or TLS link, streams per QUIC link.
+    pub nstreams: u16,
+    /// The frame size of a shm link's rings.
+    pub shm_frame_bytes: usize,
+    /// How long one link may take to connect.
+    pub connect_timeout: Duration,
+    /// Receive buffers larger than this are not kept for reuse.
+    pub keep_buf_max: usize,
+    /// Told of every link's failure (the peer aborts the epoch).
+    pub observer: Arc<dyn LinkObserver>,
+}
+
+/// Where a peer accepts links: its TCP listener, and its QUIC endpoint and shm socket if
+/// it has them.
+#[derive(Clone, Copy, Debug)]
+pub struct Addresses<'a> {
+    pub tcp: &'a str,
+    pub quic: Option<&'a str>,
+    pub shm: Option<&'a str>,
+}
+
+/// Opens links to other peers.
+pub struct Dialer<'a> {
+    pub secret: &'a Secret,
+    /// This peer's QUIC endpoint (QUIC links leave from it).
+    pub quic: Option<&'a quic::Endpoint>,
+    pub settings: &'a LinkSettings,
+}
+
+impl Dialer<'_> {
+    /// A link to the peer at `to` over `transport`, introduced on each stream by
+    /// `hello(stream)`; `peer` names it in errors and logs.
+    pub async fn link(
+        &self,
+        to: Addresses<'_>,
+        transport: Transport,
+        hello: impl Fn(u16) -> LinkHello,
+        peer: String,
+    ) -> Result<(LinkTx, LinkRx), TransportError> {
+        let s = self.settings;
+        let unavailable = |reason: String| TransportError::Unavailable {
+            peer: peer.clone(),
+            reason,
+        };
+        match transport {
+            Transport::Tcp | Transport::Tls => {
+                let mut streams = Vec::with_capacity(s.nstreams as usize);
+                for i in 0..s.nstreams {
+                    streams.push(
+                        connect::dial_tcp(
+                            to.tcp,
+                            self.secret,
+                            &hello(i),
+                            transport == Transport::Tls,
+                            s.connect_timeout,
+                        )
+                        .await?,
+                    );
+                }
+                Ok(link_from_streams(
+                    peer,
+                    transport,
+                    streams,
+                    s.observer.clone(),
+                    s.keep_buf_max,
+                    None,
+                ))
+            }
+            Transport::Shm => {
+                let name = to
+                    .shm
+                    .ok_or_else(|| unavailable("it has no shm socket".into()))?;
+                connect::dial_shm(
+                    name,
+                    self.secret,
+                    &hello(0),
+                    s.shm_frame_bytes,
+                    peer.clone(),
+                    s.observer.clone(),
+                    s.connect_timeout,
+                )
+                .await
+            }
+            Transport::Quic => {
+                let ep = self
+                    .quic
+                    .ok_or_else(|| unavailable("this peer has no QUIC endpoint".into()))?;
+                let addr = to
+                    .quic
+                    .ok_or_else(|| unavailable("it has no QUIC endpoint".into()))?;
+                let at: SocketAddr = tokio::net::lookup_host(addr)
+                    .await
+                    .map_err(|e| TransportError::io(addr, e))?
+                    .next()
+                    .ok_or_else(|| unavailable(format!("{addr} does not resolve")))?;
+                let link =
+                    connect::dial_quic(ep, at, self.secret, &hello(0), s.connect_timeout).await?;
+                let (streams, guard) = link.into_parts();
+                Ok(link_from_streams(
+                    peer,
+                    Transport::Quic,
+                    streams,
+                    s.observer.clone(),
+                    s.keep_buf_max,
+                    Some(guard),
+                ))
+            }
+            // The verbs link (crate::verbs) is built and tested on its own; a mesh does
+            // not make verbs links yet.
+            Transport::Verbs => Err(unavailable(
+                "verbs links are not selectable for a world yet".into(),
+            )),
+        }
+    }
+}
+
+/// Puts accepted connections together into links. Each link is keyed by the caller's
+/// name for its peer (a rank); a TCP or TLS link is complete once all its streams have
+/// arrived over one transport.
+pub struct Assembler {
+    settings: LinkSettings,
+    partial: HashMap<u32, (Transport, Vec<Option<(BoxRead, BoxWrite)>>)>,
+}
+
+impl Assembler {
+    pub fn new(settings: LinkSettings) -> Assembler {
+        Assembler {
+            settings,
+            partial: HashMap::new(),
+        }
+    }
+
+    /// Adds connection `conn`, stream `stream` of the link from `key` (the caller has
+    /// checked who sent it); returns the link once it is complete. A stream of another
+    /// transport than the link's first, or one already there, is dropped.
+    pub async fn add(
+        &mut self,
+        key: u32,
+        stream: u16,
+        conn: Conn,
+        peer: String,
+    ) -> Result<Option<(LinkTx, LinkRx)>, TransportError> {
+        let s = &self.settings;
+        match conn {
+            Conn::Stream {
+                transport,
+                read,
+                write,
+            } => {
+                let n = s.nstreams as usize;
+                let (kind, slots) = self
+                    .partial
+                    .entry(key)
+                    .or_insert_with(|| (transport, (0..n).map(|_| None).collect()));
+                let i = stream as usize;
+                if *kind != transport || i >= slots.len() || slots[i].is_some() {
+                    return Ok(None);
+                }
+                slots[i] = Some((read, write));
+                if !slots.iter().all(Option::is_some) {
+                    return Ok(None);
+                }
+                let (kind, slots) = self.partial.remove(&key).expect("present above");
+                Ok(Some(link_from_streams(
+                    peer,
+                    kind,
+                    slots.into_iter().flatten().collect(),
+                    s.observer.clone(),
+                    s.keep_buf_max,
+                    None,
+                )))
+            }
+            Conn::Shm(sock) => shm::accept_link(sock, peer, s.observer.clone(), s.connect_timeout)
+                .await
+                .map(Some),
+            Conn::Quic(q) => {
+                let (streams, guard) = q.into_parts();
+                Ok(Some(link_from_streams(
+                    peer,
+                    Transport::Quic,
+                    streams,
+                    s.observer.clone(),
+                    s.keep_buf_max,
+                    Some(guard),
+                )))
+            }
+        }
+    }
+}
