@@ -26,6 +26,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl.torch_fault import FaultTolerance, ReconfigurableGroup
+from eccl.torch_recovery import Recovery, recovering_calls
 from eccl.torch_setup import (
     _check_no_conflict,
     _fresh_store,
@@ -62,24 +63,26 @@ def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     return t
 
 
+@recovering_calls(_C10dBackend)
 class ProcessGroupEccl(FaultTolerance, _C10dBackend):
     """torch's c10d `Backend` for the device type "cpu" whose collectives run on an
     `eccl.Communicator` (as ProcessGroupGloo is gloo's). torch wraps it in a
     ProcessGroup and registers it for its devices, so everything torch does with a
     group's backend (group names, `destroy_process_group(g)`, `monitored_barrier`'s
-    device check, `_get_backend`, the reconfigure hooks) finds it."""
+    device check, `_get_backend`, the reconfigure hooks) finds it. Every call it defines
+    first goes through its `Recovery` (`eccl.torch_recovery`)."""
 
     def __init__(self, comm: eccl.Communicator, master: Optional[eccl.Master] = None,
                  timeout: timedelta = timedelta(minutes=30), store: Any = None,
-                 rank: Optional[int] = None, size: Optional[int] = None):
+                 rank: Optional[int] = None, size: Optional[int] = None,
+                 unformed: bool = False):
         rank = comm.rank if rank is None else rank
         size = comm.world_size if size is None else size
         super().__init__(rank, size)
-        # torch's Backend keeps the rank and size it was made with; a reconfigured
-        # group's change (see eccl.torch_fault).
-        self._rank, self._size = rank, size
-        self._unformed = False
-        self._reconfigurable = False
+        # The epoch's state: rank and size, what the next call must recover, the abort
+        # hooks, the last failure.
+        # `unformed`: a reconfigurable group with no world before its first reconfigure.
+        self._recovery = Recovery(comm, rank, size, unformed=unformed, reconfigurable=unformed)
         self._handed_over = False
         self._timeout = timeout
         self._options = _C10dBackend.Options(BACKEND, timeout)
@@ -87,16 +90,8 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         self._barriers = 0
         self.comm = comm
         self._master = master
-        self._done = _Completer(self)
+        self._done = _Completer(self._recovery)
         self._closed = False
-        # The last call's failure (torchft's `errored()`).
-        self._error: Optional[BaseException] = None
-        # Set when a call failed in a way that aborted the epoch on every rank (a
-        # refused argument, a mismatch): the next call first forms the next epoch.
-        self._recover = False
-        # torch's abort hooks by id, and the last epoch they ran for (once per abort).
-        self._abort_hooks: dict = {}
-        self._hooked_epoch = -1
 
     @property
     def options(self):
@@ -113,25 +108,6 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         """The global ranks of this group's `ranks`."""
         mine = list(self._options.global_ranks_in_group) or list(range(self.size()))
         return [mine[r] for r in ranks]
-
-    def _ready(self) -> None:
-        """Before a call: if an earlier one aborted the epoch, form the next one (every
-        rank does the same at its next call). The same ranks go on; a world that lost or
-        gained a member cannot be torch's fixed group any more, and says so."""
-        if self._unformed:
-            raise eccl.InvalidArgumentError(
-                "the group has no world yet: with enable_reconfigure=True it forms one at "
-                "dist._reconfigure(uuid, handles)")
-        if not self._recover:
-            return
-        self._recover = False
-        w = self.comm.update_topology()
-        if w.rank != self.rank() or w.world_size != self.size():
-            fix = ("call dist._reconfigure with the members' handles" if self._reconfigurable
-                   else "re-create it, or use eccl.torch.ElasticDDP")
-            raise eccl.AbortedError(
-                f"the group's world changed from {self.size()} ranks to {w.world_size} (this "
-                f"process was rank {self.rank()}, now {w.rank}): {fix}")
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -393,7 +369,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
                 "(an excluded rank is still alive and in the job: terminate it first)")
         new = ProcessGroupEccl(self.comm, self._master, self._timeout, self._store,
                                rank=w.rank, size=w.world_size)
-        new._abort_hooks = dict(self._abort_hooks)
+        new._recovery.hooks = dict(self._recovery.hooks)
         remaining = [r for r in range(self.size()) if r not in excluded]
         new._named(self._options.group_name, self._global_ranks(remaining))
         self._master = None
@@ -434,28 +410,10 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
             self._master.shutdown()
 
 
-def _recovering(fn):
-    def call(self, *args, **kwargs):
-        self._ready()
-        return fn(self, *args, **kwargs)
-    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
-    return call
-
-
 # torch's Backend trampoline forwards these capability queries to Python; left to the C++
 # base, each would call back into itself. These are the ones eccl does not do (yet).
 for _name in ("supports_coalescing", "_supports_time_estimate", "supports_window"):
     setattr(ProcessGroupEccl, _name, property(lambda self: False))
-
-# Every call torch makes first recovers an epoch an earlier call aborted.
-for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
-              "_allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter",
-              "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "gather", "scatter",
-              "alltoall", "alltoall_base", "barrier", "send", "recv", "recv_anysource",
-              "all_gather_single",
-              "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter_single",
-              "reduce_scatter_single_coalesced", "all_to_all_single", "gather_single"):
-    setattr(ProcessGroupEccl, _name, _recovering(getattr(ProcessGroupEccl, _name)))
 
 
 def _create(opts: Any, backend_options: Any = None) -> Any:
@@ -469,7 +427,6 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
     pg._named(opts.group_id, opts.global_ranks_in_group)
     if fixed:
         return pg
-    pg._unformed = pg._reconfigurable = True
     return ReconfigurableGroup(opts.store, pg)
 
 
@@ -508,7 +465,8 @@ def _connect(store: Any, rank: int, world_size: int, timeout: timedelta,
     comm = eccl.Communicator(master_addr, secret, rank_hint=rank, min_world=world_size,
                              timeout_ms=ms, join_timeout_ms=ms)
     if not form:
-        return ProcessGroupEccl(comm, master, timeout, store, rank=rank, size=world_size)
+        return ProcessGroupEccl(comm, master, timeout, store, rank=rank, size=world_size,
+                                unformed=True)
     topo = comm.update_topology()
     if fresh_secret:
         # A rank that found its key posed as has marked the store: then every rank

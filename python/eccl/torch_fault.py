@@ -14,7 +14,6 @@ the secret (the master admits no one else).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, List, Tuple
 
 import torch
@@ -65,30 +64,27 @@ def reconfigure(backend: Any, opts: Any) -> Any:
         raise eccl.InvalidArgumentError(f"reconfigure: uuid {uuid} is not in 0..2**64")
     timeout = opts.timeout or backend._timeout
     if backend._done.in_flight():
-        backend._epoch_aborted()
+        backend._recovery.aborted()
         comm.abort(f"reconfigure {uuid} on rank {backend.rank()} while calls were in flight")
     ms = max(1, int(timeout.total_seconds() * 1000))
     w = comm.reconfigure(uuid, peers, ordered, timeout_ms=ms, async_op=True)
 
     def adopt() -> None:
-        backend._rank, backend._size = comm.rank, comm.world_size
-        backend._unformed = False
-        backend._recover = False
+        backend._recovery.adopt()
         backend._options.global_ranks_in_group = list(range(comm.world_size))
     return backend._done.submit([w], None, adopt, kind="control")
 
 
 class FaultTolerance:
-    """The fault-tolerance part of eccl's torch Backend (`eccl.torch.ProcessGroupEccl`):
-    `abort()` and abort hooks, and the reconfigure calls. The backend holds `comm`,
-    `_rank`/`_size` (its current world's), `_recover`, `_unformed`, `_reconfigurable`,
-    `_abort_hooks`, `_hooked_epoch`, `_timeout` and `_done`."""
+    """The fault-tolerance API of eccl's torch Backend (`eccl.torch.ProcessGroupEccl`):
+    `abort()` and abort hooks, and the reconfigure calls, over the backend's
+    `_recovery` (`eccl.torch_recovery.Recovery`, which holds the state they change)."""
 
     def rank(self) -> int:
-        return self._rank
+        return self._recovery.rank
 
     def size(self) -> int:
-        return self._size
+        return self._recovery.size
 
     def abort(self) -> None:
         """`ProcessGroup.abort()`: every call in flight or queued on this rank fails at
@@ -96,36 +92,22 @@ class FaultTolerance:
         once; the next call forms the next epoch."""
         if self._closed:
             return
-        self._epoch_aborted()
+        self._recovery.aborted()
         self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
-        self._recover = True
 
     @property
     def supports_abort_hooks(self) -> bool:
         return True
 
     def registerAbortHook(self, hook_id: int, hook) -> None:  # noqa: N802 - torch's name
-        self._abort_hooks[hook_id] = hook
+        self._recovery.hooks[hook_id] = hook
 
     def unregisterAbortHook(self, hook_id: int) -> None:  # noqa: N802
-        self._abort_hooks.pop(hook_id, None)
-
-    def _epoch_aborted(self) -> None:
-        """Runs the abort hooks, once per aborted epoch (an `abort()`, or a call that
-        failed in a way that aborted the epoch), before the failure is reported."""
-        epoch = self.comm.epoch
-        if epoch == self._hooked_epoch:
-            return
-        self._hooked_epoch = epoch
-        for hook in list(self._abort_hooks.values()):
-            try:
-                hook()
-            except Exception:  # noqa: BLE001 - a hook's failure is not the call's
-                logging.getLogger("eccl").exception("abort hook failed")
+        self._recovery.hooks.pop(hook_id, None)
 
     @property
     def supports_reconfigure(self) -> bool:
-        return self._reconfigurable
+        return self._recovery.reconfigurable
 
     def get_reconfigure_handle(self) -> str:
         return handle_of(self.comm)

@@ -81,9 +81,9 @@ class _Completer:
     thread per process group waits on each call in turn (eccl runs one communicator's
     calls in order anyway), then runs the collective's copy-out step."""
 
-    def __init__(self, pg: Any = None) -> None:
-        # `pg`: the backend (eccl.torch.ProcessGroupEccl) whose epoch a failed call aborted.
-        self._pg = pg
+    def __init__(self, recovery: Any = None) -> None:
+        # `recovery`: the backend's `eccl.torch_recovery.Recovery`, told of every failure.
+        self._recovery = recovery
         self._q: "queue.Queue[Any]" = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
@@ -103,20 +103,10 @@ class _Completer:
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
-                # Errors that aborted the epoch on every rank: the next call forms the
-                # next one. A collective's refused argument and timeout abort it; a
-                # send's or receive's (checked on its rank, a receive's timeout) do not;
-                # a refused reconfigure leaves the world as it was.
-                aborted = {
-                    "p2p": (eccl.MismatchError, eccl.AbortedError),
-                    "collective": (eccl.InvalidArgumentError, eccl.MismatchError,
-                                   eccl.AbortedError, eccl.EcclTimeoutError),
-                }.get(kind, ())
-                if self._pg is not None:
-                    self._pg._error = e
-                if self._pg is not None and isinstance(e, aborted):
-                    self._pg._epoch_aborted()
-                    self._pg._recover = True
+                # The recovery decides whether it aborted the epoch (the hooks run before
+                # the failure is reported).
+                if self._recovery is not None:
+                    self._recovery.failed(e, kind)
                 work._finish(None, e)
             else:
                 work._finish(result, None)

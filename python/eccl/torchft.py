@@ -63,7 +63,7 @@ class ProcessGroupEccl(ProcessGroupWrapper):
         """The error of the last call that failed in this quorum's group, if any: torchft
         then does not commit the step and reconfigures."""
         b = self._backend
-        return None if b is None else b._error
+        return None if b is None else b._recovery.error
 
     def _close(self) -> None:
         """Fails the calls in flight at once; leaves the abandoned job in the background:

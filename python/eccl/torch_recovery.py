@@ -1,0 +1,171 @@
+"""How the torch backend keeps a group usable after a failure: one state machine per
+backend (`eccl.torch.ProcessGroupEccl`), and the wrapping that puts every call torch
+makes through it.
+
+States of a backend's `Recovery`:
+
+- FORMED: calls go to the communicator as they are.
+- ABORTED: an earlier call failed in a way that aborted the epoch on every rank (see
+  `ABORTING`), or `abort()` was called here: the next call first forms the next epoch
+  (`update_topology()`; every rank does the same at its next call). The same ranks go
+  on; a world that lost or gained a member is not torch's fixed group any more, and the
+  call says so (a reconfigurable group is then reconfigured with the members' handles).
+- UNFORMED: a group made with `enable_reconfigure=True` before its first
+  `dist._reconfigure`: calls are refused until one forms a world (`adopt`).
+
+The abort hooks torch registers run once per aborted epoch, before the failure is
+reported. Which methods are calls is decided by construction (`recovering_calls`): every
+method the backend class defines, except the few named in `NOT_CALLS`, so a call added
+later is covered without being listed anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Any, Callable, Dict, Optional
+
+import eccl
+
+
+class State(enum.Enum):
+    FORMED = "formed"
+    ABORTED = "aborted"
+    UNFORMED = "unformed"
+
+
+# The failures that aborted the epoch on every rank, by kind of call. A collective's
+# refused argument and its timeout abort it (every rank's copy of the call fails); a
+# send's or receive's refused argument or receive timeout is checked on its own rank and
+# leaves the epoch as it was; a refused reconfigure ("control") leaves the world as it
+# was.
+ABORTING: Dict[str, tuple] = {
+    "collective": (eccl.InvalidArgumentError, eccl.MismatchError, eccl.AbortedError,
+                   eccl.EcclTimeoutError),
+    "p2p": (eccl.MismatchError, eccl.AbortedError),
+    "control": (),
+}
+
+
+class Recovery:
+    """The epoch state of one backend: its rank and size in the current world, whether
+    the next call must form the next epoch first, the abort hooks, the last failure."""
+
+    def __init__(self, comm: eccl.Communicator, rank: int, size: int,
+                 unformed: bool = False, reconfigurable: bool = False) -> None:
+        self.comm = comm
+        # torch's Backend keeps the rank and size it was made with; a reconfigured
+        # group's change, so the backend answers rank()/size() from here.
+        self.rank, self.size = rank, size
+        self.state = State.UNFORMED if unformed else State.FORMED
+        self.reconfigurable = reconfigurable
+        # The last call's failure (torchft's `errored()`).
+        self.error: Optional[BaseException] = None
+        # torch's abort hooks by id, and the epoch they last ran for (once per abort).
+        self.hooks: Dict[int, Callable[[], None]] = {}
+        self._hooked_epoch = -1
+        # `failed` runs on the thread that completes the calls, the rest on the caller's.
+        self._lock = threading.Lock()
+
+    def before_call(self) -> None:
+        """Before every call: refuse it in a group with no world yet; after an aborted
+        epoch, form the next one."""
+        with self._lock:
+            state = self.state
+            if state is State.UNFORMED:
+                raise eccl.InvalidArgumentError(
+                    "the group has no world yet: with enable_reconfigure=True it forms one "
+                    "at dist._reconfigure(uuid, handles)")
+            if state is State.FORMED:
+                return
+        # Raises if the next epoch cannot be formed now: the next call tries again.
+        w = self.comm.update_topology()
+        with self._lock:
+            self.state = State.FORMED
+        if w.rank != self.rank or w.world_size != self.size:
+            fix = ("call dist._reconfigure with the members' handles" if self.reconfigurable
+                   else "re-create it, or use eccl.torch.ElasticDDP")
+            raise eccl.AbortedError(
+                f"the group's world changed from {self.size} ranks to {w.world_size} (this "
+                f"process was rank {self.rank}, now {w.rank}): {fix}")
+
+    def failed(self, error: BaseException, kind: str) -> None:
+        """A call of `kind` ("collective", "p2p", "control") failed with `error`: if that
+        aborted the epoch on every rank, the hooks run and the next call recovers."""
+        self.error = error
+        if isinstance(error, ABORTING[kind]):
+            self.run_hooks()
+            with self._lock:
+                if self.state is State.FORMED:
+                    self.state = State.ABORTED
+
+    def aborted(self) -> None:
+        """`abort()` here (or a reconfigure that abandons calls in flight): the hooks run,
+        the next call forms the next epoch."""
+        self.run_hooks()
+        with self._lock:
+            if self.state is State.FORMED:
+                self.state = State.ABORTED
+
+    def adopt(self) -> None:
+        """A reconfigure committed a new world: its rank and size are the group's now."""
+        with self._lock:
+            self.rank, self.size = self.comm.rank, self.comm.world_size
+            self.state = State.FORMED
+
+    def run_hooks(self) -> None:
+        """Runs the abort hooks, once per aborted epoch, before the failure is reported."""
+        epoch = self.comm.epoch
+        with self._lock:
+            if epoch == self._hooked_epoch:
+                return
+            self._hooked_epoch = epoch
+            hooks = list(self.hooks.values())
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a hook's failure is not the call's
+                logging.getLogger("eccl").exception("abort hook failed")
+
+
+# The backend's methods that are not calls on the group's world: queries, the lifecycle,
+# and the calls that manage the world themselves (`shrink` forms its own, `split` makes
+# a new group, `reconfigure` forms the next one, `monitored_barrier` runs on the store).
+NOT_CALLS = frozenset({
+    "rank", "size", "getBackendName", "abort", "shutdown", "split", "shrink",
+    "reconfigure", "get_reconfigure_handle", "registerAbortHook", "unregisterAbortHook",
+    "monitored_barrier",
+})
+
+# Marks a method that goes through `Recovery.before_call` first.
+RECOVERING = "_eccl_recovering"
+
+
+def recovering_calls(torch_backend: type) -> Callable[[type], type]:
+    """Class decorator for a subclass of `torch_backend` (torch's c10d Backend): every
+    method the class defines that is a call (public, or one of `torch_backend`'s own
+    private names such as `_allgather_base`) first runs `self._recovery.before_call()`,
+    except those in `NOT_CALLS`. Properties and the class's own helpers (private names
+    torch's Backend does not have) stay as they are."""
+    def wrap(cls: type) -> type:
+        for name, fn in list(vars(cls).items()):
+            if not callable(fn) or isinstance(fn, (staticmethod, classmethod, type)):
+                continue
+            if name.startswith("__") or name in NOT_CALLS:
+                continue
+            if name.startswith("_") and not hasattr(torch_backend, name):
+                continue
+            setattr(cls, name, _recovering(fn))
+        return cls
+    return wrap
+
+
+def _recovering(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._recovery.before_call()
+        return fn(self, *args, **kwargs)
+    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    setattr(call, RECOVERING, True)
+    return call

@@ -1,0 +1,132 @@
+"""The torch backend's recovery (`eccl.torch_recovery`): the state machine on a stand-in
+communicator (its logic only; the real thing runs in test_reconfigure.py and
+test_torch_train.py), and that every call of the backend goes through it by
+construction."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import eccl  # noqa: E402
+from eccl.torch_recovery import NOT_CALLS, RECOVERING, Recovery, State  # noqa: E402
+
+
+class World:
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+
+class Comm:
+    """What Recovery uses of an eccl.Communicator: its epoch and update_topology()."""
+
+    def __init__(self, rank=1, size=3):
+        self.epoch, self.rank, self.world_size = 4, rank, size
+        self.updates = 0
+        self.next_world = World(rank, size)
+        self.fail_update = None
+
+    def update_topology(self):
+        if self.fail_update is not None:
+            raise self.fail_update
+        self.updates += 1
+        self.epoch += 1
+        return self.next_world
+
+
+def test_an_aborting_failure_makes_the_next_call_form_the_next_epoch_once():
+    comm = Comm()
+    r = Recovery(comm, 1, 3)
+    r.before_call()
+    assert comm.updates == 0 and r.state is State.FORMED
+    r.failed(eccl.MismatchError("counts differ"), "collective")
+    assert r.state is State.ABORTED and isinstance(r.error, eccl.MismatchError)
+    r.before_call()
+    r.before_call()
+    assert comm.updates == 1 and r.state is State.FORMED
+
+
+@pytest.mark.parametrize("kind,error,aborts", [
+    ("collective", eccl.InvalidArgumentError("x"), True),
+    ("collective", eccl.EcclTimeoutError("x"), True),
+    ("collective", eccl.AbortedError("x"), True),
+    ("p2p", eccl.InvalidArgumentError("x"), False),
+    ("p2p", eccl.EcclTimeoutError("x"), False),
+    ("p2p", eccl.AbortedError("x"), True),
+    ("control", eccl.InvalidArgumentError("x"), False),
+    ("collective", ValueError("not eccl's"), False),
+])
+def test_which_failures_abort_the_epoch(kind, error, aborts):
+    comm = Comm()
+    r = Recovery(comm, 1, 3)
+    ran = []
+    r.hooks[7] = lambda: ran.append(comm.epoch)
+    r.failed(error, kind)
+    assert (r.state is State.ABORTED) == aborts
+    assert ran == ([4] if aborts else [])
+    assert r.error is error
+
+
+def test_hooks_run_once_per_aborted_epoch_and_a_failing_hook_is_not_the_calls():
+    comm = Comm()
+    r = Recovery(comm, 1, 3)
+    ran = []
+    r.hooks[1] = lambda: ran.append("a")
+    r.hooks[2] = lambda: 1 / 0
+    r.aborted()
+    r.failed(eccl.AbortedError("the same epoch"), "collective")
+    assert ran == ["a"]
+    r.before_call()                # the next epoch
+    r.failed(eccl.AbortedError("again"), "p2p")
+    assert ran == ["a", "a"]
+
+
+def test_a_failed_recovery_is_tried_again_and_a_changed_world_is_refused():
+    comm = Comm()
+    r = Recovery(comm, 1, 3)
+    r.aborted()
+    comm.fail_update = eccl.EcclTimeoutError("no master")
+    with pytest.raises(eccl.EcclTimeoutError):
+        r.before_call()
+    assert r.state is State.ABORTED
+    comm.fail_update = None
+    comm.next_world = World(0, 2)
+    with pytest.raises(eccl.AbortedError, match="from 3 ranks to 2.*re-create it"):
+        r.before_call()
+    reconf = Recovery(Comm(), 1, 3, reconfigurable=True)
+    reconf.aborted()
+    reconf.comm.next_world = World(0, 2)
+    with pytest.raises(eccl.AbortedError, match="dist._reconfigure"):
+        reconf.before_call()
+
+
+def test_an_unformed_group_refuses_calls_until_a_reconfigure_adopts_a_world():
+    comm = Comm(rank=0, size=2)
+    r = Recovery(comm, 0, 0, unformed=True, reconfigurable=True)
+    with pytest.raises(eccl.InvalidArgumentError, match="no world yet"):
+        r.before_call()
+    r.adopt()
+    assert (r.rank, r.size, r.state) == (0, 2, State.FORMED)
+    r.before_call()
+    assert comm.updates == 0
+
+
+def test_every_call_of_the_backend_goes_through_recovery():
+    """No list of calls to keep: every method torch's Backend declares that eccl's
+    backend defines either recovers first or is named as not a call, and so does every
+    public method of the backend (recv_anysource, the single-tensor forms, ...)."""
+    from eccl.torch import ProcessGroupEccl
+    from torch._C._distributed_c10d import Backend
+    names = {n for n in dir(Backend) if not n.startswith("__")} | {
+        n for n in vars(ProcessGroupEccl) if not n.startswith("_")}
+    calls = 0
+    for name in sorted(names):
+        impl = vars(ProcessGroupEccl).get(name)
+        if impl is None or not callable(impl):
+            continue                      # torch's own, or a property
+        assert getattr(impl, RECOVERING, False) or name in NOT_CALLS, name
+        calls += getattr(impl, RECOVERING, False)
+    # allreduce, broadcast, ..., send, recv, recv_anysource, the single-tensor forms.
+    assert calls >= 25, calls
+    for name in ("allreduce", "_allgather_base", "_reduce_scatter_base", "recv_anysource",
+                 "alltoall_base", "barrier", "gather_single"):
+        assert getattr(vars(ProcessGroupEccl)[name], RECOVERING, False), name
