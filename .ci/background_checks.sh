@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The checks that need the pinned nightly toolchain ($MIRI_TOOLCHAIN), run by .ci/test.sh
-# in the background at the lowest CPU priority, beside the tests:
-#  - Miri over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
+# The checks that build with features or toolchains of their own, run by .ci/test.sh in
+# the background at the lowest CPU priority, beside the tests (which leave a core idle
+# much of the time while they wait on processes and timeouts):
+#  - the verbs feature's tests (RDMA links; without a device they say why they skip),
+#    through clippy like the main build;
+#  - Miri (the pinned nightly, $MIRI_TOOLCHAIN) over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
 #    ring): fails on any undefined behaviour or data race;
 #  - coverage-guided fuzzing (cargo fuzz, libFuzzer) of every decoder a stranger or a job
 #    member reaches, ECCL_FUZZ_SECONDS (default 10) per target, starting from the corpus
 #    committed in fuzz/corpus (what a run finds goes to target/fuzz-corpus, not into the
 #    repository; a crash leaves its input in fuzz/artifacts and fails the run).
-# Each builds into a target of its own (target/miri, fuzz/target).
+# Miri and the fuzzers build into targets of their own (target/miri, fuzz/target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MIRI_TOOLCHAIN:?}"
+
+echo "== verbs"
+ibv_devices 2>&1 | head -5 || true
+cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
+
 unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
 
 echo "== miri"
-cargo +"$MIRI_TOOLCHAIN" miri test --locked -p eccl --lib executor::bufs
-cargo +"$MIRI_TOOLCHAIN" miri test --locked -p eccl-transport --lib shm::segment
+# One invocation for both crates: one dependency build.
+cargo +"$MIRI_TOOLCHAIN" miri test --locked -p eccl -p eccl-transport --lib -- \
+    executor::bufs shm::segment
 
 echo "== cargo fuzz"
 CARGO_FUZZ_VERSION=0.13.2
@@ -24,15 +33,18 @@ if [ "$(cargo fuzz --version 2>/dev/null || true)" != "cargo-fuzz $CARGO_FUZZ_VE
 fi
 cd fuzz
 # No sanitizer: the decoders are safe Rust; what fuzzing looks for is a panic, an
-# unbounded allocation (-rss_limit_mb, -malloc_limit_mb) or a hang (-timeout).
+# unbounded allocation (-rss_limit_mb, -malloc_limit_mb) or a hang (-timeout). A dev
+# build (overflow checks on, no optimization): it compiles in half the time of a release
+# build, which matters more for a 10 s run than executions per second (tens of
+# thousands still); long runs use the release build (docs/testing.md).
 # cargo fuzz takes no --locked: fetching first with it checks fuzz/Cargo.lock holds.
 cargo +"$MIRI_TOOLCHAIN" fetch --locked
-cargo +"$MIRI_TOOLCHAIN" fuzz build -s none
+cargo +"$MIRI_TOOLCHAIN" fuzz build -s none --dev
 seconds="${ECCL_FUZZ_SECONDS:-10}"
 for t in $(cargo +"$MIRI_TOOLCHAIN" fuzz list); do
     mkdir -p "../target/fuzz-corpus/$t"
     log="../target/fuzz-$t.log"
-    if ! cargo +"$MIRI_TOOLCHAIN" fuzz run -s none "$t" "../target/fuzz-corpus/$t" "corpus/$t" -- \
+    if ! cargo +"$MIRI_TOOLCHAIN" fuzz run -s none --dev "$t" "../target/fuzz-corpus/$t" "corpus/$t" -- \
         -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=256 -timeout=10 >"$log" 2>&1; then
         tail -60 "$log"
         echo "cargo fuzz: target $t failed; its input is in fuzz/artifacts/$t" >&2

@@ -27,6 +27,12 @@ def main():
         "cargo build --workspace": features("--workspace", "-e", "normal,build"),
         "cargo test --workspace": features("--workspace"),
         "maturin (-p eccl-python)": features("-p", "eccl-python", "-e", "normal,build"),
+        # Normal dependencies only: the verbs build's build scripts (bindgen) are built
+        # for the host apart anyway.
+        "verbs (-p eccl-transport --features verbs)": {
+            k: f for k, f in features(
+                "-p", "eccl-transport", "--features", "verbs", "-e", "normal").items()
+            if k[0] != "eccl-transport"},
     }
     names = list(builds)
     bad = []

@@ -43,8 +43,8 @@ summary() {
     if [ -n "${pip_pid:-}" ]; then
         kill "$pip_pid" 2>/dev/null || true
     fi
-    if [ -n "${miri_pid:-}" ]; then
-        kill -- "-$miri_pid" 2>/dev/null || true
+    if [ -n "${background_pid:-}" ]; then
+        kill -- "-$background_pid" 2>/dev/null || true
     fi
     end_phase
     printf '\n==> phase times\n'
@@ -116,21 +116,16 @@ phase "build: the workspace, its binaries and every test binary (release, clippy
 cargo test --release --workspace --locked --no-run
 cargo build --release --workspace --locked
 
-phase "miri and cargo fuzz (.ci/nightly_checks.sh), started in the background"
-# Miri interprets the pure-Rust unsafe code and fails on any undefined behaviour or data
-# race (the Python layer's unsafe code calls into C, so valgrind checks it, pytest
-# below); then each fuzz target runs briefly from the committed corpus. They build into
-# targets of their own at the lowest CPU priority, beside the tests (which leave a core
-# idle much of the time while they wait on processes and timeouts), and are waited for
-# before the chaos runs. In a session of their own, so that a failed run stops all of it
-# (kill -- -PID).
+phase "verbs, miri and cargo fuzz (.ci/background_checks.sh), started in the background"
+# The verbs feature's tests (it builds eccl-transport with a feature of its own), then
+# Miri over the pure-Rust unsafe code (it fails on any undefined behaviour or data race;
+# the Python layer's unsafe code calls into C, so valgrind checks it, pytest below), then
+# each fuzz target briefly from the committed corpus. They run at the lowest CPU
+# priority beside the tests and are waited for before the chaos runs. In a session of
+# their own, so that a failed run stops all of it (kill -- -PID).
 export MIRI_TOOLCHAIN
-setsid -w nice -n 19 bash .ci/nightly_checks.sh >target/miri.log 2>&1 &
-miri_pid=$!
-
-phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
-ibv_devices 2>&1 | head -5 || true
-cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
+setsid -w nice -n 19 bash .ci/background_checks.sh >target/background.log 2>&1 &
+background_pid=$!
 
 phase "python tools: the background install, ruff"
 wait_for_pip
@@ -155,13 +150,13 @@ else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
 
-phase "miri and cargo fuzz: the rest of the background run"
-if ! wait "$miri_pid"; then
-    cat target/miri.log
-    echo "miri or cargo fuzz failed (target/miri.log above)" >&2
+phase "verbs, miri and cargo fuzz: the rest of the background run"
+if ! wait "$background_pid"; then
+    cat target/background.log
+    echo "a background check failed (target/background.log above)" >&2
     exit 1
 fi
-grep -E "^(test |test result|[a-z]+: )" target/miri.log
+grep -E "^(== |test |test result|[a-z]+: Done)" target/background.log
 
 phase "smoke: eccl-bench all_reduce --local 4 -c over every transport"
 for t in tcp shm quic; do
@@ -169,14 +164,14 @@ for t in tcp shm quic; do
 done
 
 seed="${ECCL_CHAOS_SEED:-$RANDOM}"
-phase "chaos: 30 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
-target/release/eccl-chaos --peers 4 --duration 30 --seed "$seed" --transport shm
+phase "chaos: 20 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
+target/release/eccl-chaos --peers 4 --duration 20 --seed "$seed" --transport shm
 for t in tcp quic tls; do
-    phase "chaos: 15 s over $t"
-    target/release/eccl-chaos --peers 4 --duration 15 --seed "$seed" --transport "$t"
+    phase "chaos: 10 s over $t"
+    target/release/eccl-chaos --peers 4 --duration 10 --seed "$seed" --transport "$t"
 done
-phase "chaos: 30 s with three masters, the leader killed and hung among peer faults"
-target/release/eccl-chaos --peers 4 --masters 3 --duration 30 --seed "$seed" --state-mb 4 \
+phase "chaos: 25 s with three masters, the leader killed and hung among peer faults"
+target/release/eccl-chaos --peers 4 --masters 3 --duration 25 --seed "$seed" --state-mb 4 \
     --faults kill,hang,join,master-kill,master-hang
 
 if [ -n "${ECCL_SOAK:-}" ]; then

@@ -32,6 +32,13 @@ def main():
     except Exception as e:  # noqa: BLE001 - gloo refuses shrinking
         out = {"error": type(e).__name__}
     print("RESULT " + json.dumps(out), flush=True)
+    # Rank 0 hosts the store: it leaves only once every survivor is done with it (gloo's
+    # refusal is immediate, so rank 0 could exit while another still reads lost_pid).
+    store.add("done", 1)
+    if r == 0:
+        deadline = time.monotonic() + 30
+        while store.add("done", 0) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
     os._exit(0)
 
 

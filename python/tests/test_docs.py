@@ -87,9 +87,14 @@ def test_the_readme_torch_example_runs_as_written(tmp_path):
     assert block, "the README's train.py block"
     script = tmp_path / "train.py"
     script.write_text(block.group(1))
+    # Each rank's output to a file of its own (torchrun's --redirects): two ranks printing
+    # at once can interleave on one pipe.
+    logs = tmp_path / "logs"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          f"--master-port={free_port()}", str(script)],
+                          f"--master-port={free_port()}", "--log-dir", str(logs),
+                          "--redirects", "3", str(script)],
                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.endswith(" done")) == \
-        ["0 done", "1 done"], out.stdout
+    printed = [line for f in logs.rglob("stdout.log") for line in f.read_text().splitlines()]
+    assert sorted(line for line in printed if line.endswith(" done")) == \
+        ["0 done", "1 done"], printed

@@ -20,20 +20,21 @@ def test_goodput_runs_the_schedule_and_reports_it(tmp_path):
     # goodput.py stops every process it started (whole nodes, by PID) before it returns.
     p = subprocess.run(
         [sys.executable, str(GOODPUT), "--skip-torchft", "--width", "512",
-         "--duration", "11", "--kill-every", "4", "--json", str(out)],
+         "--duration", "14", "--kill-every", "5", "--json", str(out)],
         capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["faults"] == 2 and r["duration_s"] == 11
+    assert r["faults"] == 2 and r["duration_s"] == 14
     assert set(r["eccl"]) >= {"fault_free_steps_per_s", "faulted_steps_per_s", "goodput_ratio",
                               "lost_s_per_fault", "newcomer_first_step_s"}
     assert r["eccl"]["crashes"] == [], r["eccl"]["crashes"]
     e = r["eccl"]
-    # A replacement was started for each kill, and the first (7 s before the phase ends;
-    # the second has 3 s, about a torch import here) joined and trained; the job kept
-    # training through the kills, at a tenth of its fault-free rate or more.
+    # A replacement was started for each kill, and the first (9 s before the phase ends,
+    # room for a torch import on a loaded 2-core machine: 7 s once was not; the second
+    # has 4 s) joined and trained; the job kept training through the kills, at a tenth of
+    # its fault-free rate or more.
     assert e["replacements"] == 2 and e["replacements_that_stepped"] >= 1, e
-    assert e["newcomer_first_step_s"] is not None and e["newcomer_first_step_s"] < 11, e
+    assert e["newcomer_first_step_s"] is not None and e["newcomer_first_step_s"] < 14, e
     assert 0.1 <= e["goodput_ratio"] <= 1.5, e
     assert e["faulted_steps_per_s"] == pytest.approx(
         e["goodput_ratio"] * e["fault_free_steps_per_s"]), e
