@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The checks that build with features or toolchains of their own, run by .ci/test.sh in
-# the background at the lowest CPU priority, beside the tests (which leave a core idle
-# much of the time while they wait on processes and timeouts):
-#  - the verbs feature's tests (RDMA links; without a device they say why they skip),
-#    through clippy like the main build;
-#  - Miri (the pinned nightly, $MIRI_TOOLCHAIN) over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
+# The checks that build with a toolchain of their own (the pinned nightly,
+# $MIRI_TOOLCHAIN), run by .ci/test.sh in the background at the lowest CPU priority,
+# beside the tests (which leave a core idle much of the time while they wait on
+# processes and timeouts):
+#  - Miri over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
 #    ring): fails on any undefined behaviour or data race;
 #  - coverage-guided fuzzing (cargo fuzz, libFuzzer) of every decoder a stranger or a job
 #    member reaches, ECCL_FUZZ_SECONDS (default 10) per target, starting from the corpus
@@ -14,10 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MIRI_TOOLCHAIN:?}"
-
-echo "== verbs"
-ibv_devices 2>&1 | head -5 || true
-cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 
 unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
 

@@ -115,9 +115,16 @@ export PYO3_ENVIRONMENT_SIGNATURE
 phase "build: the workspace, its binaries and every test binary (release, clippy -D warnings)"
 cargo test --release --workspace --locked --no-run
 cargo build --release --workspace --locked
+# The verbs feature's tests: eccl-transport with a feature of its own (in the same target
+# directory, so only what the feature adds is built; a build in the background would
+# hold the target's lock against maturin and cargo test).
+cargo test --release --locked -p eccl-transport --features verbs --no-run
 
-phase "verbs, miri and cargo fuzz (.ci/background_checks.sh), started in the background"
-# The verbs feature's tests (it builds eccl-transport with a feature of its own), then
+phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
+ibv_devices 2>&1 | head -5 || true
+cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
+
+phase "miri and cargo fuzz (.ci/background_checks.sh), started in the background"
 # Miri over the pure-Rust unsafe code (it fails on any undefined behaviour or data race;
 # the Python layer's unsafe code calls into C, so valgrind checks it, pytest below), then
 # each fuzz target briefly from the committed corpus. They run at the lowest CPU
@@ -150,7 +157,7 @@ else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
 
-phase "verbs, miri and cargo fuzz: the rest of the background run"
+phase "miri and cargo fuzz: the rest of the background run"
 if ! wait "$background_pid"; then
     cat target/background.log
     echo "a background check failed (target/background.log above)" >&2

@@ -1,7 +1,12 @@
 """examples/goodput.py end to end, small: eccl's ElasticDDP and gloo DDP on three nodes
 (each its own torchrun), a whole node SIGKILLed every few seconds and replaced. Checks
 the report's shape and that eccl trained through the kills with no node crashing; the
-numbers themselves are the benchmark's (README, "Goodput under failures, measured")."""
+numbers themselves are the benchmark's (docs/measurements.md, "Goodput under failures").
+
+A benchmark run (about a minute of three torchruns): with ECCL_BENCH=1, which the test
+command passes on. The default run covers the same ground in smaller pieces:
+ElasticDDP through a kill and a newcomer (test_elastic_train.py), a killed worker
+restarted under torchrun (test_torch_train.py)."""
 
 import json
 import subprocess
@@ -9,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import opt_in
 
+opt_in("ECCL_BENCH", "the goodput benchmark, about a minute")
 pytest.importorskip("torch")
 
 GOODPUT = Path(__file__).resolve().parents[2] / "examples" / "goodput.py"
