@@ -35,6 +35,27 @@ pub struct LinkSettings {
     pub observer: Arc<dyn LinkObserver>,
 }
 
+impl LinkSettings {
+    /// A link over `streams` (a TCP or TLS link's connections, a QUIC connection's
+    /// streams, whose `guard` keeps the connection open).
+    fn stream_link(
+        &self,
+        peer: String,
+        transport: Transport,
+        streams: Vec<(BoxRead, BoxWrite)>,
+        guard: Option<Arc<dyn crate::link::stream::LinkGuard>>,
+    ) -> (LinkTx, LinkRx) {
+        link_from_streams(
+            peer,
+            transport,
+            streams,
+            self.observer.clone(),
+            self.keep_buf_max,
+            guard,
+        )
+    }
+}
+
 /// Where a peer accepts links: its TCP listener, and its QUIC endpoint and shm socket if
 /// it has them.
 #[derive(Clone, Copy, Debug)]
@@ -82,14 +103,7 @@ impl Dialer<'_> {
                         .await?,
                     );
                 }
-                Ok(link_from_streams(
-                    peer,
-                    transport,
-                    streams,
-                    s.observer.clone(),
-                    s.keep_buf_max,
-                    None,
-                ))
+                Ok(s.stream_link(peer, transport, streams, None))
             }
             Transport::Shm => {
                 let name = to
@@ -121,14 +135,7 @@ impl Dialer<'_> {
                 let link =
                     connect::dial_quic(ep, at, self.secret, &hello(0), s.connect_timeout).await?;
                 let (streams, guard) = link.into_parts();
-                Ok(link_from_streams(
-                    peer,
-                    Transport::Quic,
-                    streams,
-                    s.observer.clone(),
-                    s.keep_buf_max,
-                    Some(guard),
-                ))
+                Ok(s.stream_link(peer, Transport::Quic, streams, Some(guard)))
             }
             // The verbs link (crate::verbs) is built and tested on its own; a mesh does
             // not make verbs links yet.
@@ -186,12 +193,10 @@ impl Assembler {
                     return Ok(None);
                 }
                 let (kind, slots) = self.partial.remove(&key).expect("present above");
-                Ok(Some(link_from_streams(
+                Ok(Some(s.stream_link(
                     peer,
                     kind,
                     slots.into_iter().flatten().collect(),
-                    s.observer.clone(),
-                    s.keep_buf_max,
                     None,
                 )))
             }
@@ -200,12 +205,10 @@ impl Assembler {
                 .map(Some),
             Conn::Quic(q) => {
                 let (streams, guard) = q.into_parts();
-                Ok(Some(link_from_streams(
+                Ok(Some(s.stream_link(
                     peer,
                     Transport::Quic,
                     streams,
-                    s.observer.clone(),
-                    s.keep_buf_max,
                     Some(guard),
                 )))
             }
