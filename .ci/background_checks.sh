@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The checks that build with a toolchain of their own (the pinned nightly,
-# $MIRI_TOOLCHAIN), run by .ci/test.sh in the background at the lowest CPU priority,
-# beside the tests (which leave a core idle much of the time while they wait on
-# processes and timeouts):
+# What .ci/test.sh runs in the background at the lowest CPU priority, beside the Python
+# tests (which leave a core idle much of the time while they wait on processes, leases
+# and timeouts):
+#  - every Rust test binary, the verbs feature's too, with the foreground's toolchain,
+#    lint wrapper and features (only the tests themselves compile: the libraries and
+#    binaries are built); target/.tests-built marks them done, for the Rust tests;
+# and then the checks that build with a toolchain of their own (the pinned nightly,
+# $MIRI_TOOLCHAIN):
 #  - Miri over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
 #    ring): fails on any undefined behaviour or data race;
 #  - coverage-guided fuzzing (cargo fuzz, libFuzzer) of every decoder a stranger or a job
@@ -13,6 +17,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MIRI_TOOLCHAIN:?}"
+
+echo "== test binaries"
+cargo test --release --workspace --locked --no-run
+cargo test --release --locked -p eccl-transport --features verbs --no-run
+touch target/.tests-built
 
 unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
 

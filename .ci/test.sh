@@ -112,27 +112,11 @@ export PYO3_PYTHON="$PWD/.venv/bin/python"
 PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import struct, sys; print("cpython-%d.%d-%dbit" % (sys.version_info[0], sys.version_info[1], 8 * struct.calcsize("P")))')"
 export PYO3_ENVIRONMENT_SIGNATURE
 
-phase "build: the workspace, its binaries and every test binary (release, clippy -D warnings)"
-cargo test --release --workspace --locked --no-run
+phase "build: the workspace's libraries, binaries and Python extension (release, clippy -D warnings)"
+# What the Python tests need (the extension, eccl-master, eccl-bench, eccl-chaos) first;
+# the test binaries build in the background beside the Python tests (below: after
+# maturin, which would otherwise wait for the target directory's lock).
 cargo build --release --workspace --locked
-# The verbs feature's tests: eccl-transport with a feature of its own (in the same target
-# directory, so only what the feature adds is built; a build in the background would
-# hold the target's lock against maturin and cargo test).
-cargo test --release --locked -p eccl-transport --features verbs --no-run
-
-phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
-ibv_devices 2>&1 | head -5 || true
-cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
-
-phase "miri and cargo fuzz (.ci/background_checks.sh), started in the background"
-# Miri over the pure-Rust unsafe code (it fails on any undefined behaviour or data race;
-# the Python layer's unsafe code calls into C, so valgrind checks it, pytest below), then
-# each fuzz target briefly from the committed corpus. They run at the lowest CPU
-# priority beside the tests and are waited for before the chaos runs. In a session of
-# their own, so that a failed run stops all of it (kill -- -PID).
-export MIRI_TOOLCHAIN
-setsid -w nice -n 19 bash .ci/background_checks.sh >target/background.log 2>&1 &
-background_pid=$!
 
 phase "python tools: the background install, ruff"
 wait_for_pip
@@ -147,22 +131,53 @@ rm -f target/wheels/eccl-*.whl
 # same signatures.
 .venv/bin/python -m mypy.stubtest eccl._eccl
 
-phase "rust tests"
-cargo test --release --workspace --locked
+phase "test binaries, then miri and cargo fuzz (.ci/background_checks.sh), started in the background"
+# The Python tests leave a core idle much of the time (they wait on processes, leases and
+# timeouts): the background job uses it at the lowest CPU priority. First every test
+# binary, the verbs feature's too (release, the same target directory and features, so
+# only the tests themselves compile; it marks target/.tests-built when done), then Miri
+# over the pure-Rust unsafe code (it fails on any undefined behaviour or data race; the
+# Python layer's unsafe code calls into C, so valgrind checks it, pytest below), then
+# each fuzz target briefly from the committed corpus. In a session of its own, so that a
+# failed run stops all of it (kill -- -PID).
+export MIRI_TOOLCHAIN
+rm -f target/.tests-built
+setsid -w nice -n 19 bash .ci/background_checks.sh >target/background.log 2>&1 &
+background_pid=$!
+wait_for_background() {
+    if ! wait "$background_pid"; then
+        cat target/background.log
+        echo "the background job failed (target/background.log above)" >&2
+        return 1
+    fi
+}
 
-phase "python tests"
+phase "python tests (the test binaries build beside them)"
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
     .venv/bin/python -m pytest -q --durations=15 python/tests
 else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
 
+phase "test binaries: the rest of their background build"
+while [ ! -e target/.tests-built ]; do
+    if ! kill -0 "$background_pid" 2>/dev/null; then
+        wait_for_background
+        echo "the background job ended before the test binaries were built" >&2
+        exit 1
+    fi
+    sleep 1
+done
+
+phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
+ibv_devices 2>&1 | head -5 || true
+cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
+
+phase "rust tests"
+cargo test --release --workspace --locked
+
 phase "miri and cargo fuzz: the rest of the background run"
-if ! wait "$background_pid"; then
-    cat target/background.log
-    echo "a background check failed (target/background.log above)" >&2
-    exit 1
-fi
+wait_for_background
 grep -E "^(== |test |test result|[a-z]+: Done)" target/background.log
 
 phase "smoke: eccl-bench all_reduce --local 4 -c over every transport"

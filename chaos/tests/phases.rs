@@ -61,7 +61,7 @@ fn one_kill(name: &str, spec: &str) -> Value {
 
 fn one_kill_over(name: &str, spec: &str, transport: &str) -> Value {
     let args = format!(
-        "--peers 4 --duration 6 --faults none --seed 1 --elements 65536 --transport {transport} --inject 1={spec}"
+        "--peers 4 --duration 4 --faults none --seed 1 --elements 65536 --transport {transport} --inject 1={spec}"
     );
     let r = chaos(name, &args);
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
@@ -112,7 +112,7 @@ fn kill_a_newcomer_while_it_joins() {
 fn a_stopped_peer_holding_its_sockets_is_evicted_within_the_lease() {
     let r = chaos(
         "mid-ring-stop",
-        "--peers 3 --duration 6 --faults none --seed 1 --lease-ms 1000 --elements 65536 --inject 1=mid-ring:stop@5",
+        "--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --inject 1=mid-ring:stop@5",
     );
     assert_eq!(r["faults"]["hang"], 1, "{r:#}");
     let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
@@ -132,7 +132,7 @@ fn kill_and_stop_mid_ring_over_tcp_and_quic() {
         assert_eq!(r["transport"], t, "{r:#}");
         let r = chaos(
             &format!("mid-ring-stop-{t}"),
-            &format!("--peers 3 --duration 6 --faults none --seed 1 --lease-ms 1000 --elements 65536 --transport {t} --inject 1=mid-ring:stop@5"),
+            &format!("--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --transport {t} --inject 1=mid-ring:stop@5"),
         );
         assert_eq!(r["faults"]["hang"], 1, "{t}: {r:#}");
         let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
@@ -183,7 +183,7 @@ fn nothing_is_left_behind_after_kills_over_shm() {
 fn a_short_random_run_stays_exact() {
     let r = chaos(
         "random",
-        "--peers 4 --duration 15 --faults kill,hang,join,leave --seed 7",
+        "--peers 4 --duration 10 --faults kill,hang,join,leave --seed 7",
     );
     let faults: u64 = ["kill", "hang", "join", "leave"]
         .iter()

@@ -102,7 +102,10 @@ def check_eccl(e, n, scenario, lost_s):
         assert er["error_s"] < lost_s, er
 
 
-@pytest.mark.parametrize("n", [3, 4])
+# One world size per fault scenario (the collectives themselves are checked at several
+# sizes elsewhere): four ranks here, so that three survivors form an odd ring; three for
+# the hung rank, whose timing checks want the lighter load of the two.
+@pytest.mark.parametrize("n", [4])
 def test_reconfigure_after_a_kill_matches_gloo_and_grows_back(n):
     """Rank n-1 is SIGKILLed during an all_reduce; the survivors reconfigure over their
     handles, all_reduce, and grow back to n with a freshly started process: the same
@@ -117,7 +120,7 @@ def test_reconfigure_after_a_kill_matches_gloo_and_grows_back(n):
           f"gloo {[round(x['reconfigure_ms'], 1) for x in g[:-1]]} ms")
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [3])
 def test_a_hung_rank_is_reported_at_its_lease_where_gloo_waits_its_timeout(n):
     """Rank n-1 is SIGSTOPped during an all_reduce: eccl's survivors fail when its lease
     runs out (AbortedError), gloo's only at the group timeout (4 s here, 30 min by
