@@ -1,9 +1,9 @@
-"""torchft on eccl: `ProcessGroupEccl` is torchft's reconfigurable process group with
+"""torchft on eccl: `ProcessGroupEcclFT` is torchft's reconfigurable process group with
 eccl underneath, in place of torchft's `ProcessGroupGloo`. torchft's lighthouse and
 `Manager` stay as they are:
 
-    from eccl.torchft import ProcessGroupEccl      # was: from torchft import ProcessGroupGloo
-    pg = ProcessGroupEccl(timeout=timedelta(seconds=5))
+    from eccl.torchft import ProcessGroupEcclFT      # was: from torchft import ProcessGroupGloo
+    pg = ProcessGroupEcclFT(timeout=timedelta(seconds=5))
     manager = Manager(pg=pg, ...)
 
 Each quorum torchft forms calls `configure(store_addr, ..., rank, world_size, quorum_id)`
@@ -32,12 +32,13 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
         "eccl.torchft needs torchft (pip install torchft); eccl's own elastic training "
         "is eccl.torch.ElasticDDP") from e
 
-__all__ = ["ProcessGroupEccl"]
+__all__ = ["ProcessGroupEcclFT"]
 
 
-class ProcessGroupEccl(ProcessGroupWrapper):
+class ProcessGroupEcclFT(ProcessGroupWrapper):
     """torchft's process-group interface (configure, abort, errored, shutdown and the
-    collectives its Manager, DDP and checkpoint transport use) on eccl."""
+    collectives its Manager, DDP and checkpoint transport use) on eccl. Not to be
+    confused with `eccl.torch.ProcessGroupEccl`, the c10d backend it drives."""
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60), pg: Optional[Any] = None):
         super().__init__(timeout=timeout, pg=pg)
@@ -86,4 +87,4 @@ class ProcessGroupEccl(ProcessGroupWrapper):
         super().shutdown()
 
     def __repr__(self) -> str:
-        return f"ProcessGroupEccl(backend={self._backend!r})"
+        return f"ProcessGroupEcclFT(backend={self._backend!r})"

@@ -1,4 +1,4 @@
-"""torchft's lighthouse and Manager on eccl (eccl.torchft.ProcessGroupEccl): three replica
+"""torchft's lighthouse and Manager on eccl (eccl.torchft.ProcessGroupEcclFT): three replica
 groups train; one is SIGKILLed; the other two go on committing steps together.
 
 torchft is not among the default test requirements: run with ECCL_TORCHFT=1 (the test
@@ -34,7 +34,7 @@ def steps_of(out):
 
 def run_replicas(pg, tmp_path):
     """Three replica groups (one process each) training with torchft's Manager and DDP
-    on `pg` ("eccl": eccl.torchft.ProcessGroupEccl, "gloo": torchft's ProcessGroupGloo);
+    on `pg` ("eccl": eccl.torchft.ProcessGroupEcclFT, "gloo": torchft's ProcessGroupGloo);
     replica 2 SIGKILLs itself after a step all three committed. Returns each replica's
     committed steps (every process stopped by PID)."""
     import torch.distributed as dist

@@ -1,5 +1,5 @@
 """One replica group (one process) of test_torchft.py: torchft's Manager, DDP and
-Optimizer on a small model, with eccl.torchft.ProcessGroupEccl where torchft's examples
+Optimizer on a small model, with eccl.torchft.ProcessGroupEcclFT where torchft's examples
 use its ProcessGroupGloo. Prints one JSON line per committed step ("STEP {...}") and
 stops at --steps. With --die-at N, SIGKILLs itself at the first step after N that all
 three replicas committed. The replica group's store (MASTER_ADDR/MASTER_PORT) is hosted
@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 
 import torch
-from eccl.torchft import ProcessGroupEccl
+from eccl.torchft import ProcessGroupEcclFT
 from torchft import DistributedDataParallel, Manager, Optimizer
 
 
@@ -34,7 +34,7 @@ def main() -> None:
         from torchft import ProcessGroupGloo
         pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
     else:
-        pg = ProcessGroupEccl(timeout=timedelta(seconds=5))   # the one line change
+        pg = ProcessGroupEcclFT(timeout=timedelta(seconds=5))   # the one line change
     manager = Manager(
         pg=pg, min_replica_size=1,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),

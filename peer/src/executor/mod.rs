@@ -137,7 +137,6 @@ pub(crate) async fn run(
     let world = op.world as usize;
     let mut sent = vec![0u32; world];
     let mut recvd = vec![0u32; world];
-    let elem = op.elem();
     let (dtype, rop) = (op.desc.dtype, op.desc.op);
     let half = sched.steps.len() / 2;
     for (index, step) in sched.steps.iter().enumerate() {
@@ -168,101 +167,34 @@ pub(crate) async fn run(
         }
         let mut futs: Vec<BoxFuture<'_, Result<()>>> = Vec::new();
         for p in step.prims.iter().filter(|p| !p.is_local()) {
-            let next = |c: &mut Vec<u32>, r: u32| {
-                let i = c[r as usize];
-                c[r as usize] += 1;
-                i
+            let (from, to) = ends(p);
+            let recv = match from {
+                Some(r) => {
+                    let step = recvd[r as usize];
+                    recvd[r as usize] += 1;
+                    let want = Want {
+                        kind: FrameKind::Data,
+                        seq: op.seq,
+                        step,
+                        desc: op.desc,
+                        tag: 0,
+                    };
+                    Some((take(&mut rxs, r)?, r, want))
+                }
+                None => None,
             };
-            let want = |step: u32| Want {
-                kind: FrameKind::Data,
-                seq: op.seq,
-                step,
-                desc: op.desc,
-                tag: 0,
+            let send = match to {
+                Some(r) => {
+                    let h = op.header(FrameKind::Data, op.seq, sent[r as usize], op.desc);
+                    sent[r as usize] += 1;
+                    Some((take(&mut txs, r)?, r, h))
+                }
+                None => None,
             };
             // SAFETY: the schedule was validated and the local primitives' slices are
             // gone (see `Bufs::borrow`).
             let mem = unsafe { bufs.borrow(p)? };
-            match (p, mem) {
-                (Prim::Send { peer, .. }, Mem::Read(data)) => {
-                    let tx = take(&mut txs, *peer)?;
-                    let h = op.header(FrameKind::Data, op.seq, next(&mut sent, *peer), op.desc);
-                    let peer = *peer;
-                    futs.push(
-                        async move {
-                            tx.send_region(h, data, op.frame_bytes, elem, op.timeout)
-                                .await
-                                .map_err(|e| op.link_err(peer, e))
-                        }
-                        .boxed(),
-                    );
-                }
-                (Prim::Recv { peer, .. }, Mem::Write(out)) => {
-                    let rx = take(&mut rxs, *peer)?;
-                    let w = want(next(&mut recvd, *peer));
-                    let peer = *peer;
-                    futs.push(
-                        async move {
-                            recv_msg(op, rx, peer, w, out.len(), None, |off, b| {
-                                out[off..off + b.len()].copy_from_slice(b.as_bytes());
-                                Ok(())
-                            })
-                            .await
-                        }
-                        .boxed(),
-                    );
-                }
-                (Prim::RecvReduce { peer, .. }, Mem::Reduce(mut r)) => {
-                    let rx = take(&mut rxs, *peer)?;
-                    let w = want(next(&mut recvd, *peer));
-                    let peer = *peer;
-                    futs.push(
-                        async move {
-                            recv_msg(op, rx, peer, w, r.len(), None, |off, b| {
-                                r.combine_from(dtype, rop, off, b.as_bytes());
-                                Ok(())
-                            })
-                            .await
-                        }
-                        .boxed(),
-                    );
-                }
-                (Prim::RecvCopySend { from, to, .. }, Mem::Write(out)) => {
-                    let rx = take(&mut rxs, *from)?;
-                    let tx = take(&mut txs, *to)?;
-                    let w = want(next(&mut recvd, *from));
-                    let h = op.header(FrameKind::Data, op.seq, next(&mut sent, *to), op.desc);
-                    let (from, to) = (*from, *to);
-                    futs.push(
-                        forward(op, rx, from, w, tx, to, h, out.len(), move |off, b| {
-                            out[off..off + b.len()].copy_from_slice(b.as_bytes());
-                            Ok(())
-                        })
-                        .boxed(),
-                    );
-                }
-                (Prim::RecvReduceSend { from, to, .. }, Mem::Reduce(mut r)) => {
-                    let rx = take(&mut rxs, *from)?;
-                    let tx = take(&mut txs, *to)?;
-                    let w = want(next(&mut recvd, *from));
-                    let h = op.header(FrameKind::Data, op.seq, next(&mut sent, *to), op.desc);
-                    let (from, to) = (*from, *to);
-                    futs.push(
-                        // incoming ⊕ local, computed in the received buffer so that it
-                        // can be forwarded as is.
-                        forward(op, rx, from, w, tx, to, h, r.len(), move |off, b| {
-                            r.combine_into(dtype, rop, off, b.as_bytes_mut());
-                            Ok(())
-                        })
-                        .boxed(),
-                    );
-                }
-                (p, _) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "internal: {p:?} borrowed the wrong kind of memory"
-                    )))
-                }
-            }
+            futs.push(prim(op, recv, mem, send).boxed());
         }
         let all = try_join_all(futs);
         // Biased: work that finished is reported as finished even if an abort arrived
@@ -279,33 +211,93 @@ pub(crate) async fn run(
     Ok(())
 }
 
-/// Receives a message piece by piece, lets `piece` transform each one in place, and
-/// forwards it to `to` while the next piece is still arriving.
-#[allow(clippy::too_many_arguments)]
-async fn forward<'a, F>(
-    op: &'a Op<'a>,
-    rx: &'a mut PeerRx,
-    from: u32,
-    want: Want,
-    tx: &'a mut LinkTx,
-    to: u32,
-    header: FrameHeader,
-    total: usize,
-    mut piece: F,
-) -> Result<()>
-where
-    F: FnMut(usize, &mut Payload) -> Result<()> + Send + 'a,
-{
-    let (ftx, mut frx) = mpsc::unbounded_channel::<(usize, Payload)>();
-    let recv = async move {
-        recv_msg(op, rx, from, want, total, None, move |off, mut b| {
-            piece(off, &mut b)?;
-            let _ = ftx.send((off, b));
+/// The links a network primitive uses: the rank it receives from, the rank it sends to.
+fn ends(p: &Prim) -> (Option<u32>, Option<u32>) {
+    match *p {
+        Prim::Send { peer, .. } => (None, Some(peer)),
+        Prim::Recv { peer, .. } | Prim::RecvReduce { peer, .. } => (Some(peer), None),
+        Prim::RecvCopySend { from, to, .. } | Prim::RecvReduceSend { from, to, .. } => {
+            (Some(from), Some(to))
+        }
+        Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => (None, None),
+    }
+}
+
+/// Where a receiving primitive's pieces go.
+enum Land<'a> {
+    /// Copied into the output (`Recv`, `RecvCopySend`).
+    Copy(&'a mut [u8]),
+    /// Combined with local data (`RecvReduce`, `RecvReduceSend`).
+    Reduce(bufs::Reduce<'a>),
+}
+
+impl Land<'_> {
+    /// Lands the piece at byte `off`. A piece that goes on (`forwarding`) must hold
+    /// what is forwarded afterwards: a reduction is computed in it.
+    fn piece(&mut self, op: &Op<'_>, off: usize, b: &mut Payload, forwarding: bool) {
+        let (dtype, rop) = (op.desc.dtype, op.desc.op);
+        match self {
+            Land::Copy(out) => out[off..off + b.len()].copy_from_slice(b.as_bytes()),
+            Land::Reduce(r) if forwarding => r.combine_into(dtype, rop, off, b.as_bytes_mut()),
+            Land::Reduce(r) => r.combine_from(dtype, rop, off, b.as_bytes()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Land::Copy(out) => out.len(),
+            Land::Reduce(r) => r.len(),
+        }
+    }
+}
+
+/// One network primitive, every kind an instance of the same step (NCCL's `prims`
+/// shape): receive a message piece by piece from `recv`'s rank, land each piece in
+/// `mem` (copy or reduce), and forward it to `send`'s rank while the next piece is still
+/// arriving; or, with nothing to receive, send `mem` as it is.
+async fn prim(
+    op: &Op<'_>,
+    recv: Option<(&mut PeerRx, u32, Want)>,
+    mem: Mem<'_>,
+    send: Option<(&mut LinkTx, u32, FrameHeader)>,
+) -> Result<()> {
+    let mut land = match (mem, &recv) {
+        (Mem::Read(data), None) => {
+            let Some((tx, to, h)) = send else {
+                return Err(Error::InvalidArgument(
+                    "internal: a primitive that neither receives nor sends".into(),
+                ));
+            };
+            return tx
+                .send_region(h, data, op.frame_bytes, op.elem(), op.timeout)
+                .await
+                .map_err(|e| op.link_err(to, e));
+        }
+        (Mem::Write(out), Some(_)) => Land::Copy(out),
+        (Mem::Reduce(r), Some(_)) => Land::Reduce(r),
+        (_, _) => {
+            return Err(Error::InvalidArgument(
+                "internal: a primitive borrowed the wrong kind of memory".into(),
+            ))
+        }
+    };
+    let (rx, from, want) = recv.expect("matched above");
+    let total = land.len();
+    let Some((tx, to, header)) = send else {
+        return recv_msg(op, rx, from, want, total, None, |off, mut b| {
+            land.piece(op, off, &mut b, false);
             Ok(())
         })
-        .await
+        .await;
     };
-    let send = async move {
+    // Each landed piece goes on as it is, while the next one arrives.
+    let (ftx, mut frx) = mpsc::unbounded_channel::<(usize, Payload)>();
+    let receive = recv_msg(op, rx, from, want, total, None, move |off, mut b| {
+        land.piece(op, off, &mut b, true);
+        let _ = ftx.send((off, b));
+        Ok(())
+    });
+    let forward = async move {
         while let Some((off, b)) = frx.recv().await {
             let mut h = header;
             h.offset = off as u64;
@@ -315,5 +307,5 @@ where
         }
         Ok(())
     };
-    tokio::try_join!(recv, send).map(|_| ())
+    tokio::try_join!(receive, forward).map(|_| ())
 }

@@ -15,6 +15,11 @@
 //! slot of the sender's ring, which the receiver reduces from directly and releases by
 //! dropping it. That is the shape later transports fit too: a CUDA IPC link exposes a
 //! slot in the peer's device memory, a verbs link a registered region written by RDMA.
+//!
+//! This module names no transport: each one implements [`SendHalf`] and [`RecvHalf`]
+//! (and [`Loan`] for bytes it lends), splits regions into frames with [`Frames`], and
+//! hands its halves over as a [`LinkTx`] and a [`LinkRx`]; [`crate::mesh`] is where a
+//! transport is chosen and its links are made.
 
 pub mod stream;
 
@@ -27,8 +32,9 @@ pub mod frames;
 
 pub use frames::Frames;
 
+use futures::future::BoxFuture;
+
 use crate::pool::{AlignedBuf, PooledBuf};
-use crate::shm::{ShmRx, ShmTx, Slot};
 use crate::TransportError;
 
 /// What carries a link's bytes.
@@ -64,12 +70,20 @@ impl std::fmt::Display for Transport {
     }
 }
 
+/// Received bytes a transport lends where they lie (a slot of the sender's
+/// shared-memory ring; a device buffer), handed back to it when dropped.
+pub trait Loan: Send + 'static {
+    fn as_bytes(&self) -> &[u8];
+    /// The receiver holds the loan alone, so it may compute in it.
+    fn as_bytes_mut(&mut self) -> &mut [u8];
+}
+
 /// The payload of a received frame, on loan from the link until dropped.
 pub enum Payload {
     /// A buffer of a stream link's pool.
     Pooled(PooledBuf),
-    /// A slot of the sender's shared-memory ring.
-    Shm(Slot),
+    /// Bytes the transport lends where they lie ([`Loan`]).
+    Lent(Box<dyn Loan>),
     /// A copy that owns its bytes (a frame kept for later releases its slot).
     Owned(AlignedBuf),
 }
@@ -78,7 +92,7 @@ impl Payload {
     pub fn as_bytes(&self) -> &[u8] {
         match self {
             Payload::Pooled(b) => b.as_bytes(),
-            Payload::Shm(s) => s.as_bytes(),
+            Payload::Lent(l) => l.as_bytes(),
             Payload::Owned(b) => b.as_bytes(),
         }
     }
@@ -87,7 +101,7 @@ impl Payload {
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         match self {
             Payload::Pooled(b) => b.as_bytes_mut(),
-            Payload::Shm(s) => s.as_bytes_mut(),
+            Payload::Lent(l) => l.as_bytes_mut(),
             Payload::Owned(b) => b.as_bytes_mut(),
         }
     }
@@ -138,49 +152,68 @@ pub trait LinkObserver: Send + Sync + 'static {
     fn on_failure(&self, peer: &str, error: &TransportError);
 }
 
+/// A transport's sending half. A transport implements this and [`RecvHalf`] and hands
+/// them over as a [`LinkTx`] and a [`LinkRx`] ([`LinkTx::new`], [`LinkRx::new`]): that is
+/// all the rest of eccl learns of it.
+pub trait SendHalf: Send + 'static {
+    fn peer(&self) -> &str;
+
+    /// Whether an interrupted send left the link unusable (a byte stream that lost its
+    /// place). A transport that publishes whole frames only never is.
+    fn is_poisoned(&self) -> bool {
+        false
+    }
+
+    /// See [`LinkTx::send_region`].
+    fn send_region<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        frame_bytes: usize,
+        align: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// See [`LinkTx::send_frame`].
+    fn send_frame<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// See [`LinkTx::close`].
+    fn close(self: Box<Self>, header: FrameHeader) -> BoxFuture<'static, ()>;
+}
+
+/// A transport's receiving half (see [`SendHalf`]).
+pub trait RecvHalf: Send + 'static {
+    fn peer(&self) -> &str;
+
+    /// Next event; `None` once the link has failed and that was reported.
+    fn next(&mut self) -> BoxFuture<'_, Option<LinkEvent>>;
+
+    /// A ready event, without waiting.
+    fn try_next(&mut self) -> Option<LinkEvent>;
+}
+
 /// Sending half of a link.
 pub struct LinkTx {
-    kind: TxKind,
+    half: Box<dyn SendHalf>,
     transport: Transport,
 }
 
-enum TxKind {
-    Stream(stream::StreamTx),
-    Shm(ShmTx),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::VerbsTx),
-}
-
 impl LinkTx {
-    pub(crate) fn stream(tx: stream::StreamTx, transport: Transport) -> LinkTx {
+    /// A transport's sending half as a link's.
+    pub fn new(half: impl SendHalf, transport: Transport) -> LinkTx {
         LinkTx {
-            kind: TxKind::Stream(tx),
+            half: Box::new(half),
             transport,
         }
     }
 
-    pub(crate) fn shm(tx: ShmTx) -> LinkTx {
-        LinkTx {
-            kind: TxKind::Shm(tx),
-            transport: Transport::Shm,
-        }
-    }
-
-    #[cfg(feature = "verbs")]
-    pub(crate) fn verbs(tx: crate::verbs::VerbsTx) -> LinkTx {
-        LinkTx {
-            kind: TxKind::Verbs(tx),
-            transport: Transport::Verbs,
-        }
-    }
-
     pub fn peer(&self) -> &str {
-        match &self.kind {
-            TxKind::Stream(t) => t.peer(),
-            TxKind::Shm(t) => t.peer(),
-            #[cfg(feature = "verbs")]
-            TxKind::Verbs(t) => t.peer(),
-        }
+        self.half.peer()
     }
 
     pub fn transport(&self) -> Transport {
@@ -188,14 +221,9 @@ impl LinkTx {
     }
 
     /// Whether an interrupted send left the link unusable (a byte stream that lost its
-    /// place); shared memory publishes whole frames only and never is.
+    /// place); shared memory and verbs publish whole frames only and never are.
     pub fn is_poisoned(&self) -> bool {
-        match &self.kind {
-            TxKind::Stream(t) => t.is_poisoned(),
-            TxKind::Shm(_) => false,
-            #[cfg(feature = "verbs")]
-            TxKind::Verbs(_) => false, // whole frames only, as shared memory
-        }
+        self.half.is_poisoned()
     }
 
     /// Sends `payload` as frames of at most `frame_bytes` bytes (a multiple of `align`),
@@ -210,21 +238,9 @@ impl LinkTx {
         align: usize,
         timeout: Duration,
     ) -> Result<(), TransportError> {
-        match &mut self.kind {
-            TxKind::Stream(t) => {
-                t.send_region(header, payload, frame_bytes, align, timeout)
-                    .await
-            }
-            TxKind::Shm(t) => {
-                t.send_region(header, payload, frame_bytes, align, timeout)
-                    .await
-            }
-            #[cfg(feature = "verbs")]
-            TxKind::Verbs(t) => {
-                t.send_region(header, payload, frame_bytes, align, timeout)
-                    .await
-            }
-        }
+        self.half
+            .send_region(header, payload, frame_bytes, align, timeout)
+            .await
     }
 
     /// Sends one frame with `payload` as it is (control frames: abort, check; chunks of
@@ -235,83 +251,43 @@ impl LinkTx {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(), TransportError> {
-        match &mut self.kind {
-            TxKind::Stream(t) => t.send_frame(header, payload, timeout).await,
-            TxKind::Shm(t) => t.send_frame(header, payload, timeout).await,
-            #[cfg(feature = "verbs")]
-            TxKind::Verbs(t) => t.send_frame(header, payload, timeout).await,
-        }
+        self.half.send_frame(header, payload, timeout).await
     }
 
     /// Tells the peer we close the link on purpose, then shuts it down.
     pub async fn close(self, header: FrameHeader) {
-        match self.kind {
-            TxKind::Stream(t) => t.close(header).await,
-            TxKind::Shm(t) => t.close(header).await,
-            #[cfg(feature = "verbs")]
-            TxKind::Verbs(t) => t.close(header).await,
-        }
+        self.half.close(header).await
     }
 }
 
 /// Receiving half of a link.
 pub struct LinkRx {
-    kind: RxKind,
-}
-
-enum RxKind {
-    Stream(stream::StreamRx),
-    Shm(ShmRx),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::VerbsRx),
+    half: Box<dyn RecvHalf>,
 }
 
 impl LinkRx {
-    pub(crate) fn stream(rx: stream::StreamRx) -> LinkRx {
+    /// A transport's receiving half as a link's.
+    pub fn new(half: impl RecvHalf) -> LinkRx {
         LinkRx {
-            kind: RxKind::Stream(rx),
-        }
-    }
-
-    pub(crate) fn shm(rx: ShmRx) -> LinkRx {
-        LinkRx {
-            kind: RxKind::Shm(rx),
-        }
-    }
-
-    #[cfg(feature = "verbs")]
-    pub(crate) fn verbs(rx: crate::verbs::VerbsRx) -> LinkRx {
-        LinkRx {
-            kind: RxKind::Verbs(rx),
+            half: Box::new(half),
         }
     }
 
     pub fn peer(&self) -> &str {
-        match &self.kind {
-            RxKind::Stream(r) => r.peer(),
-            RxKind::Shm(r) => r.peer(),
-            #[cfg(feature = "verbs")]
-            RxKind::Verbs(r) => r.peer(),
-        }
+        self.half.peer()
     }
 
     /// Next event; `None` once the link has failed and that was reported.
     pub async fn next(&mut self) -> Option<LinkEvent> {
-        match &mut self.kind {
-            RxKind::Stream(r) => r.next().await,
-            RxKind::Shm(r) => r.next().await,
-            #[cfg(feature = "verbs")]
-            RxKind::Verbs(r) => r.next().await,
+        // A frame that is there already costs no boxed future.
+        if let Some(ev) = self.half.try_next() {
+            return Some(ev);
         }
+        self.half.next().await
     }
 
     /// A ready event, without waiting.
     pub fn try_next(&mut self) -> Option<LinkEvent> {
-        match &mut self.kind {
-            RxKind::Stream(r) => r.try_next(),
-            RxKind::Shm(r) => r.try_next(),
-            #[cfg(feature = "verbs")]
-            RxKind::Verbs(r) => r.try_next(),
-        }
+        self.half.try_next()
     }
 }

@@ -16,7 +16,12 @@ use futures::future::try_join_all;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use super::{Frames, Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload, Transport};
+use futures::future::BoxFuture;
+
+use super::{
+    Frames, Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload, RecvHalf, SendHalf,
+    Transport,
+};
 use crate::pool::Pool;
 use crate::TransportError;
 
@@ -54,19 +59,11 @@ pub(crate) struct StreamTx {
 }
 
 impl StreamTx {
-    pub fn peer(&self) -> &str {
-        &self.peer
-    }
-
-    pub fn is_poisoned(&self) -> bool {
-        self.poisoned
-    }
-
     /// Sends `payload` as frames of at most `frame_bytes` bytes (a multiple of
     /// `align`), each with `header` and its own `offset`/`len`. An empty payload is sent
     /// as one empty frame, so every send is seen by the receiver. Every frame must make
     /// progress within `timeout`.
-    pub async fn send_region(
+    async fn region(
         &mut self,
         header: FrameHeader,
         payload: &[u8],
@@ -118,7 +115,7 @@ impl StreamTx {
 
     /// Sends one frame with an arbitrary payload on the first stream (control frames:
     /// abort, check, close).
-    pub async fn send_frame(
+    async fn frame(
         &mut self,
         header: FrameHeader,
         payload: &[u8],
@@ -148,7 +145,7 @@ impl StreamTx {
     }
 
     /// Tells the peer we close the link on purpose, then shuts the streams down.
-    pub async fn close(mut self, header: FrameHeader) {
+    async fn shut(mut self: Box<Self>, header: FrameHeader) {
         let mut h = header;
         h.kind = FrameKind::Close;
         for w in self.streams.iter_mut() {
@@ -221,18 +218,62 @@ pub(crate) struct StreamRx {
 }
 
 impl StreamRx {
-    pub fn peer(&self) -> &str {
-        &self.peer
-    }
-
     /// Next event; `None` once every reader has stopped and all events were taken.
-    pub async fn next(&mut self) -> Option<LinkEvent> {
+    async fn wait(&mut self) -> Option<LinkEvent> {
         self.events.recv().await
     }
 
     /// A ready event, without waiting.
-    pub fn try_next(&mut self) -> Option<LinkEvent> {
+    fn ready(&mut self) -> Option<LinkEvent> {
         self.events.try_recv().ok()
+    }
+}
+
+impl SendHalf for StreamTx {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    fn send_region<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        frame_bytes: usize,
+        align: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.region(header, payload, frame_bytes, align, timeout))
+    }
+
+    fn send_frame<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.frame(header, payload, timeout))
+    }
+
+    fn close(self: Box<Self>, header: FrameHeader) -> BoxFuture<'static, ()> {
+        Box::pin(self.shut(header))
+    }
+}
+
+impl RecvHalf for StreamRx {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn next(&mut self) -> BoxFuture<'_, Option<LinkEvent>> {
+        Box::pin(self.wait())
+    }
+
+    fn try_next(&mut self) -> Option<LinkEvent> {
+        self.ready()
     }
 }
 
@@ -287,7 +328,7 @@ where
         peer,
         _guard: guard,
     };
-    (LinkTx::stream(tx, transport), LinkRx::stream(rx))
+    (LinkTx::new(tx, transport), LinkRx::new(rx))
 }
 
 struct ReaderCtx {

@@ -32,7 +32,12 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
-use crate::link::{Frames, Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Payload};
+use futures::future::BoxFuture;
+
+use crate::link::{
+    Frames, Incoming, LinkEvent, LinkObserver, LinkRx, LinkTx, Loan, Payload, RecvHalf, SendHalf,
+    Transport,
+};
 use crate::TransportError;
 pub(crate) use segment::Geometry;
 use segment::{Mapping, Peek, NSLOTS};
@@ -214,10 +219,6 @@ pub(crate) struct ShmTx {
 }
 
 impl ShmTx {
-    pub fn peer(&self) -> &str {
-        &self.shared.peer
-    }
-
     fn err_down(&self, e: Arc<TransportError>) -> TransportError {
         match &*e {
             TransportError::Closed { .. } => TransportError::Closed {
@@ -285,7 +286,7 @@ impl ShmTx {
         Ok(())
     }
 
-    pub async fn send_region(
+    async fn region(
         &mut self,
         header: FrameHeader,
         payload: &[u8],
@@ -302,7 +303,7 @@ impl ShmTx {
 
     /// `Abort` and `Close` go over the unix socket, where the peer's watcher sees them
     /// at once; every other frame goes through the ring.
-    pub async fn send_frame(
+    async fn frame(
         &mut self,
         header: FrameHeader,
         payload: &[u8],
@@ -326,10 +327,10 @@ impl ShmTx {
         }
     }
 
-    pub async fn close(mut self, header: FrameHeader) {
+    async fn shut(mut self: Box<Self>, header: FrameHeader) {
         let mut h = header;
         h.kind = FrameKind::Close;
-        let _ = self.send_frame(h, &[], Duration::from_millis(200)).await;
+        let _ = self.frame(h, &[], Duration::from_millis(200)).await;
         let _ = tokio::time::timeout(Duration::from_millis(200), self.control.shutdown()).await;
     }
 }
@@ -352,13 +353,13 @@ pub struct Slot {
     len: usize,
 }
 
-impl Slot {
-    pub fn as_bytes(&self) -> &[u8] {
+impl Loan for Slot {
+    fn as_bytes(&self) -> &[u8] {
         // SAFETY: the receiver owns a taken slot until this `Slot` is dropped.
         unsafe { &self.shared.map.slot(self.ring, self.index)[..self.len] }
     }
 
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+    fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_bytes`; `&mut self` keeps this the only view.
         unsafe { &mut self.shared.map.slot(self.ring, self.index)[..self.len] }
     }
@@ -375,10 +376,6 @@ impl Drop for Slot {
 }
 
 impl ShmRx {
-    pub fn peer(&self) -> &str {
-        &self.shared.peer
-    }
-
     fn failed(&mut self, e: TransportError) -> LinkEvent {
         self.done = true;
         self.shared.live.down(
@@ -431,11 +428,11 @@ impl ShmRx {
         };
         Some(LinkEvent::Frame(Incoming {
             header,
-            payload: Payload::Shm(slot),
+            payload: Payload::Lent(Box::new(slot)),
         }))
     }
 
-    pub async fn next(&mut self) -> Option<LinkEvent> {
+    async fn wait(&mut self) -> Option<LinkEvent> {
         loop {
             if self.done {
                 return None;
@@ -459,7 +456,7 @@ impl ShmRx {
         }
     }
 
-    pub fn try_next(&mut self) -> Option<LinkEvent> {
+    fn ready(&mut self) -> Option<LinkEvent> {
         if self.done {
             return None;
         }
@@ -469,6 +466,50 @@ impl ShmRx {
         let e = self.shared.live.error()?;
         self.done = true;
         Some(LinkEvent::Failed(e))
+    }
+}
+
+impl SendHalf for ShmTx {
+    fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    fn send_region<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        frame_bytes: usize,
+        align: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.region(header, payload, frame_bytes, align, timeout))
+    }
+
+    fn send_frame<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.frame(header, payload, timeout))
+    }
+
+    fn close(self: Box<Self>, header: FrameHeader) -> BoxFuture<'static, ()> {
+        Box::pin(self.shut(header))
+    }
+}
+
+impl RecvHalf for ShmRx {
+    fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    fn next(&mut self) -> BoxFuture<'_, Option<LinkEvent>> {
+        Box::pin(self.wait())
+    }
+
+    fn try_next(&mut self) -> Option<LinkEvent> {
+        self.ready()
     }
 }
 
@@ -572,7 +613,7 @@ fn build(
         data: readable(wait_data)?,
         done: false,
     };
-    Ok((LinkTx::shm(tx), LinkRx::shm(rx)))
+    Ok((LinkTx::new(tx, Transport::Shm), LinkRx::new(rx)))
 }
 
 /// The set-up message: slot size and slot count, little-endian.

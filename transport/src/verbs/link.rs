@@ -14,11 +14,12 @@ use std::time::Duration;
 
 use eccl_protocol::frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
 use eccl_protocol::{codec, VerbsHello};
+use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::engine::Engine;
-use crate::link::{Frames, LinkEvent, LinkObserver, LinkRx, LinkTx};
+use crate::link::{Frames, LinkEvent, LinkObserver, LinkRx, LinkTx, RecvHalf, SendHalf, Transport};
 use crate::TransportError;
 
 /// How a verbs link is made.
@@ -170,7 +171,7 @@ where
         _stop: StopOnDrop(ctl_tx),
         _watcher: watcher,
     };
-    Ok((LinkTx::verbs(tx), LinkRx::verbs(rx)))
+    Ok((LinkTx::new(tx, Transport::Verbs), LinkRx::new(rx)))
 }
 
 /// A set-up step, bounded by `timeout`; when it fails, the engine thread is stopped.
@@ -270,10 +271,6 @@ pub(crate) struct VerbsTx {
 }
 
 impl VerbsTx {
-    pub(crate) fn peer(&self) -> &str {
-        &self.peer
-    }
-
     fn failure(&self) -> TransportError {
         match self.failed.lock().ok().and_then(|f| f.clone()) {
             Some(e) if !matches!(*e, TransportError::Closed { .. }) => {
@@ -315,7 +312,7 @@ impl VerbsTx {
         }
     }
 
-    pub(crate) async fn send_region(
+    async fn region(
         &mut self,
         header: FrameHeader,
         payload: &[u8],
@@ -330,7 +327,7 @@ impl VerbsTx {
         Ok(())
     }
 
-    pub(crate) async fn send_frame(
+    async fn frame(
         &mut self,
         header: FrameHeader,
         payload: &[u8],
@@ -354,13 +351,13 @@ impl VerbsTx {
 
     /// Waits (briefly) until the engine has sent every queued frame, then tells the peer
     /// on the control stream: what preceded the close arrives before it.
-    pub(crate) async fn close(mut self, header: FrameHeader) {
+    async fn shut(mut self: Box<Self>, header: FrameHeader) {
         // The close may overtake frames still on their way over RDMA: it carries how
         // many there were, and the peer reports it once they have all arrived.
         let mut h = header;
         h.kind = FrameKind::Close;
         h.offset = self.sent;
-        let _ = self.send_frame(h, &[], Duration::from_millis(200)).await;
+        let _ = self.frame(h, &[], Duration::from_millis(200)).await;
         let _ = tokio::time::timeout(Duration::from_millis(200), self.control.shutdown()).await;
     }
 }
@@ -374,15 +371,55 @@ pub(crate) struct VerbsRx {
 }
 
 impl VerbsRx {
-    pub(crate) fn peer(&self) -> &str {
-        &self.peer
-    }
-
-    pub(crate) async fn next(&mut self) -> Option<LinkEvent> {
+    async fn wait(&mut self) -> Option<LinkEvent> {
         self.events.recv().await
     }
 
-    pub(crate) fn try_next(&mut self) -> Option<LinkEvent> {
+    fn ready(&mut self) -> Option<LinkEvent> {
         self.events.try_recv().ok()
+    }
+}
+
+impl SendHalf for VerbsTx {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn send_region<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        frame_bytes: usize,
+        align: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.region(header, payload, frame_bytes, align, timeout))
+    }
+
+    fn send_frame<'a>(
+        &'a mut self,
+        header: FrameHeader,
+        payload: &'a [u8],
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(self.frame(header, payload, timeout))
+    }
+
+    fn close(self: Box<Self>, header: FrameHeader) -> BoxFuture<'static, ()> {
+        Box::pin(self.shut(header))
+    }
+}
+
+impl RecvHalf for VerbsRx {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn next(&mut self) -> BoxFuture<'_, Option<LinkEvent>> {
+        Box::pin(self.wait())
+    }
+
+    fn try_next(&mut self) -> Option<LinkEvent> {
+        self.ready()
     }
 }

@@ -23,8 +23,6 @@ mod engine;
 mod link;
 #[cfg(feature = "verbs")]
 pub use link::{establish, VerbsOptions};
-#[cfg(feature = "verbs")]
-pub(crate) use link::{VerbsRx, VerbsTx};
 
 /// The RDMA devices this process can open, by name; `Err` says why there are none to
 /// look at (no `verbs` feature in this build, or no RDMA support in the kernel). An
