@@ -183,7 +183,7 @@ fn nothing_is_left_behind_after_kills_over_shm() {
 fn a_short_random_run_stays_exact() {
     let r = chaos(
         "random",
-        "--peers 4 --duration 10 --faults kill,hang,join,leave --seed 7",
+        "--peers 4 --duration 10 --interval-ms 1000 --faults kill,hang,join,leave --seed 7",
     );
     let faults: u64 = ["kill", "hang", "join", "leave"]
         .iter()
