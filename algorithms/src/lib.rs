@@ -9,6 +9,7 @@
 //! every collective is a local copy.
 
 pub mod element;
+mod in_place;
 pub mod kernels;
 pub mod mem;
 pub mod schedule;

@@ -41,8 +41,71 @@ pub fn run_schedules(
     schedules: &[Schedule],
     inputs: &[Vec<u8>],
 ) -> Result<Vec<Vec<u8>>, String> {
+    run_seeded(dtype, op, schedules, inputs, &vec![None; schedules.len()])
+}
+
+/// Runs a world where rank `r` calls in place: with `in_place[r]` (its schedule's
+/// [`Schedule::in_place`]) on its buffer `bufs[r]` alone where there is one, otherwise
+/// the way the peer does without one, `schedules[r]` from `inputs[r]` into a separate
+/// output copied over the front of `bufs[r]` afterwards. Returns each rank's buffer.
+pub fn run_mixed(
+    dtype: DType,
+    op: ReduceOp,
+    schedules: &[Schedule],
+    in_place: &[Option<Schedule>],
+    inputs: &[Vec<u8>],
+    bufs: &[Vec<u8>],
+) -> Result<Vec<Vec<u8>>, String> {
     let n = schedules.len();
-    if inputs.len() != n {
+    if in_place.len() != n || bufs.len() != n {
+        return Err(format!(
+            "{} schedules, {} in place, {} buffers",
+            n,
+            in_place.len(),
+            bufs.len()
+        ));
+    }
+    let run: Vec<Schedule> = (0..n)
+        .map(|r| in_place[r].clone().unwrap_or_else(|| schedules[r].clone()))
+        .collect();
+    let ins: Vec<Vec<u8>> = (0..n)
+        .map(|r| {
+            if in_place[r].is_some() {
+                Vec::new()
+            } else {
+                inputs[r].clone()
+            }
+        })
+        .collect();
+    let seeds: Vec<Option<Vec<u8>>> = (0..n)
+        .map(|r| in_place[r].as_ref().map(|_| bufs[r].clone()))
+        .collect();
+    let outs = run_seeded(dtype, op, &run, &ins, &seeds)?;
+    Ok(outs
+        .into_iter()
+        .enumerate()
+        .map(|(r, out)| {
+            if in_place[r].is_some() {
+                return out;
+            }
+            let mut b = bufs[r].clone();
+            b[..out.len()].copy_from_slice(&out);
+            b
+        })
+        .collect())
+}
+
+/// [`run_schedules`], with rank `r`'s output starting as `seeds[r]` where given (it must
+/// have the schedule's `output_len` elements) instead of zeros.
+fn run_seeded(
+    dtype: DType,
+    op: ReduceOp,
+    schedules: &[Schedule],
+    inputs: &[Vec<u8>],
+    seeds: &[Option<Vec<u8>>],
+) -> Result<Vec<Vec<u8>>, String> {
+    let n = schedules.len();
+    if inputs.len() != n || seeds.len() != n {
         return Err(format!("{} inputs for a world of {n}", inputs.len()));
     }
     let world = u32::try_from(n).map_err(|_| format!("world of {n} ranks"))?;
@@ -63,9 +126,16 @@ pub fn run_schedules(
                 s.input_len
             ));
         }
+        let output = match &seeds[r] {
+            Some(seed) if seed.len() != bytes(s.output_len)? => {
+                return Err(format!("rank {r}: a seed of {} bytes", seed.len()));
+            }
+            Some(seed) => seed.clone(),
+            None => vec![0; bytes(s.output_len)?],
+        };
         ranks.push(Rank {
             input,
-            output: vec![0; bytes(s.output_len)?],
+            output,
             scratch: vec![0; bytes(s.scratch_len)?],
             step: 0,
             started: false,

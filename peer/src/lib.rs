@@ -8,6 +8,7 @@ mod abort;
 pub mod blocking;
 pub mod communicator;
 pub mod config;
+pub mod device;
 pub mod error;
 mod executor;
 mod fault;
@@ -19,7 +20,7 @@ pub mod store;
 pub mod variables;
 
 pub use abort::AbortHandle;
-pub use communicator::{CollArgs, Communicator, OpInfo, RetryPolicy, WorldUpdate};
+pub use communicator::{CollArgs, Communicator, OnAbort, OpInfo, RetryPolicy, WorldUpdate};
 pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{

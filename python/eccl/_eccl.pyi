@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, final
 
 # -- tables (lib.rs) ---------------------------------------------------------------------
@@ -151,6 +151,12 @@ class Work:
         """Waits for the call (GIL released) and returns its result (OpInfo, WorldUpdate, SyncInfo, bool or None), or
         raises its error; with `timeout` (seconds), raises `EcclTimeoutError` if it passes first (the call goes on).
         """
+    def add_done_callback(self, fn: Callable[[], object], *, errors_only: bool = False) -> None:
+        """Calls `fn()` once the call has finished, successfully or not (with `errors_only=True`: only if it failed):
+        here and now if it has, otherwise on the thread that finishes it (the communicator's task, with the GIL), right
+        after the outcome is set. `fn` should be short and cannot wait for an unfinished call (`InvalidArgumentError`);
+        its exceptions are reported as unraisable.
+        """
     def exception(self) -> EcclError | None:
         """The error the call ended with, `None` if it succeeded or is still running."""
     def __repr__(self) -> str: ...
@@ -229,20 +235,52 @@ class Communicator:
     # collectives (`op`: an `eccl.ReduceOp`/int code, or any name of eccl's table such as "sum", "avg", torch's
     # "PRODUCT"; None is sum)
 
-    def all_reduce(self, tensor: Any, op: Any | None = None, *, async_op: bool = False) -> OpInfo | Work:
-        """Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`)."""
+    def all_reduce_device(
+        self,
+        ptr: int,
+        count: int,
+        dtype: str,
+        op: Any | None = None,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+        keep_on_abort: bool = True,
+    ) -> None | Work:
+        """All_reduce of device memory in place, among ranks that all run on this host: `count` elements of `dtype`
+        at address `ptr` on CUDA device `device` (a tensor's `data_ptr()`), read and written by every rank's GPU
+        kernels straight from each other's memory over CUDA IPC. The memory must be ready (its stream synchronized)
+        and untouched until the call is done; `owner` (the tensor) is held until then.
+        """
+    def all_reduce(
+        self, tensor: Any, op: Any | None = None, *, async_op: bool = False, keep_on_abort: bool = True
+    ) -> OpInfo | Work:
+        """Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`). A failed call leaves
+        `tensor` as it was; with `keep_on_abort=False` it may leave partial results there instead, and saves a copy of
+        the whole tensor per call (the ring works in the tensor itself, as NCCL and gloo do).
+        """
     def all_reduce_coalesced(
         self, tensors: Iterable[Any], op: Any | None = None, *, async_op: bool = False
     ) -> OpInfo | Work:
         """Several tensors of one dtype reduced in place by one all_reduce (one collective, one descriptor), as gloo's
         `allreduce_coalesced` does.
         """
-    def broadcast(self, tensor: Any, root: int = 0, *, async_op: bool = False) -> OpInfo | Work:
-        """Copies root's `tensor` into every member's, in place."""
-    def reduce(
-        self, tensor: Any, root: int = 0, op: Any | None = None, *, async_op: bool = False
+    def broadcast(
+        self, tensor: Any, root: int = 0, *, async_op: bool = False, keep_on_abort: bool = True
     ) -> OpInfo | Work:
-        """Reduces into `tensor` on `root`; other ranks' tensors stay as they were."""
+        """Copies root's `tensor` into every member's, in place (`keep_on_abort` as for `all_reduce`)."""
+    def reduce(
+        self,
+        tensor: Any,
+        root: int = 0,
+        op: Any | None = None,
+        *,
+        async_op: bool = False,
+        keep_on_abort: bool = True,
+    ) -> OpInfo | Work:
+        """Reduces into `tensor` on `root`; other ranks' tensors stay as they were (`keep_on_abort` as for
+        `all_reduce`, on the root).
+        """
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> OpInfo | Work:
         """`output` holds world_size blocks of `input`'s size; block r is rank r's input."""
     def reduce_scatter(

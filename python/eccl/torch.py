@@ -8,8 +8,9 @@ the other ranks through torch's rendezvous store. When `ECCL_SECRET`/`ECCL_SECRE
 are not set, rank 0's fresh job secret goes through the store too, sealed to each rank
 (see `_share_secret`): a store reader learns nothing; a store writer can pose as a rank,
 and when it does so visibly (a rank finds its key taken) every rank stops. Every
-collective torch.distributed offers for CPU tensors runs on eccl; CUDA tensors are
-refused with `InvalidArgumentError` for now.
+collective torch.distributed offers runs on eccl, for CPU tensors and for CUDA tensors
+(`eccl.torch_cuda`: all_reduce over CUDA IPC among ranks of one host, everything else
+staged through host memory).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.overrides import has_torch_function
 
 import eccl
+from eccl.torch_cuda import all_reduce_ipc, cuda_calls
 from eccl.torch_fault import FaultTolerance, ReconfigurableGroup
 from eccl.torch_recovery import Recovery, recovering_calls
 from eccl.torch_setup import (
@@ -34,7 +36,7 @@ from eccl.torch_setup import (
     _store_get,
     monitored_barrier,
 )
-from eccl.torch_work import TorchWork, _Completer
+from eccl.torch_work import TorchWork, _Calls
 
 __all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
            "init_optimizer_state", "register"]
@@ -56,15 +58,33 @@ def _op_name(opts: Any) -> "eccl.ReduceOp":
 
 
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+    # CUDA tensors reach the calls as host copies (`eccl.torch_cuda`); other devices
+    # are refused.
     if t.device.type != "cpu":
         raise eccl.InvalidArgumentError(
-            f"{what} is on {t.device}: the eccl backend moves CPU tensors only so far "
-            "(device transports come later); use .cpu() or another backend for GPU tensors")
+            f"{what} is on {t.device}: the eccl backend moves CPU and CUDA tensors")
     return t
 
 
-@recovering_calls(_C10dBackend)
-class ProcessGroupEccl(FaultTolerance, _C10dBackend):
+def _backend_base() -> type:
+    """The class a Python backend derives from: torch's c10d `Backend` where Python can
+    construct one (torch 2.12 and later), else `ProcessGroup` (torch 2.11 and earlier
+    take a Python backend as a whole process group)."""
+    class _Probe(_C10dBackend):
+        pass
+    try:
+        _Probe(0, 1)
+        return _C10dBackend
+    except TypeError:
+        return dist.ProcessGroup
+
+
+_Base = _backend_base()
+
+
+@recovering_calls(_Base)
+@cuda_calls
+class ProcessGroupEccl(FaultTolerance, _Base):
     """torch's c10d `Backend` for the device type "cpu" whose collectives run on an
     `eccl.Communicator` (as ProcessGroupGloo is gloo's). torch wraps it in a
     ProcessGroup and registers it for its devices, so everything torch does with a
@@ -90,7 +110,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         self._barriers = 0
         self.comm = comm
         self._master = master
-        self._done = _Completer(self._recovery)
+        self._calls = _Calls(self._recovery)
         self._closed = False
 
     @property
@@ -117,25 +137,37 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
 
     # Each method returns a Work whose future completes with what torch expects.
 
+    # torch's in-place collectives leave their tensors undefined when they fail (as
+    # NCCL's and gloo's do; DDP drops a failed step's gradients): eccl works in the
+    # tensor itself where the schedule allows, with no copy of it (`keep_on_abort`).
     def allreduce(self, tensors, opts=None):
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
-        ws = [self.comm.all_reduce(_cpu(t), op, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors)
+        ws = [self.comm.all_reduce(_cpu(t), op, async_op=True, keep_on_abort=False)
+              for t in tensors]
+        return self._calls.submit(ws, tensors)
+
+    def _all_reduce_cuda(self, tensors, opts=None):
+        """all_reduce of CUDA tensors whose ranks all run on this host: over CUDA IPC,
+        GPU to GPU (`eccl.torch_cuda`)."""
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+        return self._calls.submit(all_reduce_ipc(self.comm, tensors, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         # One collective over the list (eccl packs it into one buffer), as gloo does.
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         w = self.comm.all_reduce_coalesced([_cpu(t) for t in tensors], op, async_op=True)
-        return self._done.submit([w], tensors)
+        return self._calls.submit([w], tensors)
 
     def broadcast(self, tensors, opts):
-        ws = [self.comm.broadcast(_cpu(t), opts.rootRank, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors)
+        ws = [self.comm.broadcast(_cpu(t), opts.rootRank, async_op=True, keep_on_abort=False)
+              for t in tensors]
+        return self._calls.submit(ws, tensors)
 
     def reduce(self, tensors, opts):
-        ws = [self.comm.reduce(_cpu(t), opts.rootRank, _op_name(opts), async_op=True)
+        ws = [self.comm.reduce(_cpu(t), opts.rootRank, _op_name(opts), async_op=True,
+                               keep_on_abort=False)
               for t in tensors]
-        return self._done.submit(ws, tensors)
+        return self._calls.submit(ws, tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         # One flat buffer per input, split into the caller's list afterwards.
@@ -150,16 +182,16 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
             for outs, flat in copies:
                 for o, f in zip(outs, flat):
                     o.copy_(f)
-        return self._done.submit(works, output_tensors, scatter_back)
+        return self._calls.submit(works, output_tensors, scatter_back)
 
     def _allgather_base(self, output, input, opts=None):
         w = self.comm.all_gather(_cpu(output), _cpu(input).contiguous(), async_op=True)
-        return self._done.submit([w], output)
+        return self._calls.submit([w], output)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         ws = [self.comm.all_gather(_cpu(o), _cpu(i).contiguous(), async_op=True)
               for o, i in zip(outputs, inputs)]
-        return self._done.submit(ws, outputs)
+        return self._calls.submit(ws, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
@@ -167,18 +199,18 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         for out, ins in zip(output_tensors, input_tensors):
             flat = torch.stack([_cpu(i) for i in ins]).contiguous()
             works.append(self.comm.reduce_scatter(_cpu(out), flat, op, async_op=True))
-        return self._done.submit(works, output_tensors)
+        return self._calls.submit(works, output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         w = self.comm.reduce_scatter(_cpu(output), _cpu(input).contiguous(), op, async_op=True)
-        return self._done.submit([w], output)
+        return self._calls.submit([w], output)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
         ws = [self.comm.reduce_scatter(_cpu(o), _cpu(i).contiguous(), op, async_op=True)
               for o, i in zip(outputs, inputs)]
-        return self._done.submit(ws, outputs)
+        return self._calls.submit(ws, outputs)
 
     def gather(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
@@ -191,9 +223,9 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
             def scatter_back() -> None:
                 for o, f in zip(outs, flat):
                     o.copy_(f)
-            return self._done.submit([w], output_tensors, scatter_back)
+            return self._calls.submit([w], output_tensors, scatter_back)
         w = self.comm.gather(None, inp, root, async_op=True)
-        return self._done.submit([w], output_tensors)
+        return self._calls.submit([w], output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         root = opts.rootRank
@@ -202,7 +234,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         if self.rank() == root:
             flat = torch.stack([_cpu(i) for i in input_tensors[0]]).contiguous()
         w = self.comm.scatter(out, flat, root, async_op=True)
-        return self._done.submit([w], output_tensors)
+        return self._calls.submit([w], output_tensors)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         sizes = {t.numel() for t in list(output_tensors) + list(input_tensors)}
@@ -214,7 +246,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
             def scatter_back() -> None:
                 for o, f in zip(output_tensors, flat_out):
                     o.copy_(f.view_as(o))
-            return self._done.submit([w], output_tensors, scatter_back)
+            return self._calls.submit([w], output_tensors, scatter_back)
         return self._alltoall_uneven(list(output_tensors), list(input_tensors))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -223,7 +255,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         _cpu(input, "input")
         if not output_split_sizes and not input_split_sizes:
             w = self.comm.all_to_all(output, input.contiguous(), async_op=True)
-            return self._done.submit([w], output)
+            return self._calls.submit([w], output)
         outs = list(output.split(output_split_sizes or [output.shape[0] // n] * n))
         ins = list(input.split(input_split_sizes or [input.shape[0] // n] * n))
         return self._alltoall_uneven(outs, ins)
@@ -245,10 +277,10 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         def copy_back() -> None:
             for o, b in recv_bufs:
                 o.copy_(b)
-        return self._done.submit(works, outs, copy_back)
+        return self._calls.submit(works, outs, copy_back)
 
     def barrier(self, opts=None):
-        return self._done.submit([self.comm.barrier(async_op=True)], None)
+        return self._calls.submit([self.comm.barrier(async_op=True)], None)
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         """gloo's monitored barrier (see `eccl.torch_setup.monitored_barrier`)."""
@@ -263,17 +295,17 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
     # so it leaves the epoch as it was: `p2p=True`.
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
         ws = [self.comm.send(_cpu(t).contiguous(), dstRank, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors, kind="p2p")
+        return self._calls.submit(ws, tensors, kind="p2p")
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
         ws = [self.comm.recv(_cpu(t), srcRank, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors, kind="p2p")
+        return self._calls.submit(ws, tensors, kind="p2p")
 
     def recv_anysource(self, tensors, tag):
         """`dist.recv(t)` / `dist.irecv(t)` with no `src`: the first message with `tag`
         from any rank; the Work's `source_rank()` names the sender."""
         ws = [self.comm.recv(_cpu(t), None, tag, async_op=True) for t in tensors]
-        return self._done.submit(ws, tensors, kind="p2p")
+        return self._calls.submit(ws, tensors, kind="p2p")
 
     # torch 2.15 renamed the single-tensor forms; both names work.
     def all_gather_single(self, output, input, opts=None):
@@ -310,7 +342,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
                 for o in outs:
                     o.copy_(flat_out[r, off:off + o.numel()].view_as(o))
                     off += o.numel()
-        return self._done.submit([w], output_lists, scatter_back)
+        return self._calls.submit([w], output_lists, scatter_back)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
@@ -325,7 +357,7 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         root = opts.rootRank
         w = self.comm.gather(_cpu(output) if self.rank() == root else None,
                              _cpu(input).contiguous(), root, async_op=True)
-        return self._done.submit([w], output)
+        return self._calls.submit([w], output)
 
     @property
     def supports_splitting(self) -> bool:
@@ -385,7 +417,6 @@ class ProcessGroupEccl(FaultTolerance, _C10dBackend):
         if self._closed:
             return
         self._closed = True
-        self._done.close()
         if self._handed_over:  # shrink_group gave the communicator to the new group
             return
         try:
@@ -485,11 +516,17 @@ def _backend_of(group: Any) -> Optional[ProcessGroupEccl]:
     c10d = dist.distributed_c10d
     if not dist.is_initialized() or c10d._rank_not_in_group(group):
         return None
-    try:
-        b = c10d._group_or_default_group(group)._get_backend(torch.device("cpu"))
-    except RuntimeError:
-        return None
-    return b if isinstance(b, ProcessGroupEccl) else None
+    pg = c10d._group_or_default_group(group)
+    if isinstance(pg, ProcessGroupEccl):  # torch 2.11 and earlier
+        return pg
+    for device in ("cpu", "cuda"):
+        try:
+            b = pg._get_backend(torch.device(device))
+        except RuntimeError:
+            continue
+        if isinstance(b, ProcessGroupEccl):
+            return b
+    return None
 
 
 def _install_anysource_irecv() -> None:
@@ -526,7 +563,8 @@ def register() -> None:
     entry point, the first time a script asks for the backend by name: an unchanged
     script needs no `import eccl`."""
     if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
     _install_anysource_irecv()
     from eccl import store
 

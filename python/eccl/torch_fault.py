@@ -63,7 +63,7 @@ def reconfigure(backend: Any, opts: Any) -> Any:
     if not 0 <= uuid < 1 << 64:
         raise eccl.InvalidArgumentError(f"reconfigure: uuid {uuid} is not in 0..2**64")
     timeout = opts.timeout or backend._timeout
-    if backend._done.in_flight():
+    if backend._calls.in_flight():
         backend._recovery.aborted()
         comm.abort(f"reconfigure {uuid} on rank {backend.rank()} while calls were in flight")
     ms = max(1, int(timeout.total_seconds() * 1000))
@@ -72,7 +72,7 @@ def reconfigure(backend: Any, opts: Any) -> Any:
     def adopt() -> None:
         backend._recovery.adopt()
         backend._options.global_ranks_in_group = list(range(comm.world_size))
-    return backend._done.submit([w], None, adopt, kind="control")
+    return backend._calls.submit([w], None, adopt, kind="control")
 
 
 class FaultTolerance:

@@ -1,12 +1,26 @@
 """The Work objects of the torch backend (`eccl.torch`): what its calls return to torch,
-and the thread that completes them in order."""
+and how they are finished when the eccl calls behind them are.
+
+A Work is finished by whoever needs it first, with no thread of the backend in between:
+- `wait()` waits for the eccl calls itself (the GIL released) and finishes the Work on
+  the caller's thread;
+- `get_future()` (what DDP's reducer and torchft use) asks the communicator's task to
+  finish the Work as soon as the last eccl call is done: the task runs the copy-out step
+  and completes torch's future (`eccl.Work.add_done_callback`), as gloo's
+  `AsyncWork::execute` completes its own future;
+- a failure is always noticed when it happens, even in a Work nobody waits for: the
+  backend's recovery must know that the epoch was aborted before the next call.
+
+The task never waits for torch's abort hooks: a failure that the task notices is
+finished on a short-lived thread, since a hook may wait for calls of its own, which the
+task (busy running the hook) could never finish.
+"""
 
 from __future__ import annotations
 
-import queue
 import threading
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 from torch.futures import Future
@@ -18,53 +32,150 @@ class TorchWork(dist._Work):
     """The `torch.distributed` Work that the backend's collectives return: `wait()`
     blocks until the eccl calls (`eccl.Work`s) behind it are done and raises their error
     (an `eccl.EcclError` subclass); `get_future()` completes with the collective's
-    result, or fails with that error. The eccl calls own their tensors, so dropping this
-    object early is harmless."""
+    result, or fails with that error. Once `wait()` has returned, `get_future()` is
+    complete, as with gloo (torchft chains callbacks on it then). The eccl calls own
+    their tensors, so dropping this object early is harmless."""
 
-    def __init__(self) -> None:
+    def __init__(self, works: List[Any], result: Any = None,
+                 after: Optional[Callable[[], None]] = None, kind: str = "collective",
+                 recovery: Any = None) -> None:
         super().__init__()
-        self._event = threading.Event()
+        self._works = works
+        self._result = result
+        self._after = after
+        self._kind = kind
+        self._recovery = recovery
+        self._lock = threading.Lock()
+        self._finished = False
         self._error: Optional[BaseException] = None
-        self._result: Any = None
+        # Set while a failure the task noticed is being finished on another thread.
+        self._failing: Optional[threading.Event] = None
+        # torch's future, made when first asked for; `_done` is what it chains on.
+        self._done: Optional[Future] = None
+        self._fut: Optional[Future] = None
+        if not works:
+            self._finish(on_task=False)
+        for w in works:
+            w.add_done_callback(self._on_error, errors_only=True)
+
+    # -- finishing ----------------------------------------------------------------
+
+    def _on_error(self) -> None:
+        """An eccl call behind this Work failed (on the communicator's task)."""
+        self._finish(on_task=True)
+
+    def _on_done(self) -> None:
+        """The last eccl call is done and torch waits on the future (on the task)."""
+        if all(w.is_completed() for w in self._works):
+            self._finish(on_task=True)
+
+    def _finish(self, on_task: bool) -> None:
+        """Finishes the Work once: the copy-out step, then torch's future. Runs when
+        every eccl call is done, or when one has failed (the others may still run)."""
+        with self._lock:
+            if self._finished or self._failing is not None:
+                return
+            error: Optional[BaseException] = None
+            try:
+                for w in self._works:
+                    if w.is_completed():
+                        info = w.wait()   # returns at once, or raises the call's error
+                        if getattr(info, "peer", None) is not None:
+                            self._source = info.peer
+                    else:
+                        return            # not done yet and nothing failed so far
+                if self._after is not None:
+                    self._after()
+            except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
+                error = e
+            if error is None:
+                self._finished = True
+                done = self._done
+            else:
+                # Claimed: whoever finishes the failure, nobody else starts on it.
+                self._failing = threading.Event()
+        if error is None:
+            if done is not None:
+                done.set_result(None)
+        elif on_task:
+            threading.Thread(target=self._fail, args=(error,), name="eccl-failure",
+                             daemon=True).start()
+        else:
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        # The recovery decides whether the failure aborted the epoch (the hooks run
+        # before the failure is reported).
+        try:
+            if self._recovery is not None:
+                self._recovery.failed(error, self._kind)
+        finally:
+            with self._lock:
+                self._error = error
+                self._finished = True
+                done = self._done
+                failing = self._failing
+            if done is not None:
+                done.set_result(None)
+            if failing is not None:
+                failing.set()
+
+    def _outcome(self, _: Future) -> Any:
         # The future torch's C++ side (DDP's reducer) waits on must fail as a future,
         # not complete with an exception object for a value: a callback that raises
         # makes torch mark it failed, and DDP then raises "AbortedError: <cause>".
-        self._done: Future = Future()
-        self._fut: Future = self._done.then(self._outcome)
-
-    def _outcome(self, _: Future) -> Any:
         if self._error is not None:
             raise self._error
         return self._result
 
-    def _finish(self, result: Any, error: Optional[BaseException]) -> None:
-        self._error = error
-        self._result = result
-        # The future first, as gloo's Work does: once `wait()` returns, `get_future()` is
-        # complete, and callbacks chained on it then run at once in the caller's thread
-        # (torchft's managed work relies on it).
-        self._done.set_result(None)
-        self._event.set()
+    # -- torch's Work -------------------------------------------------------------
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        secs = timeout.total_seconds() if timeout else None
-        if not self._event.wait(secs):
-            raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
+        if not self._finished:
+            secs = timeout.total_seconds() if timeout else None
+            for w in self._works:
+                try:
+                    w.wait(secs)       # the GIL is released meanwhile
+                except eccl.EcclError:
+                    if not w.is_completed():
+                        raise eccl.EcclTimeoutError(
+                            f"the collective did not finish within {timeout}") from None
+                    break              # it failed: so does the Work, with its error
+            self._finish(on_task=False)
+            failing = self._failing
+            if failing is not None and not failing.wait(secs):
+                raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._event.is_set()
+        if not self._finished and self._failing is None \
+                and all(w.is_completed() for w in self._works):
+            self._finish(on_task=False)
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> Optional[BaseException]:
         return self._error
 
     def get_future(self) -> Future:
-        return self._fut
+        with self._lock:
+            if self._fut is not None:
+                return self._fut
+            self._done = Future()
+            self._fut = self._done.then(self._outcome)
+            fut, finished = self._fut, self._finished
+            watch = bool(self._works) and not finished and self._failing is None
+        if finished:
+            self._done.set_result(None)
+        elif watch:
+            # The task finishes the Work when the last call is done (at once, here, if
+            # it already is).
+            self._works[-1].add_done_callback(self._on_done)
+        return fut
 
     # What `dist.recv(src=None)` asks after waiting: the rank the message came from.
     _source: int = -1
@@ -76,61 +187,40 @@ class TorchWork(dist._Work):
         return self._source
 
 
-class _Completer:
-    """Finishes the backend's Work objects in the order their eccl calls were made: one
-    thread per process group waits on each call in turn (eccl runs one communicator's
-    calls in order anyway), then runs the collective's copy-out step."""
+class _Calls:
+    """The Works of one backend: makes them, and says whether eccl calls it submitted
+    are still running (a communicator runs its calls in order, so the last one
+    finishing means all have)."""
 
     def __init__(self, recovery: Any = None) -> None:
         # `recovery`: the backend's `eccl.torch_recovery.Recovery`, told of every failure.
         self._recovery = recovery
-        self._q: "queue.Queue[Any]" = queue.Queue()
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._t = threading.Thread(target=self._run, name="eccl-completer", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            works, work, result, after, kind = item
-            try:
-                infos = [w.wait() for w in works]
-                if infos and getattr(infos[0], "peer", None) is not None:
-                    work._source = infos[0].peer
-                if after is not None:
-                    after()
-            except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
-                # The recovery decides whether it aborted the epoch (the hooks run before
-                # the failure is reported).
-                if self._recovery is not None:
-                    self._recovery.failed(e, kind)
-                work._finish(None, e)
-            else:
-                work._finish(result, None)
-            finally:
-                with self._lock:
-                    self._pending -= 1
+        self._last: Any = None
 
     def submit(self, works: List[Any], result: Any, after=None,
                kind: str = "collective") -> dist.Work:
-        """`kind`: "collective", "p2p" or "control" (which errors abort the epoch)."""
-        work = TorchWork()
-        with self._lock:
-            self._pending += 1
-        self._q.put((works, work, result, after, kind))
-        return work
+        """A torch Work that finishes once every one of `works` (eccl Works) has: then
+        `after()` runs (a copy-out step) and the future completes with `result`.
+        `kind`: "collective", "p2p" or "control" (which errors abort the epoch)."""
+        from eccl import torch_cuda
+        if torch_cuda.STAGING.active and torch_cuda.STAGING.back:
+            # A call on CUDA tensors staged through host copies: the device tensors
+            # get the results before the Work completes, and are its result.
+            pairs = torch_cuda.STAGING.back
+            torch_cuda.STAGING.back = []
+            inner = after
+
+            def after() -> None:
+                if inner is not None:
+                    inner()
+                torch_cuda.copy_back(pairs)
+
+            result = torch_cuda.swap_result(result, pairs)
+        if works:
+            self._last = works[-1]
+        return TorchWork(works, result, after, kind, self._recovery)
 
     def in_flight(self) -> bool:
         """Whether calls submitted here have not finished yet."""
-        with self._lock:
-            return self._pending > 0
-
-    def call_soon(self, fn) -> None:
-        """Runs `fn` on the completer thread after everything submitted before it."""
-        self.submit([], None, fn, kind="control")
-
-    def close(self) -> None:
-        self._q.put(None)
+        last = self._last
+        return last is not None and not last.is_completed()

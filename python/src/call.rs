@@ -34,12 +34,14 @@ pub(crate) enum Call {
         input: Option<HostBuffer>,
         output: Option<WritableBuffer>,
     },
-    /// All_reduce, broadcast or reduce on one buffer, which changes only on success.
+    /// All_reduce, broadcast or reduce on one buffer; `on_abort` says what a failure
+    /// leaves in it.
     InPlace {
         kind: CollectiveKind,
         op: ReduceOp,
         root: Rank,
         buf: WritableBuffer,
+        on_abort: eccl::OnAbort,
     },
     /// One all_reduce over several buffers of one dtype.
     Coalesced {
@@ -50,6 +52,18 @@ pub(crate) enum Call {
         buf: HostBuffer,
         peer: Rank,
         tag: u32,
+    },
+    /// All_reduce of device memory among ranks of one host, over CUDA IPC
+    /// (`eccl_cuda::ipc`). `owner` is the Python object that owns the memory (a tensor),
+    /// held until the call is done.
+    DeviceAllReduce {
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        device: usize,
+        keep: bool,
+        _owner: pyo3::Py<pyo3::PyAny>,
     },
     /// `peer: None`: from whichever rank's message comes first.
     Recv {
@@ -72,7 +86,8 @@ impl Call {
             | Call::ArePeersPending
             | Call::Leave
             | Call::AnnounceAbort
-            | Call::Reconfigure { .. } => (vec![], vec![]),
+            | Call::Reconfigure { .. }
+            | Call::DeviceAllReduce { .. } => (vec![], vec![]),
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
@@ -109,6 +124,8 @@ pub(crate) async fn serve(
     info: Arc<Mutex<Info>>,
     stop: Arc<Notify>,
 ) {
+    // Each CUDA device's same-host collectives (mapped peer buffers are cached there).
+    let mut devices = Devices::default();
     loop {
         let job = tokio::select! {
             biased;
@@ -131,7 +148,7 @@ pub(crate) async fn serve(
         }
         let out = tokio::select! {
             biased;
-            out = run(&mut comm, id, &mut call) => out,
+            out = run(&mut comm, &mut devices, id, &mut call) => out,
             // Dropping the call's future stops it; `done` then reports the stop.
             _ = stop.notified() => break,
         };
@@ -157,7 +174,73 @@ pub(crate) async fn serve(
     let _ = comm.leave().await;
 }
 
-async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome {
+/// A communicator's devices, opened on first use.
+#[derive(Default)]
+pub(crate) struct Devices {
+    by_ordinal: std::collections::HashMap<usize, eccl::device::IpcComm<eccl_cuda::CudaDevice>>,
+}
+
+fn device_error(e: eccl::device::IpcError) -> eccl::Error {
+    use eccl::device::IpcError;
+    match e {
+        // The communicator's own error (an abort, an eviction) keeps its type, so
+        // recovery treats it as any failed collective.
+        IpcError::Exchange(e) => match e.downcast::<eccl::Error>() {
+            Ok(e) => *e,
+            Err(e) => eccl::Error::InvalidArgument(e.to_string()),
+        },
+        IpcError::Mismatch(detail) => eccl::Error::Mismatch {
+            rank: None,
+            ours: None,
+            theirs: None,
+            detail,
+        },
+        IpcError::Peer { rank, msg } => eccl::Error::Aborted {
+            epoch: 0,
+            cause: format!("rank {rank}'s device failed: {msg}"),
+        },
+        other => eccl::Error::InvalidArgument(other.to_string()),
+    }
+}
+
+/// One device all_reduce: blocks this runtime worker (in `block_in_place`) for the
+/// device work and the exchange rounds, which run as ordinary collectives.
+#[allow(clippy::too_many_arguments)]
+fn device_all_reduce(
+    comm: &mut eccl::Communicator,
+    devices: &mut Devices,
+    ptr: u64,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    device: usize,
+    keep: bool,
+) -> Outcome {
+    let ipc = match devices.by_ordinal.entry(device) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let dev = eccl_cuda::CudaDevice::new(device)
+                .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
+            v.insert(eccl::device::IpcComm::new(Arc::new(dev)))
+        }
+    };
+    let rt = tokio::runtime::Handle::current();
+    tokio::task::block_in_place(|| {
+        let mut ex = eccl::device::CommExchange::new(comm, rt);
+        // SAFETY: the Python side checked that `ptr` is `count` elements of a tensor on
+        // `device`, and the call holds that tensor (`owner`) until it is done.
+        unsafe { ipc.all_reduce(&mut ex, ptr, count, dtype, op, keep) }
+    })
+    .map_err(device_error)?;
+    Ok(Done::Left)
+}
+
+async fn run(
+    comm: &mut eccl::Communicator,
+    devices: &mut Devices,
+    id: u64,
+    call: &mut Call,
+) -> Outcome {
     let _claim = {
         let (reads, writes) = call.buffers();
         Claim::take(id, &reads, &writes)?
@@ -215,6 +298,7 @@ async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome
             op,
             root,
             buf,
+            on_abort,
         } => {
             let b = buf.read();
             let args = CollArgs::for_buffers(
@@ -226,7 +310,7 @@ async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome
                 Some(b.count()),
                 world,
             );
-            comm.collective_inplace(args, buf.bytes_mut())
+            comm.collective_inplace_with(args, buf.bytes_mut(), *on_abort)
                 .await
                 .map(Done::Op)
         }
@@ -237,6 +321,15 @@ async fn run(comm: &mut eccl::Communicator, id: u64, call: &mut Call) -> Outcome
                 .await
                 .map(Done::Op)
         }
+        Call::DeviceAllReduce {
+            ptr,
+            count,
+            dtype,
+            op,
+            device,
+            keep,
+            _owner: _,
+        } => device_all_reduce(comm, devices, *ptr, *count, *dtype, *op, *device, *keep),
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)
             .await

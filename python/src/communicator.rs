@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use eccl::{CollectiveKind, Config, Rank, ReduceOp, Secret, SyncStrategy};
+use eccl::{CollectiveKind, Config, DType, Rank, ReduceOp, Secret, SyncStrategy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::IntoPyObjectExt;
@@ -84,6 +84,7 @@ impl Communicator {
         self.info.lock().map(|i| i.clone()).unwrap_or_default()
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn inplace(
         &self,
         py: Python<'_>,
@@ -92,8 +93,14 @@ impl Communicator {
         op: ReduceOp,
         root: u32,
         async_op: bool,
+        keep_on_abort: bool,
     ) -> PyResult<Py<PyAny>> {
         let buf = WritableBuffer::extract(tensor, "tensor")?;
+        let on_abort = if keep_on_abort {
+            eccl::OnAbort::Unchanged
+        } else {
+            eccl::OnAbort::Undefined
+        };
         self.submit(
             py,
             Call::InPlace {
@@ -101,6 +108,7 @@ impl Communicator {
                 op,
                 root: Rank(root),
                 buf,
+                on_abort,
             },
             async_op,
         )
@@ -304,16 +312,61 @@ impl Communicator {
     // -- collectives ----------------------------------------------------------------
 
     /// Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`).
-    #[pyo3(signature = (tensor, op=None, *, async_op=false))]
+    /// A failed call leaves `tensor` as it was; with `keep_on_abort=False` it may leave
+    /// partial results there instead, and saves a copy of the whole tensor per call
+    /// (the ring works in the tensor itself, as NCCL and gloo do).
+    #[pyo3(signature = (tensor, op=None, *, async_op=false, keep_on_abort=true))]
     fn all_reduce(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
+        keep_on_abort: bool,
     ) -> PyResult<Py<PyAny>> {
         let op = reduce_op(op)?;
-        self.inplace(py, CollectiveKind::AllReduce, tensor, op, 0, async_op)
+        let kind = CollectiveKind::AllReduce;
+        self.inplace(py, kind, tensor, op, 0, async_op, keep_on_abort)
+    }
+
+    /// All_reduce of device memory in place, among ranks that all run on this host:
+    /// `count` elements of `dtype` at address `ptr` on CUDA device `device` (a tensor's
+    /// `data_ptr()`), read and written by every rank's GPU kernels straight from each
+    /// other's memory over CUDA IPC. The memory must be ready (its stream synchronized)
+    /// and untouched until the call is done; `owner` (the tensor) is held until then.
+    #[pyo3(signature = (ptr, count, dtype, op=None, *, device, owner=None, async_op=false, keep_on_abort=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_device(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        count: usize,
+        dtype: &str,
+        op: Option<&Bound<'_, PyAny>>,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+        keep_on_abort: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let op = reduce_op(op)?;
+        let dtype =
+            DType::parse(dtype).ok_or_else(|| invalid(format!("unknown dtype {dtype:?}")))?;
+        if ptr == 0 && count > 0 {
+            return Err(invalid("a null device pointer".to_string()));
+        }
+        self.submit(
+            py,
+            Call::DeviceAllReduce {
+                ptr,
+                count,
+                dtype,
+                op,
+                device,
+                keep: keep_on_abort,
+                _owner: owner.unwrap_or_else(|| py.None()),
+            },
+            async_op,
+        )
     }
 
     /// Several tensors of one dtype reduced in place by one all_reduce (one collective,
@@ -343,27 +396,24 @@ impl Communicator {
         self.submit(py, Call::Coalesced { op, bufs }, async_op)
     }
 
-    /// Copies root's `tensor` into every member's, in place.
-    #[pyo3(signature = (tensor, root=0, *, async_op=false))]
+    /// Copies root's `tensor` into every member's, in place (`keep_on_abort` as for
+    /// `all_reduce`).
+    #[pyo3(signature = (tensor, root=0, *, async_op=false, keep_on_abort=true))]
     fn broadcast(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         root: u32,
         async_op: bool,
+        keep_on_abort: bool,
     ) -> PyResult<Py<PyAny>> {
-        self.inplace(
-            py,
-            CollectiveKind::Broadcast,
-            tensor,
-            ReduceOp::Sum,
-            root,
-            async_op,
-        )
+        let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
+        self.inplace(py, kind, tensor, op, root, async_op, keep_on_abort)
     }
 
-    /// Reduces into `tensor` on `root`; other ranks' tensors stay as they were.
-    #[pyo3(signature = (tensor, root=0, op=None, *, async_op=false))]
+    /// Reduces into `tensor` on `root`; other ranks' tensors stay as they were
+    /// (`keep_on_abort` as for `all_reduce`, on the root).
+    #[pyo3(signature = (tensor, root=0, op=None, *, async_op=false, keep_on_abort=true))]
     fn reduce(
         &self,
         py: Python<'_>,
@@ -371,9 +421,11 @@ impl Communicator {
         root: u32,
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
+        keep_on_abort: bool,
     ) -> PyResult<Py<PyAny>> {
         let op = reduce_op(op)?;
-        self.inplace(py, CollectiveKind::Reduce, tensor, op, root, async_op)
+        let kind = CollectiveKind::Reduce;
+        self.inplace(py, kind, tensor, op, root, async_op, keep_on_abort)
     }
 
     /// `output` holds world_size blocks of `input`'s size; block r is rank r's input.

@@ -1,14 +1,19 @@
 //! `eccl.Work`: the handle of a call in flight. The call itself (and the buffers it
 //! owns) lives in the communicator's task; the `Work` only waits for its outcome, so
 //! dropping it changes nothing about when the buffers are released.
+//!
+//! `Work.add_done_callback(fn)` lets the task that finishes the call run `fn` itself
+//! (with the GIL), as gloo's `AsyncWork::execute` completes its own future: the torch
+//! backend completes torch's future that way, with no thread of its own in between.
 
+use std::cell::Cell;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
 
-use crate::errors::to_py;
+use crate::errors::{invalid, to_py};
 use crate::results::{PyOpInfo, PySyncInfo, PyWorldUpdate};
 
 /// What a finished call produced.
@@ -23,32 +28,63 @@ pub(crate) enum Done {
 
 pub(crate) type Outcome = eccl::Result<Done>;
 
+thread_local! {
+    /// Set while this thread runs done-callbacks: a callback that waited on an
+    /// unfinished call could be waiting on the very task that runs it.
+    static IN_CALLBACK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The outcome once there is one, and the callbacks that wait for it (with whether
+/// they run for errors only).
+#[derive(Default)]
+struct Slot {
+    outcome: Option<Outcome>,
+    callbacks: Vec<(Py<PyAny>, bool)>,
+}
+
 /// Where a native call leaves its outcome.
 #[derive(Default)]
 pub(crate) struct Completion {
-    slot: Mutex<Option<Outcome>>,
+    slot: Mutex<Slot>,
     cv: Condvar,
 }
 
 impl Completion {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn set_if_empty(&self, o: Outcome) {
-        let mut slot = self.slot.lock().unwrap_or_else(|e| e.into_inner());
-        if slot.is_none() {
-            *slot = Some(o);
+        let callbacks = {
+            let mut slot = self.lock();
+            if slot.outcome.is_some() {
+                return;
+            }
+            slot.outcome = Some(o);
+            self.cv.notify_all();
+            let failed = matches!(slot.outcome, Some(Err(_)));
+            let mut callbacks = std::mem::take(&mut slot.callbacks);
+            // A call that succeeded takes no GIL for callbacks that wait for errors.
+            callbacks.retain(|(_, errors_only)| failed || !errors_only);
+            callbacks
+        };
+        // The lock is released first: Python may ask `is_completed()` (taking the lock
+        // with the GIL held) while this thread waits for the GIL.
+        if !callbacks.is_empty() {
+            run_callbacks(callbacks);
         }
-        self.cv.notify_all();
     }
 
     fn get(&self) -> Option<Outcome> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.lock().outcome.clone()
     }
 
     /// Waits for the outcome, at most `timeout`.
     fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut slot = self.slot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.lock();
         loop {
-            if let Some(o) = slot.as_ref() {
+            if let Some(o) = slot.outcome.as_ref() {
                 return Some(o.clone());
             }
             slot = match deadline {
@@ -63,6 +99,22 @@ impl Completion {
             };
         }
     }
+}
+
+/// Runs a finished call's callbacks with the GIL, on the thread that finished it (the
+/// communicator's task). An interpreter that is shutting down runs none: nothing is
+/// left to tell. A callback's exception is reported as unraisable, like one raised in a
+/// `weakref` callback.
+fn run_callbacks(callbacks: Vec<(Py<PyAny>, bool)>) {
+    let _ = Python::try_attach(|py| {
+        let was = IN_CALLBACK.with(|c| c.replace(true));
+        for (cb, _) in callbacks {
+            if let Err(e) = cb.call0(py) {
+                e.write_unraisable(py, Some(cb.bind(py)));
+            }
+        }
+        IN_CALLBACK.with(|c| c.set(was));
+    });
 }
 
 /// The call's side of a [`Completion`]. Dropped without completing (the communicator's
@@ -103,6 +155,16 @@ impl Work {
     /// Waits with the GIL released and converts the outcome.
     pub fn finish(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let t = timeout.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        if let Some(o) = self.done.get() {
+            return outcome_to_py(py, o);
+        }
+        if IN_CALLBACK.with(|c| c.get()) {
+            return Err(invalid(
+                "a done-callback cannot wait for an unfinished eccl call: it runs on the \
+                 task that finishes calls, so it would wait on itself (wait elsewhere, or \
+                 add another callback)",
+            ));
+        }
         let done = self.done.clone();
         match py.detach(move || done.wait(t)) {
             Some(o) => outcome_to_py(py, o),
@@ -137,6 +199,35 @@ impl Work {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         self.finish(py, timeout)
+    }
+
+    /// Calls `fn()` once the call has finished, successfully or not (with
+    /// `errors_only=True`: only if it failed): here and now if it has, otherwise on the
+    /// thread that finishes it, right after the outcome is set (so `wait()` there returns
+    /// at once). `fn` runs with the GIL on the communicator's task: it should be short,
+    /// and it cannot wait for an unfinished call (that raises `InvalidArgumentError`).
+    /// Its exceptions are reported as unraisable.
+    #[pyo3(signature = (r#fn, *, errors_only=false))]
+    fn add_done_callback(
+        &self,
+        py: Python<'_>,
+        r#fn: Py<PyAny>,
+        errors_only: bool,
+    ) -> PyResult<()> {
+        let failed = {
+            let mut slot = self.done.lock();
+            match &slot.outcome {
+                None => {
+                    slot.callbacks.push((r#fn, errors_only));
+                    return Ok(());
+                }
+                Some(o) => o.is_err(),
+            }
+        };
+        if failed || !errors_only {
+            r#fn.call0(py)?;
+        }
+        Ok(())
     }
 
     /// The error the call ended with, `None` if it succeeded or is still running.

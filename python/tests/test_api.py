@@ -287,6 +287,77 @@ def test_all_reduce_coalesced_is_one_collective():
         assert r["a"] == [3.0] * 3 and r["b"] == [30.0] * 5 and r["c"] == [0.0, 2.0, 4.0, 6.0]
 
 
+def test_done_callbacks_run_once_where_the_call_finishes():
+    """eccl.Work.add_done_callback (how the torch backend completes torch's futures): a
+    callback added before the call finishes runs once, on the communicator's task rather
+    than the caller's thread, with the outcome already set; one added afterwards runs at
+    once in the caller's thread; one that would wait for an unfinished call is refused
+    with InvalidArgumentError instead of waiting on the task that runs it; one that
+    raises is reported as unraisable and the others still run. Rank 1 sends only once
+    rank 0 said its callbacks are in place."""
+    master = eccl.Master()
+    script = textwrap.dedent(f"""
+        import json, sys, threading, numpy as np, eccl
+        rank = int(sys.argv[1])
+        comm = eccl.Communicator({master.addr!r}, {master.secret!r}, rank_hint=rank,
+                                 min_world=2)
+        comm.update_topology()
+        if rank == 1:
+            sys.stdin.readline()
+            comm.send(np.full(4, 7, np.float32), 0, tag=1)
+            comm.send(np.full(4, 8, np.float32), 0, tag=2)
+            sys.exit(0)
+        main_thread = threading.get_ident()
+        seen, unraisable = [], []
+        sys.unraisablehook = lambda u: unraisable.append(repr(u.exc_value))
+        a, b = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        first = comm.recv(a, 1, tag=1, async_op=True)
+        second = comm.recv(b, 1, tag=2, async_op=True)
+
+        def on_first():
+            seen.append(["first", threading.get_ident() != main_thread,
+                         first.is_completed(), a.tolist()])
+            try:
+                second.wait()
+                seen.append(["waited"])
+            except eccl.InvalidArgumentError as e:
+                seen.append(["refused", "wait on itself" in str(e)])
+
+        def raises():
+            raise RuntimeError("a failing callback")
+
+        first.add_done_callback(raises)
+        first.add_done_callback(on_first)
+        print("registered", flush=True)
+        second.wait()
+        later = []
+        second.add_done_callback(lambda: later.append(threading.get_ident() == main_thread))
+        print("RESULT", json.dumps({{"seen": seen, "later": later, "b": b.tolist(),
+                                    "unraisable": unraisable}}), flush=True)
+    """)
+    procs = []
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        assert procs[0].stdout.readline() == "registered\n"
+        _, err1 = procs[1].communicate("go\n", timeout=TIMEOUT)
+        assert procs[1].returncode == 0, err1
+        out0, err0 = procs[0].communicate(timeout=TIMEOUT)
+        assert procs[0].returncode == 0, err0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        master.shutdown()
+    import json
+    r = json.loads([l for l in out0.splitlines() if l.startswith("RESULT ")][-1][7:])
+    assert r["seen"] == [["first", True, True, [7.0] * 4], ["refused", True]], r
+    assert r["later"] == [True] and r["b"] == [8.0] * 4, r
+    assert len(r["unraisable"]) == 1 and "a failing callback" in r["unraisable"][0], r
+
+
 def test_exit_with_work_in_flight_neither_crashes_nor_hangs():
     master = eccl.Master()
     script = textwrap.dedent(f"""

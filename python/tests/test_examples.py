@@ -32,7 +32,7 @@ COVERED = {
     "eccl_masters.py": "a helper module: store_bench.py and elastic_torchrun.py use it",
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "compare_transports.py", "kill_latency.py",
-            "store_bench.py", "netns_transports.sh"}
+            "store_bench.py", "netns_transports.sh", "torch_overhead.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -94,6 +94,18 @@ def test_store_bench():
     assert re.search(r"^store\s+set\s+get\s+add\s+compare_set$", out, re.M), out
     for store in ("TCPStore", r"eccl, 1 master \(memory\)", r"eccl, 3 masters \(--data-dir\)"):
         assert re.search(rf"^{store}(\s+\d+-\d+ \(\d+\)){{4}}$", out, re.M), out
+
+
+def test_torch_overhead(tmp_path):
+    out = run([sys.executable, str(EXAMPLES / "torch_overhead.py"), "--ranks", "2", "--sizes",
+               "1K,64K", "--iters", "50,10", "--rounds", "2", "--json", str(tmp_path / "o.json")])
+    for size in (1024, 65536):
+        assert re.search(rf"^n=2 +{size} B  native +[0-9.]+ us  torch +[0-9.]+ us", out, re.M), out
+    rows = json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert [(r["ranks"], r["bytes"]) for r in rows] == [(2, 1024), (2, 65536)], rows
+    for r in rows:
+        assert len(r["native_us"]) == len(r["torch_us"]) == len(r["overhead_us"]) == 2, r
+        assert all(t > 0 for t in r["native_us"] + r["torch_us"]), r
 
 
 def _netns_possible():

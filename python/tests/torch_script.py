@@ -1,7 +1,10 @@
-"""One rank of the torch.distributed checks (run by test_torch_backend.py): every
-collective on fixed inputs, then a few DDP steps; prints the results as JSON."""
+"""One rank of the torch.distributed checks (run by test_torch_backend.py and
+test_cuda.py): every collective on fixed inputs, then a few DDP steps; prints the
+results as JSON. `ECCL_TEST_DEVICE=cuda` makes every tensor a CUDA tensor (on GPU
+LOCAL_RANK modulo the GPUs present)."""
 
 import json
+import os
 import sys
 
 import eccl.torch  # noqa: F401  registers "eccl"
@@ -84,10 +87,10 @@ def ddp(r, n, steps):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(100 + r)
+    g = torch.Generator(device="cpu").manual_seed(100 + r)
     losses = []
     for _ in range(steps):
-        x = torch.randn(32, 8, generator=g)
+        x = torch.randn(32, 8, generator=g, device="cpu").to(torch.get_default_device())
         y = x.sum(dim=1, keepdim=True)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp_model(x), y)
@@ -116,11 +119,39 @@ def coverage(r, n):
     return out
 
 
+def mixed(r, n):
+    """Calls that must fail on every rank with a typed error, after which the group
+    still works: a call mixing CPU and CUDA tensors, then ranks disagreeing on the
+    device kind of one all_reduce."""
+    import eccl
+    out = {}
+    try:
+        dist.all_reduce_coalesced([torch.ones(2, device="cpu"), torch.ones(2)])
+        out["mixed"] = "no error"
+    except eccl.InvalidArgumentError as e:
+        out["mixed"] = "InvalidArgumentError" if "mixes" in str(e) else str(e)
+    t = torch.ones(4) * (r + 1)
+    dist.all_reduce(t)
+    out["after_mixed"] = t.tolist()
+    try:
+        dist.all_reduce(torch.ones(1024, device="cpu" if r == 0 else None))
+        out["disagree"] = "no error"
+    except eccl.EcclError as e:
+        out["disagree"] = type(e).__name__
+    except RuntimeError as e:  # torch's wrapper of a failed future
+        out["disagree"] = "RuntimeError: " + str(e)[:200]
+    return out
+
+
 def main():
     backend, what = sys.argv[1], sys.argv[2]
+    if os.environ.get("ECCL_TEST_DEVICE") == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.set_default_device("cuda")
     dist.init_process_group(backend)
     r, n = dist.get_rank(), dist.get_world_size()
-    res = {"collectives": collectives, "coverage": coverage}.get(what, lambda r, n: ddp(r, n, 10))(r, n)
+    res = {"collectives": collectives, "coverage": coverage, "mixed": mixed}.get(
+        what, lambda r, n: ddp(r, n, 10))(r, n)
     print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
 

@@ -2,9 +2,9 @@
 //! it over the links; on failure, break the epoch and tell everyone why.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use eccl_algorithms::{buffer_lens, build, choose_algo};
+use eccl_algorithms::{buffer_lens, build, choose_algo, Schedule};
 use eccl_protocol::frame::AbortCause;
 use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, PeerId, PeerRequest, Rank, ReduceOp};
 use eccl_transport::pool::AlignedBuf;
@@ -28,6 +28,42 @@ pub struct OpInfo {
     /// Point-to-point: the rank at the other end (the sender, for a receive from any
     /// source); `None` for collectives.
     pub peer: Option<Rank>,
+}
+
+/// What an in-place collective leaves in its buffer when it fails.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnAbort {
+    /// The buffer as it was before the call (G2): the call works in scratch and copies
+    /// the result back on success, one more pass over the buffer. What retry loops
+    /// (ElasticDDP, [`crate::RetryPolicy`]) rely on.
+    #[default]
+    Unchanged,
+    /// Whatever the call had written by then (NCCL's and gloo's in-place semantics):
+    /// the schedule works in the buffer itself where it can, with no scratch and no
+    /// copy. For callers that drop the buffer's contents when a call fails, as torch's
+    /// DDP does with a failed step's gradients.
+    Undefined,
+}
+
+/// A call's buffers: apart, or one buffer in place.
+enum Io<'a> {
+    Apart(&'a [u8], &'a mut [u8]),
+    InPlace {
+        buf: &'a mut [u8],
+        on_abort: OnAbort,
+    },
+}
+
+/// A schedule as built, and the same in the caller's buffer, worked out on first use.
+pub(crate) struct Built {
+    plain: Schedule,
+    in_place: OnceLock<Option<Schedule>>,
+}
+
+impl Built {
+    fn in_place(&self) -> Option<&Schedule> {
+        self.in_place.get_or_init(|| self.plain.in_place()).as_ref()
+    }
 }
 
 /// Arguments of one collective, untyped (the Python layer and eccl-bench use this form).
@@ -84,6 +120,33 @@ impl Communicator {
         input: &[u8],
         output: &mut [u8],
     ) -> Result<OpInfo> {
+        self.run_collective(args, Io::Apart(input, output)).await
+    }
+
+    /// Runs a collective in place on `buf`. The work happens in a scratch buffer that is
+    /// copied back only on success, so a failed call leaves `buf` as it was (G2); see
+    /// [`Communicator::collective_inplace_with`] for the trade without the copy.
+    pub async fn collective_inplace(&mut self, args: CollArgs, buf: &mut [u8]) -> Result<OpInfo> {
+        self.collective_inplace_with(args, buf, OnAbort::Unchanged)
+            .await
+    }
+
+    /// Runs a collective in place on `buf`, leaving it as [`OnAbort`] says if the call
+    /// fails. With [`OnAbort::Undefined`] the schedule works in `buf` itself wherever
+    /// that gives the same result ([`eccl_algorithms::Schedule::in_place`]: the ring
+    /// all_reduce does), which saves a pass over the whole buffer per call; elsewhere
+    /// it works in scratch as with [`OnAbort::Unchanged`].
+    pub async fn collective_inplace_with(
+        &mut self,
+        args: CollArgs,
+        buf: &mut [u8],
+        on_abort: OnAbort,
+    ) -> Result<OpInfo> {
+        self.run_collective(args, Io::InPlace { buf, on_abort })
+            .await
+    }
+
+    async fn run_collective(&mut self, args: CollArgs, mut io: Io<'_>) -> Result<OpInfo> {
         let forced = self.cfg.algo;
         let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
         if let Some(e) = self.evicted_error() {
@@ -110,7 +173,16 @@ impl Communicator {
             count: args.count as u64,
         };
         // A call that is wrong on its own says so, even if the epoch is already broken.
-        let (in_len, out_len) = match validate(&args, world, rank, input.len(), output.len()) {
+        let (in_bytes, out_bytes) = match &io {
+            Io::Apart(i, o) => (i.len(), o.len()),
+            // One buffer serves as whichever of the two this rank uses.
+            Io::InPlace { buf, .. } => {
+                let (i, o) = buffer_lens(args.kind, args.count, world, rank.0, args.root.0);
+                let len = |n: usize| if n == 0 { 0 } else { buf.len() };
+                (len(i), len(o))
+            }
+        };
+        let (in_len, out_len) = match validate(&args, world, rank, in_bytes, out_bytes) {
             Ok(l) => l,
             Err(e) => return Err(self.fail(epoch, seq, desc, e).await),
         };
@@ -119,12 +191,12 @@ impl Communicator {
         }
         let result = async {
             let key = (desc, rank.0, world);
-            let sched = match self.schedules.get(&key) {
+            let built = match self.schedules.get(&key) {
                 Some(s) => s.clone(),
                 None => {
                     let s = build(&desc, rank.0, world).map_err(|e| Error::InvalidArgument(e.to_string()))?;
                     s.validate().map_err(|e| Error::InvalidArgument(format!("internal schedule error: {e}")))?;
-                    let s = Arc::new(s);
+                    let s = Arc::new(Built { plain: s, in_place: OnceLock::new() });
                     if self.schedules.len() > 256 {
                         self.schedules.clear();
                     }
@@ -132,17 +204,47 @@ impl Communicator {
                     s
                 }
             };
+            let direct = match &io {
+                Io::InPlace { on_abort: OnAbort::Undefined, .. } => built.in_place(),
+                _ => None,
+            };
             if self.last_algo.insert(args.kind, choice.algo) != Some(choice.algo) {
                 tracing::info!(target: "eccl::coll", "{} bytes on {world} ranks: {}", args.count * elem, choice.reason);
             }
+            let sched = direct.unwrap_or(&built.plain);
             self.scratch.set_len(sched.scratch_len * elem);
             let c = self.cur.as_mut().expect("world checked at the start of the call");
             let op = Op { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect };
             if args.kind.is_rooted() && world > 1 {
                 executor::check_round(&op, &mut c.links).await?;
             }
-            let bufs = Bufs::new(&input[..in_len * elem], &mut output[..out_len * elem], self.scratch.as_bytes_mut(), elem);
-            executor::run(&op, &mut c.links, &sched, &bufs).await
+            let scratch = self.scratch.as_bytes_mut();
+            match &mut io {
+                Io::Apart(input, output) => {
+                    let bufs = Bufs::new(&input[..in_len * elem], &mut output[..out_len * elem], scratch, elem);
+                    executor::run(&op, &mut c.links, sched, &bufs).await
+                }
+                Io::InPlace { buf, .. } if direct.is_some() => {
+                    // The rewritten schedule reads no input: the buffer is its output.
+                    let bufs = Bufs::new(&[], &mut buf[..sched.output_len * elem], scratch, elem);
+                    executor::run(&op, &mut c.links, sched, &bufs).await
+                }
+                Io::InPlace { buf, .. } => {
+                    // In scratch, copied back only on success (G2).
+                    let tmp = &mut self.inplace;
+                    tmp.set_len(out_len * elem);
+                    let bufs = Bufs::new(&buf[..in_len * elem], tmp.as_bytes_mut(), scratch, elem);
+                    // `bufs` is not used past the run: the copy below is the only access.
+                    let r = executor::run(&op, &mut c.links, sched, &bufs).await;
+                    if r.is_ok() {
+                        buf[..out_len * elem].copy_from_slice(tmp.as_bytes());
+                    }
+                    if tmp.capacity() > 256 << 20 {
+                        *tmp = AlignedBuf::default();
+                    }
+                    r
+                }
+            }
         }
         .await;
         match result {
@@ -160,29 +262,6 @@ impl Communicator {
             }
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
         }
-    }
-
-    /// Runs a collective in place on `buf`. The work happens in a scratch buffer that is
-    /// copied back only on success, so a failed call leaves `buf` as it was (G2).
-    pub async fn collective_inplace(&mut self, args: CollArgs, buf: &mut [u8]) -> Result<OpInfo> {
-        let elem = args.dtype.size();
-        let world = self.world_size().max(1);
-        let rank = self.rank().unwrap_or_default();
-        let (in_len, out_len) = buffer_lens(args.kind, args.count, world, rank.0, args.root.0);
-        let mut tmp = std::mem::take(&mut self.inplace);
-        tmp.set_len(out_len * elem);
-        let input_bytes = if in_len == 0 { 0 } else { buf.len() };
-        let r = self
-            .collective(args, &buf[..input_bytes.min(buf.len())], tmp.as_bytes_mut())
-            .await;
-        if r.is_ok() && out_len > 0 {
-            let n = (out_len * elem).min(buf.len());
-            buf[..n].copy_from_slice(&tmp.as_bytes()[..n]);
-        }
-        if tmp.capacity() <= 256 << 20 {
-            self.inplace = tmp;
-        }
-        r
     }
 
     /// All-reduces several buffers of one dtype as one collective (one descriptor, one

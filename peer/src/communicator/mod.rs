@@ -22,7 +22,6 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-use eccl_algorithms::Schedule;
 use eccl_protocol::{Algo, CollectiveKind, Descriptor, PeerId, Rank, World};
 use eccl_transport::pool::AlignedBuf;
 
@@ -33,7 +32,7 @@ use crate::executor;
 use crate::links::{LinkManager, PeerLink};
 use crate::master_client::MasterClient;
 
-pub use collective::{CollArgs, OpInfo};
+pub use collective::{CollArgs, OnAbort, OpInfo};
 pub use membership::WorldUpdate;
 pub use retry::RetryPolicy;
 
@@ -88,7 +87,7 @@ pub struct Communicator {
     /// Scratch of the running schedule, and the buffer in-place calls work in.
     scratch: AlignedBuf,
     inplace: AlignedBuf,
-    schedules: HashMap<(Descriptor, u32, u32), Arc<Schedule>>,
+    schedules: HashMap<(Descriptor, u32, u32), Arc<collective::Built>>,
     last_algo: HashMap<CollectiveKind, Algo>,
 }
 

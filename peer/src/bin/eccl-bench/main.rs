@@ -5,6 +5,7 @@
 //! `--master ADDR` makes this process one peer of a job (start one per rank).
 
 mod check;
+mod cuda_probe;
 mod probe;
 
 use std::io::{BufRead, BufReader};
@@ -66,6 +67,16 @@ struct Args {
     /// Run in place (out of place by default).
     #[arg(long)]
     inplace: bool,
+    /// With --inplace, what a failed call may leave in the buffer: "unchanged" (G2: the
+    /// call works in scratch and copies the result back) or "undefined" (it works in the
+    /// buffer itself where its schedule allows, as NCCL does).
+    #[arg(long, default_value = "unchanged", value_parser = on_abort)]
+    on_abort: eccl::OnAbort,
+    /// Run on device memory: `cuda` (each rank on GPU rank % devices) or `cuda:N`. For
+    /// all_reduce among ranks of one host, over CUDA IPC (`--on-abort` picks the G2 mode);
+    /// host memory by default.
+    #[arg(long, value_parser = device_arg)]
+    device: Option<DeviceArg>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<String>,
@@ -440,10 +451,10 @@ async fn run_peer(
             kind,
             args.root,
             comm.transport_summary(),
-            if args.inplace {
-                "in place"
-            } else {
-                "out of place"
+            match (args.inplace, args.on_abort) {
+                (false, _) => "out of place",
+                (true, eccl::OnAbort::Unchanged) => "in place",
+                (true, eccl::OnAbort::Undefined) => "in place, undefined on abort",
             }
         );
         println!(
@@ -461,9 +472,36 @@ async fn run_peer(
             "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
         );
     }
+    let mut device = match args.device {
+        Some(_) if kind != CollectiveKind::AllReduce => {
+            return Err(eccl::Error::InvalidArgument(format!(
+                "--device runs all_reduce only so far, not {kind}"
+            )))
+        }
+        Some(d) => Some(OnDevice::open(d, rank)?),
+        None => None,
+    };
+    if show {
+        if let Some(d) = &device {
+            let name = eccl_cuda::Device::describe(&**d.ipc.device());
+            println!("# device memory: {name}, same-host CUDA IPC");
+        }
+    }
     let mut rows = Vec::new();
     for &(dtype, op) in combos {
-        sweep(&mut comm, args, kind, dtype, op, (rank, n), show, &mut rows).await?;
+        let at = (rank, n);
+        sweep(
+            &mut comm,
+            args,
+            kind,
+            dtype,
+            op,
+            at,
+            show,
+            &mut rows,
+            device.as_mut(),
+        )
+        .await?;
     }
     let total_wrong: u64 = rows.iter().map(|r| r.wrong).sum();
     if show {
@@ -507,7 +545,10 @@ async fn sweep(
     (rank, n): (usize, usize),
     show: bool,
     rows: &mut Vec<Row>,
+    mut device: Option<&mut OnDevice>,
 ) -> eccl::Result<()> {
+    use eccl_cuda::Device;
+    let keep = args.on_abort == eccl::OnAbort::Unchanged;
     let elem = dtype.size();
     let mut bytes = args.minbytes.max(if kind == CollectiveKind::Barrier {
         0
@@ -543,25 +584,83 @@ async fn sweep(
         let run = Run {
             a: cargs,
             inplace: args.inplace,
+            on_abort: args.on_abort,
             rank,
             n,
         };
+        // What in-place calls work in: the input (sized for the output where that is
+        // longer). Timed calls run in it as they find it, as nccl-tests' in-place runs do,
+        // so that the time is the collective's alone; the checked call starts afresh.
+        let work_len = input.len().max(output.len());
+        let fresh = |work: &mut Vec<u8>| {
+            work.clear();
+            work.extend_from_slice(&input);
+            work.resize(work_len, 0);
+        };
+        let mut work = Vec::new();
+        fresh(&mut work);
+        // --device: the buffer lives on the device; every call works in it in place.
+        let dbuf = match device.as_deref_mut() {
+            Some(d) => {
+                let p = d.ipc.device().alloc(input.len()).map_err(dev_err)?;
+                // SAFETY: `p` was just allocated with `input.len()` bytes.
+                unsafe { d.ipc.device().upload(p, &input) }.map_err(dev_err)?;
+                Some(p)
+            }
+            None => None,
+        };
         comm.barrier().await?;
         for _ in 0..args.warmup {
-            one(comm, &run, &input, &mut output).await?;
+            match (device.as_deref_mut(), dbuf) {
+                (Some(d), Some(p)) => device_one(comm, d, &cargs, p, keep)?,
+                _ => {
+                    one(comm, &run, &input, &mut output, &mut work).await?;
+                }
+            }
         }
         comm.barrier().await?;
+        if let Some(d) = device.as_deref_mut() {
+            d.ipc.phases = Default::default();
+        }
         let t0 = Instant::now();
         for _ in 0..args.iters {
-            one(comm, &run, &input, &mut output).await?;
+            match (device.as_deref_mut(), dbuf) {
+                (Some(d), Some(p)) => device_one(comm, d, &cargs, p, keep)?,
+                _ => {
+                    one(comm, &run, &input, &mut output, &mut work).await?;
+                }
+            }
         }
         let mut time_us = [t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64];
+        if let (true, Some(d)) = (show, device.as_deref()) {
+            let p = d.ipc.phases;
+            let us = |x: Duration| x.as_secs_f64() * 1e6 / p.calls.max(1) as f64;
+            println!(
+                "# {bytes} B phases (us per call, rank 0): wait+export {:.1}, records {:.1}, \
+                 map+reduce {:.1}, status {:.1}, copies {:.1}",
+                us(p.export),
+                us(p.meta),
+                us(p.reduce),
+                us(p.status),
+                us(p.copy)
+            );
+        }
         // nccl-tests reports the slowest rank.
         comm.all_reduce(&mut time_us, ReduceOp::Max).await?;
         let mut wrong = [0i64];
         if args.check != 0 {
             output.iter_mut().for_each(|b| *b = 0xA5);
-            one(comm, &run, &input, &mut output).await?;
+            fresh(&mut work);
+            if let (Some(d), Some(p)) = (device.as_deref_mut(), dbuf) {
+                // SAFETY: `p` holds `input.len()` bytes, and `output` as many.
+                unsafe { d.ipc.device().upload(p, &input) }.map_err(dev_err)?;
+                device_one(comm, d, &cargs, p, keep)?;
+                unsafe { d.ipc.device().download(&mut output[..input.len()], p) }
+                    .map_err(dev_err)?;
+            } else if one(comm, &run, &input, &mut output, &mut work).await? {
+                let n = output.len().min(work.len());
+                output[..n].copy_from_slice(&work[..n]);
+            }
             let want = if kind == CollectiveKind::SendRecv {
                 sendrecv_expected(&call, rank, n)
             } else {
@@ -569,6 +668,10 @@ async fn sweep(
             };
             wrong[0] = check::count_wrong(dtype, &output[..out_len * elem], &want) as i64;
             comm.all_reduce(&mut wrong, ReduceOp::Sum).await?;
+        }
+        if let (Some(d), Some(p)) = (device.as_deref_mut(), dbuf) {
+            // SAFETY: every call synchronized before it returned; nothing uses `p` now.
+            unsafe { d.ipc.device().free(p) };
         }
         let t = time_us[0];
         let algbw = if t > 0.0 { bytes as f64 / t / 1e3 } else { 0.0 };
@@ -620,28 +723,102 @@ async fn sweep(
     }
 }
 
+/// What `--device` named.
+#[derive(Debug, Clone, Copy)]
+enum DeviceArg {
+    /// `cuda`: the rank's GPU is its rank modulo the GPUs present.
+    Cuda,
+    CudaN(usize),
+}
+
+fn device_arg(s: &str) -> Result<DeviceArg, String> {
+    match s.split_once(':') {
+        None if s == "cuda" => Ok(DeviceArg::Cuda),
+        Some(("cuda", n)) => n
+            .parse()
+            .map(DeviceArg::CudaN)
+            .map_err(|_| format!("{s:?}: expected cuda or cuda:N")),
+        _ => Err(format!("{s:?}: expected cuda or cuda:N")),
+    }
+}
+
+/// A `--device` run's state: the rank's device and its same-host collectives.
+struct OnDevice {
+    ipc: eccl::device::IpcComm<eccl_cuda::CudaDevice>,
+}
+
+impl OnDevice {
+    fn open(arg: DeviceArg, rank: usize) -> eccl::Result<OnDevice> {
+        let n = eccl_cuda::device_count();
+        let ordinal = match arg {
+            DeviceArg::CudaN(i) => i,
+            DeviceArg::Cuda if n > 0 => rank % n,
+            DeviceArg::Cuda => 0,
+        };
+        let dev = eccl_cuda::CudaDevice::new(ordinal).map_err(dev_err)?;
+        Ok(OnDevice {
+            ipc: eccl::device::IpcComm::new(std::sync::Arc::new(dev)),
+        })
+    }
+}
+
+fn dev_err(e: impl std::fmt::Display) -> eccl::Error {
+    eccl::Error::InvalidArgument(format!("device: {e}"))
+}
+
+/// One all_reduce of `count` elements at `buf` on the device, in place.
+fn device_one(
+    comm: &mut Communicator,
+    dev: &mut OnDevice,
+    a: &CollArgs,
+    buf: eccl_cuda::DevPtr,
+    keep: bool,
+) -> eccl::Result<()> {
+    let rt = tokio::runtime::Handle::current();
+    tokio::task::block_in_place(|| {
+        let mut ex = eccl::device::CommExchange::new(comm, rt);
+        // SAFETY: `buf` is a live allocation of `count` elements on this rank's device,
+        // used by nothing else during the call.
+        unsafe {
+            dev.ipc
+                .all_reduce(&mut ex, buf, a.count, a.dtype, a.op, keep)
+        }
+    })
+    .map_err(dev_err)
+}
+
+fn on_abort(s: &str) -> Result<eccl::OnAbort, String> {
+    match s {
+        "unchanged" => Ok(eccl::OnAbort::Unchanged),
+        "undefined" => Ok(eccl::OnAbort::Undefined),
+        _ => Err(format!("{s:?}: expected unchanged or undefined")),
+    }
+}
+
 /// One call as the benchmark repeats it.
 struct Run {
     a: CollArgs,
     inplace: bool,
+    on_abort: eccl::OnAbort,
     rank: usize,
     n: usize,
 }
 
-/// Runs the collective once. In-place calls work on a copy of the input, so that every
-/// iteration sees the same data.
+/// Runs the collective once: in place in `work` (returns true) or from `input` into
+/// `output`.
 async fn one(
     comm: &mut Communicator,
     run: &Run,
     input: &[u8],
     output: &mut [u8],
-) -> eccl::Result<()> {
+    work: &mut [u8],
+) -> eccl::Result<bool> {
     let a = run.a;
     if a.kind == CollectiveKind::SendRecv {
         // Pairs (0,1), (2,3), ...: the even rank sends first, the odd one receives first.
         if run.n == 1 {
             output.copy_from_slice(input);
-            return Ok(());
+            return Ok(false);
         }
         let peer = eccl::Rank((run.rank ^ 1) as u32);
         if run.rank.is_multiple_of(2) {
@@ -651,7 +828,7 @@ async fn one(
             comm.recv_bytes(a.dtype, output, peer, 7).await?;
             comm.send_bytes(a.dtype, input, peer, 7).await?;
         }
-        return Ok(());
+        return Ok(false);
     }
     let inplace_kind = matches!(
         a.kind,
@@ -661,17 +838,10 @@ async fn one(
             | CollectiveKind::AllToAll
     );
     if run.inplace && inplace_kind {
-        let mut buf = if input.is_empty() {
-            vec![0u8; output.len()]
-        } else {
-            input.to_vec()
-        };
-        comm.collective_inplace(a, &mut buf).await?;
-        let n = output.len().min(buf.len());
-        output[..n].copy_from_slice(&buf[..n]);
-        return Ok(());
+        comm.collective_inplace_with(a, work, run.on_abort).await?;
+        return Ok(true);
     }
-    comm.collective(a, input, output).await.map(|_| ())
+    comm.collective(a, input, output).await.map(|_| false)
 }
 
 fn sendrecv_expected(c: &check::Call, rank: usize, n: usize) -> Vec<u8> {

@@ -9,7 +9,16 @@
 //!   With `--both`, both ends send SIZE at once, as the link of a two-rank all_reduce
 //!   is used; the figure is then per direction.
 //!
-//! Prints one line `probe <what> bytes <SIZE> gbps <best> median <median>` per size.
+//! - `reduce`: the reduction kernel `dst = dst ⊕ src` over SIZE bytes on one core, for
+//!   every dtype and operator eccl defines (or those `-d`/`-o` name), best of `-n`; a
+//!   kernel that keeps up with memcpy moves three buffers' worth of memory (read two,
+//!   write one) per pass against memcpy's two.
+//!
+//! - `cuda`: the device layer on a GPU (`cuda_probe.rs`): every kernel against the CPU,
+//!   and the GPU's copy and reduction rates.
+//!
+//! Prints one line `probe <what> bytes <SIZE> gbps <best> median <median>` per size
+//! (`probe reduce <dtype> <op> ...` per kernel; gbps counts SIZE bytes of `dst`).
 
 use std::net::SocketAddr;
 use std::process::{Command, ExitCode, Stdio};
@@ -21,21 +30,29 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 struct Opts {
     bytes: usize,
+    /// `reduce`: the dtypes and operators to time (all when empty).
+    dtypes: Vec<eccl::DType>,
+    ops: Vec<eccl::ReduceOp>,
     iters: usize,
     nstreams: usize,
     /// Both ends send at once (as an all_reduce of two ranks uses a link).
     both: bool,
+    /// `cuda`: the GPU's ordinal.
+    device: usize,
 }
 
 fn parse(args: &[String]) -> Result<Opts, String> {
     let mut o = Opts {
         bytes: 64 << 20,
+        dtypes: Vec::new(),
+        ops: Vec::new(),
         iters: 5,
         nstreams: std::env::var("ECCL_NSTREAMS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(1),
         both: false,
+        device: 0,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -45,6 +62,19 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             "-n" => o.iters = val()?.parse().map_err(|_| "-n takes a number")?,
             "--nstreams" => o.nstreams = val()?.parse().map_err(|_| "--nstreams takes a number")?,
             "--both" => o.both = true,
+            "--device" => o.device = val()?.parse().map_err(|_| "--device takes a GPU number")?,
+            "-d" => {
+                for d in val()?.split(',') {
+                    o.dtypes
+                        .push(eccl::DType::parse(d).ok_or(format!("unknown dtype {d}"))?);
+                }
+            }
+            "-o" => {
+                for op in val()?.split(',') {
+                    o.ops
+                        .push(eccl::ReduceOp::parse(op).ok_or(format!("unknown op {op}"))?);
+                }
+            }
             other => return Err(format!("unknown probe flag {other}")),
         }
     }
@@ -67,7 +97,9 @@ fn report(what: &str, bytes: usize, mut secs: Vec<f64>) {
 /// Entry point: `args` follow the word `probe`.
 pub fn main(args: &[String]) -> ExitCode {
     let Some((what, rest)) = args.split_first() else {
-        eprintln!("usage: eccl-bench probe memcpy|quic -b SIZE [-n ITERS] [--nstreams N]");
+        eprintln!(
+            "usage: eccl-bench probe memcpy|quic|reduce|cuda -b SIZE [-n ITERS] [--nstreams N] [-d TYPES] [-o OPS] [--device N]"
+        );
         return ExitCode::from(2);
     };
     let opts = match parse(rest) {
@@ -93,9 +125,16 @@ pub fn main(args: &[String]) -> ExitCode {
             memcpy(&opts);
             Ok(())
         }
+        "reduce" => {
+            reduce(&opts);
+            Ok(())
+        }
+        "cuda" => crate::cuda_probe::run(opts.bytes, opts.iters, opts.device),
         "quic" => rt.block_on(quic_send(&opts)),
         "quic-sink" => rt.block_on(quic_sink(&opts)),
-        other => Err(format!("unknown probe {other:?}: memcpy or quic")),
+        other => Err(format!(
+            "unknown probe {other:?}: memcpy, quic, reduce or cuda"
+        )),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -119,6 +158,56 @@ fn memcpy(o: &Opts) {
         })
         .collect();
     report("memcpy", o.bytes, secs);
+}
+
+fn reduce(o: &Opts) {
+    let dtypes = if o.dtypes.is_empty() {
+        eccl::DType::ALL.to_vec()
+    } else {
+        o.dtypes.clone()
+    };
+    let ops = if o.ops.is_empty() {
+        eccl::ReduceOp::ALL.to_vec()
+    } else {
+        o.ops.clone()
+    };
+    // Ones everywhere: every dtype's sum, product, min and max stay finite.
+    let ones = |d: eccl::DType| -> Vec<u8> {
+        let one: Vec<u8> = match d {
+            eccl::DType::F32 => 1f32.to_le_bytes().to_vec(),
+            eccl::DType::F64 => 1f64.to_le_bytes().to_vec(),
+            eccl::DType::F16 => half::f16::ONE.to_le_bytes().to_vec(),
+            eccl::DType::BF16 => half::bf16::ONE.to_le_bytes().to_vec(),
+            eccl::DType::I8 | eccl::DType::U8 => vec![1],
+            eccl::DType::I32 => 1i32.to_le_bytes().to_vec(),
+            eccl::DType::I64 => 1i64.to_le_bytes().to_vec(),
+        };
+        one.iter()
+            .copied()
+            .cycle()
+            .take(o.bytes / d.size() * d.size())
+            .collect()
+    };
+    for &d in &dtypes {
+        let src = ones(d);
+        let mut dst = src.clone();
+        for &op in ops.iter().filter(|op| op.valid_for(d)) {
+            let secs = (0..o.iters.max(5))
+                .map(|_| {
+                    let t = Instant::now();
+                    eccl_algorithms::kernels::reduce_inplace(
+                        d,
+                        op,
+                        &mut dst,
+                        std::hint::black_box(&src),
+                    );
+                    std::hint::black_box(&dst);
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
+            report(&format!("reduce {d} {op}"), dst.len(), secs);
+        }
+    }
 }
 
 /// The sending side: starts the sink in a child process, connects, and times each

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU check (issue: CUDA tensors on eccl): on a machine with an NVIDIA GPU, python3
+# with torch (a CUDA build) and pytest, and no network, from a checkout holding .gpu/
+# (made by .ci/gpu_bundle.sh on a build machine):
+#
+#   .ci/gpu_check.sh [OUTDIR]        (default: gpu-check/)
+#
+# Runs, each step under its own time limit, logging everything to OUTDIR/gpu-check.log:
+#  1. `eccl-bench probe cuda`: every generated kernel against the CPU, bit for bit, and
+#     the GPU's device-to-device and pinned host<->device copy rates;
+#  2. `eccl-bench all_reduce --device cuda`: two processes on the GPU over CUDA IPC,
+#     checked (-c), 1 MiB to 256 MiB, f32 and bf16, in both abort modes;
+#  3. python/tests/test_cuda.py: every collective and dtype x op through the torch
+#     backend on CUDA tensors (IPC and staged), DDP against gloo, typed errors;
+#  4. examples/ddp_cuda.py: dist.all_reduce and DDP on CUDA, eccl against gloo.
+# Then OUTDIR/gpu-check.json gathers the figures and each step's verdict. Exit status 0
+# only when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-gpu-check}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+LOG="$OUT/gpu-check.log"
+: >"$LOG"
+PY="${PYTHON:-python3}"
+BIN="$PWD/.gpu"
+export PYTHONUNBUFFERED=1
+
+say() { echo "== $*" | tee -a "$LOG"; }
+step() {  # step NAME SECONDS CMD... : runs CMD with a limit, records its status
+    local name="$1" secs="$2"; shift 2
+    say "$name (limit ${secs}s): $*"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    echo "$name $rc $((SECONDS - t0))" >>"$OUT/steps.txt"
+    say "$name: exit $rc after $((SECONDS - t0))s"
+}
+: >"$OUT/steps.txt"
+
+say "machine"
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
+  "$PY" -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; \
+  nproc; date -u; } >>"$LOG" 2>&1
+
+# The wheel into a private folder (nothing is installed system-wide, nothing fetched).
+SITE="$(mktemp -d)/site"
+"$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$BIN"/eccl-*.whl >>"$LOG" 2>&1 \
+    || { say "cannot install the wheel from $BIN"; exit 2; }
+export PYTHONPATH="$SITE:$PWD/python/tests${PYTHONPATH:+:$PYTHONPATH}"
+# NVRTC from torch's CUDA wheels, for the Rust binaries (the wheel finds it in-process).
+NVRTC="$("$PY" - <<'PY'
+import glob, os, site, sys
+for d in site.getsitepackages() + [site.getusersitepackages()]:
+    for f in sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so*"))
+                    + glob.glob(os.path.join(d, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))):
+        if "builtins" not in f:
+            print(f); sys.exit()
+PY
+)"
+[ -n "$NVRTC" ] && export ECCL_NVRTC_LIB="$NVRTC"
+say "NVRTC: ${NVRTC:-none found}"
+
+step probe 120 "$BIN/eccl-bench" probe cuda -b 256M -n 10
+for mode in unchanged undefined; do
+    step "all_reduce_$mode" 150 "$BIN/eccl-bench" all_reduce --local 2 --device cuda \
+        -b 1M -e 256M -f 16 -d float,bfloat16 -c -n 20 -w 5 --on-abort "$mode" \
+        --json "$OUT/all_reduce_$mode.json"
+done
+step pytest 300 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 python/tests/test_cuda.py
+step allreduce_cuda 200 "$PY" examples/ddp_cuda.py --what allreduce --steps 10 \
+    --json "$OUT/allreduce_cuda.json"
+step ddp_cuda 240 "$PY" examples/ddp_cuda.py --width 4096 --batch 64 --steps 10 \
+    --json "$OUT/ddp_cuda.json"
+
+"$PY" - "$OUT" "$LOG" <<'PY'
+import json, re, sys
+from pathlib import Path
+out, log = Path(sys.argv[1]), Path(sys.argv[2]).read_text(errors="replace")
+res = {"steps": {}, "probe": {}, "kernels_wrong": {}}
+for line in (out / "steps.txt").read_text().splitlines():
+    name, rc, secs = line.split()
+    res["steps"][name] = {"exit": int(rc), "seconds": int(secs)}
+for m in re.finditer(r"^probe (cuda-[\w-]+) bytes (\d+) gbps ([\d.]+) median ([\d.]+)", log, re.M):
+    res["probe"][m[1]] = {"bytes": int(m[2]), "best_gbps": float(m[3]), "median_gbps": float(m[4])}
+for m in re.finditer(r"^probe cuda-kernel (\w+) (\w+) wrong (\d+)", log, re.M):
+    res["kernels_wrong"][f"{m[1]} {m[2]}"] = int(m[3])
+for f in ("all_reduce_unchanged", "all_reduce_undefined", "allreduce_cuda", "ddp_cuda"):
+    p = out / f"{f}.json"
+    if p.exists():
+        res[f] = json.loads(p.read_text())
+d2d = res["probe"].get("cuda-d2d", {}).get("best_gbps")
+h2d = res["probe"].get("cuda-h2d-pinned", {}).get("best_gbps")
+targets = {}
+for f in ("all_reduce_unchanged", "all_reduce_undefined"):
+    for row in res.get(f, {}).get("rows", []):
+        if row["bytes"] == 256 << 20 and d2d:
+            targets[f"{f} {row['dtype']} 256M busbw / d2d"] = row["busbw_gbps"] / d2d
+ar = res.get("allreduce_cuda", {}).get("runs", {})
+if "eccl-staged" in ar and h2d:
+    us = ar["eccl-staged"]["256M f32"]
+    # bus bandwidth of a 2-rank all_reduce: bytes / time
+    targets["staged 256M f32 busbw / pinned h2d"] = (256 << 20) / (us / 1e6) / 1e9 / h2d
+ddp = res.get("ddp_cuda", {}).get("runs", {})
+if "eccl" in ddp:
+    targets["ddp gloo/eccl step"] = ddp["eccl"].get("gloo_over_eccl")
+    targets["ddp same params as gloo"] = ddp["eccl"].get("same_params_as_gloo")
+res["targets"] = targets
+res["passed"] = all(s["exit"] == 0 for s in res["steps"].values()) and \
+    not any(res["kernels_wrong"].values())
+(out / "gpu-check.json").write_text(json.dumps(res, indent=1))
+print(json.dumps({"passed": res["passed"], "steps": res["steps"], "targets": targets}, indent=1))
+sys.exit(0 if res["passed"] else 1)
+PY

@@ -1,0 +1,102 @@
+//! The small device interface the same-host collectives run on, and its errors.
+//!
+//! Device memory is named by its address ([`DevPtr`], what `torch.Tensor.data_ptr()` gives
+//! and what the driver calls a `CUdeviceptr`). Every call is ordered on the device's one
+//! stream; [`Device::synchronize`] waits for what was queued. Two implementations:
+//! [`crate::HostDevice`], host memory, for testing the collectives' logic anywhere, and
+//! `CudaDevice` (feature `cuda`), the CUDA driver.
+
+use eccl_protocol::{DType, ReduceOp};
+
+/// A device address.
+pub type DevPtr = u64;
+
+/// Bytes of an IPC memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// What one process gives another to map a buffer of its own: the handle of the
+/// allocation that holds the buffer and where in it the buffer starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct IpcMem {
+    pub handle: [u8; IPC_HANDLE_BYTES],
+    /// The buffer's offset in the allocation.
+    pub offset: u64,
+    /// The allocation's size, so an importer can check a buffer lies inside it.
+    pub alloc_len: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// No driver, no device, or no NVRTC on this machine.
+    #[error("CUDA is not available here: {0}")]
+    Unavailable(String),
+    /// A driver call failed.
+    #[error("{call} failed: {msg}")]
+    Driver { call: &'static str, msg: String },
+    /// NVRTC refused the generated kernels (a bug in eccl-cuda, or a too-old NVRTC).
+    #[error("the device kernels did not compile: {0}")]
+    Compile(String),
+    /// A pointer, size or handle that cannot be right.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
+
+/// What the same-host collectives need of a device.
+///
+/// # Safety (for the `unsafe` methods)
+///
+/// Pointers must be device memory of this device (or mapped from a peer with
+/// [`Device::ipc_open`]) that stays allocated until the queued work is done.
+pub trait Device: Send + Sync {
+    /// Allocates `bytes` of device memory.
+    fn alloc(&self, bytes: usize) -> Result<DevPtr>;
+    /// Frees what [`Device::alloc`] returned, after the queued work.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc` on this device and nothing uses it afterwards.
+    unsafe fn free(&self, ptr: DevPtr);
+    /// Queues a copy of `bytes` from `src` to `dst`.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()>;
+    /// Copies host bytes to the device and waits.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()>;
+    /// Copies device bytes to the host and waits.
+    ///
+    /// # Safety
+    /// See the trait.
+    unsafe fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()>;
+    /// Queues `outs[k][i] = ins[0][i] op ins[1][i] op ...` for `count` elements, then the
+    /// division by `world` when `op` is `avg`.
+    ///
+    /// # Safety
+    /// See the trait; an output may be an input (element by element, read before write).
+    unsafe fn reduce(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        ins: &[DevPtr],
+        outs: &[DevPtr],
+        count: usize,
+        world: u32,
+    ) -> Result<()>;
+    /// Waits for everything queued.
+    fn synchronize(&self) -> Result<()>;
+    /// The handle another process maps `ptr`'s allocation with.
+    fn ipc_export(&self, ptr: DevPtr) -> Result<IpcMem>;
+    /// Maps a peer's allocation; returns its base address here.
+    fn ipc_open(&self, mem: &IpcMem) -> Result<DevPtr>;
+    /// Unmaps what [`Device::ipc_open`] returned.
+    ///
+    /// # Safety
+    /// Nothing queued or to come uses the mapping.
+    unsafe fn ipc_close(&self, base: DevPtr) -> Result<()>;
+    /// A name for logs and errors (`cuda:0 (NVIDIA H100 80GB HBM3)`, `host`).
+    fn describe(&self) -> String;
+}

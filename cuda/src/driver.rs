@@ -1,0 +1,502 @@
+//! [`CudaDevice`]: the device interface over the CUDA driver (cudarc, loaded at run time),
+//! and NVRTC compilation of the generated kernels.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::mem::MaybeUninit;
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::{result, sys};
+use cudarc::nvrtc;
+use eccl_protocol::{DType, ReduceOp};
+
+use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, IPC_HANDLE_BYTES};
+use crate::kernels::{self, MAX_PTRS};
+
+fn drv(call: &'static str) -> impl FnOnce(result::DriverError) -> DeviceError {
+    move |e| DeviceError::Driver {
+        call,
+        msg: format!("{e:?}"),
+    }
+}
+
+/// Where NVRTC may be when it is not on the loader's path: pip's CUDA wheels (torch pulls
+/// them in) and the toolkit's usual homes. `ECCL_NVRTC_LIB` names the file outright.
+fn nvrtc_candidates() -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Some(p) = std::env::var_os("ECCL_NVRTC_LIB") {
+        out.push(p.into());
+    }
+    let mut dirs: Vec<std::path::PathBuf> = Vec::new();
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(v) = std::env::var_os(var) {
+            dirs.push(std::path::PathBuf::from(v).join("lib"));
+        }
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        // A venv's bin/python or a binary in target/: look beside and above it.
+        for up in exe.ancestors().skip(1).take(3) {
+            dirs.push(up.join("lib"));
+            dirs.push(up.join(".venv/lib"));
+        }
+    }
+    dirs.push("/opt/torch/.venv/lib".into());
+    for d in dirs {
+        let Ok(pys) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for py in pys.flatten() {
+            let nv = py.path().join("site-packages/nvidia");
+            for sub in ["cu13/lib", "cuda_nvrtc/lib", "cu12/lib"] {
+                let Ok(files) = std::fs::read_dir(nv.join(sub)) else {
+                    continue;
+                };
+                for f in files.flatten() {
+                    let name = f.file_name().to_string_lossy().into_owned();
+                    if name.starts_with("libnvrtc.so") {
+                        out.push(f.path());
+                    }
+                }
+            }
+        }
+    }
+    for d in [
+        "/usr/local/cuda/lib64",
+        "/usr/local/cuda/targets/x86_64-linux/lib",
+    ] {
+        out.push(std::path::Path::new(d).join("libnvrtc.so"));
+    }
+    out
+}
+
+/// Makes NVRTC loadable by cudarc, or says why not.
+pub fn load_nvrtc() -> Result<()> {
+    static DONE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        // SAFETY: loading NVRTC runs its initializers, which have no preconditions.
+        if unsafe { nvrtc::sys::is_culib_present() } {
+            return Ok(());
+        }
+        let tried = nvrtc_candidates();
+        for path in &tried {
+            // SAFETY: as above. RTLD_GLOBAL keeps it findable by its soname, which is how
+            // cudarc opens it next; the handle is leaked so it stays loaded.
+            let lib = unsafe {
+                libloading::os::unix::Library::open(
+                    Some(path),
+                    libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+                )
+            };
+            if let Ok(lib) = lib {
+                std::mem::forget(lib);
+                // SAFETY: as above.
+                if unsafe { nvrtc::sys::is_culib_present() } {
+                    tracing::info!("eccl-cuda: NVRTC from {}", path.display());
+                    return Ok(());
+                }
+            }
+        }
+        Err(format!(
+            "no libnvrtc found (set ECCL_NVRTC_LIB to its path; tried the loader's path and {} \
+             places such as pip's nvidia wheels)",
+            tried.len()
+        ))
+    })
+    .clone()
+    .map_err(DeviceError::Unavailable)
+}
+
+/// Compiles every generated kernel to PTX for `arch` (`compute_90`, ...); needs NVRTC but
+/// no GPU.
+pub fn compile(arch: &str) -> Result<String> {
+    load_nvrtc()?;
+    let opts = nvrtc::CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(false),
+        use_fast_math: Some(false),
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("eccl_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = nvrtc::compile_ptx_with_opts(kernels::source(), opts)
+        .map_err(|e| DeviceError::Compile(format!("{e:?}")))?;
+    Ok(ptx.to_src())
+}
+
+fn load_driver() -> Result<()> {
+    static DONE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        // SAFETY: loading libcuda runs its initializers, which have no preconditions.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("no CUDA driver (libcuda) on this machine".into());
+        }
+        result::init().map_err(|e| format!("cuInit: {e:?}"))
+    })
+    .clone()
+    .map_err(DeviceError::Unavailable)
+}
+
+/// The number of CUDA devices, 0 without a driver.
+pub fn device_count() -> usize {
+    if load_driver().is_err() {
+        return 0;
+    }
+    result::device::get_count().map_or(0, |n| n.max(0) as usize)
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ptrs([u64; MAX_PTRS]);
+
+struct Kernels {
+    _module: sys::CUmodule,
+    funcs: HashMap<String, sys::CUfunction>,
+}
+
+/// One CUDA device through its primary context (the one torch uses), with a stream of
+/// its own for eccl's work.
+pub struct CudaDevice {
+    ordinal: usize,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    name: String,
+    max_blocks: u32,
+    arch: String,
+    kernels: Mutex<Option<Kernels>>,
+}
+
+// SAFETY: the context, stream, module and functions are driver handles, valid on any
+// thread once the context is made current there (every method does), and the driver
+// serializes concurrent use of them.
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the kernel table is behind a mutex.
+unsafe impl Sync for CudaDevice {}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (`cuda:N`).
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        load_driver()?;
+        let dev = result::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+        // SAFETY: `dev` is a device handle the driver just gave.
+        let ctx =
+            unsafe { result::primary_ctx::retain(dev) }.map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: `ctx` is the retained primary context.
+        unsafe { result::ctx::set_current(ctx) }.map_err(drv("cuCtxSetCurrent"))?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(drv("cuStreamCreate"))?;
+        let attr = |a| {
+            // SAFETY: reading an attribute of a valid device.
+            unsafe { result::device::get_attribute(dev, a) }.map_err(drv("cuDeviceGetAttribute"))
+        };
+        use sys::CUdevice_attribute as A;
+        let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let name = result::device::get_name(dev).unwrap_or_else(|_| "?".into());
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            stream,
+            name,
+            // Eight blocks of 256 threads per multiprocessor keep every SM's load queue
+            // full on a streaming kernel; the grid strides over the rest.
+            max_blocks: (sms.max(1) as u32) * 8,
+            arch: format!("compute_{major}{minor}"),
+            kernels: Mutex::new(None),
+        })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The driver stream eccl's work on this device is queued on.
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    fn current(&self) -> Result<()> {
+        // SAFETY: `ctx` is retained for the life of `self`.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))
+    }
+
+    /// Compiles (first use) and loads the kernels; returns the one for `name`.
+    fn kernel(&self, name: &str) -> Result<sys::CUfunction> {
+        let mut k = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
+        if k.is_none() {
+            let t = std::time::Instant::now();
+            let ptx = compile(&self.arch)?;
+            let image = CString::new(ptx).map_err(|e| DeviceError::Compile(e.to_string()))?;
+            // SAFETY: `image` is NUL-terminated PTX that NVRTC produced.
+            let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+                .map_err(drv("cuModuleLoadData"))?;
+            let mut funcs = HashMap::new();
+            for (d, o) in kernels::pairs() {
+                let n = kernels::kernel_name(d, o);
+                let cname = CString::new(n.clone()).expect("no NUL in kernel names");
+                // SAFETY: `module` was loaded above and holds every generated kernel.
+                let f = unsafe { result::module::get_function(module, cname) }
+                    .map_err(drv("cuModuleGetFunction"))?;
+                funcs.insert(n, f);
+            }
+            tracing::info!(
+                "eccl-cuda: {} kernels compiled for {} in {:?}",
+                funcs.len(),
+                self.arch,
+                t.elapsed()
+            );
+            *k = Some(Kernels {
+                _module: module,
+                funcs,
+            });
+        }
+        k.as_ref()
+            .and_then(|k| k.funcs.get(name).copied())
+            .ok_or_else(|| DeviceError::Invalid(format!("no kernel {name}")))
+    }
+
+    /// Times `f` on the stream with events, in milliseconds.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
+        self.current()?;
+        let a = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(drv("cuEventCreate"))?;
+        let b = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(drv("cuEventCreate"))?;
+        // SAFETY: events and stream are live handles of the current context; the events
+        // are destroyed once, whatever `f` returns.
+        unsafe {
+            let timed = (|| {
+                result::event::record(a, self.stream).map_err(drv("cuEventRecord"))?;
+                f()?;
+                result::event::record(b, self.stream).map_err(drv("cuEventRecord"))?;
+                result::event::synchronize(b).map_err(drv("cuEventSynchronize"))?;
+                result::event::elapsed(a, b).map_err(drv("cuEventElapsedTime"))
+            })();
+            let _ = result::event::destroy(a);
+            let _ = result::event::destroy(b);
+            timed
+        }
+    }
+
+    /// Page-locked host memory of `bytes` (for staging and the copy-rate check).
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8> {
+        self.current()?;
+        // SAFETY: a plain allocation call.
+        unsafe { result::malloc_host(bytes, 0) }
+            .map(|p| p as *mut u8)
+            .map_err(drv("cuMemHostAlloc"))
+    }
+
+    /// # Safety
+    /// `p` came from [`CudaDevice::alloc_pinned`] and nothing uses it afterwards.
+    pub unsafe fn free_pinned(&self, p: *mut u8) {
+        let _ = self.current();
+        let _ = result::free_host(p as *mut c_void);
+    }
+
+    /// Queues a host-to-device copy (`src` pinned for it to run asynchronously).
+    ///
+    /// # Safety
+    /// `src` holds `bytes` and outlives the copy; `dst` as in [`Device`].
+    pub unsafe fn queue_h2d(&self, dst: DevPtr, src: *const u8, bytes: usize) -> Result<()> {
+        self.current()?;
+        sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, self.stream)
+            .result()
+            .map_err(drv("cuMemcpyHtoDAsync"))
+    }
+
+    /// Queues a device-to-host copy.
+    ///
+    /// # Safety
+    /// `dst` holds `bytes` and outlives the copy; `src` as in [`Device`].
+    pub unsafe fn queue_d2h(&self, dst: *mut u8, src: DevPtr, bytes: usize) -> Result<()> {
+        self.current()?;
+        sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, self.stream)
+            .result()
+            .map_err(drv("cuMemcpyDtoHAsync"))
+    }
+
+    /// Whether this device can map memory of device `other` (always for itself).
+    pub fn can_access_peer(&self, other: usize) -> Result<bool> {
+        if other == self.ordinal {
+            return Ok(true);
+        }
+        let a = result::device::get(self.ordinal as i32).map_err(drv("cuDeviceGet"))?;
+        let b = result::device::get(other as i32).map_err(drv("cuDeviceGet"))?;
+        let mut ok = 0;
+        // SAFETY: two valid device handles and an out-parameter.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut ok, a, b) }
+            .result()
+            .map_err(drv("cuDeviceCanAccessPeer"))?;
+        Ok(ok != 0)
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.current().is_ok() {
+            // SAFETY: the stream is ours and is destroyed once, after its work.
+            unsafe {
+                let _ = result::stream::synchronize(self.stream);
+                let _ = result::stream::destroy(self.stream);
+            }
+        }
+        if let Ok(dev) = result::device::get(self.ordinal as i32) {
+            // SAFETY: releases the reference `new` retained.
+            let _ = unsafe { result::primary_ctx::release(dev) };
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        self.current()?;
+        // SAFETY: a plain allocation in the current context.
+        unsafe { result::malloc_sync(bytes.max(1)) }.map_err(drv("cuMemAlloc"))
+    }
+
+    unsafe fn free(&self, ptr: DevPtr) {
+        if self.current().is_ok() {
+            let _ = result::stream::synchronize(self.stream);
+            let _ = result::free_sync(ptr);
+        }
+    }
+
+    unsafe fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
+        self.current()?;
+        result::memcpy_dtod_async(dst, src, bytes, self.stream).map_err(drv("cuMemcpyDtoDAsync"))
+    }
+
+    unsafe fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        self.current()?;
+        result::memcpy_htod_async(dst, src, self.stream).map_err(drv("cuMemcpyHtoDAsync"))?;
+        self.synchronize()
+    }
+
+    unsafe fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()> {
+        self.current()?;
+        result::memcpy_dtoh_async(dst, src, self.stream).map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.synchronize()
+    }
+
+    unsafe fn reduce(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        ins: &[DevPtr],
+        outs: &[DevPtr],
+        count: usize,
+        world: u32,
+    ) -> Result<()> {
+        if ins.is_empty() || ins.len() > MAX_PTRS || outs.len() > MAX_PTRS {
+            return Err(DeviceError::Invalid(format!(
+                "a reduction takes 1 to {MAX_PTRS} inputs and at most {MAX_PTRS} outputs"
+            )));
+        }
+        if !kernels::defined(dtype, op) {
+            return Err(DeviceError::Invalid(format!(
+                "{op:?} is not defined for {dtype}"
+            )));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let f = self.kernel(&kernels::kernel_name(dtype, op))?;
+        self.current()?;
+        let mut pin = Ptrs([0; MAX_PTRS]);
+        pin.0[..ins.len()].copy_from_slice(ins);
+        let mut pout = Ptrs([0; MAX_PTRS]);
+        pout.0[..outs.len()].copy_from_slice(outs);
+        let mut nin = ins.len() as i32;
+        let mut nout = outs.len() as i32;
+        let mut n = count as u64;
+        let mut w: f64 = if op == ReduceOp::Avg {
+            world as f64
+        } else {
+            0.0
+        };
+        let mut params: [*mut c_void; 6] = [
+            &mut pin as *mut Ptrs as *mut c_void,
+            &mut nin as *mut i32 as *mut c_void,
+            &mut pout as *mut Ptrs as *mut c_void,
+            &mut nout as *mut i32 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+            &mut w as *mut f64 as *mut c_void,
+        ];
+        let grid = kernels::grid(dtype, count, self.max_blocks);
+        result::launch_kernel(
+            f,
+            (grid, 1, 1),
+            (kernels::BLOCK, 1, 1),
+            0,
+            self.stream,
+            &mut params,
+        )
+        .map_err(drv("cuLaunchKernel"))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.current()?;
+        // SAFETY: the stream is live for the life of `self`.
+        unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn ipc_export(&self, ptr: DevPtr) -> Result<IpcMem> {
+        self.current()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: out-parameters; the driver checks `ptr`.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(drv("cuMemGetAddressRange"))?;
+        let mut h = MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: `base` is the start of a live allocation (the driver just said so).
+        unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }
+            .result()
+            .map_err(drv("cuIpcGetMemHandle"))?;
+        // SAFETY: initialized by the successful call above.
+        let h = unsafe { h.assume_init() };
+        let mut handle = [0u8; IPC_HANDLE_BYTES];
+        for (d, s) in handle.iter_mut().zip(h.reserved.iter()) {
+            *d = *s as u8;
+        }
+        Ok(IpcMem {
+            handle,
+            offset: ptr - base,
+            alloc_len: size as u64,
+        })
+    }
+
+    fn ipc_open(&self, mem: &IpcMem) -> Result<DevPtr> {
+        self.current()?;
+        // SAFETY: the handle type is plain bytes.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, s) in h.reserved.iter_mut().zip(mem.handle.iter()) {
+            *d = *s as _;
+        }
+        let mut ptr = 0u64;
+        // SAFETY: an out-parameter and a handle the driver validates.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(drv("cuIpcOpenMemHandle"))?;
+        Ok(ptr)
+    }
+
+    unsafe fn ipc_close(&self, base: DevPtr) -> Result<()> {
+        self.current()?;
+        sys::cuIpcCloseMemHandle(base)
+            .result()
+            .map_err(drv("cuIpcCloseMemHandle"))
+    }
+
+    fn describe(&self) -> String {
+        format!("cuda:{} ({})", self.ordinal, self.name)
+    }
+}

@@ -1,0 +1,22 @@
+//! eccl's device layer.
+//!
+//! - [`kernels`]: the reduction kernels as CUDA C, generated from the dtype and operator
+//!   tables, with the CPU kernels' exact semantics;
+//! - [`Device`]: the small interface the same-host collectives run on, with
+//!   [`HostDevice`] (host memory; a test double for the logic) and, with the `cuda`
+//!   feature, `CudaDevice` (the CUDA driver through cudarc, loaded at run time, so nothing
+//!   CUDA is needed to build and a machine without it gets `DeviceError::Unavailable`);
+//! - [`ipc`]: the same-host all_reduce over memory every rank maps from every other.
+
+pub mod device;
+#[cfg(feature = "cuda")]
+pub mod driver;
+pub mod host;
+pub mod ipc;
+pub mod kernels;
+
+pub use device::{DevPtr, Device, DeviceError, IpcMem};
+#[cfg(feature = "cuda")]
+pub use driver::{compile, device_count, load_nvrtc, CudaDevice};
+pub use host::HostDevice;
+pub use ipc::{Exchange, IpcComm, IpcError};

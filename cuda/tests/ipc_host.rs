@@ -1,0 +1,356 @@
+//! The same-host all_reduce's logic on the host-memory device: ranks are threads, the
+//! exchange is an in-memory all_gather. Results are compared with the CPU kernels, bit for
+//! bit, for every dtype and op, world sizes 1 to 8 and counts that do not divide evenly.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use eccl_algorithms::kernels;
+use eccl_cuda::ipc::{chunk, Exchange, IpcComm, IpcError};
+use eccl_cuda::{Device, HostDevice};
+use eccl_protocol::{DType, ReduceOp};
+
+type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Default)]
+struct Round {
+    gen: u64,
+    slots: Vec<Option<Vec<u8>>>,
+    done: Option<Vec<Vec<u8>>>,
+    dead: bool,
+}
+
+/// An all_gather among `world` threads; `kill` makes every later round fail, as a dead
+/// peer makes eccl's collectives fail.
+#[derive(Clone)]
+struct Mem {
+    world: usize,
+    state: Arc<(Mutex<Round>, Condvar)>,
+}
+
+impl Mem {
+    fn new(world: usize) -> Mem {
+        Mem {
+            world,
+            state: Arc::new((
+                Mutex::new(Round {
+                    slots: vec![None; world],
+                    ..Round::default()
+                }),
+                Condvar::new(),
+            )),
+        }
+    }
+
+    fn kill(&self) {
+        self.state.0.lock().unwrap().dead = true;
+        self.state.1.notify_all();
+    }
+}
+
+struct Rank {
+    mem: Mem,
+    rank: usize,
+    /// Fail this rank's n-th exchange (0-based), as if its peer died then.
+    fail_at: Option<usize>,
+    calls: usize,
+}
+
+impl Exchange for Rank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.mem.world
+    }
+    fn epoch(&self) -> u64 {
+        1
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BoxErr> {
+        let n = self.calls;
+        self.calls += 1;
+        if self.fail_at == Some(n) {
+            self.mem.kill();
+            return Err("the peer died".into());
+        }
+        let (lock, cv) = &*self.mem.state;
+        let mut s = lock.lock().unwrap();
+        if s.dead {
+            return Err("a peer died".into());
+        }
+        let gen = s.gen;
+        s.slots[self.rank] = Some(mine.to_vec());
+        if s.slots.iter().all(|x| x.is_some()) {
+            let all: Vec<Vec<u8>> = s.slots.iter_mut().map(|x| x.take().unwrap()).collect();
+            s.done = Some(all.clone());
+            s.gen += 1;
+            cv.notify_all();
+            return Ok(all);
+        }
+        loop {
+            s = cv.wait(s).unwrap();
+            if s.gen != gen {
+                return Ok(s.done.clone().unwrap());
+            }
+            if s.dead {
+                return Err("a peer died".into());
+            }
+        }
+    }
+}
+
+fn values(dtype: DType, count: usize, rank: usize) -> Vec<u8> {
+    // Small varied values: exact sums and products for integers, and for floats values
+    // whose rounding differs with the order of operations.
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for i in 0..count {
+        let v = ((i * 7 + rank * 13) % 11) as f64 - 4.0 + 0.1 * rank as f64;
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+            DType::I8 => out.push((v as i8) as u8),
+            DType::U8 => out.push((v as i64 as u8).wrapping_add(200)),
+            DType::I32 => out.extend_from_slice(&(v as i32 * 1_000_003).to_le_bytes()),
+            DType::I64 => out.extend_from_slice(&(v as i64 * 7_000_000_019).to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn expected(dtype: DType, op: ReduceOp, count: usize, world: usize) -> Vec<u8> {
+    let mut acc = values(dtype, count, 0);
+    for r in 1..world {
+        kernels::reduce_inplace(dtype, op, &mut acc, &values(dtype, count, r));
+    }
+    kernels::finalize(dtype, op, &mut acc, world);
+    acc
+}
+
+/// Runs one all_reduce on `world` threads; returns each rank's buffer after the call and
+/// its result.
+fn run(
+    world: usize,
+    dtype: DType,
+    op: ReduceOp,
+    count: usize,
+    keep: bool,
+    fail: Option<(usize, usize)>,
+    per_rank: impl Fn(usize) -> (usize, DType, ReduceOp) + Sync,
+) -> Vec<(Vec<u8>, Result<(), IpcError>, usize)> {
+    let mem = Mem::new(world);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let mem = mem.clone();
+                let per_rank = &per_rank;
+                s.spawn(move || {
+                    let dev = Arc::new(HostDevice::new());
+                    let (n, d, o) = per_rank(rank);
+                    let n = if n == usize::MAX { count } else { n };
+                    let data = values(d, n, rank);
+                    let buf = dev.alloc(data.len()).unwrap();
+                    unsafe { dev.upload(buf, &data).unwrap() };
+                    let mut ex = Rank {
+                        mem,
+                        rank,
+                        fail_at: fail.filter(|f| f.0 == rank).map(|f| f.1),
+                        calls: 0,
+                    };
+                    let mut comm = IpcComm::new(dev.clone());
+                    let res = unsafe { comm.all_reduce(&mut ex, buf, n, d, o, keep) };
+                    let mut out = vec![0u8; data.len()];
+                    unsafe { dev.download(&mut out, buf).unwrap() };
+                    let mapped = comm.mappings();
+                    drop(comm);
+                    assert_eq!(
+                        dev.open_mappings(),
+                        0,
+                        "dropping the comm unmaps everything"
+                    );
+                    let _ = (dtype, op);
+                    (out, res, mapped)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn same(_: usize) -> (usize, DType, ReduceOp) {
+    (usize::MAX, DType::F32, ReduceOp::Sum)
+}
+
+#[test]
+fn every_dtype_and_op_matches_the_cpu_bit_for_bit() {
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            if !eccl_cuda::kernels::defined(dtype, op) {
+                continue;
+            }
+            for (world, count) in [(2, 37), (3, 64), (5, 1000)] {
+                for keep in [false, true] {
+                    let res = run(world, dtype, op, count, keep, None, |_| {
+                        (usize::MAX, dtype, op)
+                    });
+                    let want = expected(dtype, op, count, world);
+                    for (r, (out, res, _)) in res.iter().enumerate() {
+                        res.as_ref().unwrap();
+                        assert_eq!(
+                            out, &want,
+                            "{dtype} {op:?} world {world} rank {r} keep {keep}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn world_sizes_one_to_eight_and_ragged_counts() {
+    for world in 1..=8 {
+        for count in [0, 1, 3, world * 4 + 1, 4096 + 3] {
+            let res = run(
+                world,
+                DType::F32,
+                ReduceOp::Sum,
+                count,
+                world % 2 == 0,
+                None,
+                same,
+            );
+            let want = expected(DType::F32, ReduceOp::Sum, count, world);
+            for (out, res, _) in res {
+                res.unwrap();
+                assert_eq!(out, want, "world {world} count {count}");
+            }
+        }
+    }
+}
+
+#[test]
+fn chunks_cover_the_buffer_once_in_whole_vectors() {
+    for world in 1..=8 {
+        for count in [0usize, 1, 5, 17, 4096, 100_003] {
+            for dtype in [DType::F32, DType::BF16, DType::I8, DType::F64] {
+                let mut next = 0;
+                for r in 0..world {
+                    let (s, e) = chunk(count, world, dtype, r);
+                    assert_eq!(s, next);
+                    assert!(e >= s);
+                    if e < count {
+                        assert_eq!(s * dtype.size() % 16, 0);
+                    }
+                    next = e;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_that_disagree_get_the_same_typed_error_and_keep_their_data() {
+    // Rank 1 asks for a different count: nobody touches anything.
+    let res = run(3, DType::F32, ReduceOp::Sum, 64, false, None, |r| {
+        (if r == 1 { 65 } else { 64 }, DType::F32, ReduceOp::Sum)
+    });
+    for (r, (out, res, _)) in res.into_iter().enumerate() {
+        let n = if r == 1 { 65 } else { 64 };
+        assert_eq!(out, values(DType::F32, n, r));
+        match res {
+            Err(IpcError::Mismatch(m)) => assert!(m.contains("rank 1"), "{m}"),
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    // A dtype mismatch likewise.
+    let res = run(2, DType::F32, ReduceOp::Sum, 16, true, None, |r| {
+        (
+            16,
+            if r == 0 { DType::F32 } else { DType::I32 },
+            ReduceOp::Sum,
+        )
+    });
+    assert!(res
+        .iter()
+        .all(|(_, r, _)| matches!(r, Err(IpcError::Mismatch(_)))));
+}
+
+#[test]
+fn an_undefined_op_is_refused_before_anything_is_exchanged() {
+    let dev = Arc::new(HostDevice::new());
+    let buf = dev.alloc(64).unwrap();
+    let mut ex = Rank {
+        mem: Mem::new(2),
+        rank: 0,
+        fail_at: None,
+        calls: 0,
+    };
+    let mut comm = IpcComm::new(dev);
+    let r = unsafe { comm.all_reduce(&mut ex, buf, 16, DType::F32, ReduceOp::BXor, true) };
+    assert!(matches!(r, Err(IpcError::Invalid(_))), "{r:?}");
+    assert_eq!(ex.calls, 0);
+}
+
+#[test]
+fn a_peer_dying_before_the_status_exchange_leaves_keep_buffers_untouched() {
+    // Rank 2 "dies" at its second exchange (after every rank reduced its chunk into its
+    // scratch): with keep, every survivor's buffer is as it was (G2), and the mappings of
+    // the failed call are released.
+    let res = run(4, DType::F32, ReduceOp::Sum, 1000, true, Some((2, 1)), same);
+    for (r, (out, res, mapped)) in res.into_iter().enumerate() {
+        assert!(res.is_err(), "rank {r} must fail");
+        assert_eq!(
+            out,
+            values(DType::F32, 1000, r),
+            "rank {r}'s buffer changed"
+        );
+        assert_eq!(mapped, 0, "rank {r} kept a dead world's mappings");
+    }
+}
+
+#[test]
+fn a_peer_dying_at_the_first_exchange_fails_everyone_without_a_hang() {
+    for keep in [false, true] {
+        let res = run(3, DType::F32, ReduceOp::Sum, 100, keep, Some((0, 0)), same);
+        for (r, (out, res, _)) in res.into_iter().enumerate() {
+            assert!(
+                matches!(res, Err(IpcError::Exchange(_))),
+                "rank {r}: {res:?}"
+            );
+            assert_eq!(out, values(DType::F32, 100, r));
+        }
+    }
+}
+
+#[test]
+fn repeated_calls_reuse_mappings() {
+    let mem = Mem::new(2);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let mem = mem.clone();
+            s.spawn(move || {
+                let dev = Arc::new(HostDevice::new());
+                let buf = dev.alloc(4 * 256).unwrap();
+                let mut ex = Rank {
+                    mem,
+                    rank,
+                    fail_at: None,
+                    calls: 0,
+                };
+                let mut comm = IpcComm::new(dev.clone());
+                for i in 0..5 {
+                    let data = values(DType::F32, 256, rank + i);
+                    unsafe { dev.upload(buf, &data).unwrap() };
+                    unsafe {
+                        comm.all_reduce(&mut ex, buf, 256, DType::F32, ReduceOp::Max, true)
+                            .unwrap()
+                    };
+                    // The peer's buffer and scratch: two mappings, whatever the call count.
+                    assert_eq!(comm.mappings(), 2);
+                }
+            });
+        }
+    });
+}

@@ -1,0 +1,127 @@
+"""What the torch backend adds to an eccl call: `dist.all_reduce(t)` on the "eccl"
+backend against the same all_reduce made directly on the backend's own
+`eccl.Communicator` (same processes, same tensor, same in-place mode), alternating in
+rounds so that both see the same load. Prints one line per size, and with --json writes
+every figure.
+
+    python examples/torch_overhead.py --ranks 2 4 --sizes 1K,64M --iters 2000,10 --rounds 3
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+WORKER = r"""
+import json, sys, time, torch, torch.distributed as dist
+rank, n, addr, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+sizes = [int(s) for s in sys.argv[5].split(",")]
+iters = [int(s) for s in sys.argv[6].split(",")]
+rounds = int(sys.argv[7])
+store = dist.TCPStore(addr, port, n, rank == 0)
+dist.init_process_group("eccl", store=store, rank=rank, world_size=n)
+comm = dist.group.WORLD._get_backend(torch.device("cpu")).comm
+out = []
+for size, it in zip(sizes, iters):
+    t = torch.ones(size // 4, dtype=torch.float32)
+    for _ in range(max(2, it // 10)):   # warm-up of both paths
+        dist.all_reduce(t)
+        comm.all_reduce(t, keep_on_abort=False)
+    for r in range(rounds):
+        for path in ("native", "torch"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if path == "torch":
+                for _ in range(it):
+                    dist.all_reduce(t)
+            else:
+                for _ in range(it):
+                    comm.all_reduce(t, keep_on_abort=False)
+            us = (time.perf_counter() - t0) * 1e6 / it
+            out.append({"bytes": size, "round": r, "path": path, "us": us})
+print("RESULT " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def parse_size(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(n: int, sizes, iters, rounds: int):
+    """Each rank's timings; the slowest rank's time per (size, round, path) is the
+    call's time, as nccl-tests reports."""
+    port = free_port()
+    args = [",".join(map(str, sizes)), ",".join(map(str, iters)), str(rounds)]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(n), "127.0.0.1",
+                               str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    per_rank = []
+    for p, (out, err) in zip(procs, outs):
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        if p.returncode != 0 or not lines:
+            raise SystemExit(f"a rank failed ({p.returncode}):\n{out}\n{err[-3000:]}")
+        per_rank.append(json.loads(lines[-1][7:]))
+    slowest = {}
+    for rank in per_rank:
+        for row in rank:
+            k = (row["bytes"], row["round"], row["path"])
+            slowest[k] = max(slowest.get(k, 0.0), row["us"])
+    return slowest
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--sizes", default="1K,64M")
+    p.add_argument("--iters", default="2000,10", help="calls per round, one per size")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json")
+    a = p.parse_args()
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    iters = [int(s) for s in a.iters.split(",")]
+    if len(iters) != len(sizes):
+        raise SystemExit("--iters needs one count per size")
+    report = []
+    started = time.time()
+    for n in a.ranks:
+        t = run(n, sizes, iters, a.rounds)
+        for size in sizes:
+            native = [t[(size, r, "native")] for r in range(a.rounds)]
+            torch_ = [t[(size, r, "torch")] for r in range(a.rounds)]
+            extra = [b - a_ for a_, b in zip(native, torch_)]
+            row = {"ranks": n, "bytes": size, "native_us": native, "torch_us": torch_,
+                   "overhead_us": extra}
+            report.append(row)
+            print(f"n={n} {size:>10} B  native {statistics.median(native):10.1f} us  "
+                  f"torch {statistics.median(torch_):10.1f} us  overhead per call "
+                  f"{min(extra):+.1f} .. {max(extra):+.1f} us (median "
+                  f"{statistics.median(extra):+.1f})", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+                       "transport": os.environ.get("ECCL_TRANSPORT", "auto"),
+                       "rows": report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

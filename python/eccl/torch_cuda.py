@@ -1,0 +1,187 @@
+"""CUDA tensors on the eccl torch backend (`eccl.torch`).
+
+Two paths, picked per call:
+
+- **Same host, CUDA IPC** (all_reduce): when every rank of the world runs on this host
+  (every link is shared memory) and `ECCL_CUDA_IPC` is not `0`, the backend waits for the
+  tensor's current stream, and every rank's GPU reduces its chunk straight from the other
+  ranks' device memory (`eccl.Communicator.all_reduce_device`): no copy through the host.
+  Two processes on one GPU are served too (NCCL refuses them).
+- **Staged** (every other collective and point-to-point call, and all_reduce across
+  hosts): the CUDA tensors are copied to host memory (after the current stream's work),
+  the call runs on the host tensors as for CPU tensors, and the outputs are copied back to
+  the device before the Work completes, as gloo does with CUDA tensors.
+
+A call that mixes CPU and CUDA tensors is refused with `InvalidArgumentError` before
+anything is sent. `ECCL_DEBUG=INFO` logs which path a call took, once per path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any, Callable, List, Tuple
+
+import torch
+
+import eccl
+
+log = logging.getLogger("eccl.torch")
+
+# The backend's calls whose CUDA tensors are staged through the host. Argument 0 is what
+# each writes (the calls that only send write nothing).
+STAGED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+          "_allgather_base", "allgather_into_tensor_coalesced", "allgather_coalesced",
+          "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+          "gather", "scatter", "alltoall", "alltoall_base", "send", "recv",
+          "recv_anysource")
+SENDS_ONLY = ("send",)
+
+_said: set = set()
+
+
+def _say(what: str) -> None:
+    if what not in _said:
+        _said.add(what)
+        log.info("eccl: CUDA tensors %s", what)
+
+
+def _tensors(x: Any) -> List[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _devices(args: Tuple[Any, ...]) -> set:
+    return {t.device.type for a in args for t in _tensors(a)}
+
+
+def _to_host(x: Any, moved: List[Tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """`x` with every CUDA tensor replaced by a host copy (recorded in `moved`)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cuda":
+            return x
+        for d, h in moved:
+            if d is x:
+                return h
+        # Pinned (page-locked) host memory from torch's caching host allocator: the copy
+        # runs at the link's full rate, and the buffer is reused by the next call.
+        h = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        h.copy_(x.detach(), non_blocking=True)
+        moved.append((x, h))
+        return h
+    if isinstance(x, list):
+        return [_to_host(y, moved) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_to_host(y, moved) for y in x)
+    return x
+
+
+class Staging(threading.local):
+    """What the call being made on this thread staged: (device tensor, host copy) pairs
+    whose host copies the call writes, read by `_Calls.submit`."""
+
+    def __init__(self) -> None:
+        self.back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.active = False
+
+
+STAGING = Staging()
+
+
+def copy_back(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each host result into its device tensor and waits for the copies, so the
+    Work completes with the device tensors holding the result."""
+    for d, h in pairs:
+        d.copy_(h, non_blocking=True)
+    for dev in {d.device for d, _ in pairs}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def swap_result(result: Any, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """`result` with each host copy replaced by its device tensor (what torch's future
+    must complete with)."""
+    if not pairs:
+        return result
+    if isinstance(result, torch.Tensor):
+        for d, h in pairs:
+            if h is result:
+                return d
+        return result
+    if isinstance(result, list):
+        return [swap_result(r, pairs) for r in result]
+    if isinstance(result, tuple):
+        return tuple(swap_result(r, pairs) for r in result)
+    return result
+
+
+def same_host(comm: Any) -> bool:
+    """Whether every rank of the world runs on this host (every link is shared memory)."""
+    return comm.transport in ("shm", "local")
+
+
+def ipc_wanted() -> bool:
+    return os.environ.get("ECCL_CUDA_IPC", "1") != "0"
+
+
+def all_reduce_ipc(comm: Any, tensors: List[torch.Tensor], op: Any) -> List[Any]:
+    """The same-host path: one device all_reduce per tensor, after the tensor's stream."""
+    works = []
+    for t in tensors:
+        if not t.is_contiguous():
+            raise eccl.InvalidArgumentError(
+                "all_reduce of a non-contiguous CUDA tensor: call .contiguous() first")
+        torch.cuda.current_stream(t.device).synchronize()
+        works.append(comm.all_reduce_device(
+            t.data_ptr(), t.numel(), str(t.dtype), op, device=t.device.index or 0,
+            owner=t, async_op=True, keep_on_abort=False))
+    return works
+
+
+def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a backend call) taking CUDA tensors through host copies."""
+    @functools.wraps(fn)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kinds = _devices(args)
+        if "cuda" not in kinds:
+            # The backend's own buffers are host memory whatever torch's default
+            # device is (`torch.set_default_device("cuda")`).
+            with torch.device("cpu"):
+                return fn(self, *args, **kwargs)
+        if len(kinds) > 1:
+            raise eccl.InvalidArgumentError(
+                f"{name}: a call mixes tensors on {sorted(kinds)}; eccl moves the "
+                "tensors of one call on one kind of device")
+        if (name == "allreduce" and ipc_wanted() and same_host(self.comm)
+                and len({t.device for t in _tensors(args[0])}) == 1):
+            _say("all_reduce over CUDA IPC (same host)")
+            return self._all_reduce_cuda(*args, **kwargs)
+        _say(f"staged through host memory ({name})")
+        moved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        host_args = tuple(_to_host(a, moved) for a in args)
+        for dev in {d.device for d, _ in moved}:
+            # The copies to host ran on the current stream, after its work on the tensors.
+            torch.cuda.current_stream(dev).synchronize()
+        written = set() if name in SENDS_ONLY else {id(t) for t in _tensors(args[0])}
+        STAGING.back = [(d, h) for d, h in moved if id(d) in written]
+        STAGING.active = True
+        try:
+            with torch.device("cpu"):
+                return fn(self, *host_args, **kwargs)
+        finally:
+            STAGING.active = False
+            STAGING.back = []
+    return call
+
+
+def cuda_calls(cls: type) -> type:
+    """Class decorator: the backend's calls (`STAGED`) take CUDA tensors."""
+    for name in STAGED:
+        fn = vars(cls).get(name)
+        if fn is not None:
+            setattr(cls, name, staged(name, fn))
+    return cls
