@@ -174,6 +174,12 @@ ibv_devices 2>&1 | head -5 || true
 cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 
 phase "rust tests"
+# The generated device kernels must compile with NVRTC (the nvidia-cuda-nvrtc wheel that
+# torch's CUDA build pulls in; no GPU needed): there a missing NVRTC fails the test.
+if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
+    ECCL_NVRTC_LIB="$(ls .venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* | head -n 1)"
+    export ECCL_NVRTC_LIB ECCL_REQUIRE_NVRTC=1
+fi
 cargo test --release --workspace --locked
 
 phase "miri and cargo fuzz: the rest of the background run"

@@ -35,7 +35,7 @@ fn nvrtc_candidates() -> Vec<std::path::PathBuf> {
     }
     if let Ok(exe) = std::env::current_exe() {
         // A venv's bin/python or a binary in target/: look beside and above it.
-        for up in exe.ancestors().skip(1).take(3) {
+        for up in exe.ancestors().skip(1).take(4) {
             dirs.push(up.join("lib"));
             dirs.push(up.join(".venv/lib"));
         }

@@ -53,6 +53,8 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_RANK_HINT", "—", "peer", "the rank asked for at admission (torchrun's RANK is read too)"),
     v("ECCL_MIN_WORLD", "1", "peer", "the smallest first world (torchrun's WORLD_SIZE is read too)"),
     v("ECCL_FAULT_INJECT", "—", "peer", "POINT:ACTION[@n]: kill or stop this process at a point of the protocol (eccl-chaos --inject sets it)"),
+    v("ECCL_NVRTC_LIB", "the loader's path, then pip's nvidia wheels", "peer", "the libnvrtc that compiles the device kernels on first use"),
+    v("ECCL_CUDA_IPC", "1", "peer, torch", "0: all_reduce of CUDA tensors on one host goes through host memory instead of GPU to GPU over CUDA IPC"),
     v("ECCL_LEASE_MS", "800", "master, torch", "a peer silent for this long is evicted (eccl-master --lease-ms; the torch backend's embedded master)"),
     v("ECCL_HEARTBEAT_MS", "200", "master, torch", "how often peers renew their lease (eccl-master --heartbeat-ms)"),
     v("ECCL_MASTER_LISTEN", "127.0.0.1:48148", "master", "eccl-master --listen"),
@@ -71,4 +73,6 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_FUZZ_SECONDS", "10", "tests", "seconds of cargo fuzz per target in the test command"),
     v("ECCL_RANK", "—", "tests", "a test script's rank (python/tests/elastic_parity.py)"),
     v("ECCL_WORLD", "—", "tests", "a test script's world size (python/tests/elastic_parity.py)"),
+    v("ECCL_REQUIRE_NVRTC", "—", "tests", "set by the test command: the kernel compile test fails, rather than skips, without libnvrtc"),
+    v("ECCL_TEST_DEVICE", "cpu", "tests", "cuda: the torch test script's tensors are CUDA tensors (python/tests/test_cuda.py)"),
 ];

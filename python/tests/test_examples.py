@@ -30,6 +30,7 @@ COVERED = {
     "goodput.py": "test_goodput.py",
     "goodput_worker.py": "test_goodput.py (goodput.py's worker)",
     "eccl_masters.py": "a helper module: store_bench.py and elastic_torchrun.py use it",
+    "ddp_cuda.py": "test_cuda.py's machine: the GPU check (.ci/gpu_check.sh) runs it on a GPU",
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "compare_transports.py", "kill_latency.py",
             "store_bench.py", "netns_transports.sh", "torch_overhead.py"}
