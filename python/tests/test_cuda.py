@@ -62,3 +62,74 @@ def test_mixed_devices_and_disagreeing_ranks_get_typed_errors():
         assert r["mixed"] == "InvalidArgumentError"
         assert r["after_mixed"] == [3.0] * 4
         assert r["disagree"] != "no error", r
+
+
+FAULT_SCRIPT = r"""
+import os, signal, sys, time, json
+import torch, eccl
+rank, fault, addr, secret = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+torch.cuda.set_device(rank % torch.cuda.device_count())
+comm = eccl.Communicator(addr, secret, rank_hint=rank, min_world=2)
+comm.update_topology()
+t = torch.ones(16 << 20, device="cuda")  # 64 MiB
+
+def call(async_op=False):
+    torch.cuda.synchronize()
+    return comm.all_reduce_device(t.data_ptr(), t.numel(), "float32", device=t.device.index,
+                                  owner=t, async_op=async_op, keep_on_abort=True)
+
+out = {"ok_calls": 0}
+for i in range(20):
+    t.fill_(float(i + 1))
+    if rank == 1 and i == 3:
+        call(async_op=True)        # in flight when this process dies or stops
+        os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        time.sleep(60)
+    before = t.clone()
+    t0 = time.monotonic()
+    try:
+        call()
+        assert torch.equal(t, before * 2), "a successful call's result is wrong"
+        out["ok_calls"] += 1
+    except eccl.EcclError as e:
+        torch.cuda.synchronize()
+        out["error"] = type(e).__name__
+        out["seconds"] = time.monotonic() - t0
+        out["unchanged"] = bool(torch.equal(t, before))
+        t.fill_(7.0)               # the device and the process still work
+        out["after"] = float(t.sum().item())
+        break
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_peer_lost_mid_call_fails_the_survivor_fast_with_its_tensor_unchanged(fault):
+    """G2 on the device: with keep_on_abort=True a survivor's CUDA tensor is as it was
+    before the failed call; a killed peer is noticed at once, a stopped one at its lease;
+    no hang."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import eccl
+    master = eccl.Master()
+    procs = [subprocess.Popen([sys.executable, "-c", FAULT_SCRIPT, str(r), fault, master.addr,
+                               master.secret], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    try:
+        out, err = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        master.shutdown()
+    assert procs[0].returncode == 0, f"{out}\n{err[-3000:]}"
+    res = json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][7:])
+    assert res["ok_calls"] >= 3, res
+    assert "error" in res, res
+    assert res["unchanged"], res
+    assert res["after"] == 7.0 * (16 << 20)
+    assert res["seconds"] < 15, res
