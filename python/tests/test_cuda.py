@@ -6,10 +6,12 @@ staged path (`ECCL_CUDA_IPC=0`) must both give the CPU path's results exactly.""
 import os
 
 import pytest
+from conftest import NOT_POSSIBLE  # noqa: E402
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (the GPU check runs these)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason=f"{NOT_POSSIBLE} no CUDA GPU (the GPU check, .ci/gpu_check.sh, runs these on one)")
 
 from test_torch_backend import HERE, run_processes, run_world, world_specs  # noqa: E402
 
