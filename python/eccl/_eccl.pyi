@@ -153,9 +153,9 @@ class Work:
         """
     def add_done_callback(self, fn: Callable[[], object], *, errors_only: bool = False) -> None:
         """Calls `fn()` once the call has finished, successfully or not (with `errors_only=True`: only if it failed):
-        here and now if it has, otherwise on the thread that finishes it (the communicator's task, with the GIL), right
-        after the outcome is set. `fn` should be short and cannot wait for an unfinished call (`InvalidArgumentError`);
-        its exceptions are reported as unraisable.
+        here and now if it has, otherwise on eccl's callback thread, with the GIL, after the outcome is set (so `wait()`
+        there returns at once), in the order calls finish. `fn` should be short, and it cannot wait for an unfinished
+        call (that raises `InvalidArgumentError`). Its exceptions are reported as unraisable.
         """
     def exception(self) -> EcclError | None:
         """The error the call ended with, `None` if it succeeded or is still running."""

@@ -4,16 +4,18 @@ and how they are finished when the eccl calls behind them are.
 A Work is finished by whoever needs it first, with no thread of the backend in between:
 - `wait()` waits for the eccl calls itself (the GIL released) and finishes the Work on
   the caller's thread;
-- `get_future()` (what DDP's reducer and torchft use) asks the communicator's task to
-  finish the Work as soon as the last eccl call is done: the task runs the copy-out step
+- `get_future()` (what DDP's reducer and torchft use) asks for the Work to be finished
+  as soon as the last eccl call is done: eccl's callback thread runs the copy-out step
   and completes torch's future (`eccl.Work.add_done_callback`), as gloo's
-  `AsyncWork::execute` completes its own future;
+  `AsyncWork::execute` completes its own future (never the communicator's task: a
+  runtime worker waiting for the GIL would stall every timer of the process, the
+  lease's heartbeat among them);
 - a failure is always noticed when it happens, even in a Work nobody waits for: the
   backend's recovery must know that the epoch was aborted before the next call.
 
-The task never waits for torch's abort hooks: a failure that the task notices is
-finished on a short-lived thread, since a hook may wait for calls of its own, which the
-task (busy running the hook) could never finish.
+The callback thread never waits for torch's abort hooks: a failure that it notices is
+finished on a short-lived thread, since a hook may wait for calls of its own, whose
+callbacks that thread (busy running the hook) could never run.
 """
 
 from __future__ import annotations
@@ -61,11 +63,12 @@ class TorchWork(dist._Work):
     # -- finishing ----------------------------------------------------------------
 
     def _on_error(self) -> None:
-        """An eccl call behind this Work failed (on the communicator's task)."""
+        """An eccl call behind this Work failed (on eccl's callback thread)."""
         self._finish(on_task=True)
 
     def _on_done(self) -> None:
-        """The last eccl call is done and torch waits on the future (on the task)."""
+        """The last eccl call is done and torch waits on the future (on eccl's callback
+        thread)."""
         if all(w.is_completed() for w in self._works):
             self._finish(on_task=True)
 

@@ -101,11 +101,46 @@ impl Completion {
     }
 }
 
-/// Runs a finished call's callbacks with the GIL, on the thread that finished it (the
-/// communicator's task). An interpreter that is shutting down runs none: nothing is
-/// left to tell. A callback's exception is reported as unraisable, like one raised in a
-/// `weakref` callback.
-fn run_callbacks(callbacks: Vec<(Py<PyAny>, bool)>) {
+type Callbacks = Vec<(Py<PyAny>, bool)>;
+
+/// Hands a finished call's callbacks to the process's callback thread, which runs them
+/// in the order calls finish. Never on the communicator's task: a callback waits for the
+/// GIL and may run for a while (torch's future chains), and a runtime worker held there
+/// stops timers and I/O for every task of the process (four DDP ranks on two cores lost
+/// their leases so: the heartbeat's timer did not fire for a second).
+fn run_callbacks(callbacks: Callbacks) {
+    static THREAD: Mutex<Option<(u32, std::sync::mpsc::Sender<Callbacks>)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut slot = THREAD.lock().unwrap_or_else(|e| e.into_inner());
+    let fresh = !matches!(&*slot, Some((p, _)) if *p == pid);
+    if fresh {
+        // (Again in a forked child: the parent's thread is not there.)
+        let (tx, rx) = std::sync::mpsc::channel::<Callbacks>();
+        let spawned = std::thread::Builder::new()
+            .name("eccl-callbacks".into())
+            .spawn(move || {
+                while let Ok(cbs) = rx.recv() {
+                    call_now(cbs);
+                }
+            });
+        if spawned.is_err() {
+            drop(slot);
+            call_now(callbacks);
+            return;
+        }
+        *slot = Some((pid, tx));
+    }
+    let tx = &slot.as_ref().expect("set above").1;
+    if let Err(std::sync::mpsc::SendError(cbs)) = tx.send(callbacks) {
+        drop(slot);
+        call_now(cbs);
+    }
+}
+
+/// Runs callbacks with the GIL on this thread. An interpreter that is shutting down runs
+/// none: nothing is left to tell. A callback's exception is reported as unraisable, like
+/// one raised in a `weakref` callback.
+fn call_now(callbacks: Callbacks) {
     let _ = Python::try_attach(|py| {
         let was = IN_CALLBACK.with(|c| c.replace(true));
         for (cb, _) in callbacks {
@@ -202,11 +237,11 @@ impl Work {
     }
 
     /// Calls `fn()` once the call has finished, successfully or not (with
-    /// `errors_only=True`: only if it failed): here and now if it has, otherwise on the
-    /// thread that finishes it, right after the outcome is set (so `wait()` there returns
-    /// at once). `fn` runs with the GIL on the communicator's task: it should be short,
-    /// and it cannot wait for an unfinished call (that raises `InvalidArgumentError`).
-    /// Its exceptions are reported as unraisable.
+    /// `errors_only=True`: only if it failed): here and now if it has, otherwise on eccl's
+    /// callback thread, with the GIL, after the outcome is set (so `wait()` there returns
+    /// at once), in the order calls finish. `fn` should be short, and it cannot wait for
+    /// an unfinished call (that raises `InvalidArgumentError`). Its exceptions are
+    /// reported as unraisable.
     #[pyo3(signature = (r#fn, *, errors_only=false))]
     fn add_done_callback(
         &self,

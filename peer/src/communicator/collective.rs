@@ -237,6 +237,8 @@ impl Communicator {
                     // `bufs` is not used past the run: the copy below is the only access.
                     let r = executor::run(&op, &mut c.links, sched, &bufs).await;
                     if r.is_ok() {
+                        // In one piece, with no await: a call dropped half-way through
+                        // the copy would leave the buffer neither as it was nor done (G2).
                         buf[..out_len * elem].copy_from_slice(tmp.as_bytes());
                     }
                     if tmp.capacity() > 256 << 20 {

@@ -128,6 +128,9 @@ impl Op<'_> {
 
 /// Runs `sched`. On error the caller breaks the epoch; buffers may hold partial results
 /// (never the input, which is read-only).
+/// Bytes of local work (copies, reductions) after which a step yields to the runtime.
+const LOCAL_YIELD_BYTES: usize = 8 << 20;
+
 pub(crate) async fn run(
     op: &Op<'_>,
     links: &mut [Option<PeerLink>],
@@ -143,10 +146,21 @@ pub(crate) async fn run(
         if index == half && index > 0 && world > 1 {
             fault::hit(fault::Point::MidRing);
         }
+        let mut local_elems = 0;
         for p in step.prims.iter().filter(|p| p.is_local()) {
             // SAFETY: local primitives run one at a time, before the step's others
             // borrow anything; `run_local` checks src/dst overlap.
             unsafe { bufs.run_local(p, dtype, rop, world)? };
+            local_elems += match p {
+                Prim::Copy { dst, .. } | Prim::Reduce { dst, .. } => dst.len,
+                Prim::Finalize { region } => region.len,
+                _ => 0,
+            };
+        }
+        if local_elems * dtype.size() >= LOCAL_YIELD_BYTES {
+            // A long copy or reduction in this task: let the worker poll its timers and
+            // I/O before going on (see `eccl_transport::link`'s pacing).
+            tokio::task::yield_now().await;
         }
         if step.prims.iter().all(Prim::is_local) {
             continue;
