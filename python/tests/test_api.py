@@ -289,12 +289,13 @@ def test_all_reduce_coalesced_is_one_collective():
 
 def test_done_callbacks_run_once_where_the_call_finishes():
     """eccl.Work.add_done_callback (how the torch backend completes torch's futures): a
-    callback added before the call finishes runs once, on the communicator's task rather
+    callback added before the call finishes runs once, on eccl's callback thread rather
     than the caller's thread, with the outcome already set; one added afterwards runs at
     once in the caller's thread; one that would wait for an unfinished call is refused
-    with InvalidArgumentError instead of waiting on the task that runs it; one that
-    raises is reported as unraisable and the others still run. Rank 1 sends only once
-    rank 0 said its callbacks are in place."""
+    with InvalidArgumentError instead of waiting on the thread that runs it; one that
+    raises is reported as unraisable and the others still run. Rank 1 sends its first
+    message only once rank 0 said its callbacks are in place, and its second only once
+    rank 0's callback has run (so the second call is unfinished while it runs)."""
     master = eccl.Master()
     script = textwrap.dedent(f"""
         import json, sys, threading, numpy as np, eccl
@@ -305,6 +306,7 @@ def test_done_callbacks_run_once_where_the_call_finishes():
         if rank == 1:
             sys.stdin.readline()
             comm.send(np.full(4, 7, np.float32), 0, tag=1)
+            sys.stdin.readline()
             comm.send(np.full(4, 8, np.float32), 0, tag=2)
             sys.exit(0)
         main_thread = threading.get_ident()
@@ -322,6 +324,7 @@ def test_done_callbacks_run_once_where_the_call_finishes():
                 seen.append(["waited"])
             except eccl.InvalidArgumentError as e:
                 seen.append(["refused", "wait on itself" in str(e)])
+            print("callback done", flush=True)
 
         def raises():
             raise RuntimeError("a failing callback")
@@ -341,6 +344,9 @@ def test_done_callbacks_run_once_where_the_call_finishes():
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r in range(2)]
         assert procs[0].stdout.readline() == "registered\n"
+        procs[1].stdin.write("go\n")
+        procs[1].stdin.flush()
+        assert procs[0].stdout.readline() == "callback done\n"
         _, err1 = procs[1].communicate("go\n", timeout=TIMEOUT)
         assert procs[1].returncode == 0, err1
         out0, err0 = procs[0].communicate(timeout=TIMEOUT)
