@@ -395,7 +395,7 @@ impl Device for CudaDevice {
                 "a reduction takes 1 to {MAX_PTRS} inputs and at most {MAX_PTRS} outputs"
             )));
         }
-        if !kernels::defined(dtype, op) {
+        if !op.valid_for(dtype) {
             return Err(DeviceError::Invalid(format!(
                 "{op:?} is not defined for {dtype}"
             )));

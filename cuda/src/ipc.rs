@@ -29,7 +29,7 @@ use std::sync::Arc;
 use eccl_protocol::{DType, ReduceOp};
 
 use crate::device::{DevPtr, Device, DeviceError, IpcMem, IPC_HANDLE_BYTES};
-use crate::kernels::{self, MAX_PTRS};
+use crate::kernels::MAX_PTRS;
 
 /// Most peer allocations kept mapped between calls.
 pub const MAX_MAPPINGS: usize = 64;
@@ -292,7 +292,7 @@ impl<D: Device> IpcComm<D> {
         keep: bool,
     ) -> Result<(), IpcError> {
         let (rank, world) = (ex.rank(), ex.world());
-        if !kernels::defined(dtype, op) {
+        if !op.valid_for(dtype) {
             return Err(IpcError::Invalid(format!(
                 "{op:?} is not defined for {dtype}"
             )));
@@ -354,7 +354,7 @@ impl<D: Device> IpcComm<D> {
         if world == 1 || bytes == 0 {
             return Ok(());
         }
-        let local = self.reduce_phase(&metas, rank, buf, count, dtype, op, keep);
+        let local = self.reduce_phase(&metas, rank, buf);
         lap(&mut self.phases.reduce);
         let mut status = vec![0u8; STATUS_BYTES];
         if let Err(e) = &local {
@@ -396,17 +396,22 @@ impl<D: Device> IpcComm<D> {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// This rank's chunk from every rank's `buf`, combined (the call is `metas[rank]`,
+    /// which every rank's record matches).
     unsafe fn reduce_phase(
         &mut self,
         metas: &[Meta],
         rank: usize,
         buf: DevPtr,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        keep: bool,
     ) -> Result<(), IpcError> {
+        let Meta {
+            dtype,
+            op,
+            keep,
+            count,
+            ..
+        } = metas[rank];
+        let count = count as usize;
         let size = dtype.size();
         let world = metas.len();
         let mut bases = Vec::with_capacity(world);

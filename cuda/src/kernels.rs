@@ -24,11 +24,6 @@ pub const MAX_PTRS: usize = 8;
 /// Threads per block for every generated kernel.
 pub const BLOCK: u32 = 256;
 
-/// Whether `op` is defined for `dtype` (the communicator's own rule).
-pub fn defined(dtype: DType, op: ReduceOp) -> bool {
-    op.valid_for(dtype)
-}
-
 /// The operator a kernel runs for `op`: `avg` is a sum divided once at the end.
 pub fn kernel_op(op: ReduceOp) -> ReduceOp {
     match op {
@@ -42,7 +37,7 @@ pub fn pairs() -> impl Iterator<Item = (DType, ReduceOp)> {
     DType::ALL.into_iter().flat_map(|d| {
         ReduceOp::ALL
             .into_iter()
-            .filter(move |&o| defined(d, o) && kernel_op(o) == o)
+            .filter(move |&o| o.valid_for(d) && kernel_op(o) == o)
             .map(move |o| (d, o))
     })
 }

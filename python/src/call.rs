@@ -57,12 +57,7 @@ pub(crate) enum Call {
     /// (`eccl_cuda::ipc`). `owner` is the Python object that owns the memory (a tensor),
     /// held until the call is done.
     DeviceAllReduce {
-        ptr: u64,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        device: usize,
-        keep: bool,
+        on: DeviceBuf,
         _owner: pyo3::Py<pyo3::PyAny>,
     },
     /// `peer: None`: from whichever rank's message comes first.
@@ -97,6 +92,17 @@ impl Call {
             Call::Sync { tensors, .. } => (vec![], tensors.iter().map(|(_, b)| b).collect()),
         }
     }
+}
+
+/// Device memory a call works in: `count` elements of `dtype` at `ptr` on CUDA device
+/// `device`, all_reduced with `op`; `keep`: left as it was if the call fails (G2).
+pub(crate) struct DeviceBuf {
+    pub ptr: u64,
+    pub count: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub device: usize,
+    pub keep: bool,
 }
 
 pub(crate) struct Job {
@@ -205,21 +211,15 @@ fn device_error(e: eccl::device::IpcError) -> eccl::Error {
 
 /// One device all_reduce: blocks this runtime worker (in `block_in_place`) for the
 /// device work and the exchange rounds, which run as ordinary collectives.
-#[allow(clippy::too_many_arguments)]
 fn device_all_reduce(
     comm: &mut eccl::Communicator,
     devices: &mut Devices,
-    ptr: u64,
-    count: usize,
-    dtype: DType,
-    op: ReduceOp,
-    device: usize,
-    keep: bool,
+    b: &DeviceBuf,
 ) -> Outcome {
-    let ipc = match devices.by_ordinal.entry(device) {
+    let ipc = match devices.by_ordinal.entry(b.device) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => {
-            let dev = eccl_cuda::CudaDevice::new(device)
+            let dev = eccl_cuda::CudaDevice::new(b.device)
                 .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
             v.insert(eccl::device::IpcComm::new(Arc::new(dev)))
         }
@@ -229,7 +229,7 @@ fn device_all_reduce(
         let mut ex = eccl::device::CommExchange::new(comm, rt);
         // SAFETY: the Python side checked that `ptr` is `count` elements of a tensor on
         // `device`, and the call holds that tensor (`owner`) until it is done.
-        unsafe { ipc.all_reduce(&mut ex, ptr, count, dtype, op, keep) }
+        unsafe { ipc.all_reduce(&mut ex, b.ptr, b.count, b.dtype, b.op, b.keep) }
     })
     .map_err(device_error)?;
     Ok(Done::Left)
@@ -321,15 +321,7 @@ async fn run(
                 .await
                 .map(Done::Op)
         }
-        Call::DeviceAllReduce {
-            ptr,
-            count,
-            dtype,
-            op,
-            device,
-            keep,
-            _owner: _,
-        } => device_all_reduce(comm, devices, *ptr, *count, *dtype, *op, *device, *keep),
+        Call::DeviceAllReduce { on, _owner: _ } => device_all_reduce(comm, devices, on),
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)
             .await

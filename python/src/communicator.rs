@@ -16,7 +16,7 @@ use pyo3::IntoPyObjectExt;
 use tokio::sync::mpsc;
 
 use crate::buffer::{check_disjoint, HostBuffer, WritableBuffer};
-use crate::call::{serve, Call, Info, Job};
+use crate::call::{serve, Call, DeviceBuf, Info, Job};
 use crate::errors::{invalid, OrRaise};
 use crate::runtime::{runtime, track};
 use crate::work::{Completer, Work};
@@ -357,12 +357,14 @@ impl Communicator {
         self.submit(
             py,
             Call::DeviceAllReduce {
-                ptr,
-                count,
-                dtype,
-                op,
-                device,
-                keep: keep_on_abort,
+                on: DeviceBuf {
+                    ptr,
+                    count,
+                    dtype,
+                    op,
+                    device,
+                    keep: keep_on_abort,
+                },
                 _owner: owner.unwrap_or_else(|| py.None()),
             },
             async_op,

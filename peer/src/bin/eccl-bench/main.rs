@@ -6,6 +6,7 @@
 
 mod check;
 mod cuda_probe;
+mod device;
 mod probe;
 
 use std::io::{BufRead, BufReader};
@@ -16,6 +17,7 @@ use clap::Parser;
 use eccl::config::parse_size;
 use std::sync::LazyLock;
 
+use device::{device_arg, DeviceArg, OnDevice};
 use eccl::{CollArgs, CollectiveKind, Communicator, Config, DType, ReduceOp};
 use serde::Serialize;
 
@@ -483,8 +485,7 @@ async fn run_peer(
     };
     if show {
         if let Some(d) = &device {
-            let name = eccl_cuda::Device::describe(&**d.ipc.device());
-            println!("# device memory: {name}, same-host CUDA IPC");
+            println!("# device memory: {}, same-host CUDA IPC", d.describe());
         }
     }
     let mut rows = Vec::new();
@@ -547,8 +548,6 @@ async fn sweep(
     rows: &mut Vec<Row>,
     mut device: Option<&mut OnDevice>,
 ) -> eccl::Result<()> {
-    use eccl_cuda::Device;
-    let keep = args.on_abort == eccl::OnAbort::Unchanged;
     let elem = dtype.size();
     let mut bytes = args.minbytes.max(if kind == CollectiveKind::Barrier {
         0
@@ -600,50 +599,40 @@ async fn sweep(
         let mut work = Vec::new();
         fresh(&mut work);
         // --device: the buffer lives on the device; every call works in it in place.
-        let dbuf = match device.as_deref_mut() {
-            Some(d) => {
-                let p = d.ipc.device().alloc(input.len()).map_err(dev_err)?;
-                // SAFETY: `p` was just allocated with `input.len()` bytes.
-                unsafe { d.ipc.device().upload(p, &input) }.map_err(dev_err)?;
-                Some(p)
-            }
-            None => None,
-        };
+        if let Some(d) = device.as_deref_mut() {
+            d.load(&input)?;
+        }
         comm.barrier().await?;
         for _ in 0..args.warmup {
-            match (device.as_deref_mut(), dbuf) {
-                (Some(d), Some(p)) => device_one(comm, d, &cargs, p, keep)?,
-                _ => {
-                    one(comm, &run, &input, &mut output, &mut work).await?;
-                }
-            }
+            any_one(
+                comm,
+                device.as_deref_mut(),
+                &run,
+                &input,
+                &mut output,
+                &mut work,
+            )
+            .await?;
         }
         comm.barrier().await?;
         if let Some(d) = device.as_deref_mut() {
-            d.ipc.phases = Default::default();
+            d.reset_phases();
         }
         let t0 = Instant::now();
         for _ in 0..args.iters {
-            match (device.as_deref_mut(), dbuf) {
-                (Some(d), Some(p)) => device_one(comm, d, &cargs, p, keep)?,
-                _ => {
-                    one(comm, &run, &input, &mut output, &mut work).await?;
-                }
-            }
+            any_one(
+                comm,
+                device.as_deref_mut(),
+                &run,
+                &input,
+                &mut output,
+                &mut work,
+            )
+            .await?;
         }
         let mut time_us = [t0.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64];
         if let (true, Some(d)) = (show, device.as_deref()) {
-            let p = d.ipc.phases;
-            let us = |x: Duration| x.as_secs_f64() * 1e6 / p.calls.max(1) as f64;
-            println!(
-                "# {bytes} B phases (us per call, rank 0): wait+export {:.1}, records {:.1}, \
-                 map+reduce {:.1}, status {:.1}, copies {:.1}",
-                us(p.export),
-                us(p.meta),
-                us(p.reduce),
-                us(p.status),
-                us(p.copy)
-            );
+            println!("{}", d.phases_line(bytes));
         }
         // nccl-tests reports the slowest rank.
         comm.all_reduce(&mut time_us, ReduceOp::Max).await?;
@@ -651,12 +640,10 @@ async fn sweep(
         if args.check != 0 {
             output.iter_mut().for_each(|b| *b = 0xA5);
             fresh(&mut work);
-            if let (Some(d), Some(p)) = (device.as_deref_mut(), dbuf) {
-                // SAFETY: `p` holds `input.len()` bytes, and `output` as many.
-                unsafe { d.ipc.device().upload(p, &input) }.map_err(dev_err)?;
-                device_one(comm, d, &cargs, p, keep)?;
-                unsafe { d.ipc.device().download(&mut output[..input.len()], p) }
-                    .map_err(dev_err)?;
+            if let Some(d) = device.as_deref_mut() {
+                d.load(&input)?;
+                any_one(comm, Some(&mut *d), &run, &input, &mut output, &mut work).await?;
+                d.read(&mut output)?;
             } else if one(comm, &run, &input, &mut output, &mut work).await? {
                 let n = output.len().min(work.len());
                 output[..n].copy_from_slice(&work[..n]);
@@ -669,9 +656,8 @@ async fn sweep(
             wrong[0] = check::count_wrong(dtype, &output[..out_len * elem], &want) as i64;
             comm.all_reduce(&mut wrong, ReduceOp::Sum).await?;
         }
-        if let (Some(d), Some(p)) = (device.as_deref_mut(), dbuf) {
-            // SAFETY: every call synchronized before it returned; nothing uses `p` now.
-            unsafe { d.ipc.device().free(p) };
+        if let Some(d) = device.as_deref_mut() {
+            d.release();
         }
         let t = time_us[0];
         let algbw = if t > 0.0 { bytes as f64 / t / 1e3 } else { 0.0 };
@@ -723,70 +709,6 @@ async fn sweep(
     }
 }
 
-/// What `--device` named.
-#[derive(Debug, Clone, Copy)]
-enum DeviceArg {
-    /// `cuda`: the rank's GPU is its rank modulo the GPUs present.
-    Cuda,
-    CudaN(usize),
-}
-
-fn device_arg(s: &str) -> Result<DeviceArg, String> {
-    match s.split_once(':') {
-        None if s == "cuda" => Ok(DeviceArg::Cuda),
-        Some(("cuda", n)) => n
-            .parse()
-            .map(DeviceArg::CudaN)
-            .map_err(|_| format!("{s:?}: expected cuda or cuda:N")),
-        _ => Err(format!("{s:?}: expected cuda or cuda:N")),
-    }
-}
-
-/// A `--device` run's state: the rank's device and its same-host collectives.
-struct OnDevice {
-    ipc: eccl::device::IpcComm<eccl_cuda::CudaDevice>,
-}
-
-impl OnDevice {
-    fn open(arg: DeviceArg, rank: usize) -> eccl::Result<OnDevice> {
-        let n = eccl_cuda::device_count();
-        let ordinal = match arg {
-            DeviceArg::CudaN(i) => i,
-            DeviceArg::Cuda if n > 0 => rank % n,
-            DeviceArg::Cuda => 0,
-        };
-        let dev = eccl_cuda::CudaDevice::new(ordinal).map_err(dev_err)?;
-        Ok(OnDevice {
-            ipc: eccl::device::IpcComm::new(std::sync::Arc::new(dev)),
-        })
-    }
-}
-
-fn dev_err(e: impl std::fmt::Display) -> eccl::Error {
-    eccl::Error::InvalidArgument(format!("device: {e}"))
-}
-
-/// One all_reduce of `count` elements at `buf` on the device, in place.
-fn device_one(
-    comm: &mut Communicator,
-    dev: &mut OnDevice,
-    a: &CollArgs,
-    buf: eccl_cuda::DevPtr,
-    keep: bool,
-) -> eccl::Result<()> {
-    let rt = tokio::runtime::Handle::current();
-    tokio::task::block_in_place(|| {
-        let mut ex = eccl::device::CommExchange::new(comm, rt);
-        // SAFETY: `buf` is a live allocation of `count` elements on this rank's device,
-        // used by nothing else during the call.
-        unsafe {
-            dev.ipc
-                .all_reduce(&mut ex, buf, a.count, a.dtype, a.op, keep)
-        }
-    })
-    .map_err(dev_err)
-}
-
 fn on_abort(s: &str) -> Result<eccl::OnAbort, String> {
     match s {
         "unchanged" => Ok(eccl::OnAbort::Unchanged),
@@ -802,6 +724,24 @@ struct Run {
     on_abort: eccl::OnAbort,
     rank: usize,
     n: usize,
+}
+
+/// Runs the collective once, on the device buffer with `--device` (which `--on-abort`
+/// governs as it does in-place calls), else as [`one`] does.
+async fn any_one(
+    comm: &mut Communicator,
+    device: Option<&mut OnDevice>,
+    run: &Run,
+    input: &[u8],
+    output: &mut [u8],
+    work: &mut [u8],
+) -> eccl::Result<bool> {
+    match device {
+        Some(d) => d
+            .all_reduce(comm, &run.a, run.on_abort == eccl::OnAbort::Unchanged)
+            .map(|_| false),
+        None => one(comm, run, input, output, work).await,
+    }
 }
 
 /// Runs the collective once: in place in `work` (returns true) or from `input` into
