@@ -177,7 +177,7 @@ phase "rust tests"
 # The generated device kernels must compile with NVRTC (the nvidia-cuda-nvrtc wheel that
 # torch's CUDA build pulls in; no GPU needed): there a missing NVRTC fails the test.
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
-    ECCL_NVRTC_LIB="$(ls .venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* | head -n 1)"
+    ECCL_NVRTC_LIB="$(ls "$PWD"/.venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* | head -n 1)"
     export ECCL_NVRTC_LIB ECCL_REQUIRE_NVRTC=1
 fi
 cargo test --release --workspace --locked

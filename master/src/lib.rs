@@ -14,6 +14,7 @@ pub mod server;
 pub mod store;
 pub mod sync;
 
+use futures::future::{BoxFuture, FutureExt};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -88,11 +89,15 @@ pub struct MasterHandle {
 }
 
 impl MasterHandle {
-    pub async fn shutdown(mut self) {
-        for t in self.tasks.drain(..) {
-            t.abort();
+    /// Stops the master (boxed for the reason [`start`] is).
+    pub fn shutdown(mut self) -> BoxFuture<'static, ()> {
+        async move {
+            for t in self.tasks.drain(..) {
+                t.abort();
+            }
+            self.coordinator.raft.shutdown().await;
         }
-        self.coordinator.raft.shutdown().await;
+        .boxed()
     }
 }
 
@@ -141,7 +146,15 @@ pub fn parse_masters(s: &str) -> Result<BTreeMap<u64, MasterNode>, String> {
 }
 
 /// Starts a master in the current tokio runtime.
-pub async fn start(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
+///
+/// The future is boxed here, in this crate, so that its code (the whole start-up,
+/// openraft's included) is compiled once, here, and not again in every crate that
+/// awaits it (a future's `poll` is compiled where it is polled).
+pub fn start(opts: MasterOptions) -> BoxFuture<'static, anyhow::Result<MasterHandle>> {
+    start_master(opts).boxed()
+}
+
+async fn start_master(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
     let listener = TcpListener::bind(&opts.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", opts.listen))?;

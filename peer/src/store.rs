@@ -7,6 +7,7 @@
 //! the background, and numbers its writes so that one sent again after a fail-over is
 //! answered once, not applied twice.
 
+use futures::future::{BoxFuture, FutureExt};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,60 +51,63 @@ impl Drop for AbortOnDrop {
 impl StoreClient {
     /// Opens a session in `scope` on the masters of `masters` (comma-separated client
     /// addresses). `timeout` bounds finding a leader and every later request.
-    pub async fn open(
-        masters: &str,
-        secret: &Secret,
-        scope: &str,
+    pub fn open<'a>(
+        masters: &'a str,
+        secret: &'a Secret,
+        scope: &'a str,
         timeout: Duration,
-    ) -> Result<StoreClient> {
-        eccl_protocol::StoreLimits::check_scope(scope).map_err(Error::InvalidArgument)?;
-        // A store client gets no events; evictions come back as errors.
-        let (events, _) = mpsc::unbounded_channel();
-        let master = MasterClient::connect(masters, secret, timeout, events).await?;
-        let reply = master
-            .request(
-                PeerRequest::Store(StoreRequest::Open {
-                    scope: scope.to_string(),
-                }),
-                timeout,
-            )
-            .await?;
-        let (session, token, lease_ms) = match reply {
-            MasterReply::Store(StoreReply::Session {
+    ) -> BoxFuture<'a, Result<StoreClient>> {
+        async move {
+            eccl_protocol::StoreLimits::check_scope(scope).map_err(Error::InvalidArgument)?;
+            // A store client gets no events; evictions come back as errors.
+            let (events, _) = mpsc::unbounded_channel();
+            let master = MasterClient::connect(masters, secret, timeout, events).await?;
+            let reply = master
+                .request(
+                    PeerRequest::Store(StoreRequest::Open {
+                        scope: scope.to_string(),
+                    }),
+                    timeout,
+                )
+                .await?;
+            let (session, token, lease_ms) = match reply {
+                MasterReply::Store(StoreReply::Session {
+                    session,
+                    token,
+                    lease_ms,
+                }) => (session, token, lease_ms),
+                other => return Err(refusal(other, "opening a store session")),
+            };
+            master.store_session(session, token);
+            tracing::info!(target: "eccl::init", "store session {session} in scope {scope:?}");
+            let inner = Arc::new(Inner {
+                master,
                 session,
-                token,
-                lease_ms,
-            }) => (session, token, lease_ms),
-            other => return Err(refusal(other, "opening a store session")),
-        };
-        master.store_session(session, token);
-        tracing::info!(target: "eccl::init", "store session {session} in scope {scope:?}");
-        let inner = Arc::new(Inner {
-            master,
-            session,
-            scope: scope.to_string(),
-            seq: AtomicU64::new(1),
-            timeout,
-        });
-        let period = Duration::from_millis((lease_ms / 4).max(10));
-        let weak = Arc::downgrade(&inner);
-        let keepalive = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(period).await;
-                let Some(c) = weak.upgrade() else { return };
-                let body = PeerRequest::Store(StoreRequest::KeepAlive);
-                if let Err(e) = c.master.keep_alive(body, period * 2).await {
-                    tracing::warn!(target: "eccl::init", "store session {}: {e}", c.session);
-                    if matches!(e, Error::Evicted { .. }) {
-                        return;
+                scope: scope.to_string(),
+                seq: AtomicU64::new(1),
+                timeout,
+            });
+            let period = Duration::from_millis((lease_ms / 4).max(10));
+            let weak = Arc::downgrade(&inner);
+            let keepalive = tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(period).await;
+                    let Some(c) = weak.upgrade() else { return };
+                    let body = PeerRequest::Store(StoreRequest::KeepAlive);
+                    if let Err(e) = c.master.keep_alive(body, period * 2).await {
+                        tracing::warn!(target: "eccl::init", "store session {}: {e}", c.session);
+                        if matches!(e, Error::Evicted { .. }) {
+                            return;
+                        }
                     }
                 }
-            }
-        });
-        Ok(StoreClient {
-            inner,
-            _keepalive: Arc::new(AbortOnDrop(keepalive)),
-        })
+            });
+            Ok(StoreClient {
+                inner,
+                _keepalive: Arc::new(AbortOnDrop(keepalive)),
+            })
+        }
+        .boxed()
     }
 
     pub fn session(&self) -> u64 {
@@ -114,28 +118,38 @@ impl StoreClient {
         &self.inner.scope
     }
 
-    async fn ask(&self, req: StoreRequest, timeout: Duration) -> Result<StoreReply> {
-        let what = match &req {
-            StoreRequest::Write { op, .. } => format!("{op:?}"),
-            r => format!("{r:?}"),
-        };
-        let what: String = what.chars().take(120).collect();
-        match self
-            .inner
-            .master
-            .request(PeerRequest::Store(req), timeout)
-            .await?
-        {
-            MasterReply::Store(r) => Ok(r),
-            MasterReply::Ok => Ok(StoreReply::Done),
-            other => Err(refusal(other, &what)),
+    fn ask<'a>(
+        &'a self,
+        req: StoreRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<StoreReply>> {
+        async move {
+            let what = match &req {
+                StoreRequest::Write { op, .. } => format!("{op:?}"),
+                r => format!("{r:?}"),
+            };
+            let what: String = what.chars().take(120).collect();
+            match self
+                .inner
+                .master
+                .request(PeerRequest::Store(req), timeout)
+                .await?
+            {
+                MasterReply::Store(r) => Ok(r),
+                MasterReply::Ok => Ok(StoreReply::Done),
+                other => Err(refusal(other, &what)),
+            }
         }
+        .boxed()
     }
 
-    async fn write(&self, op: StoreWrite) -> Result<StoreReply> {
-        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
-        self.ask(StoreRequest::Write { seq, op }, self.inner.timeout)
-            .await
+    fn write<'a>(&'a self, op: StoreWrite) -> BoxFuture<'a, Result<StoreReply>> {
+        async move {
+            let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+            self.ask(StoreRequest::Write { seq, op }, self.inner.timeout)
+                .await
+        }
+        .boxed()
     }
 
     pub async fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {

@@ -1,6 +1,7 @@
 //! Collectives: check a call, pick its algorithm, build (or reuse) its schedule and run
 //! it over the links; on failure, break the epoch and tell everyone why.
 
+use futures::future::{BoxFuture, FutureExt};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
@@ -146,7 +147,12 @@ impl Communicator {
             .await
     }
 
-    async fn run_collective(&mut self, args: CollArgs, mut io: Io<'_>) -> Result<OpInfo> {
+    fn run_collective<'a>(
+        &'a mut self,
+        args: CollArgs,
+        mut io: Io<'a>,
+    ) -> BoxFuture<'a, Result<OpInfo>> {
+        async move {
         let forced = self.cfg.algo;
         let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
         if let Some(e) = self.evicted_error() {
@@ -265,49 +271,54 @@ impl Communicator {
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
         }
     }
+        .boxed()
+    }
 
     /// All-reduces several buffers of one dtype as one collective (one descriptor, one
     /// schedule, like gloo's `allreduce_coalesced`): they are packed into one buffer,
     /// reduced, and copied back only on success, so a failure leaves every one of them
     /// as it was (G2).
-    pub async fn all_reduce_coalesced(
-        &mut self,
+    pub fn all_reduce_coalesced<'a, 'b: 'a>(
+        &'a mut self,
         dtype: DType,
         op: ReduceOp,
-        bufs: &mut [&mut [u8]],
-    ) -> Result<OpInfo> {
-        let elem = dtype.size();
-        if let Some(b) = bufs.iter().find(|b| b.len() % elem != 0) {
-            return Err(Error::InvalidArgument(format!(
-                "a buffer of {} bytes is not a whole number of {dtype} elements",
-                b.len()
-            )));
+        bufs: &'a mut [&'b mut [u8]],
+    ) -> BoxFuture<'a, Result<OpInfo>> {
+        async move {
+            let elem = dtype.size();
+            if let Some(b) = bufs.iter().find(|b| b.len() % elem != 0) {
+                return Err(Error::InvalidArgument(format!(
+                    "a buffer of {} bytes is not a whole number of {dtype} elements",
+                    b.len()
+                )));
+            }
+            let total: usize = bufs.iter().map(|b| b.len()).sum();
+            let mut input = AlignedBuf::with_len(total);
+            let mut offset = 0;
+            for b in bufs.iter() {
+                input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
+                offset += b.len();
+            }
+            let mut output = AlignedBuf::with_len(total);
+            let args = CollArgs {
+                kind: CollectiveKind::AllReduce,
+                dtype,
+                op,
+                root: Rank(0),
+                count: total / elem,
+            };
+            let info = self
+                .collective(args, input.as_bytes(), output.as_bytes_mut())
+                .await?;
+            let mut offset = 0;
+            for b in bufs.iter_mut() {
+                let n = b.len();
+                b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
+                offset += n;
+            }
+            Ok(info)
         }
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let mut input = AlignedBuf::with_len(total);
-        let mut offset = 0;
-        for b in bufs.iter() {
-            input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
-            offset += b.len();
-        }
-        let mut output = AlignedBuf::with_len(total);
-        let args = CollArgs {
-            kind: CollectiveKind::AllReduce,
-            dtype,
-            op,
-            root: Rank(0),
-            count: total / elem,
-        };
-        let info = self
-            .collective(args, input.as_bytes(), output.as_bytes_mut())
-            .await?;
-        let mut offset = 0;
-        for b in bufs.iter_mut() {
-            let n = b.len();
-            b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
-            offset += n;
-        }
-        Ok(info)
+        .boxed()
     }
 
     /// Breaks the epoch after a failed call and tells the other ranks why, so that none

@@ -1,6 +1,7 @@
 //! Membership: registering with the master, the lease (heartbeats) and the master's
 //! events, the votes that move the world to its next epoch, and leaving.
 
+use futures::future::{BoxFuture, FutureExt};
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -37,7 +38,8 @@ pub struct WorldUpdate {
 impl Communicator {
     /// Registers with the master named in `cfg`. The peer is pending until its first
     /// `update_topology()`.
-    pub async fn connect(cfg: Config) -> Result<Communicator> {
+    pub fn connect(cfg: Config) -> BoxFuture<'static, Result<Communicator>> {
+        async move {
         cfg.validate()?;
         let secret = cfg
             .secret
@@ -120,49 +122,54 @@ impl Communicator {
             last_algo: HashMap::new(),
         })
     }
+        .boxed()
+    }
 
     /// Votes for the next epoch and waits until every live member has voted. Pending
     /// peers are admitted and departed ones dropped; the links are reconnected when the
     /// world changed.
-    pub async fn update_topology(&mut self) -> Result<WorldUpdate> {
-        if let Some(e) = self.evicted_error() {
-            return Err(e);
-        }
-        let epoch = self.epoch();
-        let aborted = self.abort.check(epoch).is_some() && epoch > 0;
-        let req = PeerRequest::UpdateTopology {
-            peer_id: self.peer_id,
-            epoch,
-            min_world: self.cfg.min_world,
-            aborted,
-        };
-        let reply = self.master.request(req, self.cfg.join_timeout).await?;
-        let (world, keys, changed, reuse) = match reply {
-            MasterReply::World {
-                world,
-                keys,
+    pub fn update_topology<'a>(&'a mut self) -> BoxFuture<'a, Result<WorldUpdate>> {
+        async move {
+            if let Some(e) = self.evicted_error() {
+                return Err(e);
+            }
+            let epoch = self.epoch();
+            let aborted = self.abort.check(epoch).is_some() && epoch > 0;
+            let req = PeerRequest::UpdateTopology {
+                peer_id: self.peer_id,
+                epoch,
+                min_world: self.cfg.min_world,
+                aborted,
+            };
+            let reply = self.master.request(req, self.cfg.join_timeout).await?;
+            let (world, keys, changed, reuse) = match reply {
+                MasterReply::World {
+                    world,
+                    keys,
+                    changed,
+                    reuse_links,
+                } => (world, keys, changed, reuse_links),
+                other => return Err(reply_error(&self.cfg.master, epoch, other)),
+            };
+            let mut links_kept = 0;
+            if changed || world.epoch != epoch {
+                links_kept = self.install(world, keys, reuse).await?;
+            } else if let Some(c) = &self.cur {
+                links_kept = c.links.iter().flatten().count() as u32;
+            }
+            let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
+                epoch,
+                cause: "no world".into(),
+            })?;
+            Ok(WorldUpdate {
+                epoch: c.world.epoch,
                 changed,
-                reuse_links,
-            } => (world, keys, changed, reuse_links),
-            other => return Err(reply_error(&self.cfg.master, epoch, other)),
-        };
-        let mut links_kept = 0;
-        if changed || world.epoch != epoch {
-            links_kept = self.install(world, keys, reuse).await?;
-        } else if let Some(c) = &self.cur {
-            links_kept = c.links.iter().flatten().count() as u32;
+                rank: c.rank,
+                world_size: c.size(),
+                links_kept,
+            })
         }
-        let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
-            epoch,
-            cause: "no world".into(),
-        })?;
-        Ok(WorldUpdate {
-            epoch: c.world.epoch,
-            changed,
-            rank: c.rank,
-            world_size: c.size(),
-            links_kept,
-        })
+        .boxed()
     }
 
     /// torch's `_reconfigure`: the next epoch is a world of exactly `members` (ranks in
@@ -171,13 +178,14 @@ impl Communicator {
     /// newer than the last reconfigure's, a member that is gone, or members that name
     /// different worlds are refused, with the same error for all of them. Members of the
     /// current world left out are removed from the job.
-    pub async fn reconfigure(
-        &mut self,
+    pub fn reconfigure<'a>(
+        &'a mut self,
         uuid: u64,
         members: Vec<PeerId>,
         ordered: bool,
         timeout: Duration,
-    ) -> Result<WorldUpdate> {
+    ) -> BoxFuture<'a, Result<WorldUpdate>> {
+        async move {
         if let Some(e) = self.evicted_error() {
             return Err(e);
         }
@@ -206,6 +214,8 @@ impl Communicator {
             world_size: c.size(),
             links_kept: 0,
         })
+    }
+        .boxed()
     }
 
     /// The job's public name: a hash of its secret under a label of its own (it reveals
@@ -276,32 +286,38 @@ impl Communicator {
 
     /// Are peers waiting to be admitted? Every member of the epoch gets the same answer,
     /// so all of them can skip `update_topology()` together.
-    pub async fn are_peers_pending(&mut self) -> Result<bool> {
-        let epoch = self.epoch();
-        let req = PeerRequest::ArePeersPending {
-            peer_id: self.peer_id,
-            epoch,
-        };
-        match self.master.request(req, self.cfg.join_timeout).await? {
-            MasterReply::PeersPending(p) => Ok(p),
-            other => Err(reply_error(&self.cfg.master, epoch, other)),
+    pub fn are_peers_pending<'a>(&'a mut self) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            let epoch = self.epoch();
+            let req = PeerRequest::ArePeersPending {
+                peer_id: self.peer_id,
+                epoch,
+            };
+            match self.master.request(req, self.cfg.join_timeout).await? {
+                MasterReply::PeersPending(p) => Ok(p),
+                other => Err(reply_error(&self.cfg.master, epoch, other)),
+            }
         }
+        .boxed()
     }
 
     /// Leaves the job on purpose; the other members see a new world at their next
     /// `update_topology()`.
-    pub async fn leave(self) -> Result<()> {
-        let req = PeerRequest::Leave {
-            peer_id: self.peer_id,
-        };
-        // The links close in order whatever the master answers (or if it is gone).
-        let r = match self.master.request(req, self.cfg.connect_timeout).await {
-            Ok(MasterReply::Ok) => Ok(()),
-            Ok(other) => Err(reply_error(&self.cfg.master, 0, other)),
-            Err(e) => Err(e),
-        };
-        self.close().await;
-        r
+    pub fn leave(self) -> BoxFuture<'static, Result<()>> {
+        async move {
+            let req = PeerRequest::Leave {
+                peer_id: self.peer_id,
+            };
+            // The links close in order whatever the master answers (or if it is gone).
+            let r = match self.master.request(req, self.cfg.connect_timeout).await {
+                Ok(MasterReply::Ok) => Ok(()),
+                Ok(other) => Err(reply_error(&self.cfg.master, 0, other)),
+                Err(e) => Err(e),
+            };
+            self.close().await;
+            r
+        }
+        .boxed()
     }
 
     /// Closes this peer's links in order, so that what its sends handed to them reaches
@@ -309,7 +325,8 @@ impl Communicator {
     /// shared memory deliver what was sent in any case). Dropping a `Communicator`
     /// instead closes the links at once. Bounded: a peer that never finishes does not
     /// hold this up for more than a few seconds.
-    pub async fn close(mut self) {
+    pub fn close(mut self) -> BoxFuture<'static, ()> {
+        async move {
         let Some(cur) = self.cur.take() else { return };
         let epoch = cur.world.epoch;
         let closes = cur.links.into_iter().flatten().map(|l| async move {
@@ -321,6 +338,8 @@ impl Communicator {
         futures::future::join_all(closes).await;
         self.links.quiesce().await;
         tracing::debug!(target: "eccl::net", "links of epoch {epoch} closed in {:?}", t.elapsed());
+    }
+        .boxed()
     }
 }
 

@@ -18,6 +18,7 @@ mod p2p;
 mod retry;
 mod typed;
 
+use futures::future::{BoxFuture, FutureExt};
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -127,25 +128,28 @@ impl Communicator {
     /// After an [`crate::AbortHandle::abort`]: tells the other ranks of the epoch, once,
     /// so that their calls waiting on this rank fail at once instead of at their
     /// timeout. Does nothing if the epoch was not aborted here.
-    pub async fn announce_abort(&mut self) {
-        let Some(c) = self.cur.as_mut() else { return };
-        let epoch = c.world.epoch;
-        let Some(e) = self.abort.check(epoch) else {
-            return;
-        };
-        if self.abort.take_local() {
-            let reason = format!("rank {}: {e}", c.rank);
-            let h = executor::close_header(epoch);
-            executor::broadcast_abort(
-                epoch,
-                0,
-                h.desc,
-                eccl_protocol::frame::AbortCause::EpochAborted,
-                &reason,
-                &mut c.links,
-            )
-            .await;
+    pub fn announce_abort<'a>(&'a mut self) -> BoxFuture<'a, ()> {
+        async move {
+            let Some(c) = self.cur.as_mut() else { return };
+            let epoch = c.world.epoch;
+            let Some(e) = self.abort.check(epoch) else {
+                return;
+            };
+            if self.abort.take_local() {
+                let reason = format!("rank {}: {e}", c.rank);
+                let h = executor::close_header(epoch);
+                executor::broadcast_abort(
+                    epoch,
+                    0,
+                    h.desc,
+                    eccl_protocol::frame::AbortCause::EpochAborted,
+                    &reason,
+                    &mut c.links,
+                )
+                .await;
+            }
         }
+        .boxed()
     }
 
     /// The transport of each link of the current world, by rank (`None` at this rank).

@@ -4,6 +4,7 @@
 //! its own messages).
 
 use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, Rank, ReduceOp};
+use futures::future::{BoxFuture, FutureExt};
 
 use super::{Communicator, OpInfo};
 use crate::error::{Error, Result};
@@ -49,105 +50,111 @@ impl Communicator {
     /// Receives exactly `out.len()` bytes with tag `tag` from whichever rank's message
     /// comes first (MPI's `MPI_ANY_SOURCE`, torch's `recv(src=None)`); the sender is
     /// `OpInfo::peer`. Messages from one rank on one tag still arrive in order.
-    pub async fn recv_any_bytes(
-        &mut self,
+    pub fn recv_any_bytes<'a>(
+        &'a mut self,
         dtype: DType,
-        out: &mut [u8],
+        out: &'a mut [u8],
         tag: u32,
-    ) -> Result<OpInfo> {
-        let n = out.len();
-        self.p2p(dtype, n, tag, Direction::Recv(out, None)).await
+    ) -> BoxFuture<'a, Result<OpInfo>> {
+        async move {
+            let n = out.len();
+            self.p2p(dtype, n, tag, Direction::Recv(out, None)).await
+        }
+        .boxed()
     }
 
-    async fn p2p(
-        &mut self,
+    fn p2p<'a>(
+        &'a mut self,
         dtype: DType,
         nbytes: usize,
         tag: u32,
-        dir: Direction<'_>,
-    ) -> Result<OpInfo> {
-        let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
-        self.ready()?;
-        let c = self.cur.as_mut().expect("checked by ready()");
-        let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
-        let desc = Descriptor {
-            kind: CollectiveKind::SendRecv,
-            dtype,
-            op: ReduceOp::Sum,
-            algo: Algo::Direct,
-            root: 0,
-            count: (nbytes / dtype.size()) as u64,
-        };
-        // A rank-local mistake: nothing was sent, the other side has not been touched.
-        if !nbytes.is_multiple_of(dtype.size()) {
-            return Err(Error::InvalidArgument(format!(
-                "{nbytes} bytes is not a whole number of {dtype} elements"
-            )));
-        }
-        let named = match &dir {
-            Direction::Send(_, to) => Some(*to),
-            Direction::Recv(_, from) => *from,
-        };
-        if let Some(peer) = named.filter(|p| p.0 >= world || *p == rank) {
-            return Err(Error::InvalidArgument(format!(
-                "peer rank {peer} is not another rank of this world of {world}"
-            )));
-        }
-        let members = c.members.clone();
-        let op = Op {
-            epoch,
-            seq: 0,
-            desc,
-            world,
-            timeout,
-            frame_bytes,
-            abort: &self.abort,
-            suspect: &self.suspect,
-        };
-        // A receive first waits for its message's first frame, consuming nothing before
-        // it: if none comes within the timeout the call fails on this rank alone (as a
-        // receive that times out in Gloo or MPI does) and the next receive from that
-        // rank with that tag gets its next message.
-        let (peer, first) = match &dir {
-            Direction::Send(_, to) => (*to, None),
-            Direction::Recv(_, from) => {
-                let recvd = &c.p2p_recvd;
-                let seq_of = |r: u32| recvd.get(&(Rank(r), tag)).copied().unwrap_or(0);
-                let from = from.map(|p| p.0);
-                match executor::probe_p2p(&op, &mut c.links, from, tag, seq_of).await {
-                    Ok((r, f)) => (Rank(r), Some(f)),
-                    Err(e @ Error::Timeout { .. }) => return Err(e),
-                    Err(e) => return Err(self.fail(epoch, 0, desc, e).await),
-                }
-            }
-        };
-        let counter = match dir {
-            Direction::Send(..) => &mut c.p2p_sent,
-            Direction::Recv(..) => &mut c.p2p_recvd,
-        }
-        .entry((peer, tag))
-        .or_insert(0);
-        let seq = *counter;
-        *counter += 1;
-        let link = c.links[peer.idx()]
-            .as_mut()
-            .ok_or_else(|| Error::InvalidArgument(format!("no link to rank {peer}")))?;
-        let op = Op { seq, ..op };
-        let r = match dir {
-            Direction::Send(d, _) => executor::send_p2p(&op, link, peer.0, tag, d).await,
-            Direction::Recv(o, _) => executor::recv_p2p(&op, link, peer.0, tag, first, o).await,
-        };
-        match r {
-            Ok(()) => Ok(OpInfo {
-                epoch,
-                seq,
-                rank,
-                world_size: world,
-                members,
+        dir: Direction<'a>,
+    ) -> BoxFuture<'a, Result<OpInfo>> {
+        async move {
+            let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
+            self.ready()?;
+            let c = self.cur.as_mut().expect("checked by ready()");
+            let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
+            let desc = Descriptor {
+                kind: CollectiveKind::SendRecv,
+                dtype,
+                op: ReduceOp::Sum,
                 algo: Algo::Direct,
-                peer: Some(peer),
-            }),
-            Err(e) => Err(self.fail(epoch, seq, desc, e).await),
+                root: 0,
+                count: (nbytes / dtype.size()) as u64,
+            };
+            // A rank-local mistake: nothing was sent, the other side has not been touched.
+            if !nbytes.is_multiple_of(dtype.size()) {
+                return Err(Error::InvalidArgument(format!(
+                    "{nbytes} bytes is not a whole number of {dtype} elements"
+                )));
+            }
+            let named = match &dir {
+                Direction::Send(_, to) => Some(*to),
+                Direction::Recv(_, from) => *from,
+            };
+            if let Some(peer) = named.filter(|p| p.0 >= world || *p == rank) {
+                return Err(Error::InvalidArgument(format!(
+                    "peer rank {peer} is not another rank of this world of {world}"
+                )));
+            }
+            let members = c.members.clone();
+            let op = Op {
+                epoch,
+                seq: 0,
+                desc,
+                world,
+                timeout,
+                frame_bytes,
+                abort: &self.abort,
+                suspect: &self.suspect,
+            };
+            // A receive first waits for its message's first frame, consuming nothing before
+            // it: if none comes within the timeout the call fails on this rank alone (as a
+            // receive that times out in Gloo or MPI does) and the next receive from that
+            // rank with that tag gets its next message.
+            let (peer, first) = match &dir {
+                Direction::Send(_, to) => (*to, None),
+                Direction::Recv(_, from) => {
+                    let recvd = &c.p2p_recvd;
+                    let seq_of = |r: u32| recvd.get(&(Rank(r), tag)).copied().unwrap_or(0);
+                    let from = from.map(|p| p.0);
+                    match executor::probe_p2p(&op, &mut c.links, from, tag, seq_of).await {
+                        Ok((r, f)) => (Rank(r), Some(f)),
+                        Err(e @ Error::Timeout { .. }) => return Err(e),
+                        Err(e) => return Err(self.fail(epoch, 0, desc, e).await),
+                    }
+                }
+            };
+            let counter = match dir {
+                Direction::Send(..) => &mut c.p2p_sent,
+                Direction::Recv(..) => &mut c.p2p_recvd,
+            }
+            .entry((peer, tag))
+            .or_insert(0);
+            let seq = *counter;
+            *counter += 1;
+            let link = c.links[peer.idx()]
+                .as_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("no link to rank {peer}")))?;
+            let op = Op { seq, ..op };
+            let r = match dir {
+                Direction::Send(d, _) => executor::send_p2p(&op, link, peer.0, tag, d).await,
+                Direction::Recv(o, _) => executor::recv_p2p(&op, link, peer.0, tag, first, o).await,
+            };
+            match r {
+                Ok(()) => Ok(OpInfo {
+                    epoch,
+                    seq,
+                    rank,
+                    world_size: world,
+                    members,
+                    algo: Algo::Direct,
+                    peer: Some(peer),
+                }),
+                Err(e) => Err(self.fail(epoch, seq, desc, e).await),
+            }
         }
+        .boxed()
     }
 }

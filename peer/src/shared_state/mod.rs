@@ -14,6 +14,7 @@ mod serve;
 mod wait;
 
 use eccl_protocol::PeerId;
+use futures::future::{BoxFuture, FutureExt};
 
 /// One named tensor of the shared state, as raw bytes borrowed from the caller.
 pub struct SharedTensor<'a> {
@@ -145,66 +146,70 @@ impl Communicator {
     /// Collective: every member of the epoch calls it with tensors of the same names and
     /// sizes. The caller's tensors change only when every chunk has arrived and matched,
     /// so a failed sync leaves them as they were.
-    pub async fn sync_shared_state(
-        &mut self,
+    pub fn sync_shared_state<'a, 't: 'a>(
+        &'a mut self,
         revision: u64,
-        tensors: &mut [SharedTensor<'_>],
+        tensors: &'a mut [SharedTensor<'t>],
         strategy: SyncStrategy,
-    ) -> Result<SyncInfo> {
-        let peer_id = self.peer_id();
-        let (epoch, round) = {
-            let c = self.cur.as_mut().ok_or_else(|| {
-                Error::InvalidArgument("no world yet: call update_topology() first".into())
-            })?;
-            c.sync_round += 1;
-            (c.world.epoch, c.sync_round)
-        };
-        // A call that is wrong on its own says so, even if the epoch is already broken.
-        let mut names = HashSet::new();
-        for t in tensors.iter() {
-            if !names.insert(t.name.as_str()) {
-                return Err(Error::InvalidArgument(format!(
-                    "shared state has two tensors named {:?}",
-                    t.name
-                )));
+    ) -> BoxFuture<'a, Result<SyncInfo>> {
+        async move {
+            let peer_id = self.peer_id();
+            let (epoch, round) = {
+                let c = self.cur.as_mut().ok_or_else(|| {
+                    Error::InvalidArgument("no world yet: call update_topology() first".into())
+                })?;
+                c.sync_round += 1;
+                (c.world.epoch, c.sync_round)
+            };
+            // A call that is wrong on its own says so, even if the epoch is already broken.
+            let mut names = HashSet::new();
+            for t in tensors.iter() {
+                if !names.insert(t.name.as_str()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "shared state has two tensors named {:?}",
+                        t.name
+                    )));
+                }
             }
-        }
-        if let Some(e) = self.abort.check(epoch) {
-            return Err(e);
-        }
-        let local: Vec<TensorDigest> = tensors.iter().map(|t| digest(&t.name, t.data)).collect();
-        let req = PeerRequest::SyncState {
-            peer_id,
-            epoch,
-            round,
-            revision,
-            strategy,
-            tensors: local.clone(),
-        };
-        let reply = self.master.request(req, self.cfg.join_timeout).await?;
-        let (revision, target, sources, receivers) = match reply {
-            MasterReply::SyncPlan {
+            if let Some(e) = self.abort.check(epoch) {
+                return Err(e);
+            }
+            let local: Vec<TensorDigest> =
+                tensors.iter().map(|t| digest(&t.name, t.data)).collect();
+            let req = PeerRequest::SyncState {
+                peer_id,
+                epoch,
+                round,
                 revision,
-                target,
-                sources,
-                receivers,
-            } => (revision, target, sources, receivers),
-            other => return Err(reply_error(&self.cfg.master, epoch, other)),
-        };
-        match self
-            .carry_out_sync(
-                epoch, round, tensors, strategy, &local, revision, target, sources, receivers,
-            )
-            .await
-        {
-            Ok(info) => Ok(info),
-            // The others may already be in the next collective: break the epoch so that
-            // they fail promptly instead of waiting for this member.
-            Err(e) => {
-                let desc = state_header(FrameKind::Abort, epoch, 0, 0, 0).desc;
-                Err(self.fail(epoch, u64::MAX, desc, e).await)
+                strategy,
+                tensors: local.clone(),
+            };
+            let reply = self.master.request(req, self.cfg.join_timeout).await?;
+            let (revision, target, sources, receivers) = match reply {
+                MasterReply::SyncPlan {
+                    revision,
+                    target,
+                    sources,
+                    receivers,
+                } => (revision, target, sources, receivers),
+                other => return Err(reply_error(&self.cfg.master, epoch, other)),
+            };
+            match self
+                .carry_out_sync(
+                    epoch, round, tensors, strategy, &local, revision, target, sources, receivers,
+                )
+                .await
+            {
+                Ok(info) => Ok(info),
+                // The others may already be in the next collective: break the epoch so that
+                // they fail promptly instead of waiting for this member.
+                Err(e) => {
+                    let desc = state_header(FrameKind::Abort, epoch, 0, 0, 0).desc;
+                    Err(self.fail(epoch, u64::MAX, desc, e).await)
+                }
             }
         }
+        .boxed()
     }
 
     #[allow(clippy::too_many_arguments)]
