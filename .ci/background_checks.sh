@@ -18,19 +18,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MIRI_TOOLCHAIN:?}"
 
-echo "== test binaries"
+# Each part says when it starts, in seconds since the job started (bash's SECONDS), so
+# the test command's log shows what the background job costs.
+echo "== test binaries (at ${SECONDS} s)"
 cargo test --release --workspace --locked --no-run
 cargo test --release --locked -p eccl-transport --features verbs --no-run
 touch target/.tests-built
 
 unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
 
-echo "== miri"
+echo "== miri (at ${SECONDS} s)"
 # One invocation for both crates: one dependency build.
 cargo +"$MIRI_TOOLCHAIN" miri test --locked -p eccl -p eccl-transport --lib -- \
     executor::bufs shm::segment
 
-echo "== cargo fuzz"
+echo "== cargo fuzz (at ${SECONDS} s)"
 CARGO_FUZZ_VERSION=0.13.2
 if [ "$(cargo fuzz --version 2>/dev/null || true)" != "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
     cargo install --locked --quiet "cargo-fuzz@$CARGO_FUZZ_VERSION"
@@ -56,3 +58,4 @@ for t in $(cargo +"$MIRI_TOOLCHAIN" fuzz list); do
     fi
     grep -E "^Done [0-9]+ runs" "$log" | sed "s/^/$t: /"
 done
+echo "== done (at ${SECONDS} s)"
