@@ -8,6 +8,7 @@
 //! Buffer lengths follow NCCL's count convention (see [`buffer_lens`]); in a world of one
 //! every collective is a local copy.
 
+pub mod bufs;
 pub mod element;
 mod in_place;
 pub mod kernels;

@@ -34,6 +34,16 @@ pub enum Error {
     TooFewPeers { have: usize, need: usize },
 }
 
+/// A schedule or buffer the algorithms crate refused: the call's arguments are wrong.
+impl From<eccl_algorithms::BuildError> for Error {
+    fn from(e: eccl_algorithms::BuildError) -> Error {
+        match e {
+            eccl_algorithms::BuildError::InvalidArgument(m) => Error::InvalidArgument(m),
+            other => Error::InvalidArgument(other.to_string()),
+        }
+    }
+}
+
 /// Defines [`ErrorKind`] from one table: each row names a variant of [`Error`], whether a
 /// retry over a new world can succeed, and what to do about it. The Python package makes
 /// one exception class per row (`AbortedError`, ...), so a new kind of error is one row

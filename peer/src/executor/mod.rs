@@ -10,14 +10,13 @@
 //! | file | job |
 //! |---|---|
 //! | `mod.rs` | the steps of a schedule and their primitives |
-//! | `bufs.rs` | the caller's buffers as regions (the executor's `unsafe`) |
 //! | `frames.rs` | waiting for frames, assembling messages |
 //! | `control.rs` | the rooted check, abort notices, point-to-point |
+//! | `eccl_algorithms::bufs` | the caller's buffers as regions (the executor's `unsafe`) |
 //!
 //! The executor drives links through `eccl_transport::link` only: it does not know which
 //! transport carries the bytes.
 
-mod bufs;
 mod control;
 mod frames;
 
@@ -33,11 +32,11 @@ use eccl_transport::link::Payload;
 use futures::future::{try_join_all, BoxFuture, FutureExt};
 use tokio::sync::mpsc;
 
-pub(crate) use bufs::Bufs;
-use bufs::Mem;
 pub(crate) use control::{
     broadcast_abort, check_round, close_header, probe_p2p, recv_p2p, send_p2p,
 };
+pub(crate) use eccl_algorithms::bufs::Bufs;
+use eccl_algorithms::bufs::{self, Mem};
 use frames::{recv_msg, Want};
 
 use crate::abort::AbortState;

@@ -18,7 +18,7 @@
 //!   stopped peer is the master's to catch (its lease), like on every transport.
 
 mod fds;
-mod segment;
+use eccl_shm as segment;
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};

@@ -1,18 +1,19 @@
 //! The caller's buffers as the schedule's primitives see them: raw parts, so that the
 //! primitives of one step can borrow disjoint regions at the same time. This is the
-//! executor's one `unsafe` place; a validated schedule is what makes it sound.
+//! executor's one `unsafe` place (it lives here, beside the schedules, so that Miri checks
+//! it without building the peer's dependencies); a validated schedule is what makes it sound.
 //!
 //! [`Bufs::borrow`] decides, for every communication primitive, which slices it holds
 //! while its step runs, and [`Bufs::run_local`] runs the local ones. The tests below
 //! borrow every step of every schedule at once and touch every slice, so that Miri
-//! (`cargo +nightly miri test -p eccl --lib executor::bufs`) checks the aliasing.
+//! (`cargo +nightly miri test -p eccl-algorithms --lib bufs`) checks the aliasing.
 
-use eccl_algorithms::{kernels, Buf, DType, Prim, ReduceOp, Region};
+use crate::{kernels, Buf, BuildError, DType, Prim, ReduceOp, Region};
 
-use crate::error::{Error, Result};
+type Result<T> = std::result::Result<T, BuildError>;
 
 /// The memory one communication primitive works on for the length of its step.
-pub(crate) enum Mem<'a> {
+pub enum Mem<'a> {
     /// `Send`: what it sends.
     Read(&'a [u8]),
     /// `Recv`, `RecvCopySend`: where the message lands.
@@ -22,7 +23,7 @@ pub(crate) enum Mem<'a> {
 }
 
 /// The operands of a receive-reduce.
-pub(crate) enum Reduce<'a> {
+pub enum Reduce<'a> {
     /// `local` and the destination are different regions (a `RecvReduceSend` may keep
     /// no result: `out` is `None`).
     Apart {
@@ -39,6 +40,10 @@ impl Reduce<'_> {
             Reduce::Apart { local, .. } => local.len(),
             Reduce::InPlace(b) => b.len(),
         }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// `piece = piece ⊕ local[off..]` for an incoming piece at `off`, then stores the
@@ -78,7 +83,7 @@ impl Reduce<'_> {
 
 /// The caller's buffers as raw parts, so that the primitives of one step can borrow
 /// disjoint regions of them at the same time.
-pub(crate) struct Bufs {
+pub struct Bufs {
     input: *const u8,
     input_len: usize,
     output: *mut u8,
@@ -120,7 +125,7 @@ impl Bufs {
             (Some(s), Some(b)) if s.checked_add(b).is_some_and(|e| e <= len) => {
                 Ok((base.wrapping_add(s), b))
             }
-            _ => Err(Error::InvalidArgument(format!(
+            _ => Err(BuildError::InvalidArgument(format!(
                 "schedule region {r:?} is outside its buffer of {len} bytes"
             ))),
         }
@@ -145,7 +150,7 @@ impl Bufs {
     #[allow(clippy::mut_from_ref)]
     unsafe fn get_mut(&self, r: &Region) -> Result<&mut [u8]> {
         if r.buf == Buf::Input {
-            return Err(Error::InvalidArgument(
+            return Err(BuildError::InvalidArgument(
                 "a schedule may not write its input".into(),
             ));
         }
@@ -169,7 +174,7 @@ impl Bufs {
     pub unsafe fn borrow(&self, p: &Prim) -> Result<Mem<'_>> {
         let reduce = |local: &Region, dst: Option<&Region>| -> Result<Mem<'_>> {
             if let Some(d) = dst.filter(|d| d.len != local.len) {
-                return Err(Error::InvalidArgument(format!(
+                return Err(BuildError::InvalidArgument(format!(
                     "schedule reduces regions of different lengths ({local:?}, {d:?})"
                 )));
             }
@@ -192,9 +197,11 @@ impl Bufs {
             }
             Prim::RecvReduce { local, dst, .. } => reduce(local, Some(dst)),
             Prim::RecvReduceSend { local, dst, .. } => reduce(local, dst.as_ref()),
-            Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => Err(
-                Error::InvalidArgument(format!("{p:?} is local: it runs before its step's links")),
-            ),
+            Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => {
+                Err(BuildError::InvalidArgument(format!(
+                    "{p:?} is local: it runs before its step's links"
+                )))
+            }
         }
     }
 
@@ -211,12 +218,12 @@ impl Bufs {
     ) -> Result<()> {
         match p {
             Prim::Copy { src, dst } | Prim::Reduce { src, dst } if src.overlaps(dst) => {
-                Err(Error::InvalidArgument(format!(
+                Err(BuildError::InvalidArgument(format!(
                     "schedule combines overlapping regions ({src:?}, {dst:?})"
                 )))
             }
             Prim::Copy { src, dst } | Prim::Reduce { src, dst } if src.len != dst.len => {
-                Err(Error::InvalidArgument(format!(
+                Err(BuildError::InvalidArgument(format!(
                     "schedule combines regions of different lengths ({src:?}, {dst:?})"
                 )))
             }
@@ -232,7 +239,7 @@ impl Bufs {
                 kernels::finalize(dtype, op, self.get_mut(region)?, world);
                 Ok(())
             }
-            _ => Err(Error::InvalidArgument(format!(
+            _ => Err(BuildError::InvalidArgument(format!(
                 "{p:?} is not a local primitive"
             ))),
         }
@@ -241,7 +248,7 @@ impl Bufs {
 
 #[cfg(test)]
 mod tests {
-    use eccl_algorithms::{available_algos, build, CollectiveKind, Descriptor};
+    use crate::{available_algos, build, CollectiveKind, Descriptor};
 
     use super::*;
 
@@ -291,7 +298,7 @@ mod tests {
         assert!(checked > 100, "only {checked} schedules");
     }
 
-    fn exercise(s: &eccl_algorithms::Schedule, desc: &Descriptor, world: u32) {
+    fn exercise(s: &crate::Schedule, desc: &Descriptor, world: u32) {
         let elem = desc.dtype.size();
         let input: Vec<u8> = (0..s.input_len * elem).map(|i| i as u8).collect();
         let mut output = vec![0u8; s.output_len * elem];

@@ -1,6 +1,8 @@
 //! The shared segment of one shm link: a sealed memfd holding two rings, one per
-//! direction, and the raw accessors to it. This file and `fds.rs` are the shm
-//! transport's `unsafe`; everything above them works with safe views.
+//! direction, and the raw accessors to it. This crate and `eccl-transport`'s
+//! `shm/fds.rs` are the shm transport's `unsafe`; everything above them works with
+//! safe views. It is a crate of its own so that Miri checks it without building the
+//! transport's dependencies (`cargo +nightly miri test -p eccl-shm`).
 //!
 //! ```text
 //! ring (every part page-aligned):
@@ -25,19 +27,19 @@ use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
 /// Slots per ring: enough frames in flight to keep a ring pipeline busy, few enough that
 /// a world of many local peers does not reserve gigabytes.
-pub(crate) const NSLOTS: usize = 8;
+pub const NSLOTS: usize = 8;
 const PAGE: usize = 4096;
 const DESC: usize = 128;
 const DESCS: usize = (NSLOTS * DESC).div_ceil(PAGE) * PAGE;
 
 /// Smallest and largest slot: a shared-state chunk must fit (1 MiB), and a frame is at
 /// most the protocol's limit.
-pub(crate) const MIN_SLOT: usize = eccl_protocol::STATE_CHUNK;
-pub(crate) const MAX_SLOT: usize = eccl_protocol::MAX_FRAME_PAYLOAD;
+pub const MIN_SLOT: usize = eccl_protocol::STATE_CHUNK;
+pub const MAX_SLOT: usize = eccl_protocol::MAX_FRAME_PAYLOAD;
 
 /// The shape of a segment, which both ends compute from `slot_bytes`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Geometry {
+pub struct Geometry {
     pub slot_bytes: usize,
 }
 
@@ -58,12 +60,12 @@ impl Geometry {
 }
 
 /// The seals every segment carries before it is shared.
-pub(crate) fn seals() -> SealFlag {
+pub fn seals() -> SealFlag {
     SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW
 }
 
 /// Seals a segment the caller created, so that nobody can change its size any more.
-pub(crate) fn seal(fd: &OwnedFd) -> std::io::Result<()> {
+pub fn seal(fd: &OwnedFd) -> std::io::Result<()> {
     fcntl(
         fd.as_raw_fd(),
         FcntlArg::F_ADD_SEALS(seals() | SealFlag::F_SEAL_SEAL),
@@ -73,7 +75,7 @@ pub(crate) fn seal(fd: &OwnedFd) -> std::io::Result<()> {
 
 /// Checks a segment received from a peer: sealed against resizing, and of the size
 /// `geo` needs.
-pub(crate) fn check(fd: &OwnedFd, geo: Geometry) -> Result<(), String> {
+pub fn check(fd: &OwnedFd, geo: Geometry) -> Result<(), String> {
     let got = fcntl(fd.as_raw_fd(), FcntlArg::F_GET_SEALS)
         .map_err(|e| format!("cannot read the segment's seals: {e}"))?;
     if SealFlag::from_bits_truncate(got) & seals() != seals() {
@@ -92,7 +94,7 @@ pub(crate) fn check(fd: &OwnedFd, geo: Geometry) -> Result<(), String> {
 }
 
 /// A segment mapped into this process.
-pub(crate) struct Mapping {
+pub struct Mapping {
     base: NonNull<u8>,
     geo: Geometry,
     backing: Backing,
@@ -110,7 +112,7 @@ enum Backing {
 
 /// What the receiver of a ring finds at the frame it expects next.
 #[derive(Debug)]
-pub(crate) enum Peek {
+pub enum Peek {
     /// Not published yet.
     Empty,
     /// The sender claims more frames than the ring holds: a broken or hostile peer.
