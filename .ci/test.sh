@@ -176,10 +176,6 @@ if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
 fi
 cargo test --release --workspace --locked
 
-phase "miri and cargo fuzz: the rest of the background run"
-wait_for_background
-grep -E "^(== |test |test result|[a-z]+: Done)" target/background.log
-
 phase "smoke: eccl-bench all_reduce --local 4 -c over every transport"
 for t in tcp shm quic; do
     ECCL_TRANSPORT=$t target/release/eccl-bench all_reduce --local 4 -b 8 -e 8M -f 8 -n 3 -w 1 -c
@@ -195,6 +191,11 @@ done
 phase "chaos: 25 s with three masters, the leader killed and hung among peer faults"
 target/release/eccl-chaos --peers 4 --masters 3 --duration 25 --seed "$seed" --state-mb 4 \
     --faults kill,hang,join,master-kill,master-hang
+
+# Last: the chaos runs above overlap the background job (it yields to them).
+phase "miri and cargo fuzz: the rest of the background run"
+wait_for_background
+grep -E "^(== |test |test result|[a-z]+: Done)" target/background.log
 
 if [ -n "${ECCL_SOAK:-}" ]; then
     phase "soak: 6 peers for 5 minutes"
