@@ -11,6 +11,13 @@
 //!
 //! Collectives take `&mut self`: within an epoch every member calls the same collectives
 //! in the same order, and the borrow checker keeps one caller from interleaving two.
+//!
+//! The calls that lead into the engine (connect, the membership calls, the one
+//! collective and point-to-point funnels, shared-state sync) return a
+//! [`BoxFuture`](futures::future::BoxFuture) made here: a future's `poll` is compiled in
+//! the crate that polls it, so an `async fn` awaited from eccl-bench, eccl-chaos,
+//! eccl-python and every test would compile the engine again in each (one box per call
+//! costs nothing measurable; docs/measurements.md).
 
 mod collective;
 mod membership;
