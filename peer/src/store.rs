@@ -143,13 +143,10 @@ impl StoreClient {
         .boxed()
     }
 
-    fn write<'a>(&'a self, op: StoreWrite) -> BoxFuture<'a, Result<StoreReply>> {
-        async move {
-            let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
-            self.ask(StoreRequest::Write { seq, op }, self.inner.timeout)
-                .await
-        }
-        .boxed()
+    async fn write(&self, op: StoreWrite) -> Result<StoreReply> {
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        self.ask(StoreRequest::Write { seq, op }, self.inner.timeout)
+            .await
     }
 
     pub async fn set(&self, key: &[u8], value: &[u8]) -> Result<()> {

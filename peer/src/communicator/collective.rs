@@ -278,47 +278,44 @@ impl Communicator {
     /// schedule, like gloo's `allreduce_coalesced`): they are packed into one buffer,
     /// reduced, and copied back only on success, so a failure leaves every one of them
     /// as it was (G2).
-    pub fn all_reduce_coalesced<'a, 'b: 'a>(
-        &'a mut self,
+    pub async fn all_reduce_coalesced(
+        &mut self,
         dtype: DType,
         op: ReduceOp,
-        bufs: &'a mut [&'b mut [u8]],
-    ) -> BoxFuture<'a, Result<OpInfo>> {
-        async move {
-            let elem = dtype.size();
-            if let Some(b) = bufs.iter().find(|b| b.len() % elem != 0) {
-                return Err(Error::InvalidArgument(format!(
-                    "a buffer of {} bytes is not a whole number of {dtype} elements",
-                    b.len()
-                )));
-            }
-            let total: usize = bufs.iter().map(|b| b.len()).sum();
-            let mut input = AlignedBuf::with_len(total);
-            let mut offset = 0;
-            for b in bufs.iter() {
-                input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
-                offset += b.len();
-            }
-            let mut output = AlignedBuf::with_len(total);
-            let args = CollArgs {
-                kind: CollectiveKind::AllReduce,
-                dtype,
-                op,
-                root: Rank(0),
-                count: total / elem,
-            };
-            let info = self
-                .collective(args, input.as_bytes(), output.as_bytes_mut())
-                .await?;
-            let mut offset = 0;
-            for b in bufs.iter_mut() {
-                let n = b.len();
-                b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
-                offset += n;
-            }
-            Ok(info)
+        bufs: &mut [&mut [u8]],
+    ) -> Result<OpInfo> {
+        let elem = dtype.size();
+        if let Some(b) = bufs.iter().find(|b| b.len() % elem != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "a buffer of {} bytes is not a whole number of {dtype} elements",
+                b.len()
+            )));
         }
-        .boxed()
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut input = AlignedBuf::with_len(total);
+        let mut offset = 0;
+        for b in bufs.iter() {
+            input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
+            offset += b.len();
+        }
+        let mut output = AlignedBuf::with_len(total);
+        let args = CollArgs {
+            kind: CollectiveKind::AllReduce,
+            dtype,
+            op,
+            root: Rank(0),
+            count: total / elem,
+        };
+        let info = self
+            .collective(args, input.as_bytes(), output.as_bytes_mut())
+            .await?;
+        let mut offset = 0;
+        for b in bufs.iter_mut() {
+            let n = b.len();
+            b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
+            offset += n;
+        }
+        Ok(info)
     }
 
     /// Breaks the epoch after a failed call and tells the other ranks why, so that none

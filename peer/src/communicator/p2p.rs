@@ -50,17 +50,14 @@ impl Communicator {
     /// Receives exactly `out.len()` bytes with tag `tag` from whichever rank's message
     /// comes first (MPI's `MPI_ANY_SOURCE`, torch's `recv(src=None)`); the sender is
     /// `OpInfo::peer`. Messages from one rank on one tag still arrive in order.
-    pub fn recv_any_bytes<'a>(
-        &'a mut self,
+    pub async fn recv_any_bytes(
+        &mut self,
         dtype: DType,
-        out: &'a mut [u8],
+        out: &mut [u8],
         tag: u32,
-    ) -> BoxFuture<'a, Result<OpInfo>> {
-        async move {
-            let n = out.len();
-            self.p2p(dtype, n, tag, Direction::Recv(out, None)).await
-        }
-        .boxed()
+    ) -> Result<OpInfo> {
+        let n = out.len();
+        self.p2p(dtype, n, tag, Direction::Recv(out, None)).await
     }
 
     fn p2p<'a>(

@@ -2,7 +2,6 @@
 //! ([`Communicator::recover`]) and helpers that wrap the loop.
 
 use eccl_protocol::ReduceOp;
-use futures::future::{BoxFuture, FutureExt};
 
 use super::{CollArgs, Communicator, OpInfo};
 use crate::error::{Error, Result};
@@ -46,13 +45,12 @@ impl Communicator {
     /// };
     /// # let _ = info; Ok(()) }
     /// ```
-    pub fn recover<'a>(
-        &'a mut self,
+    pub async fn recover(
+        &mut self,
         error: Error,
-        attempt: &'a mut u32,
-        policy: &'a RetryPolicy,
-    ) -> BoxFuture<'a, Result<()>> {
-        async move {
+        attempt: &mut u32,
+        policy: &RetryPolicy,
+    ) -> Result<()> {
         if !error.is_retryable() || *attempt >= policy.max_attempts {
             return Err(error);
         }
@@ -71,8 +69,6 @@ impl Communicator {
             return Err(Error::TooFewPeers { have, need });
         }
         Ok(())
-    }
-        .boxed()
     }
 
     /// `all_reduce` that retries over the next world after a fault (see
@@ -94,22 +90,19 @@ impl Communicator {
     }
 
     /// Any collective, retried over the next world after a fault.
-    pub fn collective_with_retry<'a>(
-        &'a mut self,
+    pub async fn collective_with_retry(
+        &mut self,
         args: CollArgs,
-        input: &'a [u8],
-        output: &'a mut [u8],
-        policy: &'a RetryPolicy,
-    ) -> BoxFuture<'a, Result<OpInfo>> {
-        async move {
-            let mut attempt = 1;
-            loop {
-                match self.collective(args, input, output).await {
-                    Ok(info) => return Ok(info),
-                    Err(e) => self.recover(e, &mut attempt, policy).await?,
-                }
+        input: &[u8],
+        output: &mut [u8],
+        policy: &RetryPolicy,
+    ) -> Result<OpInfo> {
+        let mut attempt = 1;
+        loop {
+            match self.collective(args, input, output).await {
+                Ok(info) => return Ok(info),
+                Err(e) => self.recover(e, &mut attempt, policy).await?,
             }
         }
-        .boxed()
     }
 }
