@@ -65,6 +65,10 @@ class Recovery:
         # torch's abort hooks by id, and the epoch they last ran for (once per abort).
         self.hooks: Dict[int, Callable[[], None]] = {}
         self._hooked_epoch = -1
+        # Counts the worlds this backend has taken on (a reconfigure's, or the epoch
+        # formed after an abort). A call remembers the one it was made in: its failure,
+        # reported after the group moved on, says nothing about the world it is in now.
+        self.generation = 0
         # `failed` runs on the thread that completes the calls, the rest on the caller's.
         self._lock = threading.Lock()
 
@@ -83,6 +87,7 @@ class Recovery:
         w = self.comm.update_topology()
         with self._lock:
             self.state = State.FORMED
+            self.generation += 1
         if w.rank != self.rank or w.world_size != self.size:
             fix = ("call dist._reconfigure with the members' handles" if self.reconfigurable
                    else "re-create it, or use eccl.torch.ElasticDDP")
@@ -90,15 +95,25 @@ class Recovery:
                 f"the group's world changed from {self.size} ranks to {w.world_size} (this "
                 f"process was rank {self.rank}, now {w.rank}): {fix}")
 
-    def failed(self, error: BaseException, kind: str) -> None:
-        """A call of `kind` ("collective", "p2p", "control") failed with `error`: if that
-        aborted the epoch on every rank, the hooks run and the next call recovers."""
+    def failed(self, error: BaseException, kind: str,
+               generation: Optional[int] = None) -> None:
+        """A call of `kind` ("collective", "p2p", "control"), made in the world numbered
+        `generation` (None: the current one), failed with `error`: if that aborted the
+        epoch on every rank, the hooks run and the next call recovers. A call of a world
+        the group has already left (a reconfigure abandoned it while it was in flight,
+        and its failure arrived after the new world was adopted) changes nothing: the
+        other ranks are in the new world, and forming yet another here would wait for
+        them in vain."""
         self.error = error
-        if isinstance(error, ABORTING[kind]):
-            self.run_hooks()
-            with self._lock:
-                if self.state is State.FORMED:
-                    self.state = State.ABORTED
+        if not isinstance(error, ABORTING[kind]):
+            return
+        with self._lock:
+            if generation is not None and generation != self.generation:
+                return
+        self.run_hooks()
+        with self._lock:
+            if self.state is State.FORMED and generation in (None, self.generation):
+                self.state = State.ABORTED
 
     def aborted(self) -> None:
         """`abort()` here (or a reconfigure that abandons calls in flight): the hooks run,
@@ -113,6 +128,7 @@ class Recovery:
         with self._lock:
             self.rank, self.size = self.comm.rank, self.comm.world_size
             self.state = State.FORMED
+            self.generation += 1
 
     def run_hooks(self) -> None:
         """Runs the abort hooks, once per aborted epoch, before the failure is reported."""

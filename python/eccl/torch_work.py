@@ -47,6 +47,8 @@ class TorchWork(dist._Work):
         self._after = after
         self._kind = kind
         self._recovery = recovery
+        # The world the call was made in (see `Recovery.failed`).
+        self._generation = None if recovery is None else recovery.generation
         self._lock = threading.Lock()
         self._finished = False
         self._error: Optional[BaseException] = None
@@ -111,7 +113,7 @@ class TorchWork(dist._Work):
         # before the failure is reported).
         try:
             if self._recovery is not None:
-                self._recovery.failed(error, self._kind)
+                self._recovery.failed(error, self._kind, self._generation)
         finally:
             with self._lock:
                 self._error = error

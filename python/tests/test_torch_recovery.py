@@ -110,6 +110,29 @@ def test_an_unformed_group_refuses_calls_until_a_reconfigure_adopts_a_world():
     assert comm.updates == 0
 
 
+def test_a_late_failure_of_a_call_the_reconfigure_abandoned_changes_nothing():
+    """A reconfigure abandons a call in flight (the hooks run, the old epoch is
+    aborted); the call's failure may reach the recovery only after the new world was
+    adopted. It is the old world's: the group stays formed (the other ranks are in the
+    new world, and forming another here would wait for them in vain) and the hooks do
+    not run again. A failure of a call made in the new world still aborts it."""
+    comm = Comm()
+    r = Recovery(comm, 1, 3, reconfigurable=True)
+    ran = []
+    r.hooks[1] = lambda: ran.append(comm.epoch)
+    made_in = r.generation
+    r.aborted()
+    comm.epoch, comm.rank, comm.world_size = 9, 0, 2
+    r.adopt()
+    r.failed(eccl.AbortedError("abandoned by the reconfigure"), "collective", made_in)
+    assert r.state is State.FORMED and ran == [4]
+    assert isinstance(r.error, eccl.AbortedError)
+    r.before_call()
+    assert comm.updates == 0
+    r.failed(eccl.AbortedError("a call of the new world"), "collective", r.generation)
+    assert r.state is State.ABORTED and ran == [4, 9]
+
+
 def test_every_call_of_the_backend_goes_through_recovery():
     """No list of calls to keep: every method torch's Backend declares that eccl's
     backend defines either recovers first or is named as not a call, and so does every
