@@ -405,7 +405,7 @@ impl Connection {
 /// What the registry records of a registering peer: its addresses as others reach them
 /// (the advertised host, else the address the connection came from; a host name stays a
 /// name) and its credential.
-fn registration(r: &RegisterRequest, remote: SocketAddr, token: [u8; 32]) -> Command {
+pub fn registration(r: &RegisterRequest, remote: SocketAddr, token: [u8; 32]) -> Command {
     let host = r
         .advertise_host
         .clone()
@@ -427,7 +427,7 @@ fn registration(r: &RegisterRequest, remote: SocketAddr, token: [u8; 32]) -> Com
 
 /// Why a registration's fields cannot be taken as they are: names that would make every
 /// world message huge, or a shm socket name that is not a plain token.
-fn bad_registration(r: &RegisterRequest) -> Option<String> {
+pub fn bad_registration(r: &RegisterRequest) -> Option<String> {
     let token = |s: &str| {
         s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
@@ -445,63 +445,4 @@ fn bad_registration(r: &RegisterRequest) -> Option<String> {
         return Some("shm socket name must be at most 100 characters of [A-Za-z0-9-_.:]".into());
     }
     None
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn request(advertise_host: Option<&str>) -> RegisterRequest {
-        RegisterRequest {
-            listen_port: 4000,
-            quic_port: Some(4001),
-            shm_name: Some("eccl-1".into()),
-            advertise_host: advertise_host.map(str::to_string),
-            host: "h1".into(),
-            rank_hint: Some(2),
-            protocol_version: PROTOCOL_VERSION,
-        }
-    }
-
-    #[test]
-    fn a_peer_is_reached_where_it_says_or_where_it_came_from() {
-        let remote: SocketAddr = "10.0.0.7:55555".parse().unwrap();
-        let addrs = |r: &RegisterRequest| match registration(r, remote, [0; 32]) {
-            Command::Register { addr, quic, .. } => (addr, quic),
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(
-            addrs(&request(None)),
-            ("10.0.0.7:4000".into(), Some("10.0.0.7:4001".into()))
-        );
-        assert_eq!(
-            addrs(&request(Some("192.168.1.9"))),
-            ("192.168.1.9:4000".into(), Some("192.168.1.9:4001".into()))
-        );
-        assert_eq!(
-            addrs(&request(Some("::1"))),
-            ("[::1]:4000".into(), Some("[::1]:4001".into()))
-        );
-        assert_eq!(
-            addrs(&request(Some("node-3.cluster"))),
-            (
-                "node-3.cluster:4000".into(),
-                Some("node-3.cluster:4001".into())
-            )
-        );
-    }
-
-    #[test]
-    fn registrations_with_huge_or_odd_names_are_refused() {
-        assert!(bad_registration(&request(None)).is_none());
-        let mut r = request(None);
-        r.host = "x".repeat(257);
-        assert!(bad_registration(&r).is_some());
-        let mut r = request(None);
-        r.shm_name = Some("../../etc".into());
-        assert!(bad_registration(&r).is_some());
-        let mut r = request(Some(&"y".repeat(300)));
-        r.host = "h".into();
-        assert!(bad_registration(&r).is_some());
-    }
 }

@@ -16,11 +16,8 @@ use crate::sync::{self, Report};
 
 mod liveness;
 mod reconfigure;
-mod store;
+pub mod store;
 pub use liveness::{Timing, TAKEOVER_GRACE};
-
-#[cfg(test)]
-mod tests;
 
 /// What the master sends a peer, queued for the connection's writer. Bounded: a peer
 /// that does not read what it asked for loses what does not fit (its requests time out

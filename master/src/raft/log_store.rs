@@ -62,7 +62,7 @@ impl LogInner {
 }
 
 /// An entry's encoded size, as it travels between masters.
-fn entry_size(e: &Entry<TypeConfig>) -> usize {
+pub fn entry_size(e: &Entry<TypeConfig>) -> usize {
     bincode::serde::encode_to_vec(e, bincode::config::standard())
         .map_or(usize::MAX / 4, |v| v.len())
 }
@@ -131,6 +131,20 @@ impl LogStore {
     pub fn has_state(&self) -> bool {
         let inner = self.lock();
         inner.vote.is_some() || !inner.entries.is_empty() || inner.last_purged.is_some()
+    }
+
+    /// Puts `e` into the log as appending it would, without the flush callback raft's
+    /// storage API needs (a log built by hand: tests, tools).
+    #[doc(hidden)]
+    pub fn insert(&self, e: Entry<TypeConfig>) {
+        let size = entry_size(&e);
+        self.lock().insert(e, size);
+    }
+
+    /// Drops the entries up to and including `index`, as purging does.
+    #[doc(hidden)]
+    pub fn purge_through(&self, index: u64) {
+        self.lock().drop_entries(index, false);
     }
 
     fn lock(&self) -> MutexGuard<'_, LogInner> {
@@ -302,69 +316,5 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         }
         inner.drop_entries(log_id.index, false);
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::registry::Command;
-    use crate::store::StoreCommand;
-    use eccl_protocol::StoreWrite;
-    use openraft::{CommittedLeaderId, EntryPayload};
-
-    fn write(index: u64, bytes: usize) -> Entry<TypeConfig> {
-        Entry {
-            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
-            payload: EntryPayload::Normal(Command::Store(StoreCommand::Write {
-                session: 1,
-                seq: index,
-                op: StoreWrite::Set {
-                    key: b"k".to_vec(),
-                    value: vec![7; bytes],
-                    ephemeral: false,
-                },
-            })),
-        }
-    }
-
-    /// What replication sends in one AppendEntries is bounded by bytes (at least one
-    /// entry, however large), so a follower far behind is never sent a batch that
-    /// cannot be encoded; the log counts the bytes it holds, and purging frees them.
-    #[tokio::test]
-    async fn batches_are_bounded_by_bytes_and_the_log_counts_them() {
-        let mut log = LogStore::new();
-        for i in 1..=20 {
-            let e = write(i, 3 << 20);
-            let size = entry_size(&e);
-            log.lock().insert(e, size);
-        }
-        assert!(log.bytes() > 60 << 20);
-        let batch = log.limited_get_log_entries(1, 21).await.unwrap();
-        let bytes: usize = batch.iter().map(entry_size).sum();
-        assert!(
-            !batch.is_empty() && bytes <= MAX_APPEND_BYTES,
-            "{} entries, {bytes} bytes",
-            batch.len()
-        );
-        assert_eq!(
-            batch.len(),
-            MAX_APPEND_BYTES / entry_size(&write(1, 3 << 20))
-        );
-        // The encoded batch fits in one message between masters.
-        let rpc = crate::raft::RaftRpc::AppendEntries(openraft::raft::AppendEntriesRequest {
-            vote: openraft::Vote::new(1, 1),
-            prev_log_id: None,
-            entries: batch,
-            leader_commit: None,
-        });
-        assert!(eccl_protocol::codec::encode(&rpc).is_ok());
-        // One entry over the batch bound still goes alone.
-        let big = write(21, MAX_APPEND_BYTES);
-        let size = entry_size(&big);
-        log.lock().insert(big, size);
-        assert_eq!(log.limited_get_log_entries(21, 22).await.unwrap().len(), 1);
-        log.lock().drop_entries(20, false);
-        assert_eq!(log.bytes(), size);
     }
 }

@@ -67,7 +67,7 @@ pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Take a snapshot (and purge the log behind it) every this many applied entries (or
 /// sooner, when the entries pass `log_store::SNAPSHOT_AT_BYTES`).
-const SNAPSHOT_EVERY: u64 = 1000;
+pub const SNAPSHOT_EVERY: u64 = 1000;
 
 /// Entries kept behind a snapshot, for followers a little behind (one further behind is
 /// sent the snapshot). With entries of up to a store write each (4 MiB) they hold at
@@ -416,6 +416,3 @@ async fn initialize(raft: &RaftNode, nodes: BTreeMap<MasterId, MasterNode>) -> a
         Err(e) => Err(anyhow::anyhow!("raft initialize failed: {e}")),
     }
 }
-
-#[cfg(test)]
-mod tests;

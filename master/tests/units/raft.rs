@@ -7,7 +7,8 @@ use eccl_protocol::auth::Secret;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::*;
+use eccl_master::raft::*;
+use eccl_master::registry::{Command, Outcome};
 
 fn secret() -> Secret {
     Secret::new(b"raft-test-secret-0123456789".to_vec()).unwrap()
@@ -549,7 +550,7 @@ async fn silent_connections_do_not_keep_masters_apart() {
 /// log bounded by entry count alone held all 300 MiB).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_log_is_bounded_by_bytes() {
-    use crate::store::StoreCommand;
+    use eccl_master::store::StoreCommand;
     use eccl_protocol::StoreWrite;
     let node = MasterNode::new("127.0.0.1:1", "");
     let members = BTreeMap::from([(1u64, node.clone())]);

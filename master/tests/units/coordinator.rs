@@ -6,8 +6,14 @@ use std::time::Duration;
 use eccl_protocol::auth::Secret;
 use eccl_protocol::{MasterMessage, SyncStrategy, TensorDigest};
 
-use super::*;
-use crate::raft::{MasterNode, RaftTiming};
+use eccl_master::coordinator::*;
+use eccl_master::raft::RaftRegistry;
+use eccl_master::raft::{MasterNode, RaftTiming};
+use eccl_master::registry::{Command, Outcome};
+use eccl_master::sync::Report;
+use eccl_protocol::{MasterReply, PeerId};
+use std::sync::Arc;
+use tokio::sync::mpsc;
 
 async fn leader_with_two_members() -> (Arc<Coordinator>, u64, PeerId, PeerId) {
     let node = MasterNode::new("127.0.0.1:1", "");

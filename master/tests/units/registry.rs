@@ -1,0 +1,182 @@
+//! Unit tests of `eccl_master::registry`.
+
+use eccl_master::registry::*;
+use eccl_protocol::{PeerId, World};
+
+fn reg(r: &mut Registry, hint: Option<u32>) -> PeerId {
+    match r.apply(&Command::Register {
+        addr: "127.0.0.1:1".into(),
+        host: "h".into(),
+        quic: None,
+        shm: None,
+        rank_hint: hint,
+        token: [7; 32],
+    }) {
+        Outcome::Registered(id) => id,
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn first_world_follows_rank_hints_and_epochs_grow() {
+    let mut r = Registry::default();
+    let a = reg(&mut r, Some(2));
+    let b = reg(&mut r, Some(0));
+    let c = reg(&mut r, Some(1));
+    let Outcome::Epoch(w) = r.apply(&Command::CommitEpoch {
+        expected_epoch: 0,
+        admit: vec![a, b, c],
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert_eq!(w.epoch, 1);
+    assert_eq!(w.peer_ids(), vec![b, c, a]);
+    // A stale commit is refused: one epoch number never names two worlds.
+    assert!(matches!(
+        r.apply(&Command::CommitEpoch {
+            expected_epoch: 0,
+            admit: vec![],
+            remove: vec![]
+        }),
+        Outcome::Rejected(_)
+    ));
+    let d = reg(&mut r, None);
+    assert!(matches!(
+        r.apply(&Command::Evict {
+            peer: c,
+            reason: "killed".into()
+        }),
+        Outcome::Removed {
+            was_member: true,
+            ..
+        }
+    ));
+    let Outcome::Epoch(w2) = r.apply(&Command::CommitEpoch {
+        expected_epoch: 1,
+        admit: vec![d, c],
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert_eq!(w2.epoch, 2);
+    // Survivors keep their order, the evicted peer does not come back (G4).
+    assert_eq!(w2.peer_ids(), vec![b, a, d]);
+    assert_eq!(
+        w2.members.iter().map(|m| m.rank.0).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+}
+
+fn rc(uuid: u64, members: Vec<PeerId>, ordered: bool) -> Command {
+    Command::Reconfigure {
+        uuid,
+        members,
+        ordered,
+    }
+}
+
+fn reconfigured(o: Outcome) -> (World, Vec<(u64, World)>) {
+    match o {
+        Outcome::Reconfigured { world, remainders } => (world, remainders),
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn reconfigure_makes_exactly_the_named_world_once_per_uuid() {
+    let mut r = Registry::default();
+    let (a, b, c) = (reg(&mut r, None), reg(&mut r, None), reg(&mut r, None));
+    // The first world comes from pending peers, ranks in list order.
+    let (w, rest) = reconfigured(r.apply(&rc(5, vec![c, a, b], true)));
+    assert_eq!((w.epoch, w.peer_ids(), rest.len()), (1, vec![c, a, b], 0));
+    // A used uuid is refused and changes nothing; an older one is as good as any.
+    assert!(
+        matches!(r.apply(&rc(5, vec![a, b], true)), Outcome::Rejected(m) if m.contains("already used"))
+    );
+    assert_eq!(r.epoch(), 1);
+    // A set keeps the current order. The member left out is not removed: it goes on
+    // in a world of its own, at an epoch of its own.
+    let (w, rest) = reconfigured(r.apply(&rc(4, vec![b, c], false)));
+    assert_eq!(w.peer_ids(), vec![c, b]);
+    assert_eq!(rest.len(), 1);
+    let (was, left) = &rest[0];
+    assert_eq!((*was, left.peer_ids()), (1, vec![a]));
+    assert!(w.epoch != left.epoch && w.epoch > 1 && left.epoch > 1);
+    assert_eq!(r.world_of(a).map(|w| w.epoch), Some(left.epoch));
+    assert_eq!(r.peer(a).unwrap().state, PeerState::Member);
+    // The two worlds merge again, with a newcomer.
+    let d = reg(&mut r, None);
+    let (w, rest) = reconfigured(r.apply(&rc(8, vec![b, c, d, a], true)));
+    assert_eq!((w.peer_ids(), rest.len()), (vec![b, c, d, a], 0));
+    assert_eq!(r.worlds().count(), 1);
+    assert!(
+        matches!(r.apply(&rc(9, vec![b, b], true)), Outcome::Rejected(m) if m.contains("twice"))
+    );
+}
+
+/// torch's split-brain shape: two disjoint halves reconfigure into two worlds, each
+/// at epochs of its own, update_topology() on one changes nothing in the other, and
+/// a member's reconfigure of itself alone removes nobody (the finding: one member
+/// once evicted the whole world with uuid 2^64-1 and burned every later uuid).
+#[test]
+fn disjoint_worlds_live_side_by_side_and_nobody_is_evicted_by_anothers_reconfigure() {
+    let mut r = Registry::default();
+    let p: Vec<PeerId> = (0..4).map(|i| reg(&mut r, Some(i))).collect();
+    let Outcome::Epoch(all) = r.apply(&Command::CommitEpoch {
+        expected_epoch: 0,
+        admit: p.clone(),
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    let (left, rest) = reconfigured(r.apply(&rc(100, vec![p[0], p[1]], true)));
+    assert_eq!(rest.len(), 1);
+    let right = &rest[0].1;
+    assert_eq!((rest[0].0, right.peer_ids()), (all.epoch, vec![p[2], p[3]]));
+    let (right2, rest) = reconfigured(r.apply(&rc(7, vec![p[2], p[3]], true)));
+    assert!(rest.is_empty());
+    assert_eq!(r.worlds().count(), 2);
+    // Each world's own next epoch, and no other's.
+    let Outcome::Epoch(l2) = r.apply(&Command::CommitEpoch {
+        expected_epoch: left.epoch,
+        admit: vec![],
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert_eq!(l2.peer_ids(), left.peer_ids());
+    assert_eq!(r.world_of(p[2]).unwrap(), &right2);
+    // One member alone, with the largest uuid: its world goes on without it.
+    let (solo, rest) = reconfigured(r.apply(&rc(u64::MAX, vec![p[0]], true)));
+    assert_eq!(solo.peer_ids(), vec![p[0]]);
+    assert_eq!(rest[0].1.peer_ids(), vec![p[1]]);
+    assert!(p
+        .iter()
+        .all(|x| r.peer(*x).unwrap().state == PeerState::Member));
+    // No uuid is burned: a smaller one still works, and the job merges back.
+    let (merged, _) = reconfigured(r.apply(&rc(3, p.clone(), true)));
+    assert_eq!(merged.peer_ids(), p);
+    // Epochs only grow for every member (G6), one number one world.
+    assert!(merged.epoch > solo.epoch && solo.epoch > l2.epoch);
+}
+
+#[test]
+fn unknown_peers_are_rejected() {
+    let mut r = Registry::default();
+    assert!(matches!(
+        r.apply(&Command::Evict {
+            peer: PeerId(42),
+            reason: String::new()
+        }),
+        Outcome::Rejected(_)
+    ));
+    assert!(matches!(
+        r.apply(&Command::CommitEpoch {
+            expected_epoch: 0,
+            admit: vec![PeerId(42)],
+            remove: vec![]
+        }),
+        Outcome::Rejected(_)
+    ));
+}
