@@ -8,7 +8,10 @@
 #  - coverage-guided fuzzing (cargo fuzz, libFuzzer) of every decoder a stranger or a job
 #    member reaches, ECCL_FUZZ_SECONDS (default 10) per target, starting from the corpus
 #    committed in fuzz/corpus (what a run finds goes to target/fuzz-corpus, not into the
-#    repository; a crash leaves its input in fuzz/artifacts and fails the run).
+#    repository; a crash leaves its input in fuzz/artifacts and fails the run);
+#  - the verbs feature (RDMA links): its build, linted as the main build is, and its
+#    tests (without a device they say why they skip), last, in the main target once
+#    the test command's own builds are done with it.
 # Miri and the fuzzers build into targets of their own (target/miri, fuzz/target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +24,9 @@ if [ -w /proc/self/autogroup ]; then
     echo 19 >/proc/self/autogroup || true
 fi
 
+# The verbs build (last) lints as the main build does; Miri and the fuzzers do not.
+lint_wrapper="${RUSTC_WORKSPACE_WRAPPER:-}"
+lint_args="${CLIPPY_ARGS:-}"
 unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
 
 # Each part says when it starts, in seconds since the job started (bash's SECONDS), so
@@ -57,4 +63,10 @@ for t in $(cargo +"$MIRI_TOOLCHAIN" fuzz list); do
     fi
     grep -E "^Done [0-9]+ runs" "$log" | sed "s/^/$t: /"
 done
+cd ..
+
+echo "== verbs feature (at ${SECONDS} s)"
+ibv_devices 2>&1 | head -5 | sed "s/^/verbs: /" || true
+RUSTC_WORKSPACE_WRAPPER="$lint_wrapper" CLIPPY_ARGS="$lint_args" \
+    cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 echo "== done (at ${SECONDS} s)"

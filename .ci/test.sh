@@ -112,6 +112,28 @@ export PYO3_PYTHON="$PWD/.venv/bin/python"
 PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import struct, sys; print("cpython-%d.%d-%dbit" % (sys.version_info[0], sys.version_info[1], 8 * struct.calcsize("P")))')"
 export PYO3_ENVIRONMENT_SIGNATURE
 
+phase "miri, cargo fuzz and the verbs feature (.ci/background_checks.sh), started in the background"
+# Everything below leaves CPU idle part of the time (the build's last crates and links
+# run one at a time; the tests wait on processes, leases and timeouts): the background
+# job uses it, from here to the end. Miri over the pure-Rust unsafe code (it fails on
+# any undefined behaviour or data race; the Python layer's unsafe code calls into C, so
+# valgrind checks it, pytest below), each fuzz target briefly from the committed
+# corpus, then the verbs feature's build (clippy too) and tests. In a session of its
+# own, so that a failed run stops all of it (kill -- -PID); the job lowers its own
+# session's scheduling group to nice 19 (with the kernel's autogroups, a process's nice
+# value only counts within its session, so `nice` alone left the job an equal share
+# beside every test).
+export MIRI_TOOLCHAIN
+setsid -w nice -n 19 bash .ci/background_checks.sh >target/background.log 2>&1 &
+background_pid=$!
+wait_for_background() {
+    if ! wait "$background_pid"; then
+        cat target/background.log
+        echo "the background job failed (target/background.log above)" >&2
+        return 1
+    fi
+}
+
 phase "build: the workspace's libraries, binaries and Python extension (release, clippy -D warnings)"
 # What the Python tests need (the extension, eccl-master, eccl-bench, eccl-chaos) first;
 # the test binaries after maturin (below).
@@ -130,42 +152,17 @@ rm -f target/wheels/eccl-*.whl
 # same signatures.
 .venv/bin/python -m mypy.stubtest eccl._eccl
 
-phase "test binaries: every test target, the verbs feature's too (release, same features)"
+phase "test binaries: every test target (release, same features)"
 # In the foreground: only the tests themselves compile (the libraries are built), and
 # at full speed (in the background, starved by the Python tests, they took 616 s).
 cargo test --release --workspace --locked --no-run
-cargo test --release --locked -p eccl-transport --features verbs --no-run
 
-phase "miri and cargo fuzz (.ci/background_checks.sh), started in the background"
-# The Python tests leave CPU idle part of the time (they wait on processes, leases and
-# timeouts): the background job uses it. Miri over the pure-Rust unsafe code (it fails
-# on any undefined behaviour or data race; the Python layer's unsafe code calls into C,
-# so valgrind checks it, pytest below), then each fuzz target briefly from the committed
-# corpus. In a session of its own, so that a failed run stops all of it (kill -- -PID);
-# the job lowers its own session's scheduling group to nice 19 (with the kernel's
-# autogroups, a process's nice value only counts within its session, so `nice` alone
-# left the job an equal share beside every test).
-export MIRI_TOOLCHAIN
-setsid -w nice -n 19 bash .ci/background_checks.sh >target/background.log 2>&1 &
-background_pid=$!
-wait_for_background() {
-    if ! wait "$background_pid"; then
-        cat target/background.log
-        echo "the background job failed (target/background.log above)" >&2
-        return 1
-    fi
-}
-
-phase "python tests (miri and cargo fuzz run beside them)"
+phase "python tests (the background job runs beside them)"
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
     .venv/bin/python -m pytest -q --durations=15 python/tests
 else
     echo "skipped (ECCL_SKIP_TORCH is set)"
 fi
-
-phase "rust tests of the verbs feature (RDMA links; without a device they say why they skip)"
-ibv_devices 2>&1 | head -5 || true
-cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 
 phase "rust tests"
 # The generated device kernels must compile with NVRTC (the nvidia-cuda-nvrtc wheel that
@@ -193,9 +190,9 @@ target/release/eccl-chaos --peers 4 --masters 3 --duration 25 --seed "$seed" --s
     --faults kill,hang,join,master-kill,master-hang
 
 # Last: the chaos runs above overlap the background job (it yields to them).
-phase "miri and cargo fuzz: the rest of the background run"
+phase "miri, cargo fuzz and the verbs feature: the rest of the background run"
 wait_for_background
-grep -E "^(== |test |test result|[a-z]+: Done)" target/background.log
+grep -E "^(== |test |test result|[a-z_]+: Done|verbs)" target/background.log
 
 if [ -n "${ECCL_SOAK:-}" ]; then
     phase "soak: 6 peers for 5 minutes"

@@ -48,7 +48,7 @@ class TorchWork(dist._Work):
         self._kind = kind
         self._recovery = recovery
         # The world the call was made in (see `Recovery.failed`).
-        self._generation = None if recovery is None else recovery.generation
+        self._generation = getattr(recovery, "generation", None)
         self._lock = threading.Lock()
         self._finished = False
         self._error: Optional[BaseException] = None

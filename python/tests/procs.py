@@ -1,10 +1,19 @@
-"""What the Python tests share for the processes they start: a free loopback port, and
-stopping every process a test started, by PID, whatever state it is in."""
+"""What the Python tests share for the processes they start: starting Python workers
+(`spawn`, forked from the suite's zygote), a free loopback port, and stopping every
+process a test started, by PID, whatever state it is in."""
 
+import collections
+import io
+import json
+import locale
 import os
 import signal
 import socket
-from typing import Dict, List
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Dict, List, Optional
 
 
 def free_port() -> int:
@@ -91,3 +100,241 @@ def _wait_state(pid, ok, what, timeout):
         if time.monotonic() > end:
             raise TimeoutError(f"process {pid} did not {what} within {timeout} s")
         time.sleep(0.005)
+
+
+# -- Python workers forked from the zygote (zygote.py) --------------------------------
+
+def spawn(argv, env=None, stdin=None, stdout=None, stderr=None, text=False, cwd=None,
+          start_new_session=False):
+    """`subprocess.Popen(argv, ...)` for a worker of this interpreter
+    (`[sys.executable, script | "-c" code | "-m" module, ...]`): forked from the suite's
+    zygote, which has imported torch already (zygote.py says why), and returned as an
+    object with Popen's pid, args, returncode, stdin/stdout/stderr, poll, wait,
+    communicate, send_signal, kill and terminate. Anything else, or any argv with
+    TEST_ZYGOTE=0 in the test run's environment, is started by subprocess.Popen."""
+    forkable = (argv and argv[0] == sys.executable and len(argv) >= 2
+                and (argv[1] in ("-c", "-m") or not argv[1].startswith("-"))
+                and os.environ.get("TEST_ZYGOTE", "1") != "0")
+    if not forkable:
+        return subprocess.Popen(argv, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+                                text=text, cwd=cwd, start_new_session=start_new_session)
+    return Forked(_the_zygote(), [str(a) for a in argv], env, stdin, stdout, stderr, text,
+                  cwd, start_new_session)
+
+
+def run(argv, timeout=None, input=None, capture_output=False, text=False, cwd=None, env=None):
+    """`subprocess.run(argv, ...)` through `spawn`: the process is killed (by pid) if it
+    outlives `timeout`, and TimeoutExpired raised."""
+    pipe = subprocess.PIPE if capture_output else None
+    p = spawn(argv, env=env, stdin=subprocess.PIPE if input is not None else None,
+              stdout=pipe, stderr=pipe, text=text, cwd=cwd)
+    try:
+        out, err = p.communicate(input, timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+_zygote = None
+_zygote_lock = threading.Lock()
+
+
+def _the_zygote() -> "_Zygote":
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote.dead:
+            _zygote = _Zygote()
+        return _zygote
+
+
+class _Zygote:
+    """The client of one zygote process: sends it requests, and keeps the exit status of
+    every child it reports (a reader thread)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("zygote.py")), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+        self.cond = threading.Condition()
+        self.exited: Dict[int, int] = {}
+        self.replies: collections.deque = collections.deque()
+        self.dead = False
+        self.spawning = threading.Lock()
+        threading.Thread(target=self._read, name="zygote", daemon=True).start()
+        self._reply("ready", 180)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.sock.recv(1 << 16)
+            except OSError:
+                msg = b""
+            with self.cond:
+                if not msg:
+                    self.dead = True
+                    self.cond.notify_all()
+                    return
+                m = json.loads(msg)
+                if "exit" in m:
+                    self.exited[m["exit"]] = m["status"]
+                else:
+                    self.replies.append(m)
+                self.cond.notify_all()
+
+    def _reply(self, key: str, timeout: float) -> int:
+        with self.cond:
+            self.cond.wait_for(lambda: self.replies or self.dead, timeout)
+            if not self.replies:
+                code = self.proc.poll()
+                raise RuntimeError(f"the test zygote (zygote.py) did not answer: exit {code}")
+            return self.replies.popleft()[key]
+
+    def spawn(self, req: dict, fds: List[int]) -> int:
+        with self.spawning:
+            socket.send_fds(self.sock, [json.dumps(req).encode()], fds)
+            return self._reply("spawned", 60)
+
+    def status(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        """The wait status of child `pid` once it has ended (None: not within `timeout`)."""
+        with self.cond:
+            self.cond.wait_for(lambda: pid in self.exited or self.dead, timeout)
+            if pid in self.exited:
+                return self.exited[pid]
+            if self.dead:
+                raise RuntimeError(f"the test zygote ended before its child {pid} did")
+            return None
+
+
+class Forked:
+    """A process forked from the zygote, with the part of subprocess.Popen's interface the
+    tests use."""
+
+    def __init__(self, zygote, argv, env, stdin, stdout, stderr, text, cwd, new_session):
+        self._zygote = zygote
+        self.args = argv
+        self.returncode: Optional[int] = None
+        self._text = text
+        self._comm: Optional[list] = None
+        child_fds, ours, close = [], [], []
+        for i, spec in enumerate((stdin, stdout, stderr)):
+            mine = None
+            if spec is None:
+                fd = i
+            elif spec == subprocess.PIPE:
+                r, w = os.pipe()
+                fd, mine = (r, w) if i == 0 else (w, r)
+                close.append(fd)
+            elif spec == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                close.append(fd)
+            elif spec == subprocess.STDOUT and i == 2:
+                fd = child_fds[1]
+            else:
+                fd = spec if isinstance(spec, int) else spec.fileno()
+            child_fds.append(fd)
+            ours.append(mine)
+        try:
+            self.pid = zygote.spawn({"argv": argv, "env": dict(os.environ if env is None else env),
+                                     "cwd": str(cwd or os.getcwd()), "new_session": new_session},
+                                    child_fds)
+        finally:
+            for fd in close:
+                os.close(fd)
+        self.stdin = self._wrap(ours[0], "wb")
+        self.stdout = self._wrap(ours[1], "rb")
+        self.stderr = self._wrap(ours[2], "rb")
+
+    def _wrap(self, fd, mode):
+        if fd is None:
+            return None
+        f = io.open(fd, mode)
+        if self._text:
+            enc = locale.getpreferredencoding(False)
+            return io.TextIOWrapper(f, encoding=enc, write_through="w" in mode)
+        return f
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            status = self._zygote.status(self.pid, 0)
+            if status is not None:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            status = self._zygote.status(self.pid, timeout)
+            if status is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def communicate(self, input=None, timeout: Optional[float] = None):
+        """Writes `input` (then closes stdin), reads stdout and stderr to their ends, and
+        waits; on TimeoutExpired it may be called again, as Popen's."""
+        import time
+        if self._comm is None:
+            got: Dict[str, list] = {"stdout": [], "stderr": []}
+            threads = []
+            for name in ("stdout", "stderr"):
+                f = getattr(self, name)
+                if f is not None:
+                    threads.append(threading.Thread(
+                        target=lambda f=f, buf=got[name]: buf.append(f.read()), daemon=True))
+            if self.stdin is not None:
+                def feed(f=self.stdin):
+                    try:
+                        if input:
+                            f.write(input)
+                        f.close()
+                    except BrokenPipeError:
+                        pass
+                threads.append(threading.Thread(target=feed, daemon=True))
+            for t in threads:
+                t.start()
+            self._comm = [threads, got]
+        threads, got = self._comm
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in threads:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if end is None else max(0.0, end - time.monotonic()))
+        outs = []
+        for name in ("stdout", "stderr"):
+            f = getattr(self, name)
+            if f is None:
+                outs.append(None)
+                continue
+            data = got[name][0] if got[name] else (b"" if not self._text else "")
+            if self._text:
+                data = data.replace("\r\n", "\n").replace("\r", "\n")
+            f.close()
+            outs.append(data)
+        return outs[0], outs[1]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait()

@@ -81,6 +81,7 @@ def test_the_readme_torch_example_runs_as_written(tmp_path):
     """The README's first PyTorch job, run the way it says: torchrun, two processes."""
     import sys
 
+    import procs
     from procs import free_port
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```python\n(# train\.py.*?)```", text, re.S)
@@ -90,10 +91,10 @@ def test_the_readme_torch_example_runs_as_written(tmp_path):
     # Each rank's output to a file of its own (torchrun's --redirects): two ranks printing
     # at once can interleave on one pipe.
     logs = tmp_path / "logs"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          f"--master-port={free_port()}", "--log-dir", str(logs),
-                          "--redirects", "3", str(script)],
-                         capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    out = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     f"--master-port={free_port()}", "--log-dir", str(logs),
+                     "--redirects", "3", str(script)],
+                    capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     printed = [line for f in logs.rglob("stdout.log") for line in f.read_text().splitlines()]
     assert sorted(line for line in printed if line.endswith(" done")) == \

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, kill_node, stop_sessions  # noqa: E402
+from procs import free_port, kill_node, spawn, stop_sessions  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
@@ -28,7 +28,7 @@ def test_kill_one_rank_and_add_another():
 
     def start(min_world):
         # Its own session, so that the whole node (agent and worker) can be killed.
-        return subprocess.Popen(
+        return spawn(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
              "--nproc-per-node", "1", "--master-port", str(free_port()), str(EXAMPLE),
              "--steps", steps, "--min-world", str(min_world), "--step-ms", "10"],

@@ -14,15 +14,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, stop_sessions  # noqa: E402
+from procs import free_port, spawn, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parents[1] / "examples"
 
 
 def run_all(specs, timeout=120):
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for argv, env in specs]
+    procs = [spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                   start_new_session=True) for argv, env in specs]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
@@ -103,10 +103,9 @@ def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
     def start(*args):
         # Paced (30 ms an inner step, 150 ms an outer one) so that the newcomer, which
         # needs a second or two to import torch, finds the job still running.
-        return subprocess.Popen([sys.executable, script, "--outer-steps", outer,
-                                 "--step-ms", "30", *args],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        return spawn([sys.executable, script, "--outer-steps", outer, "--step-ms", "30", *args],
+                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     start_new_session=True)
 
     procs = [start("--min-world", "3") for _ in range(2)]
     procs.append(start("--min-world", "3", "--die-at-outer", "4"))

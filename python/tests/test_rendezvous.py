@@ -18,7 +18,7 @@ import eccl  # noqa: E402
 import eccl.rendezvous  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from eccl.store import EcclStore  # noqa: E402
-from procs import free_port  # noqa: E402
+from procs import free_port, spawn  # noqa: E402
 from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousParameters,
@@ -110,9 +110,8 @@ def test_gloo_and_the_eccl_init_method_use_the_store(master):
         "x = torch.ones(4) * (r + 1); dist.all_reduce(x); print('SUM', x.tolist()); "
         "dist.destroy_process_group()\n")
     env = dict(os.environ, ECCL_SECRET=master.secret)
-    ps = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-          for r in range(2)]
+    ps = [spawn([sys.executable, "-c", code, str(r)], env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = []
     for p in ps:
         try:

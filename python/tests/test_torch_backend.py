@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from procs import free_port  # noqa: E402
+from procs import free_port, spawn  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 120
@@ -67,8 +67,8 @@ def _start_and_wait(specs, hung=()):
     """Starts one process per (argv, env) and waits for all but those at the indices in
     `hung` (stopped ones: their output is None); every one still running when this
     returns or raises is killed by PID."""
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for argv, env in specs]
+    procs = [spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv, env in specs]
     try:
         outs = [None if i in hung else p.communicate(timeout=TIMEOUT)
                 for i, p in enumerate(procs)]

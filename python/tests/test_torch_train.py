@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-from procs import free_port, stop_sessions  # noqa: E402
+from procs import free_port, spawn, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "unchanged_ddp.py"
@@ -22,7 +22,7 @@ SCRIPT = HERE / "unchanged_ddp.py"
 
 def torchrun(args, env=None, max_restarts=0):
     """torchrun in its own session, so that the test can stop it and all its workers."""
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--max-restarts", str(max_restarts), "--master-port", str(free_port()),
          str(SCRIPT), *args],
@@ -83,7 +83,7 @@ def test_a_killed_worker_restarts_under_torchrun(tmp_path):
 
 def test_ddp_on_a_dead_peer_raises_eccls_error_naming_the_peer():
     port = free_port()
-    procs = [subprocess.Popen(
+    procs = [spawn(
         [sys.executable, str(HERE / "ddp_survivor.py")],
         env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port)),

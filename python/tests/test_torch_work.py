@@ -61,8 +61,10 @@ class Recovery:
         self.failed_with = []
         self.threads = []
         self.gate = gate
+        self.generation = 3
 
-    def failed(self, error, kind):
+    def failed(self, error, kind, generation):
+        assert generation == 3      # the world the call was made in
         self.threads.append(threading.current_thread())
         if self.gate is not None:
             self.gate.wait(10)
