@@ -23,11 +23,106 @@
 //! `f16` and `bf16` compute in `f32` and round back to nearest-even after every
 //! operation. `f32` carries at least `2p + 2` significand bits for both (p = 11 and 8),
 //! so this double rounding gives the correctly rounded half-precision result for `+` and
-//! `*`, and it is what every rank computes.
+//! `*`, and it is what every rank computes. `f16`'s `sum`, `prod` and `avg` (the
+//! gradients' operators) run a block at a time ([`half_blocks`]): a block widened to
+//! `f32` with F16C's eight-lane conversions where the CPU has them, combined in `f32`,
+//! and rounded back the same way; the element loop asked the CPU for F16C on every value
+//! and vectorized nothing (docs/measurements.md has the rates). `bf16`'s conversions are
+//! shifts and a rounding LLVM vectorizes inside the element loop, which was faster than
+//! the blocks (three passes over each block instead of one).
 
 use bytemuck::Pod;
 use eccl_protocol::{DType, ReduceOp};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+
+/// A half-precision type's conversions for [`half_blocks`], a block at a time, rounding
+/// exactly as `half`'s `from_f32` (to nearest, ties to even; a NaN stays a NaN). Only
+/// `f16` has them (see the module docs for `bf16`).
+trait Half: Pod {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Half for f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
+        {
+            // SAFETY: the CPU has F16C and AVX (checked just above).
+            unsafe { f16c::widen(src, dst) };
+            return;
+        }
+        src.convert_to_f32_slice(dst);
+    }
+
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
+        {
+            // SAFETY: the CPU has F16C and AVX (checked just above).
+            unsafe { f16c::narrow(src, dst) };
+            return;
+        }
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// `f16` conversions eight at a time with F16C (`vcvtph2ps`, `vcvtps2ph` rounding to
+/// nearest even: the instructions `half` uses for one value, so the same results).
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+mod f16c {
+    use half::f16;
+    use std::arch::x86_64::{
+        __m128i, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
+        _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    };
+
+    /// `dst[i] = src[i]` widened, over the shorter of the two.
+    ///
+    /// # Safety
+    /// The CPU must have F16C and AVX.
+    #[target_feature(enable = "avx,f16c")]
+    pub unsafe fn widen(src: &[f16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: elements i..i + 8 lie inside both slices (i + 8 <= n); the loads
+            // and stores are the unaligned kind.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = src[j].to_f32();
+        }
+    }
+
+    /// `dst[i] = src[i]` rounded to nearest even, over the shorter of the two.
+    ///
+    /// # Safety
+    /// The CPU must have F16C and AVX.
+    #[target_feature(enable = "avx,f16c")]
+    pub unsafe fn narrow(src: &[f32], dst: &mut [f16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: elements i..i + 8 lie inside both slices (i + 8 <= n); the loads
+            // and stores are the unaligned kind.
+            unsafe {
+                let v = _mm256_loadu_ps(src.as_ptr().add(i));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+                _mm_storeu_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), h);
+            }
+            i += 8;
+        }
+        for j in i..n {
+            dst[j] = f16::from_f32(src[j]);
+        }
+    }
+}
 
 /// A binary reduction operator on `T`.
 trait Combine<T> {
@@ -223,8 +318,116 @@ impl Visit for Into3<'_> {
     }
 }
 
+/// Halves per block of [`half_blocks`]: two `f32` blocks of 4 KiB on the stack, well
+/// inside L1 with the halves they come from.
+const HALF_BLOCK: usize = 1024;
+
+/// Where [`half_blocks`] takes its operands from: `dst` is always written.
+#[derive(Clone, Copy)]
+enum Operands<'a, H> {
+    /// `dst = dst ⊕ src` (`rev`: `src ⊕ dst`).
+    InPlace { src: &'a [H], rev: bool },
+    /// `dst = a ⊕ b`.
+    Into { a: &'a [H], b: &'a [H] },
+}
+
+/// `f16` `sum`, `prod` and `avg` (a sum until `finalize`) a block at a time, with
+/// the same `f32` arithmetic and rounding as the element loop, operands in the same
+/// order. Returns false (nothing done) for every other dtype and operator, and for
+/// slices not aligned for the dtype (the element loop reads those unaligned).
+fn half_blocks(
+    dtype: DType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    a: &[u8],
+    b: Option<&[u8]>,
+    rev: bool,
+) -> bool {
+    match (dtype, op) {
+        (DType::F16, ReduceOp::Sum | ReduceOp::Avg) => {
+            typed_blocks::<f16, _>(dst, a, b, rev, |x, y| x + y)
+        }
+        (DType::F16, ReduceOp::Prod) => typed_blocks::<f16, _>(dst, a, b, rev, |x, y| x * y),
+        _ => false,
+    }
+}
+
+fn typed_blocks<H: Half, F: Fn(f32, f32) -> f32>(
+    dst: &mut [u8],
+    a: &[u8],
+    b: Option<&[u8]>,
+    rev: bool,
+    f: F,
+) -> bool {
+    let size = std::mem::size_of::<H>();
+    let mut bytes = dst.len().min(a.len()) / size * size;
+    if let Some(b) = b {
+        bytes = bytes.min(b.len() / size * size);
+    }
+    let Ok(d) = bytemuck::try_cast_slice_mut::<u8, H>(&mut dst[..bytes]) else {
+        return false;
+    };
+    let Ok(a) = bytemuck::try_cast_slice::<u8, H>(&a[..bytes]) else {
+        return false;
+    };
+    let ops = match b {
+        None => Operands::InPlace { src: a, rev },
+        Some(b) => match bytemuck::try_cast_slice::<u8, H>(&b[..bytes]) {
+            Ok(b) => Operands::Into { a, b },
+            Err(_) => return false,
+        },
+    };
+    let (mut l, mut r) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK]);
+    for (i, out) in d.chunks_mut(HALF_BLOCK).enumerate() {
+        let (from, k) = (i * HALF_BLOCK, out.len());
+        let (l, r) = (&mut l[..k], &mut r[..k]);
+        match ops {
+            Operands::InPlace { src, rev: false } => {
+                H::widen(out, l);
+                H::widen(&src[from..from + k], r);
+            }
+            Operands::InPlace { src, rev: true } => {
+                H::widen(&src[from..from + k], l);
+                H::widen(out, r);
+            }
+            Operands::Into { a, b } => {
+                H::widen(&a[from..from + k], l);
+                H::widen(&b[from..from + k], r);
+            }
+        }
+        for (x, y) in l.iter_mut().zip(r.iter()) {
+            *x = f(*x, *y);
+        }
+        H::narrow(l, out);
+    }
+    true
+}
+
+/// `x / w` for every half of `buf` a block at a time (as [`half_blocks`]); false when
+/// `buf` is not aligned for the dtype.
+fn half_map<H: Half>(buf: &mut [u8], w: f32) -> bool {
+    let size = std::mem::size_of::<H>();
+    let bytes = buf.len() / size * size;
+    let Ok(xs) = bytemuck::try_cast_slice_mut::<u8, H>(&mut buf[..bytes]) else {
+        return false;
+    };
+    let mut v = [0f32; HALF_BLOCK];
+    for out in xs.chunks_mut(HALF_BLOCK) {
+        let v = &mut v[..out.len()];
+        H::widen(out, v);
+        for x in v.iter_mut() {
+            *x /= w;
+        }
+        H::narrow(v, out);
+    }
+    true
+}
+
 /// `dst = dst ⊕ src`, element-wise over the common whole-element prefix.
 pub fn reduce_inplace(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    if half_blocks(dtype, op, dst, src, None, false) {
+        return;
+    }
     dispatch(
         dtype,
         op,
@@ -239,6 +442,9 @@ pub fn reduce_inplace(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
 /// `dst = src ⊕ dst`: the incoming operand on the left, as [`crate::Prim::RecvReduce`]
 /// defines it.
 pub fn reduce_inplace_rev(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    if half_blocks(dtype, op, dst, src, None, true) {
+        return;
+    }
     dispatch(
         dtype,
         op,
@@ -252,6 +458,9 @@ pub fn reduce_inplace_rev(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]
 
 /// `dst = a ⊕ b`, element-wise over the common whole-element prefix of all three.
 pub fn reduce_to(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    if half_blocks(dtype, op, dst, a, Some(b), false) {
+        return;
+    }
     dispatch(dtype, op, Into3 { dst, a, b });
 }
 
@@ -292,7 +501,9 @@ pub fn finalize(dtype: DType, op: ReduceOp, buf: &mut [u8], world: usize) {
         }
         DType::F16 => {
             let w = world as f32;
-            map_inplace::<f16>(buf, |x| f16::from_f32(x.to_f32() / w))
+            if !half_map::<f16>(buf, w) {
+                map_inplace::<f16>(buf, |x| f16::from_f32(x.to_f32() / w))
+            }
         }
         DType::BF16 => {
             let w = world as f32;
@@ -522,5 +733,104 @@ mod tests {
         let mut d = bytes(&[3.0f32]);
         reduce_inplace(DType::F32, ReduceOp::BXor, &mut d, &bytes(&[4.0f32]));
         assert_eq!(typed::<f32>(&d), vec![7.0]);
+    }
+
+    /// The halves of `a` and `b` are equal bit for bit, or both NaN: which NaN an
+    /// operation on two NaNs gives is the CPU's choice (LLVM may swap the operands of a
+    /// vectorized add), in the element loop as in the blocks.
+    fn same_halves(dtype: DType, a: &[u8], b: &[u8]) -> bool {
+        let nan = |x: u16| match dtype {
+            DType::F16 => f16::from_bits(x).is_nan(),
+            _ => bf16::from_bits(x).is_nan(),
+        };
+        let halves = |v: &[u8]| -> Vec<u16> { typed::<u16>(v) };
+        a.len() == b.len()
+            && halves(a)
+                .iter()
+                .zip(halves(b))
+                .all(|(x, y)| *x == y || (nan(*x) && nan(y)))
+    }
+
+    /// The blocked half-precision path gives the element loop's bits for every operand
+    /// order, every bit pattern (NaNs, infinities, subnormals, both zeros), lengths that
+    /// are not a multiple of the block, and `avg`'s division; unaligned slices take the
+    /// element loop.
+    #[test]
+    fn half_blocks_give_the_element_loops_bits() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for dtype in [DType::F16, DType::BF16] {
+            for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Avg] {
+                for n in [1usize, 7, HALF_BLOCK, 3 * HALF_BLOCK + 5] {
+                    let bits = |rng: &mut rand::rngs::StdRng| -> Vec<u8> {
+                        (0..n)
+                            .flat_map(|_| rng.gen::<u16>().to_ne_bytes())
+                            .collect()
+                    };
+                    let (x, y, z) = (bits(&mut rng), bits(&mut rng), bits(&mut rng));
+                    for rev in [false, true] {
+                        let mut blocked = x.clone();
+                        let mut element = x.clone();
+                        if rev {
+                            reduce_inplace_rev(dtype, op, &mut blocked, &y);
+                        } else {
+                            reduce_inplace(dtype, op, &mut blocked, &y);
+                        }
+                        let (dst, src) = (&mut element[..], &y[..]);
+                        dispatch(dtype, op, InPlace { dst, src, rev });
+                        assert!(
+                            same_halves(dtype, &blocked, &element),
+                            "{dtype:?} {op:?} n={n} rev={rev}"
+                        );
+                    }
+                    let mut blocked = z.clone();
+                    let mut element = z.clone();
+                    reduce_to(dtype, op, &mut blocked, &x, &y);
+                    let (a, b) = (&x[..], &y[..]);
+                    dispatch(
+                        dtype,
+                        op,
+                        Into3 {
+                            dst: &mut element,
+                            a,
+                            b,
+                        },
+                    );
+                    assert!(
+                        same_halves(dtype, &blocked, &element),
+                        "{dtype:?} {op:?} n={n} into"
+                    );
+                    let mut blocked = x.clone();
+                    finalize(dtype, op, &mut blocked, 3);
+                    let mut element = x.clone();
+                    if op == ReduceOp::Avg {
+                        match dtype {
+                            DType::F16 => map_inplace::<f16>(&mut element, |v| {
+                                f16::from_f32(v.to_f32() / 3.0)
+                            }),
+                            _ => map_inplace::<bf16>(&mut element, |v| {
+                                bf16::from_f32(v.to_f32() / 3.0)
+                            }),
+                        }
+                    }
+                    assert!(
+                        same_halves(dtype, &blocked, &element),
+                        "{dtype:?} {op:?} n={n} finalize"
+                    );
+                }
+            }
+        }
+        // An odd offset: not aligned for halves, so the element loop (unaligned reads).
+        let two = bytes(&[f16::from_f32(1.5), f16::from_f32(2.0)]);
+        let (mut d, mut s) = ([0u16; 3], [0u16; 3]);
+        let d = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut d)[1..5];
+        let s = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut s)[1..5];
+        d.copy_from_slice(&two);
+        s.copy_from_slice(&two);
+        reduce_inplace(DType::F16, ReduceOp::Sum, d, s);
+        assert_eq!(
+            typed::<f16>(d),
+            vec![f16::from_f32(3.0), f16::from_f32(4.0)]
+        );
     }
 }
