@@ -5,18 +5,30 @@
 //! from the network and returns a typed error for anything it does not like; none of
 //! them panics, whatever the input.
 
+#[cfg(feature = "wire")]
 pub mod auth;
+#[cfg(feature = "wire")]
 pub mod codec;
+#[cfg(feature = "wire")]
 pub mod frame;
+#[cfg(feature = "wire")]
 pub mod msg;
+#[cfg(feature = "wire")]
 pub mod seal;
+#[cfg(feature = "wire")]
 pub mod store;
 pub mod types;
 
+#[cfg(feature = "wire")]
 pub use frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
+#[cfg(feature = "wire")]
 pub use msg::*;
+#[cfg(feature = "wire")]
 pub use store::{StoreLimits, StoreReply, StoreRequest, StoreWrite};
 pub use types::*;
+
+/// Size of the chunks that shared state is hashed and moved in.
+pub const STATE_CHUNK: usize = 1 << 20;
 
 /// Version of the wire protocol. Peers and masters with a different version refuse each
 /// other during the handshake instead of misreading each other's bytes.

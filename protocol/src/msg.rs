@@ -242,11 +242,8 @@ impl SyncStrategy {
     }
 }
 
-/// Size of the chunks that shared state is hashed and moved in.
-pub const STATE_CHUNK: usize = 1 << 20;
-
 /// A tensor of the shared state as its owner describes it: a blake3 hash per chunk of
-/// [`STATE_CHUNK`] bytes and one over the whole tensor.
+/// [`STATE_CHUNK`](crate::STATE_CHUNK) bytes and one over the whole tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorDigest {
     pub name: String,
