@@ -3,15 +3,16 @@ and real eccl-bench processes, and reports sane numbers for both."""
 
 import json
 import pathlib
-import subprocess
 import sys
+
+import procs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_compare_gloo_small(tmp_path):
     out = tmp_path / "cmp.json"
-    r = subprocess.run(
+    r = procs.run(
         [sys.executable, str(ROOT / "examples" / "compare_gloo.py"), "--ranks", "2",
          "-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 pytest.importorskip("torch")
@@ -37,7 +38,9 @@ RUN_HERE = {"allreduce.py", "compare_ddp.py", "compare_transports.py", "kill_lat
 
 
 def run(args, timeout=240, **kw):
-    p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+    # Python examples are forked from the suite's zygote (procs.spawn), which has
+    # imported torch already; the shell example starts as it is.
+    p = procs.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
     assert p.returncode == 0, f"{args}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 

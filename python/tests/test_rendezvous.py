@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import eccl  # noqa: E402
 import eccl.rendezvous  # noqa: E402
+import procs  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from eccl.store import EcclStore  # noqa: E402
 from procs import free_port, spawn  # noqa: E402
@@ -167,9 +168,9 @@ def test_a_wrong_secret_or_no_master_is_a_connection_error(master, monkeypatch):
 
 def elastic(tmp_path, *args):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / "elastic_torchrun.py"),
-                        "--steps", "120", "--limit", "90", "--json", str(out), *args],
-                       capture_output=True, text=True, timeout=600)
+    p = procs.run([sys.executable, str(ROOT / "examples" / "elastic_torchrun.py"),
+                   "--steps", "120", "--limit", "90", "--json", str(out), *args],
+                  capture_output=True, text=True, timeout=600)
     assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text()), p.stdout
 
