@@ -57,6 +57,24 @@ def _op_name(opts: Any) -> "eccl.ReduceOp":
     raise eccl.InvalidArgumentError(f"reduce op {op} is not supported by eccl")
 
 
+def _own_slot(whole: "torch.Tensor", part: "torch.Tensor", rank: int) -> bool:
+    """Whether `part` is `whole`'s `rank`-th of `whole.numel() // part.numel()` equal
+    slices, in the same memory: NCCL's in-place convention for all_gather_into_tensor
+    (the input in the output) and reduce_scatter_tensor (the output in the input)."""
+    n = part.numel()
+    return (n > 0 and part.dtype == whole.dtype and part.device == whole.device
+            and part.is_contiguous() and whole.is_contiguous() and whole.numel() % n == 0
+            and part.data_ptr() == whole.data_ptr() + rank * n * part.element_size())
+
+
+def _input_of(output: "torch.Tensor", input: "torch.Tensor", rank: int) -> "torch.Tensor":
+    """An all-gather's input as the call reads it: a copy where it is the output's own
+    slice (NCCL's in-place form), else the tensor itself."""
+    if _own_slot(output, input, rank):
+        return _cpu(input).clone()
+    return _cpu(input).contiguous()
+
+
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     # CUDA tensors reach the calls as host copies (`eccl.torch_cuda`); other devices
     # are refused.
@@ -185,11 +203,12 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit(works, output_tensors, scatter_back)
 
     def _allgather_base(self, output, input, opts=None):
-        w = self.comm.all_gather(_cpu(output), _cpu(input).contiguous(), async_op=True)
-        return self._calls.submit([w], output)
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        ws = [self.comm.all_gather(_cpu(o), _cpu(i).contiguous(), async_op=True)
+        # NCCL's in-place form (FSDP2 uses it): the input is the output's slice at this
+        # rank's offset. The gather reads a copy of it; any other overlap is refused.
+        ws = [self.comm.all_gather(_cpu(o), _input_of(o, i, self.rank()), async_op=True)
               for o, i in zip(outputs, inputs)]
         return self._calls.submit(ws, outputs)
 
@@ -202,15 +221,26 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit(works, output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
-        w = self.comm.reduce_scatter(_cpu(output), _cpu(input).contiguous(), op, async_op=True)
-        return self._calls.submit([w], output)
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
-        ws = [self.comm.reduce_scatter(_cpu(o), _cpu(i).contiguous(), op, async_op=True)
-              for o, i in zip(outputs, inputs)]
-        return self._calls.submit(ws, outputs)
+        ws, results = [], []
+        for o, i in zip(outputs, inputs):
+            i = _cpu(i).contiguous()
+            # NCCL's in-place form: the output is the input's slice at this rank's
+            # offset. The result goes to a buffer of its own and into the output once the
+            # call has succeeded (a failed call leaves both as they were); any other
+            # overlap is refused.
+            target = torch.empty_like(o) if _own_slot(i, o, self.rank()) else o
+            ws.append(self.comm.reduce_scatter(_cpu(target), i, op, async_op=True))
+            results.append((o, target))
+
+        def into_outputs() -> None:
+            for o, target in results:
+                if target is not o:
+                    o.copy_(target)
+        return self._calls.submit(ws, outputs, into_outputs)
 
     def gather(self, output_tensors, input_tensors, opts):
         root = opts.rootRank

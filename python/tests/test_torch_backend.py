@@ -378,3 +378,32 @@ def test_lecture_examples_under_torchrun():
     assert sorted(re.findall(r"rank (\d): grad ([0-9.]+)", out)) == [("0", "3.5"), ("1", "3.5")]
     out = torchrun("ddp_example.py", "--width", "256", "--steps", "3")
     assert "step 2: loss" in out and "eccl: median step" in out
+
+
+def test_fsdp2_trains_as_with_gloo():
+    """FSDP2 (`fully_shard` over a 1-D CPU DeviceMesh) on two ranks: its all-gathers pass
+    the input as the output's slice at the rank's offset and its reduce-scatters the
+    output as the input's slice (NCCL's in-place forms). Three SGD steps on each rank's
+    own data end with gloo's parameters, bit for bit, on both ranks."""
+    script = HERE / "fsdp_script.py"
+    gloo = run_world(2, ["gloo"], script)
+    ours = run_world(2, ["eccl"], script)
+    assert gloo[0]["params"] == gloo[1]["params"]
+    for r in range(2):
+        assert ours[r]["params"] == gloo[r]["params"], f"rank {r}"
+        assert ours[r]["loss"] == gloo[r]["loss"], f"rank {r}"
+
+
+def test_in_place_all_gather_and_reduce_scatter_follow_nccl():
+    """all_gather_into_tensor with the input as the output's slice at the rank's offset,
+    and reduce_scatter_tensor with the output as the input's slice, give the
+    out-of-place results; an input overlapping the output anywhere else is refused with
+    InvalidArgumentError on every rank, and the next collective is right."""
+    n = 3
+    ours = run_world(n, ["eccl", "inplace"], HERE / "fsdp_script.py")
+    gathered = [float(10 * r + i) for r in range(n) for i in range(3)]
+    for r, res in enumerate(ours):
+        assert res["gathered"] == gathered, (r, res)
+        assert res["scattered"] == res["scatter_expect"], (r, res)
+        assert res["overlap"] == "InvalidArgumentError", (r, res)
+        assert res["after"] == [float(n)] * 2, (r, res)

@@ -1,0 +1,73 @@
+"""One rank of test_torch_backend's FSDP2 tests (env:// as torchrun):
+
+    fsdp_script.py BACKEND          a small model sharded with `fully_shard` over a 1-D CPU
+                                    DeviceMesh, three SGD steps on this rank's own data;
+                                    prints the full parameters (DTensor.full_tensor) and
+                                    the last loss
+    fsdp_script.py BACKEND inplace  NCCL's in-place forms of all_gather_into_tensor and
+                                    reduce_scatter_tensor, and an overlap they do not allow
+
+Results are printed as JSON after "RESULT ".
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def in_place():
+    """The two in-place forms give the out-of-place results; an input that overlaps the
+    output anywhere else is refused with the call's error, and the group goes on."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(3 * n)
+    out[3 * rank:3 * rank + 3] = torch.arange(3.0) + 10 * rank
+    dist.all_gather_into_tensor(out, out[3 * rank:3 * rank + 3])
+    inp = torch.arange(4.0 * n) * (rank + 1)
+    expect = (torch.arange(4.0 * n) * sum(range(1, n + 1)))[4 * rank:4 * rank + 4].tolist()
+    dist.reduce_scatter_tensor(inp[4 * rank:4 * rank + 4], inp)
+    res = {"gathered": out.tolist(), "scattered": inp[4 * rank:4 * rank + 4].tolist(),
+           "scatter_expect": expect}
+    buf = torch.zeros(3 * n + 1)
+    try:
+        dist.all_gather_into_tensor(buf[:3 * n], buf[1:4])
+        res["overlap"] = "accepted"
+    except Exception as e:  # noqa: BLE001 - the error each backend gives
+        res["overlap"] = type(e).__name__
+    after = torch.ones(2)
+    dist.all_reduce(after)
+    res["after"] = after.tolist()
+    print("RESULT " + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    dist.init_process_group(sys.argv[1])
+    if sys.argv[2:] == ["inplace"]:
+        return in_place()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 3))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        loss = model(torch.randn(8, 16, generator=data)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    print("RESULT " + json.dumps({"params": params, "loss": loss.item()}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
