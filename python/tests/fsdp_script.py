@@ -4,6 +4,8 @@
                                     DeviceMesh, three SGD steps on this rank's own data;
                                     prints the full parameters (DTensor.full_tensor) and
                                     the last loss
+    fsdp_script.py BACKEND hsdp     the same training over a 2-D mesh (replicate x shard,
+                                    HSDP): four ranks, two replicas of two shards
     fsdp_script.py BACKEND inplace  NCCL's in-place forms of all_gather_into_tensor and
                                     reduce_scatter_tensor, and an overlap they do not allow
 
@@ -49,7 +51,10 @@ def main():
     if sys.argv[2:] == ["inplace"]:
         return in_place()
     rank, n = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (n,))
+    if sys.argv[2:] == ["hsdp"]:
+        mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (n,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 3))

@@ -407,3 +407,17 @@ def test_in_place_all_gather_and_reduce_scatter_follow_nccl():
         assert res["scattered"] == res["scatter_expect"], (r, res)
         assert res["overlap"] == "InvalidArgumentError", (r, res)
         assert res["after"] == [float(n)] * 2, (r, res)
+
+
+def test_hsdp_over_a_two_dimensional_mesh_trains_as_with_gloo():
+    """HSDP: `fully_shard` over a (replicate, shard) = (2, 2) CPU mesh of four ranks, so
+    each step reduce-scatters within a shard group and all-reduces across replicas
+    (subgroups of the world). Three SGD steps end with gloo's parameters and losses, bit
+    for bit, on every rank."""
+    script = HERE / "fsdp_script.py"
+    gloo = run_world(4, ["gloo", "hsdp"], script)
+    ours = run_world(4, ["eccl", "hsdp"], script)
+    for r in range(4):
+        assert gloo[r]["params"] == gloo[0]["params"]
+        assert ours[r]["params"] == gloo[r]["params"], f"rank {r}"
+        assert ours[r]["loss"] == gloo[r]["loss"], f"rank {r}"
