@@ -27,9 +27,11 @@
 //! gradients' operators) run a block at a time ([`half_blocks`]): a block widened to
 //! `f32` with F16C's eight-lane conversions where the CPU has them, combined in `f32`,
 //! and rounded back the same way; the element loop asked the CPU for F16C on every value
-//! and vectorized nothing (docs/measurements.md has the rates). `bf16`'s conversions are
-//! shifts and a rounding LLVM vectorizes inside the element loop, which was faster than
-//! the blocks (three passes over each block instead of one).
+//! and vectorized nothing (docs/measurements.md has the rates). `bf16` stays in the
+//! element loop (blocks were slower: three passes over each block instead of one), with
+//! its own conversions ([`bf16_widen`], [`bf16_narrow`]): a shift, and a branch-free
+//! rounding with `bf16::from_f32`'s results, which LLVM vectorizes better than `half`'s
+//! branching one.
 
 use bytemuck::Pod;
 use eccl_protocol::{DType, ReduceOp};
@@ -169,7 +171,62 @@ macro_rules! half_ops {
         impl Combine<$t> for Max { #[inline(always)] fn combine(a: $t, b: $t) -> $t { if a.to_f32() > b.to_f32() { a } else { b } } }
     )*};
 }
-half_ops!(f16, bf16);
+half_ops!(f16);
+
+/// `bf16` widened: its bits are an `f32`'s top half.
+#[inline(always)]
+fn bf16_widen(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+/// `f32` rounded to `bf16`, nearest with ties to even, a NaN made quiet with its sign
+/// and top payload bits: `bf16::from_f32`'s results, written without branches so that
+/// LLVM vectorizes the loops it is in.
+#[inline(always)]
+fn bf16_narrow(f: f32) -> bf16 {
+    let x = f.to_bits();
+    let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+    let quiet = ((x >> 16) as u16) | 0x40;
+    bf16::from_bits(if (x & 0x7fff_ffff) > 0x7f80_0000 {
+        quiet
+    } else {
+        rounded
+    })
+}
+
+impl Combine<bf16> for Sum {
+    #[inline(always)]
+    fn combine(a: bf16, b: bf16) -> bf16 {
+        bf16_narrow(bf16_widen(a) + bf16_widen(b))
+    }
+}
+impl Combine<bf16> for Prod {
+    #[inline(always)]
+    fn combine(a: bf16, b: bf16) -> bf16 {
+        bf16_narrow(bf16_widen(a) * bf16_widen(b))
+    }
+}
+// Min and max pick one operand unchanged, so no rounding is involved.
+impl Combine<bf16> for Min {
+    #[inline(always)]
+    fn combine(a: bf16, b: bf16) -> bf16 {
+        if bf16_widen(a) < bf16_widen(b) {
+            a
+        } else {
+            b
+        }
+    }
+}
+impl Combine<bf16> for Max {
+    #[inline(always)]
+    fn combine(a: bf16, b: bf16) -> bf16 {
+        if bf16_widen(a) > bf16_widen(b) {
+            a
+        } else {
+            b
+        }
+    }
+}
 
 /// A loop over typed elements, instantiated once per (type, operator) by [`dispatch`].
 trait Visit {
@@ -749,6 +806,46 @@ mod tests {
                 .iter()
                 .zip(halves(b))
                 .all(|(x, y)| *x == y || (nan(*x) && nan(y)))
+    }
+
+    /// The branch-free bf16 rounding gives `bf16::from_f32`'s bits for every f32 class:
+    /// random bit patterns, ties, the largest finite values, infinities, NaNs.
+    #[test]
+    fn bf16_narrow_is_half_from_f32() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let special = [
+            0u32,
+            0x8000_0000,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0001,
+            0xff81_2345,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x0000_8000,
+            0x0001_8000,
+        ];
+        let random = (0..200_000).map(|_| rng.gen::<u32>());
+        for bits in special.into_iter().chain(random) {
+            let f = f32::from_bits(bits);
+            assert_eq!(
+                bf16_narrow(f).to_bits(),
+                bf16::from_f32(f).to_bits(),
+                "{bits:#x}"
+            );
+            // Widening keeps a signaling NaN's bits where `to_f32` makes it quiet; the
+            // arithmetic that follows makes it quiet either way.
+            let h = bf16::from_bits((bits >> 16) as u16);
+            let (w, want) = (bf16_widen(h), h.to_f32());
+            assert!(
+                w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
+                "{bits:#x}"
+            );
+        }
     }
 
     /// The blocked half-precision path gives the element loop's bits for every operand
