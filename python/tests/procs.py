@@ -310,9 +310,8 @@ class Forked:
             if f is None:
                 outs.append(None)
                 continue
-            data = got[name][0] if got[name] else (b"" if not self._text else "")
-            if self._text:
-                data = data.replace("\r\n", "\n").replace("\r", "\n")
+            # Text streams translate newlines as they read (TextIOWrapper's default).
+            data = got[name][0] if got[name] else ("" if self._text else b"")
             f.close()
             outs.append(data)
         return outs[0], outs[1]
