@@ -77,3 +77,6 @@ ibv_devices 2>&1 | head -5 | sed "s/^/verbs: /" || true
 RUSTC_WORKSPACE_WRAPPER="$lint_wrapper" CLIPPY_ARGS="$lint_args" \
     cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 echo "== done (at ${SECONDS} s)"
+# The CPU time this job and what it ran used (user, then system): it shares the machine
+# with the foreground's tests, so its cost is in CPU, not in its wall time.
+times
