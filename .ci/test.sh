@@ -96,9 +96,10 @@ if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
     reqs+=(-r python/requirements-torch.txt)
 fi
 mkdir -p target
-# --no-compile: no byte-compiling of every module of the 5.5 GB of wheels (36 of pip's
-# 125 CPU seconds here); Python compiles what the tests import, once, on first import.
-.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check "${reqs[@]}" >target/pip.log 2>&1 &
+# pip byte-compiles what it installs (36 of its 125 CPU seconds here): without that, where
+# PYTHONDONTWRITEBYTECODE is set (as on this machine) every process that imports torch
+# compiles it again (16 s instead of 7 per import; the Python tests took twice as long).
+.venv/bin/python -m pip install -q --disable-pip-version-check "${reqs[@]}" >target/pip.log 2>&1 &
 pip_pid=$!
 wait_for_pip() {
     if ! wait "$pip_pid"; then

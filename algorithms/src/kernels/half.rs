@@ -120,6 +120,20 @@ pub(super) fn bf16_narrow(f: f32) -> bf16 {
     })
 }
 
+/// `a < b` for two halves given by their bits, as their widened `f32` values compare:
+/// false when either is a NaN (magnitude bits above `inf`'s) and for `-0 < +0`. Integer
+/// operations only, so that the loops of min and max vectorize (a conversion per element
+/// kept `f16`'s at an eighth of `f32`'s speed).
+#[inline(always)]
+pub(super) fn half_lt(a: u16, b: u16, inf: u16) -> bool {
+    let (ma, mb) = (a & 0x7fff, b & 0x7fff);
+    let unordered = (ma > inf) | (mb > inf) | ((ma | mb) == 0);
+    // Sign and magnitude to two's complement: a negative value's magnitude bits are
+    // flipped, so a larger magnitude is a smaller integer.
+    let key = |x: u16| (x ^ ((((x as i16) >> 15) as u16) & 0x7fff)) as i16;
+    (key(a) < key(b)) & !unordered
+}
+
 /// Halves per block of [`half_blocks`]: two `f32` blocks of 4 KiB on the stack, well
 /// inside L1 with the halves they come from.
 pub(super) const HALF_BLOCK: usize = 1024;

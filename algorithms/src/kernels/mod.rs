@@ -77,15 +77,16 @@ macro_rules! float_ops {
 float_ops!(f32, f64);
 
 macro_rules! half_ops {
-    ($($t:ty: $widen:path, $narrow:path);*) => {$(
+    ($($t:ty: $widen:path, $narrow:path, $inf:expr);*) => {$(
         impl Combine<$t> for Sum { #[inline(always)] fn combine(a: $t, b: $t) -> $t { $narrow($widen(a) + $widen(b)) } }
         impl Combine<$t> for Prod { #[inline(always)] fn combine(a: $t, b: $t) -> $t { $narrow($widen(a) * $widen(b)) } }
-        // Min and max pick one operand unchanged, so no rounding is involved.
-        impl Combine<$t> for Min { #[inline(always)] fn combine(a: $t, b: $t) -> $t { if $widen(a) < $widen(b) { a } else { b } } }
-        impl Combine<$t> for Max { #[inline(always)] fn combine(a: $t, b: $t) -> $t { if $widen(a) > $widen(b) { a } else { b } } }
+        // Min and max pick one operand unchanged, so no rounding is involved; they compare
+        // the bits as the widened values compare (`half::half_lt`), without converting.
+        impl Combine<$t> for Min { #[inline(always)] fn combine(a: $t, b: $t) -> $t { if half::half_lt(a.to_bits(), b.to_bits(), $inf) { a } else { b } } }
+        impl Combine<$t> for Max { #[inline(always)] fn combine(a: $t, b: $t) -> $t { if half::half_lt(b.to_bits(), a.to_bits(), $inf) { a } else { b } } }
     )*};
 }
-half_ops!(f16: f16::to_f32, f16::from_f32; bf16: half::bf16_widen, half::bf16_narrow);
+half_ops!(f16: f16::to_f32, f16::from_f32, 0x7c00; bf16: half::bf16_widen, half::bf16_narrow, 0x7f80);
 
 /// A loop over typed elements, instantiated once per (type, operator) by [`dispatch`].
 trait Visit {
@@ -599,6 +600,47 @@ mod tests {
             assert!(
                 w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
                 "{bits:#x}"
+            );
+        }
+    }
+
+    /// Min and max on half bits choose the operand the widened comparison chooses, for
+    /// every class: NaNs (either side: the second operand), both zeros (the second),
+    /// subnormals, infinities, and random bit patterns.
+    #[test]
+    fn half_min_max_compare_as_the_widened_values() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let special: [u16; 12] = [
+            0, 0x8000, 1, 0x8001, 0x3c00, 0xbc00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7c01, 0xff81,
+        ];
+        let pairs = special
+            .iter()
+            .flat_map(|&a| special.iter().map(move |&b| (a, b)))
+            .chain((0..500_000).map(|_| (rng.gen::<u16>(), rng.gen::<u16>())));
+        for (a, b) in pairs {
+            let (x, y) = (f16::from_bits(a), f16::from_bits(b));
+            let want = |lt: bool| if lt { a } else { b };
+            assert_eq!(
+                <Min as Combine<f16>>::combine(x, y).to_bits(),
+                want(x.to_f32() < y.to_f32()),
+                "f16 min {a:#x} {b:#x}"
+            );
+            assert_eq!(
+                <Max as Combine<f16>>::combine(x, y).to_bits(),
+                want(x.to_f32() > y.to_f32()),
+                "f16 max {a:#x} {b:#x}"
+            );
+            let (x, y) = (bf16::from_bits(a), bf16::from_bits(b));
+            assert_eq!(
+                <Min as Combine<bf16>>::combine(x, y).to_bits(),
+                want(x.to_f32() < y.to_f32()),
+                "bf16 min {a:#x} {b:#x}"
+            );
+            assert_eq!(
+                <Max as Combine<bf16>>::combine(x, y).to_bits(),
+                want(x.to_f32() > y.to_f32()),
+                "bf16 max {a:#x} {b:#x}"
             );
         }
     }
