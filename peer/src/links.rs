@@ -160,6 +160,10 @@ impl LinkManager {
     /// Connects to every other member of `world` but those in `keep`, whose links from
     /// the previous epoch carry on (both ends decide alike, from the master's
     /// `reuse_links`). Returns links indexed by rank (`None` at our own rank).
+    ///
+    /// Each pair has one dialer, the larger peer id (it dials the smaller:
+    /// [`dial_link`]); the smaller accepts ([`accept_links`]). Both sides run at once
+    /// under the collective timeout.
     pub async fn connect_world(
         &mut self,
         world: &World,
@@ -170,10 +174,6 @@ impl LinkManager {
     ) -> Result<Vec<Option<PeerLink>>> {
         let epoch = world.epoch;
         let nstreams = cfg.nstreams as u16;
-        let name = |r: u32| {
-            let m = &world.members[r as usize];
-            format!("peer {} ({})", m.peer_id, m.addr)
-        };
         let mine = world
             .rank_of(me)
             .and_then(|r| world.member(r))
@@ -186,144 +186,57 @@ impl LinkManager {
             world
                 .members
                 .iter()
-                .map(|m| (name(m.rank.0), m.rank.0))
+                .map(|m| (peer_name(world, m.rank.0), m.rank.0))
                 .collect(),
         );
         let observer: Arc<dyn LinkObserver> = self.observer.clone();
-        let expected: HashMap<PeerId, u32> = world
-            .members
-            .iter()
-            .filter(|m| m.peer_id < me && !keep.contains_key(&m.peer_id))
-            .map(|m| (m.peer_id, m.rank.0))
-            .collect();
         let kept = keep.len();
-
         let settings = LinkSettings {
             nstreams,
             shm_frame_bytes: cfg.buffsize,
             connect_timeout: cfg.connect_timeout,
             keep_buf_max: KEEP_BUF_MAX,
-            observer: observer.clone(),
+            observer,
+        };
+        let hellos = Hellos {
+            me,
+            epoch,
+            nstreams,
+            keys,
         };
         let dialer = mesh::Dialer {
             secret: &self.secret,
             quic: self.listeners.quic.as_ref(),
             settings: &settings,
         };
-        // The hello of each stream of our link to `to`: the master's proof for it is
-        // missing only if its world and keys disagree; the acceptor then refuses the
-        // link and the epoch's connection deadline reports it.
-        let hello = |to: PeerId| {
-            let proof = keys.proof_for(to).unwrap_or_default();
-            move |stream: u16| LinkHello {
-                from: me,
-                to,
-                epoch,
-                stream,
-                nstreams,
-                proof,
-            }
+        let dials = try_join_all(
+            world
+                .members
+                .iter()
+                .filter(|m| m.peer_id > me && !keep.contains_key(&m.peer_id))
+                .map(|m| dial_link(&dialer, cfg, world, mine, m, &hellos)),
+        );
+        let expect = Expect {
+            world,
+            hellos: &hellos,
+            from: world
+                .members
+                .iter()
+                .filter(|m| m.peer_id < me && !keep.contains_key(&m.peer_id))
+                .map(|m| (m.peer_id, m.rank.0))
+                .collect(),
         };
-        let to_dial = world
-            .members
-            .iter()
-            .filter(|m| m.peer_id > me && !keep.contains_key(&m.peer_id));
-        let dials = try_join_all(to_dial.map(|m| {
-            let (dialer, peer) = (&dialer, name(m.rank.0));
-            let at = Addresses {
-                tcp: &m.addr,
-                quic: m.quic.as_deref(),
-                shm: m.shm.as_deref(),
-            };
-            let cannot = move |t: Transport, e: eccl_transport::TransportError| Error::Aborted {
-                epoch,
-                cause: format!("cannot connect to rank {} over {t}: {e}", m.rank),
-            };
-            async move {
-                let t = choose(cfg, mine, m)?;
-                let link = match dialer.link(at, t, hello(m.peer_id), peer.clone()).await {
-                    Err(e) if t == Transport::Shm && cfg.transport == TransportChoice::Auto => {
-                        let tcp = if cfg.tls { Transport::Tls } else { Transport::Tcp };
-                        tracing::warn!(target: "eccl::net", "shm link to {peer} failed ({e}); using {tcp}");
-                        dialer
-                            .link(at, tcp, hello(m.peer_id), peer.clone())
-                            .await
-                            .map_err(|e| cannot(tcp, e))?
-                    }
-                    other => other.map_err(|e| cannot(t, e))?,
-                };
-                tracing::info!(target: "eccl::net", "epoch {epoch}: link to rank {} ({peer}) over {}", m.rank, link.0.transport());
-                Ok::<_, Error>((m.rank.0, link))
-            }
-        }));
-
         let early = std::mem::take(&mut self.early);
-        let accepted = &mut self.listeners.accepted;
         let mut later = Vec::new();
-        let mut assembler = Assembler::new(settings.clone());
-        let accepts = async {
-            let mut done: Vec<(u32, (LinkTx, LinkRx))> = Vec::new();
-            let mut queue: VecDeque<Accepted> = early.into();
-            while done.len() < expected.len() {
-                let a = match queue.pop_front() {
-                    Some(a) => a,
-                    None => accepted.recv().await.ok_or_else(|| Error::Aborted {
-                        epoch,
-                        cause: "link acceptor stopped".into(),
-                    })?,
-                };
-                let h = &a.hello;
-                // The next epoch's links wait for it (a member may get there first);
-                // any other epoch's are dropped.
-                if h.epoch == epoch + 1 && later.len() < MAX_EARLY {
-                    later.push(a);
-                    continue;
-                }
-                let rank = match expected.get(&h.from) {
-                    Some(r)
-                        if h.epoch == epoch
-                            && h.to == me
-                            && h.nstreams == nstreams
-                            && h.stream < nstreams =>
-                    {
-                        *r
-                    }
-                    _ => {
-                        if h.epoch == epoch {
-                            tracing::warn!(target: "eccl::net", "dropping unexpected link from {} (from {}, to {}, stream {} of {})", a.remote, h.from, h.to, h.stream, h.nstreams);
-                        }
-                        continue;
-                    }
-                };
-                // Only the member the master admitted holds the proof for this link.
-                if !keys.verify(h.from, me, epoch, &h.proof) {
-                    if let Some(held) = eccl_transport::logging::limit("link impostor") {
-                        tracing::warn!(target: "eccl::net", "refused a link from {} claiming to be peer {} in epoch {epoch}: its proof is not the master's{}", a.remote, h.from, eccl_transport::logging::held_note(held));
-                    }
-                    continue;
-                }
-                if done.iter().any(|(r, _)| *r == rank) {
-                    continue;
-                }
-                let peer = name(rank);
-                let stream = a.hello.stream;
-                let link = assembler
-                    .add(rank, stream, a.conn, peer.clone())
-                    .await
-                    .map_err(|e| Error::Aborted {
-                        epoch,
-                        cause: format!("link from {peer}: {e}"),
-                    })?;
-                if let Some(link) = link {
-                    tracing::info!(target: "eccl::net", "epoch {epoch}: link from rank {rank} ({peer}) over {}", link.0.transport());
-                    done.push((rank, link));
-                }
-            }
-            Ok::<_, Error>(done)
-        };
-
-        let both = async { tokio::try_join!(dials, accepts) };
-        let res = tokio::time::timeout(cfg.timeout, both).await;
+        let accepts = accept_links(
+            &expect,
+            early,
+            &mut self.listeners.accepted,
+            Assembler::new(settings.clone()),
+            &mut later,
+        );
+        let res =
+            tokio::time::timeout(cfg.timeout, async { tokio::try_join!(dials, accepts) }).await;
         self.early.extend(later);
         let (dialed, accepted) = match res {
             Ok(r) => r?,
@@ -346,4 +259,168 @@ impl LinkManager {
         tracing::info!(target: "eccl::net", "epoch {epoch}: kept {kept} links, connected {} ({} stream(s) per stream link)", world.size().saturating_sub(1 + kept), nstreams);
         Ok(links)
     }
+}
+
+/// How a member of `world` is named in errors and logs.
+fn peer_name(world: &World, rank: u32) -> String {
+    let m = &world.members[rank as usize];
+    format!("peer {} ({})", m.peer_id, m.addr)
+}
+
+/// The hellos that open each stream of this epoch's links, with the master's proof for
+/// the pair.
+struct Hellos<'a> {
+    me: PeerId,
+    epoch: u64,
+    nstreams: u16,
+    keys: &'a LinkKeys,
+}
+
+impl Hellos<'_> {
+    /// The hello of each stream of our link to `to`. The master's proof is missing only
+    /// if its world and keys disagree; the acceptor then refuses the link and the epoch's
+    /// connection deadline reports it.
+    fn to(&self, to: PeerId) -> impl Fn(u16) -> LinkHello {
+        let (from, epoch, nstreams) = (self.me, self.epoch, self.nstreams);
+        let proof = self.keys.proof_for(to).unwrap_or_default();
+        move |stream| LinkHello {
+            from,
+            to,
+            epoch,
+            stream,
+            nstreams,
+            proof,
+        }
+    }
+}
+
+/// Our link to member `m` over the transport [`choose`] picks; a failed shared-memory
+/// link falls back to TCP (or TLS) when the transport was left to `auto`.
+async fn dial_link(
+    dialer: &mesh::Dialer<'_>,
+    cfg: &Config,
+    world: &World,
+    mine: &Member,
+    m: &Member,
+    hellos: &Hellos<'_>,
+) -> Result<(u32, (LinkTx, LinkRx))> {
+    let (epoch, peer) = (world.epoch, peer_name(world, m.rank.0));
+    let at = Addresses {
+        tcp: &m.addr,
+        quic: m.quic.as_deref(),
+        shm: m.shm.as_deref(),
+    };
+    let cannot = |t: Transport, e: eccl_transport::TransportError| Error::Aborted {
+        epoch,
+        cause: format!("cannot connect to rank {} over {t}: {e}", m.rank),
+    };
+    let t = choose(cfg, mine, m)?;
+    let link = match dialer.link(at, t, hellos.to(m.peer_id), peer.clone()).await {
+        Err(e) if t == Transport::Shm && cfg.transport == TransportChoice::Auto => {
+            let tcp = if cfg.tls {
+                Transport::Tls
+            } else {
+                Transport::Tcp
+            };
+            tracing::warn!(target: "eccl::net", "shm link to {peer} failed ({e}); using {tcp}");
+            dialer
+                .link(at, tcp, hellos.to(m.peer_id), peer.clone())
+                .await
+                .map_err(|e| cannot(tcp, e))?
+        }
+        other => other.map_err(|e| cannot(t, e))?,
+    };
+    tracing::info!(target: "eccl::net", "epoch {epoch}: link to rank {} ({peer}) over {}", m.rank, link.0.transport());
+    Ok((m.rank.0, link))
+}
+
+/// What the accepting side of an epoch expects: a link from each member in `from`
+/// (peer id to rank), introduced by hellos of this epoch that carry the master's proof.
+struct Expect<'a> {
+    world: &'a World,
+    hellos: &'a Hellos<'a>,
+    from: HashMap<PeerId, u32>,
+}
+
+impl Expect<'_> {
+    /// The rank whose link this stream belongs to, or `None` for a stream to drop:
+    /// another epoch's, one not addressed to us or not from a member we expect, or one
+    /// whose proof is not the master's (an impostor: logged, rate-limited).
+    fn rank_of(&self, a: &Accepted) -> Option<u32> {
+        let (h, epoch, me) = (&a.hello, self.hellos.epoch, self.hellos.me);
+        let nstreams = self.hellos.nstreams;
+        let rank = match self.from.get(&h.from) {
+            Some(r)
+                if h.epoch == epoch
+                    && h.to == me
+                    && h.nstreams == nstreams
+                    && h.stream < nstreams =>
+            {
+                *r
+            }
+            _ => {
+                if h.epoch == epoch {
+                    tracing::warn!(target: "eccl::net", "dropping unexpected link from {} (from {}, to {}, stream {} of {})", a.remote, h.from, h.to, h.stream, h.nstreams);
+                }
+                return None;
+            }
+        };
+        // Only the member the master admitted holds the proof for this link.
+        if !self.hellos.keys.verify(h.from, me, epoch, &h.proof) {
+            if let Some(held) = eccl_transport::logging::limit("link impostor") {
+                tracing::warn!(target: "eccl::net", "refused a link from {} claiming to be peer {} in epoch {epoch}: its proof is not the master's{}", a.remote, h.from, eccl_transport::logging::held_note(held));
+            }
+            return None;
+        }
+        Some(rank)
+    }
+}
+
+/// Accepts the links `expect` names, from the streams that came before this epoch
+/// (`early`) and then from the listeners, and assembles each link from its streams.
+/// Streams of the next epoch (a member may get there first) go to `later`, up to
+/// [`MAX_EARLY`]; any other epoch's are dropped.
+async fn accept_links(
+    expect: &Expect<'_>,
+    early: Vec<Accepted>,
+    accepted: &mut tokio::sync::mpsc::Receiver<Accepted>,
+    mut assembler: Assembler,
+    later: &mut Vec<Accepted>,
+) -> Result<Vec<(u32, (LinkTx, LinkRx))>> {
+    let epoch = expect.hellos.epoch;
+    let mut done: Vec<(u32, (LinkTx, LinkRx))> = Vec::new();
+    let mut queue: VecDeque<Accepted> = early.into();
+    while done.len() < expect.from.len() {
+        let a = match queue.pop_front() {
+            Some(a) => a,
+            None => accepted.recv().await.ok_or_else(|| Error::Aborted {
+                epoch,
+                cause: "link acceptor stopped".into(),
+            })?,
+        };
+        if a.hello.epoch == epoch + 1 && later.len() < MAX_EARLY {
+            later.push(a);
+            continue;
+        }
+        let Some(rank) = expect.rank_of(&a) else {
+            continue;
+        };
+        if done.iter().any(|(r, _)| *r == rank) {
+            continue;
+        }
+        let peer = peer_name(expect.world, rank);
+        let stream = a.hello.stream;
+        let link = assembler
+            .add(rank, stream, a.conn, peer.clone())
+            .await
+            .map_err(|e| Error::Aborted {
+                epoch,
+                cause: format!("link from {peer}: {e}"),
+            })?;
+        if let Some(link) = link {
+            tracing::info!(target: "eccl::net", "epoch {epoch}: link from rank {rank} ({peer}) over {}", link.0.transport());
+            done.push((rank, link));
+        }
+    }
+    Ok(done)
 }
