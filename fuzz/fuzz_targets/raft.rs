@@ -5,7 +5,7 @@
 //! refused as such.
 #![no_main]
 
-use eccl_master::raft::state_machine::decode_snapshot;
+use eccl_master::raft::snapshot::decode_snapshot;
 use eccl_master::raft::types::{RaftHello, RaftRpc};
 use eccl_protocol::codec;
 use libfuzzer_sys::fuzz_target;

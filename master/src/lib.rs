@@ -4,27 +4,44 @@
 //! [`start`] runs a master inside the calling tokio runtime (the embedded default is a
 //! one-node raft cluster); the `eccl-master` binary wraps it.
 
+// Without the `server` feature (on by default) the crate is the registry, the store, the
+// sync planner and the raft messages and snapshots: what the fuzzers (fuzz/) decode,
+// built without the transports, the disk store and the command line.
+#[cfg(feature = "server")]
 pub mod cluster_cli;
+#[cfg(feature = "server")]
 pub mod connection;
+#[cfg(feature = "server")]
 pub mod coordinator;
 pub mod raft;
 pub mod registry;
+#[cfg(feature = "server")]
 pub mod secret;
+#[cfg(feature = "server")]
 pub mod server;
 pub mod store;
 pub mod sync;
 
+#[cfg(feature = "server")]
 use futures::future::{BoxFuture, FutureExt};
 use std::collections::BTreeMap;
+#[cfg(feature = "server")]
 use std::net::SocketAddr;
+#[cfg(feature = "server")]
 use std::sync::Arc;
 
+#[cfg(feature = "server")]
 use eccl_protocol::auth::Secret;
+#[cfg(feature = "server")]
 use tokio::net::TcpListener;
 
+#[cfg(feature = "server")]
 pub use coordinator::{Coordinator, Timing};
-pub use raft::{MasterNode, RaftRegistry, RaftTiming};
+#[cfg(feature = "server")]
+pub use raft::RaftRegistry;
+pub use raft::{MasterNode, RaftTiming};
 
+#[cfg(feature = "server")]
 /// A replicated master's cluster: the other masters and how raft reaches them.
 #[derive(Clone)]
 pub struct ClusterOptions {
@@ -40,6 +57,7 @@ pub struct ClusterOptions {
     pub join: bool,
 }
 
+#[cfg(feature = "server")]
 pub struct MasterOptions {
     /// Client listener: peers, the command line, stores (etcd's 2379).
     pub listen: String,
@@ -62,6 +80,7 @@ pub struct MasterOptions {
     pub data_dir: Option<std::path::PathBuf>,
 }
 
+#[cfg(feature = "server")]
 impl MasterOptions {
     pub fn new(listen: impl Into<String>, secret: Secret) -> MasterOptions {
         MasterOptions {
@@ -78,6 +97,7 @@ impl MasterOptions {
     }
 }
 
+#[cfg(feature = "server")]
 /// A running master; dropping it stops it.
 pub struct MasterHandle {
     /// The client listener's address.
@@ -88,6 +108,7 @@ pub struct MasterHandle {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
+#[cfg(feature = "server")]
 impl MasterHandle {
     /// Stops the master (boxed for the reason [`start`] is).
     pub fn shutdown(mut self) -> BoxFuture<'static, ()> {
@@ -101,6 +122,7 @@ impl MasterHandle {
     }
 }
 
+#[cfg(feature = "server")]
 impl Drop for MasterHandle {
     fn drop(&mut self) {
         for t in &self.tasks {
@@ -145,6 +167,7 @@ pub fn parse_masters(s: &str) -> Result<BTreeMap<u64, MasterNode>, String> {
     Ok(m)
 }
 
+#[cfg(feature = "server")]
 /// Starts a master in the current tokio runtime.
 ///
 /// The future is boxed here, in this crate, so that its code (the whole start-up,
@@ -154,6 +177,7 @@ pub fn start(opts: MasterOptions) -> BoxFuture<'static, anyhow::Result<MasterHan
     start_master(opts).boxed()
 }
 
+#[cfg(feature = "server")]
 async fn start_master(opts: MasterOptions) -> anyhow::Result<MasterHandle> {
     let listener = TcpListener::bind(&opts.listen)
         .await

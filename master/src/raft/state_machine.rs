@@ -10,20 +10,12 @@ use openraft::{
     AnyError, Entry, EntryPayload, LogId, RaftSnapshotBuilder, Snapshot, SnapshotMeta,
     StorageError, StorageIOError, StoredMembership,
 };
-use serde::{Deserialize, Serialize};
 
 use super::disk::{blocking, Disk};
+pub use super::snapshot::{decode_snapshot, encode_snapshot, SmData};
 use super::types::MasterNode;
 use super::types::{MasterId, TypeConfig};
-use crate::registry::{Outcome, Registry};
-
-/// What the state machine holds; also the content of a snapshot.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct SmData {
-    pub registry: Registry,
-    pub last_applied: Option<LogId<MasterId>>,
-    pub membership: StoredMembership<MasterId, MasterNode>,
-}
+use crate::registry::Outcome;
 
 /// Shared read access to the state machine, for the leader's reads that need not go
 /// through raft. On a follower it lags the leader by the replication delay.
@@ -43,29 +35,6 @@ pub struct StateMachineStore {
     snapshot_seq: Arc<std::sync::atomic::AtomicU64>,
     /// Where snapshots are kept across restarts (with a data directory).
     disk: Option<Arc<Disk>>,
-}
-
-fn bincode_config() -> impl bincode::config::Config {
-    bincode::config::standard()
-}
-
-pub fn encode_snapshot(data: &SmData) -> Result<Vec<u8>, StorageError<MasterId>> {
-    bincode::serde::encode_to_vec(data, bincode_config())
-        .map_err(|e| StorageError::from(StorageIOError::write_snapshot(None, AnyError::new(&e))))
-}
-
-/// A snapshot's bytes as the state machine reads them (one a leader sent, or one from the
-/// data directory), refused whole if they do not decode exactly.
-pub fn decode_snapshot(bytes: &[u8]) -> Result<SmData, StorageIOError<MasterId>> {
-    let (data, used): (SmData, usize) = eccl_protocol::codec::decode_slice(bytes)
-        .map_err(|e| StorageIOError::read_snapshot(None, AnyError::new(&e)))?;
-    if used != bytes.len() {
-        return Err(StorageIOError::read_snapshot(
-            None,
-            AnyError::error(format!("{} trailing bytes in snapshot", bytes.len() - used)),
-        ));
-    }
-    Ok(data)
 }
 
 impl StateMachineStore {
