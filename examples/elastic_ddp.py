@@ -28,6 +28,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--min-world", type=int, default=int(os.environ.get("ECCL_MIN_WORLD", "1")))
     p.add_argument("--step-ms", type=float, default=0, help="extra time per step (to watch it)")
+    p.add_argument("--until-world", type=int, default=0,
+                   help="keep training past --steps until the world has had this many members "
+                        "for 20 steps (a job that waits for a replacement before it ends)")
     a = p.parse_args()
 
     torch.manual_seed(0)            # same initial model everywhere; newcomers get synced
@@ -37,9 +40,19 @@ def main() -> None:
     job = eccl.torch.ElasticDDP(model, opt, comm)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
     first = None
-    while job.revision < a.steps:
+    full_since = None   # the revision from which the world has had --until-world members
+    while True:
         if job.step_boundary():
             print(f"peer {comm.peer_id}: world is now {comm.world_size} (epoch {comm.epoch})", flush=True)
+        # Every member of a world sees the same revision and world size here (a newcomer
+        # too, on its first pass), so they all decide alike when to stop.
+        if (comm.world_size or 0) < a.until_world:
+            full_since = None
+        elif full_since is None:
+            full_since = job.revision
+        if job.revision >= a.steps and (
+                a.until_world == 0 or (full_since is not None and job.revision >= full_since + 20)):
+            break
         # Each member's batch depends on the step and its rank in the current world.
         g = torch.Generator().manual_seed(job.revision * 1000 + (comm.rank or 0))
         x = torch.randn(64, 16, generator=g)
@@ -50,6 +63,8 @@ def main() -> None:
                   f"{len(job.members)} members", flush=True)
         if a.step_ms:
             time.sleep(a.step_ms / 1000)
+    if first is None:   # admitted as the job ended: no step of its own
+        first = loss = float("nan")
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters()))
     print(f"FINAL peer {comm.peer_id} revision {job.revision} first_loss {first:.6f} "
           f"loss {loss:.6f} params {digest.hexdigest()[:16]}", flush=True)

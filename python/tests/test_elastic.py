@@ -31,7 +31,11 @@ def test_kill_one_rank_and_add_another():
         return spawn(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
              "--nproc-per-node", "1", "--master-port", str(free_port()), str(EXAMPLE),
-             "--steps", steps, "--min-world", str(min_world), "--step-ms", "10"],
+             "--steps", steps, "--min-world", str(min_world), "--step-ms", "10",
+             # The survivors go on until the newcomer is in: on a loaded machine its
+             # start (torch's import) once took longer than their remaining steps, and it
+             # then trained alone after they had left.
+             "--until-world", "3"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
 
@@ -56,9 +60,10 @@ def test_kill_one_rank_and_add_another():
         master.shutdown()
     finals = [FINAL.search(o) for o in outs]
     assert all(finals), outs
+    assert "world is now" in outs[0], "the survivors saw the newcomer join"
     revisions = {f.group(2) for f in finals}
     params = {f.group(5) for f in finals}
-    assert revisions == {steps}
+    assert len(revisions) == 1 and int(revisions.pop()) >= int(steps), finals
     # On a divergence, what each rank saw of the world's changes and its errors.
     seen = ["\n".join(l for l in o.splitlines() if "step 20" not in l and " step " not in l)[-2500:]
             for o in outs]
@@ -66,6 +71,5 @@ def test_kill_one_rank_and_add_another():
         "\n---\n".join(seen)
     for f in finals[:2]:
         assert float(f.group(4)) < float(f.group(3)) / 10, f.group(0)
-    assert "world is now" in outs[0], "the survivors saw the newcomer join"
     # The kill took the node's worker too: the survivors trained over two members a while.
     assert " over 2 members" in outs[0], "the killed node's worker went on training"
