@@ -14,6 +14,9 @@ pub type DevPtr = u64;
 /// Bytes of an IPC memory handle (`CUipcMemHandle`).
 pub const IPC_HANDLE_BYTES: usize = 64;
 
+/// Bytes of a physical GPU's identity (`CUuuid`).
+pub const GPU_ID_BYTES: usize = 16;
+
 /// What one process gives another to map a buffer of its own: the handle of the
 /// allocation that holds the buffer and where in it the buffer starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,6 +100,10 @@ pub trait Device: Send + Sync {
     /// # Safety
     /// Nothing queued or to come uses the mapping.
     unsafe fn ipc_close(&self, base: DevPtr) -> Result<()>;
+    /// The identity of the physical GPU (CUDA's UUID): processes whose devices have the
+    /// same id share one GPU, and the collectives then run one kernel per GPU, not one
+    /// per process.
+    fn gpu_id(&self) -> Result<[u8; GPU_ID_BYTES]>;
     /// A name for logs and errors (`cuda:0 (NVIDIA H100 80GB HBM3)`, `host`).
     fn describe(&self) -> String;
 }

@@ -10,7 +10,7 @@ use cudarc::driver::{result, sys};
 use cudarc::nvrtc;
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, IPC_HANDLE_BYTES};
+use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES};
 use crate::kernels::{self, MAX_PTRS};
 
 fn drv(call: &'static str) -> impl FnOnce(result::DriverError) -> DeviceError {
@@ -162,6 +162,7 @@ pub struct CudaDevice {
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     name: String,
+    uuid: [u8; GPU_ID_BYTES],
     max_blocks: u32,
     arch: String,
     kernels: Mutex<Option<Kernels>>,
@@ -195,11 +196,23 @@ impl CudaDevice {
         let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let name = result::device::get_name(dev).unwrap_or_else(|_| "?".into());
+        let mut id = MaybeUninit::<sys::CUuuid>::uninit();
+        // SAFETY: an out-parameter for a valid device.
+        unsafe { sys::cuDeviceGetUuid_v2(id.as_mut_ptr(), dev) }
+            .result()
+            .map_err(drv("cuDeviceGetUuid"))?;
+        // SAFETY: initialized by the successful call above.
+        let id = unsafe { id.assume_init() };
+        let mut uuid = [0u8; GPU_ID_BYTES];
+        for (d, s) in uuid.iter_mut().zip(id.bytes.iter()) {
+            *d = *s as u8;
+        }
         Ok(CudaDevice {
             ordinal,
             ctx,
             stream,
             name,
+            uuid,
             // Eight blocks of 256 threads per multiprocessor keep every SM's load queue
             // full on a streaming kernel; the grid strides over the rest.
             max_blocks: (sms.max(1) as u32) * 8,
@@ -494,6 +507,10 @@ impl Device for CudaDevice {
         sys::cuIpcCloseMemHandle(base)
             .result()
             .map_err(drv("cuIpcCloseMemHandle"))
+    }
+
+    fn gpu_id(&self) -> Result<[u8; GPU_ID_BYTES]> {
+        Ok(self.uuid)
     }
 
     fn describe(&self) -> String {

@@ -15,7 +15,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use eccl_algorithms::kernels;
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, IPC_HANDLE_BYTES};
+use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES};
 
 struct Alloc {
     owner: u64,
@@ -81,6 +81,10 @@ fn memory() -> MutexGuard<'static, Memory> {
 /// Host memory behind the device interface; one per simulated process.
 pub struct HostDevice {
     id: u64,
+    /// The simulated physical GPU ([`HostDevice::on_gpu`]); its own by default.
+    gpu: u64,
+    reductions: AtomicU64,
+    copies: AtomicU64,
 }
 
 impl Default for HostDevice {
@@ -92,9 +96,32 @@ impl Default for HostDevice {
 impl HostDevice {
     pub fn new() -> HostDevice {
         static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
         HostDevice {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            id,
+            gpu: id << 32,
+            reductions: AtomicU64::new(0),
+            copies: AtomicU64::new(0),
         }
+    }
+
+    /// A simulated process on simulated GPU `gpu`: devices made with the same `gpu` share
+    /// one GPU, as processes on one CUDA device do.
+    pub fn on_gpu(gpu: u32) -> HostDevice {
+        HostDevice {
+            gpu: gpu as u64,
+            ..HostDevice::new()
+        }
+    }
+
+    /// Reduction kernels run on this device so far.
+    pub fn reductions(&self) -> u64 {
+        self.reductions.load(Ordering::Relaxed)
+    }
+
+    /// Device-to-device copies queued on this device so far.
+    pub fn copies(&self) -> u64 {
+        self.copies.load(Ordering::Relaxed)
     }
 
     /// Peer mappings this device holds open now.
@@ -130,6 +157,7 @@ impl Device for HostDevice {
     }
 
     unsafe fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
+        self.copies.fetch_add(1, Ordering::Relaxed);
         let mut m = memory();
         let data = m.read(src, bytes)?;
         m.write(dst, &data)
@@ -156,6 +184,7 @@ impl Device for HostDevice {
         if ins.is_empty() {
             return Err(DeviceError::Invalid("a reduction of no inputs".into()));
         }
+        self.reductions.fetch_add(1, Ordering::Relaxed);
         let len = count * dtype.size();
         let mut m = memory();
         let mut acc = m.read(ins[0], len)?;
@@ -227,6 +256,13 @@ impl Device for HostDevice {
             }
         }
         Ok(())
+    }
+
+    fn gpu_id(&self) -> Result<[u8; GPU_ID_BYTES]> {
+        let mut id = [0u8; GPU_ID_BYTES];
+        id[..8].copy_from_slice(&self.gpu.to_le_bytes());
+        id[8..].copy_from_slice(b"hostdbl\0");
+        Ok(id)
     }
 
     fn describe(&self) -> String {

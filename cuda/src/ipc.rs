@@ -4,20 +4,28 @@
 //! A call exchanges a fixed-size record per rank over the caller's [`Exchange`] (eccl's
 //! authenticated link: a handle from anyone outside the world is never opened): the
 //! buffer's IPC handle and offset, and what the call is (count, dtype, op), which every rank
-//! checks against every other's, so a mismatch is the same typed error everywhere. Then
-//! each rank owns one chunk: one kernel reads that chunk from every rank's buffer, combines
+//! checks against every other's, so a mismatch is the same typed error everywhere, and
+//! the identity of the physical GPU the rank runs on. The buffer is cut into one chunk per
+//! GPU, owned by the first rank on that GPU (every rank when each has a GPU of its own):
+//! ranks that share a GPU do not each run a kernel, because without MPS the kernels of two
+//! processes take turns on the GPU, and a call would pay for every turn (on one H100 with
+//! two processes, 256 MiB: 781 µs with a kernel per rank, most of it waiting for the other
+//! process's turn). An owner's kernel reads its chunk from every rank's buffer, combines
 //! the values in rank order (the same bits on every rank, G3) and writes the result
 //! - into every rank's buffer directly, when the caller allows its buffer to be undefined
 //!   after a failed call (`keep = false`, what torch's backends promise): one pass, each
 //!   byte read once and written once per rank;
 //! - or into a scratch chunk of its own (`keep = true`, G2): after a second exchange says
-//!   every rank's chunk is done, each rank copies the chunks into its buffer. A rank that
-//!   dies before that point leaves every survivor's buffer as it was.
+//!   every chunk is done, each GPU's owner copies every chunk into the buffers of the
+//!   ranks on its GPU. A rank that dies before that point leaves every survivor's buffer
+//!   as it was; an owner that dies while copying leaves the buffers of the ranks on its
+//!   GPU partly written (they fail at the last exchange).
 //!
-//! A second exchange carries each rank's status, so a rank whose device failed tells the
-//! others instead of leaving them waiting, and no rank returns (and lets its buffer be
-//! reused) while another may still write into it; with `keep`, a third one after the
-//! copies keeps every scratch chunk alive until nobody reads it.
+//! The second exchange carries each rank's status (and an owner's scratch handle), so a
+//! rank whose device failed tells the others instead of leaving them waiting, and no rank
+//! returns (and lets its buffer be reused) while another may still write into it; with
+//! `keep`, a third one after the copies keeps every scratch chunk alive until nobody reads
+//! it.
 //!
 //! Mapped handles are cached (torch's caching allocator hands out the same allocations
 //! again), at most [`MAX_MAPPINGS`] and all of them released when the world changes or an
@@ -28,7 +36,7 @@ use std::sync::Arc;
 
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, IPC_HANDLE_BYTES};
+use crate::device::{DevPtr, Device, DeviceError, IpcMem, GPU_ID_BYTES, IPC_HANDLE_BYTES};
 use crate::kernels::MAX_PTRS;
 
 /// Most peer allocations kept mapped between calls.
@@ -65,12 +73,13 @@ pub enum IpcError {
 }
 
 const MAGIC: &[u8; 4] = b"ECIP";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Bytes of one rank's record.
-const META_BYTES: usize = 4 + 1 + 3 + 8 + 2 * MEM_BYTES;
+const META_BYTES: usize = 4 + 1 + 3 + 8 + MEM_BYTES + GPU_ID_BYTES;
 const MEM_BYTES: usize = IPC_HANDLE_BYTES + 8 + 8;
-/// Bytes of one rank's status: ok flag and a message.
-const STATUS_BYTES: usize = 240;
+/// Bytes of one rank's status: ok flag, an owner's scratch chunk (keep), a message.
+const STATUS_BYTES: usize = 1 + MEM_BYTES + STATUS_MSG_BYTES;
+const STATUS_MSG_BYTES: usize = 240;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Meta {
@@ -79,7 +88,8 @@ struct Meta {
     keep: bool,
     count: u64,
     buf: IpcMem,
-    scratch: IpcMem,
+    /// The physical GPU the rank runs on ([`Device::gpu_id`]).
+    gpu: [u8; GPU_ID_BYTES],
 }
 
 fn put_mem(out: &mut Vec<u8>, m: &IpcMem) {
@@ -113,7 +123,7 @@ impl Meta {
         out.extend_from_slice(&[self.dtype as u8, self.op as u8, self.keep as u8]);
         out.extend_from_slice(&self.count.to_le_bytes());
         put_mem(&mut out, &self.buf);
-        put_mem(&mut out, &self.scratch);
+        out.extend_from_slice(&self.gpu);
         out
     }
 
@@ -132,7 +142,7 @@ impl Meta {
             keep: b[7] != 0,
             count: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             buf: get_mem(&b[16..16 + MEM_BYTES]),
-            scratch: get_mem(&b[16 + MEM_BYTES..]),
+            gpu: b[16 + MEM_BYTES..].try_into().expect("GPU_ID_BYTES"),
         })
     }
 }
@@ -146,6 +156,14 @@ pub fn chunk(count: usize, world: usize, dtype: DType, r: usize) -> (usize, usiz
     (start, (start + per).min(count))
 }
 
+/// The ranks that reduce a chunk, in chunk order: the first rank on each physical GPU.
+/// Every rank computes it from the same records, so all agree.
+pub fn owners(gpus: &[[u8; GPU_ID_BYTES]]) -> Vec<usize> {
+    (0..gpus.len())
+        .filter(|&r| !gpus[..r].contains(&gpus[r]))
+        .collect()
+}
+
 /// Where the calls' time went (wall clock, summed over calls): for finding the fixed cost
 /// of a call (`eccl-bench --device` prints it).
 #[derive(Clone, Copy, Debug, Default)]
@@ -155,11 +173,11 @@ pub struct Phases {
     pub export: std::time::Duration,
     /// The first exchange (records of every rank).
     pub meta: std::time::Duration,
-    /// Mapping peers' buffers and queuing the kernel, and waiting for it.
+    /// Mapping peers' buffers and queuing the kernel, and waiting for it (an owner).
     pub reduce: std::time::Duration,
-    /// The status exchange.
+    /// The status exchange (a rank that shares its GPU waits here for the owner's kernel).
     pub status: std::time::Duration,
-    /// `keep`: the copies out of every scratch chunk and the last exchange.
+    /// `keep`: an owner's copies out of every scratch chunk, and the last exchange.
     pub copy: std::time::Duration,
 }
 
@@ -317,12 +335,6 @@ impl<D: Device> IpcComm<D> {
         self.phases.calls += 1;
         // The caller's writes to `buf` are done before any peer reads it.
         self.dev.synchronize()?;
-        let per = chunk(count, world, dtype, 0).1;
-        let scratch = if keep && world > 1 {
-            self.ensure_scratch(per * size)?
-        } else {
-            NO_MEM
-        };
         let meta = Meta {
             dtype,
             op,
@@ -333,7 +345,7 @@ impl<D: Device> IpcComm<D> {
             } else {
                 NO_MEM
             },
-            scratch,
+            gpu: self.dev.gpu_id()?,
         };
         lap(&mut self.phases.export);
         let all = self.gather(ex, &meta.encode())?;
@@ -354,56 +366,86 @@ impl<D: Device> IpcComm<D> {
         if world == 1 || bytes == 0 {
             return Ok(());
         }
-        let local = self.reduce_phase(&metas, rank, buf);
+        let owners = owners(&metas.iter().map(|m| m.gpu).collect::<Vec<_>>());
+        let mine = owners.iter().position(|&o| o == rank);
+        let local = match mine {
+            Some(k) => self.reduce_phase(&metas, rank, buf, chunk(count, owners.len(), dtype, k)),
+            None => Ok(NO_MEM),
+        };
         lap(&mut self.phases.reduce);
         let mut status = vec![0u8; STATUS_BYTES];
-        if let Err(e) = &local {
-            status[0] = 1;
-            let msg = e.to_string();
-            let n = msg.len().min(STATUS_BYTES - 1);
-            status[1..1 + n].copy_from_slice(&msg.as_bytes()[..n]);
+        match &local {
+            Ok(scratch) => {
+                let mut m = Vec::with_capacity(MEM_BYTES);
+                put_mem(&mut m, scratch);
+                status[1..1 + MEM_BYTES].copy_from_slice(&m);
+            }
+            Err(e) => {
+                status[0] = 1;
+                let msg = e.to_string();
+                let n = msg.len().min(STATUS_MSG_BYTES);
+                status[1 + MEM_BYTES..1 + MEM_BYTES + n].copy_from_slice(&msg.as_bytes()[..n]);
+            }
         }
         let statuses = self.gather(ex, &status)?;
         lap(&mut self.phases.status);
         local?;
         for (r, s) in statuses.iter().enumerate() {
             if s[0] != 0 {
-                let msg = String::from_utf8_lossy(&s[1..])
+                let msg = String::from_utf8_lossy(&s[1 + MEM_BYTES..])
                     .trim_end_matches('\0')
                     .to_string();
                 return Err(IpcError::Peer { rank: r, msg });
             }
         }
-        if keep {
-            for (s, m) in metas.iter().enumerate() {
-                let (start, end) = chunk(count, world, dtype, s);
+        if keep && mine.is_some() {
+            // The owner of each GPU writes the result into the buffers of the ranks on its
+            // GPU (its own among them), so ranks that share a GPU queue nothing.
+            let here: Vec<usize> = (0..world)
+                .filter(|&r| metas[r].gpu == metas[rank].gpu)
+                .collect();
+            for (k, &o) in owners.iter().enumerate() {
+                let (start, end) = chunk(count, owners.len(), dtype, k);
                 if end == start {
                     continue;
                 }
-                let src = if s == rank {
-                    self.scratch.as_ref().expect("made above").0
+                let len = (end - start) * size;
+                let src = if o == rank {
+                    self.scratch.as_ref().expect("reduce_phase made it").0
                 } else {
-                    self.open(&m.scratch, ((end - start) * size) as u64)?
+                    let m = get_mem(&statuses[o][1..1 + MEM_BYTES]);
+                    self.open(&m, len as u64)?
                 };
-                self.dev
-                    .copy(buf + (start * size) as u64, src, (end - start) * size)?;
+                for &t in &here {
+                    let dst = if t == rank {
+                        buf
+                    } else {
+                        self.open(&metas[t].buf, bytes as u64)?
+                    };
+                    self.dev.copy(dst + (start * size) as u64, src, len)?;
+                }
             }
             self.dev.synchronize()?;
-            // No rank may free or rewrite its scratch while another still copies from it.
+        }
+        if keep {
+            // No rank returns before its buffer is written, and no owner frees or rewrites
+            // its scratch while another still copies from it.
             self.gather(ex, &[1])?;
             lap(&mut self.phases.copy);
         }
         Ok(())
     }
 
-    /// This rank's chunk from every rank's `buf`, combined (the call is `metas[rank]`,
-    /// which every rank's record matches).
+    /// Elements `[start, end)` from every rank's `buf`, combined (the call is
+    /// `metas[rank]`, which every rank's record matches), written into every rank's buffer
+    /// or, with `keep`, into this rank's scratch chunk, whose handle it returns.
     unsafe fn reduce_phase(
         &mut self,
         metas: &[Meta],
         rank: usize,
         buf: DevPtr,
-    ) -> Result<(), IpcError> {
+        (start, end): (usize, usize),
+    ) -> Result<IpcMem, IpcError> {
         let Meta {
             dtype,
             op,
@@ -414,16 +456,20 @@ impl<D: Device> IpcComm<D> {
         let count = count as usize;
         let size = dtype.size();
         let world = metas.len();
-        let mut bases = Vec::with_capacity(world);
-        for (s, m) in metas.iter().enumerate() {
-            bases.push(if s == rank {
-                buf
-            } else {
-                self.open(&m.buf, (count * size) as u64)?
-            });
-        }
-        let (start, end) = chunk(count, world, dtype, rank);
+        let scratch = if keep {
+            self.ensure_scratch((end - start) * size)?
+        } else {
+            NO_MEM
+        };
         if end > start {
+            let mut bases = Vec::with_capacity(world);
+            for (s, m) in metas.iter().enumerate() {
+                bases.push(if s == rank {
+                    buf
+                } else {
+                    self.open(&m.buf, (count * size) as u64)?
+                });
+            }
             let off = (start * size) as u64;
             let ins: Vec<DevPtr> = bases.iter().map(|b| b + off).collect();
             let outs: Vec<DevPtr> = if keep {
@@ -435,7 +481,7 @@ impl<D: Device> IpcComm<D> {
                 .reduce(dtype, op, &ins, &outs, end - start, world as u32)?;
         }
         self.dev.synchronize()?;
-        Ok(())
+        Ok(scratch)
     }
 }
 

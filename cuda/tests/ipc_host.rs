@@ -127,8 +127,8 @@ fn expected(dtype: DType, op: ReduceOp, count: usize, world: usize) -> Vec<u8> {
     acc
 }
 
-/// Runs one all_reduce on `world` threads; returns each rank's buffer after the call and
-/// its result.
+/// Runs one all_reduce on `world` threads, each on a GPU of its own; returns each rank's
+/// buffer after the call and its result.
 fn run(
     world: usize,
     dtype: DType,
@@ -138,6 +138,25 @@ fn run(
     fail: Option<(usize, usize)>,
     per_rank: impl Fn(usize) -> (usize, DType, ReduceOp) + Sync,
 ) -> Vec<(Vec<u8>, Result<(), IpcError>, usize)> {
+    run_on(&|_| None, world, dtype, op, count, keep, fail, per_rank)
+        .into_iter()
+        .map(|(out, res, mapped, _)| (out, res, mapped))
+        .collect()
+}
+
+/// `run` with rank r on simulated GPU `gpu_of(r)` (`None`: one of its own); also returns
+/// how many kernels each rank ran.
+#[allow(clippy::too_many_arguments)]
+fn run_on(
+    gpu_of: &(dyn Fn(usize) -> Option<u32> + Sync),
+    world: usize,
+    dtype: DType,
+    op: ReduceOp,
+    count: usize,
+    keep: bool,
+    fail: Option<(usize, usize)>,
+    per_rank: impl Fn(usize) -> (usize, DType, ReduceOp) + Sync,
+) -> Vec<(Vec<u8>, Result<(), IpcError>, usize, (u64, u64))> {
     let mem = Mem::new(world);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -145,7 +164,10 @@ fn run(
                 let mem = mem.clone();
                 let per_rank = &per_rank;
                 s.spawn(move || {
-                    let dev = Arc::new(HostDevice::new());
+                    let dev = Arc::new(match gpu_of(rank) {
+                        Some(g) => HostDevice::on_gpu(g),
+                        None => HostDevice::new(),
+                    });
                     let (n, d, o) = per_rank(rank);
                     let n = if n == usize::MAX { count } else { n };
                     let data = values(d, n, rank);
@@ -169,7 +191,7 @@ fn run(
                         "dropping the comm unmaps everything"
                     );
                     let _ = (dtype, op);
-                    (out, res, mapped)
+                    (out, res, mapped, (dev.reductions(), dev.copies()))
                 })
             })
             .collect();
@@ -353,4 +375,53 @@ fn repeated_calls_reuse_mappings() {
             });
         }
     });
+}
+
+#[test]
+fn ranks_sharing_a_gpu_run_one_kernel_per_gpu() {
+    // Processes on one GPU take turns running kernels, so only the first rank on each GPU
+    // reduces (its chunk, or everything when all share one GPU); the result is the same.
+    let layouts: [(&str, &(dyn Fn(usize) -> Option<u32> + Sync), u64); 3] = [
+        ("one GPU", &|_| Some(7), 1),
+        ("two GPUs, two ranks each", &|r| Some(r as u32 / 2), 2),
+        ("interleaved", &|r| Some(r as u32 % 2), 2),
+    ];
+    for (what, gpu_of, gpus) in layouts {
+        for keep in [false, true] {
+            for (dtype, op) in [(DType::F32, ReduceOp::Sum), (DType::BF16, ReduceOp::Avg)] {
+                let count = 1003;
+                let res = run_on(gpu_of, 4, dtype, op, count, keep, None, |_| {
+                    (usize::MAX, dtype, op)
+                });
+                let want = expected(dtype, op, count, 4);
+                let mut kernels = 0;
+                for (r, (out, res, _, (k, copies))) in res.into_iter().enumerate() {
+                    res.unwrap();
+                    assert_eq!(out, want, "{what} keep {keep} {dtype} rank {r}");
+                    kernels += k;
+                    if k == 0 {
+                        assert_eq!(copies, 0, "{what}: rank {r} shares a GPU, queues nothing");
+                    }
+                }
+                assert_eq!(kernels, gpus, "{what}: one kernel per GPU");
+            }
+        }
+    }
+    // A rank that shares a GPU and dies before the status exchange: with keep, nobody's
+    // buffer changed.
+    let res = run_on(
+        &|_| Some(3),
+        3,
+        DType::F32,
+        ReduceOp::Sum,
+        100,
+        true,
+        Some((1, 1)),
+        same,
+    );
+    for (r, (out, res, mapped, _)) in res.into_iter().enumerate() {
+        assert!(res.is_err(), "rank {r} must fail");
+        assert_eq!(out, values(DType::F32, 100, r), "rank {r}'s buffer changed");
+        assert_eq!(mapped, 0);
+    }
 }
