@@ -49,6 +49,9 @@ pub struct Config {
     pub rank_hint: Option<u32>,
     /// Smallest first world to form (`ECCL_MIN_WORLD`, torchrun's `WORLD_SIZE`).
     pub min_world: u32,
+    /// Threads one large reduction may use (`ECCL_REDUCE_THREADS`); default: the host's
+    /// cores over the ranks on it, at most 4.
+    pub reduce_threads: Option<usize>,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -176,6 +179,7 @@ impl Default for Config {
             host: host_identity(),
             rank_hint: None,
             min_world: 1,
+            reduce_threads: None,
         }
     }
 }
@@ -201,6 +205,14 @@ impl Config {
             c.buffsize = parse_size(&b).ok_or_else(|| {
                 Error::InvalidArgument(format!("ECCL_BUFFSIZE={b:?} is not a size"))
             })?;
+        }
+        if let Some(n) = env_parse::<usize>("ECCL_REDUCE_THREADS")? {
+            if n == 0 {
+                return Err(Error::InvalidArgument(
+                    "ECCL_REDUCE_THREADS=0: at least one thread reduces".into(),
+                ));
+            }
+            c.reduce_threads = Some(n);
         }
         if let Some(n) = env_parse::<usize>("ECCL_NSTREAMS")? {
             c.nstreams = n;

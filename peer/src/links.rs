@@ -180,7 +180,9 @@ impl LinkManager {
             .ok_or_else(|| Error::Evicted {
                 reason: format!("not a member of epoch {epoch}"),
             })?;
-        shm::plan_spin(world.members.iter().filter(|m| m.host == mine.host).count());
+        let local = world.members.iter().filter(|m| m.host == mine.host).count();
+        shm::plan_spin(local);
+        plan_reduce_threads(local, cfg.reduce_threads);
         self.observer.enter(
             epoch,
             world
@@ -423,4 +425,30 @@ async fn accept_links(
         }
     }
     Ok(done)
+}
+
+/// Most threads one reduction takes by default: past four, a reduction is bound by the
+/// memory, not the cores.
+const MAX_AUTO_REDUCE_THREADS: usize = 4;
+
+/// How many threads a large reduction of this process may use: `forced`
+/// (`ECCL_REDUCE_THREADS`), else the host's cores shared among the `local` ranks on it,
+/// so that ranks never compete for cores (two ranks on two cores: one thread each).
+fn plan_reduce_threads(local: usize, forced: Option<usize>) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads =
+        forced.unwrap_or_else(|| (cores / local.max(1)).clamp(1, MAX_AUTO_REDUCE_THREADS));
+    if threads != eccl_algorithms::kernels::threads() {
+        tracing::info!(
+            "reductions of {} KiB and more on {threads} threads ({cores} cores, {local} ranks on \
+             this host{})",
+            eccl_algorithms::kernels::PAR_MIN_BYTES >> 10,
+            if forced.is_some() {
+                ", ECCL_REDUCE_THREADS"
+            } else {
+                ""
+            }
+        );
+    }
+    eccl_algorithms::kernels::set_threads(threads);
 }

@@ -161,6 +161,13 @@ fn memcpy(o: &Opts) {
 }
 
 fn reduce(o: &Opts) {
+    // The peer's choice is per world; here the variable alone decides (1 without it).
+    let threads = std::env::var("ECCL_REDUCE_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(1);
+    eccl_algorithms::kernels::set_threads(threads);
+    println!("# reductions on {threads} thread(s) (ECCL_REDUCE_THREADS)");
     let dtypes = if o.dtypes.is_empty() {
         eccl::DType::ALL.to_vec()
     } else {

@@ -1,0 +1,52 @@
+//! Large reductions split over a few threads, for machines whose cores would otherwise sit
+//! idle while one core per rank reduces (a 16-core host running two ranks). Elements are
+//! independent, so any split gives the same bits as one thread (G3 holds whatever the
+//! thread count). One thread, the default, is the plain loop; the peer picks the count
+//! when a world forms (`ECCL_REDUCE_THREADS`, or the host's cores over the ranks on it)
+//! and calls [`set_threads`].
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Below this many bytes a reduction stays on the calling thread: handing parts to other
+/// threads costs microseconds, a 256 KiB reduction tens of them.
+pub const PAR_MIN_BYTES: usize = 256 << 10;
+
+/// Parts start on 64-byte boundaries of the slice: whole elements of every dtype, and
+/// no cache line written by two threads.
+const PART_ALIGN: usize = 64;
+
+static THREADS: AtomicUsize = AtomicUsize::new(1);
+static POOL: Mutex<Option<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(None);
+
+/// Sets how many threads one large reduction may use (at least 1). Changing it replaces
+/// the pool; reductions running on the old one finish there.
+pub fn set_threads(n: usize) {
+    THREADS.store(n.max(1), Ordering::Relaxed);
+}
+
+/// How many threads one large reduction may use.
+pub fn threads() -> usize {
+    THREADS.load(Ordering::Relaxed)
+}
+
+/// The pool and part size for a reduction of `bytes`, or `None` to stay on this thread.
+pub(super) fn plan(bytes: usize) -> Option<(Arc<rayon::ThreadPool>, usize)> {
+    let threads = threads();
+    if threads <= 1 || bytes < PAR_MIN_BYTES {
+        return None;
+    }
+    let parts = threads.min(bytes / (PAR_MIN_BYTES / 2)).max(1);
+    let part = bytes.div_ceil(parts).next_multiple_of(PART_ALIGN);
+    let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+    if pool.as_ref().is_none_or(|(n, _)| *n != threads) {
+        // A pool that cannot start (no threads left) leaves reductions on the caller.
+        let built = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("eccl-reduce-{i}"))
+            .build()
+            .ok()?;
+        *pool = Some((threads, Arc::new(built)));
+    }
+    pool.as_ref().map(|(_, p)| (p.clone(), part))
+}
