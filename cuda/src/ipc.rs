@@ -1,5 +1,9 @@
-//! The same-host all_reduce over device memory that every rank maps from every other
-//! (CUDA IPC): no copy through the host and no link in the data path.
+//! The same-host collectives over device memory that every rank maps from every other
+//! (CUDA IPC): no copy through the host and no link in the data path. all_reduce is
+//! described below; all_gather, reduce_scatter and broadcast follow the same steps
+//! (records, the work of each GPU's owner, status) without `keep`: the owner of each GPU
+//! copies (or, for reduce_scatter, reduces in rank order) straight from every rank's
+//! buffer into the buffers of the ranks on its GPU.
 //!
 //! A call exchanges a fixed-size record per rank over the caller's [`Exchange`] (eccl's
 //! authenticated link: a handle from anyone outside the world is never opened): the
@@ -73,21 +77,57 @@ pub enum IpcError {
 }
 
 const MAGIC: &[u8; 4] = b"ECIP";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 /// Bytes of one rank's record.
-const META_BYTES: usize = 4 + 1 + 3 + 8 + MEM_BYTES + GPU_ID_BYTES;
+const META_BYTES: usize = 4 + 1 + 5 + 4 + 8 + 2 * MEM_BYTES + GPU_ID_BYTES;
 const MEM_BYTES: usize = IPC_HANDLE_BYTES + 8 + 8;
 /// Bytes of one rank's status: ok flag, an owner's scratch chunk (keep), a message.
 const STATUS_BYTES: usize = 1 + MEM_BYTES + STATUS_MSG_BYTES;
 const STATUS_MSG_BYTES: usize = 240;
 
+/// The collectives of this module, as their records name them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Meta {
+pub enum IpcKind {
+    AllReduce = 0,
+    AllGather = 1,
+    ReduceScatter = 2,
+    Broadcast = 3,
+}
+
+impl IpcKind {
+    fn from_u8(b: u8) -> Option<IpcKind> {
+        [
+            IpcKind::AllReduce,
+            IpcKind::AllGather,
+            IpcKind::ReduceScatter,
+            IpcKind::Broadcast,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == b)
+    }
+}
+
+/// What every rank must agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Call {
+    kind: IpcKind,
     dtype: DType,
     op: ReduceOp,
     keep: bool,
+    root: u32,
     count: u64,
-    buf: IpcMem,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Meta {
+    call: Call,
+    /// This rank refused its own arguments (buffers that overlap other than in NCCL's
+    /// in-place form): every rank fails the call, none touches anything.
+    refused: bool,
+    /// The buffer the call reads (all_reduce and broadcast: their one buffer).
+    send: IpcMem,
+    /// The buffer it writes, where that is another one (all_gather, reduce_scatter).
+    recv: IpcMem,
     /// The physical GPU the rank runs on ([`Device::gpu_id`]).
     gpu: [u8; GPU_ID_BYTES],
 }
@@ -117,12 +157,21 @@ const NO_MEM: IpcMem = IpcMem {
 
 impl Meta {
     fn encode(&self) -> Vec<u8> {
+        let c = &self.call;
         let mut out = Vec::with_capacity(META_BYTES);
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
-        out.extend_from_slice(&[self.dtype as u8, self.op as u8, self.keep as u8]);
-        out.extend_from_slice(&self.count.to_le_bytes());
-        put_mem(&mut out, &self.buf);
+        out.extend_from_slice(&[
+            c.kind as u8,
+            c.dtype as u8,
+            c.op as u8,
+            c.keep as u8,
+            self.refused as u8,
+        ]);
+        out.extend_from_slice(&c.root.to_le_bytes());
+        out.extend_from_slice(&c.count.to_le_bytes());
+        put_mem(&mut out, &self.send);
+        put_mem(&mut out, &self.recv);
         out.extend_from_slice(&self.gpu);
         out
     }
@@ -134,17 +183,30 @@ impl Meta {
         if b[4] != VERSION {
             return Err(format!("IPC record version {} (this is {VERSION})", b[4]));
         }
-        let dtype = DType::from_u8(b[5]).ok_or("an unknown dtype")?;
-        let op = ReduceOp::from_u8(b[6]).ok_or("an unknown op")?;
+        let kind = IpcKind::from_u8(b[5]).ok_or("an unknown collective")?;
+        let dtype = DType::from_u8(b[6]).ok_or("an unknown dtype")?;
+        let op = ReduceOp::from_u8(b[7]).ok_or("an unknown op")?;
+        let m = 22;
         Ok(Meta {
-            dtype,
-            op,
-            keep: b[7] != 0,
-            count: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
-            buf: get_mem(&b[16..16 + MEM_BYTES]),
-            gpu: b[16 + MEM_BYTES..].try_into().expect("GPU_ID_BYTES"),
+            call: Call {
+                kind,
+                dtype,
+                op,
+                keep: b[8] != 0,
+                root: u32::from_le_bytes(b[10..14].try_into().expect("4 bytes")),
+                count: u64::from_le_bytes(b[14..22].try_into().expect("8 bytes")),
+            },
+            refused: b[9] != 0,
+            send: get_mem(&b[m..m + MEM_BYTES]),
+            recv: get_mem(&b[m + MEM_BYTES..m + 2 * MEM_BYTES]),
+            gpu: b[m + 2 * MEM_BYTES..].try_into().expect("GPU_ID_BYTES"),
         })
     }
+}
+
+/// Whether `[a, a + alen)` and `[b, b + blen)` share a byte.
+fn overlap(a: DevPtr, alen: usize, b: DevPtr, blen: usize) -> bool {
+    alen > 0 && blen > 0 && a < b + blen as u64 && b < a + alen as u64
 }
 
 /// The element range `[start, end)` of rank `r`'s chunk: equal chunks, each a whole number
@@ -293,6 +355,148 @@ impl<D: Device> IpcComm<D> {
         }
     }
 
+    /// The first steps of every call: checks what can be checked alone, waits for the
+    /// caller's work on this device, and exchanges the records, which every rank checks
+    /// against every other's (the same typed error everywhere when they disagree).
+    /// `send` and `recv` are this rank's buffers and their sizes in bytes (`recv` (0, 0)
+    /// for a call with one buffer); `refused` is this rank's own objection, if any.
+    fn begin(
+        &mut self,
+        ex: &mut dyn Exchange,
+        call: Call,
+        send: (DevPtr, usize),
+        recv: (DevPtr, usize),
+        refused: Option<String>,
+    ) -> Result<Vec<Meta>, IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        if world > MAX_PTRS {
+            return Err(IpcError::Invalid(format!(
+                "the same-host path serves at most {MAX_PTRS} ranks ({world} here)"
+            )));
+        }
+        if self.epoch != Some(ex.epoch()) {
+            self.release();
+            self.epoch = Some(ex.epoch());
+        }
+        let t = std::time::Instant::now();
+        self.phases.calls += 1;
+        // The caller's writes to its buffers are done before any peer reads them.
+        self.dev.synchronize()?;
+        let export = |dev: &D, (ptr, bytes): (DevPtr, usize)| {
+            if bytes > 0 && refused.is_none() {
+                dev.ipc_export(ptr)
+            } else {
+                Ok(NO_MEM)
+            }
+        };
+        let meta = Meta {
+            call,
+            refused: refused.is_some(),
+            send: export(&self.dev, send)?,
+            recv: export(&self.dev, recv)?,
+            gpu: self.dev.gpu_id()?,
+        };
+        let t1 = std::time::Instant::now();
+        self.phases.export += t1 - t;
+        let all = self.gather(ex, &meta.encode())?;
+        self.phases.meta += t1.elapsed();
+        let mut metas = Vec::with_capacity(world);
+        for (r, b) in all.iter().enumerate() {
+            metas.push(Meta::decode(b).map_err(|e| IpcError::Invalid(format!("rank {r}: {e}")))?);
+        }
+        if let Some(why) = refused {
+            return Err(IpcError::Invalid(why));
+        }
+        let describe = |c: &Call| {
+            format!(
+                "{:?} of {} {} {:?} root {} (keep={})",
+                c.kind, c.count, c.dtype, c.op, c.root, c.keep
+            )
+        };
+        for (r, m) in metas.iter().enumerate() {
+            if m.call != call {
+                return Err(IpcError::Mismatch(format!(
+                    "rank {r} asked for {}, rank {rank} for {}",
+                    describe(&m.call),
+                    describe(&call)
+                )));
+            }
+            if m.refused {
+                return Err(IpcError::Invalid(format!(
+                    "rank {r} refused its arguments (its buffers overlap)"
+                )));
+            }
+        }
+        Ok(metas)
+    }
+
+    /// The status exchange that ends every call: this rank's outcome `local` (an owner's
+    /// scratch chunk when it succeeded) against every other's. Returns every rank's
+    /// status record once all succeeded.
+    fn settle(
+        &mut self,
+        ex: &mut dyn Exchange,
+        local: Result<IpcMem, IpcError>,
+    ) -> Result<Vec<Vec<u8>>, IpcError> {
+        let t = std::time::Instant::now();
+        let mut status = vec![0u8; STATUS_BYTES];
+        match &local {
+            Ok(scratch) => {
+                let mut m = Vec::with_capacity(MEM_BYTES);
+                put_mem(&mut m, scratch);
+                status[1..1 + MEM_BYTES].copy_from_slice(&m);
+            }
+            Err(e) => {
+                status[0] = 1;
+                let msg = e.to_string();
+                let n = msg.len().min(STATUS_MSG_BYTES);
+                status[1 + MEM_BYTES..1 + MEM_BYTES + n].copy_from_slice(&msg.as_bytes()[..n]);
+            }
+        }
+        let statuses = self.gather(ex, &status)?;
+        self.phases.status += t.elapsed();
+        local?;
+        for (r, s) in statuses.iter().enumerate() {
+            if s[0] != 0 {
+                let msg = String::from_utf8_lossy(&s[1 + MEM_BYTES..])
+                    .trim_end_matches('\0')
+                    .to_string();
+                return Err(IpcError::Peer { rank: r, msg });
+            }
+        }
+        Ok(statuses)
+    }
+
+    /// Rank `t`'s buffer `which` of `bytes` as this process addresses it: `local` for
+    /// this rank's own, else the peer's mapping.
+    fn at(
+        &mut self,
+        metas: &[Meta],
+        rank: usize,
+        t: usize,
+        local: DevPtr,
+        which: fn(&Meta) -> IpcMem,
+        bytes: usize,
+    ) -> Result<DevPtr, IpcError> {
+        if t == rank {
+            Ok(local)
+        } else {
+            self.open(&which(&metas[t]), bytes as u64)
+        }
+    }
+
+    /// The ranks whose buffers this rank writes: those on its GPU when it owns the GPU
+    /// (the first rank on it), none otherwise.
+    fn targets(metas: &[Meta], rank: usize) -> Vec<usize> {
+        let gpus: Vec<_> = metas.iter().map(|m| m.gpu).collect();
+        if !owners(&gpus).contains(&rank) {
+            return vec![];
+        }
+        (0..metas.len())
+            .filter(|&t| metas[t].gpu == metas[rank].gpu)
+            .collect()
+    }
+
     /// All-reduces `count` elements at `buf` in place across the exchange's ranks, all on
     /// this host. `keep`: leave `buf` as it was if the call fails (G2), at the cost of a
     /// scratch chunk and a second pass.
@@ -315,95 +519,34 @@ impl<D: Device> IpcComm<D> {
                 "{op:?} is not defined for {dtype}"
             )));
         }
-        if world > MAX_PTRS {
-            return Err(IpcError::Invalid(format!(
-                "the same-host path serves at most {MAX_PTRS} ranks ({world} here)"
-            )));
-        }
-        if self.epoch != Some(ex.epoch()) {
-            self.release();
-            self.epoch = Some(ex.epoch());
-        }
         let size = dtype.size();
         let bytes = count * size;
-        let mut t = std::time::Instant::now();
-        let mut lap = |slot: &mut std::time::Duration| {
-            let now = std::time::Instant::now();
-            *slot += now - t;
-            t = now;
-        };
-        self.phases.calls += 1;
-        // The caller's writes to `buf` are done before any peer reads it.
-        self.dev.synchronize()?;
-        let meta = Meta {
+        let call = Call {
+            kind: IpcKind::AllReduce,
             dtype,
             op,
             keep,
+            root: 0,
             count: count as u64,
-            buf: if bytes > 0 {
-                self.dev.ipc_export(buf)?
-            } else {
-                NO_MEM
-            },
-            gpu: self.dev.gpu_id()?,
         };
-        lap(&mut self.phases.export);
-        let all = self.gather(ex, &meta.encode())?;
-        lap(&mut self.phases.meta);
-        let mut metas = Vec::with_capacity(world);
-        for (r, b) in all.iter().enumerate() {
-            metas.push(Meta::decode(b).map_err(|e| IpcError::Invalid(format!("rank {r}: {e}")))?);
-        }
-        for (r, m) in metas.iter().enumerate() {
-            if (m.dtype, m.op, m.keep, m.count) != (dtype, op, keep, count as u64) {
-                return Err(IpcError::Mismatch(format!(
-                    "rank {r} asked for {} {} {:?} (keep={}), rank {rank} for {count} {dtype} \
-                     {op:?} (keep={keep})",
-                    m.count, m.dtype, m.op, m.keep
-                )));
-            }
-        }
+        let metas = self.begin(ex, call, (buf, bytes), (0, 0), None)?;
         if world == 1 || bytes == 0 {
             return Ok(());
         }
+        let t = std::time::Instant::now();
         let owners = owners(&metas.iter().map(|m| m.gpu).collect::<Vec<_>>());
         let mine = owners.iter().position(|&o| o == rank);
         let local = match mine {
             Some(k) => self.reduce_phase(&metas, rank, buf, chunk(count, owners.len(), dtype, k)),
             None => Ok(NO_MEM),
         };
-        lap(&mut self.phases.reduce);
-        let mut status = vec![0u8; STATUS_BYTES];
-        match &local {
-            Ok(scratch) => {
-                let mut m = Vec::with_capacity(MEM_BYTES);
-                put_mem(&mut m, scratch);
-                status[1..1 + MEM_BYTES].copy_from_slice(&m);
-            }
-            Err(e) => {
-                status[0] = 1;
-                let msg = e.to_string();
-                let n = msg.len().min(STATUS_MSG_BYTES);
-                status[1 + MEM_BYTES..1 + MEM_BYTES + n].copy_from_slice(&msg.as_bytes()[..n]);
-            }
-        }
-        let statuses = self.gather(ex, &status)?;
-        lap(&mut self.phases.status);
-        local?;
-        for (r, s) in statuses.iter().enumerate() {
-            if s[0] != 0 {
-                let msg = String::from_utf8_lossy(&s[1 + MEM_BYTES..])
-                    .trim_end_matches('\0')
-                    .to_string();
-                return Err(IpcError::Peer { rank: r, msg });
-            }
-        }
+        self.phases.reduce += t.elapsed();
+        let statuses = self.settle(ex, local)?;
+        let t = std::time::Instant::now();
         if keep && mine.is_some() {
             // The owner of each GPU writes the result into the buffers of the ranks on its
             // GPU (its own among them), so ranks that share a GPU queue nothing.
-            let here: Vec<usize> = (0..world)
-                .filter(|&r| metas[r].gpu == metas[rank].gpu)
-                .collect();
+            let here = Self::targets(&metas, rank);
             for (k, &o) in owners.iter().enumerate() {
                 let (start, end) = chunk(count, owners.len(), dtype, k);
                 if end == start {
@@ -417,11 +560,7 @@ impl<D: Device> IpcComm<D> {
                     self.open(&m, len as u64)?
                 };
                 for &t in &here {
-                    let dst = if t == rank {
-                        buf
-                    } else {
-                        self.open(&metas[t].buf, bytes as u64)?
-                    };
+                    let dst = self.at(&metas, rank, t, buf, |m| m.send, bytes)?;
                     self.dev.copy(dst + (start * size) as u64, src, len)?;
                 }
             }
@@ -431,7 +570,7 @@ impl<D: Device> IpcComm<D> {
             // No rank returns before its buffer is written, and no owner frees or rewrites
             // its scratch while another still copies from it.
             self.gather(ex, &[1])?;
-            lap(&mut self.phases.copy);
+            self.phases.copy += t.elapsed();
         }
         Ok(())
     }
@@ -446,13 +585,13 @@ impl<D: Device> IpcComm<D> {
         buf: DevPtr,
         (start, end): (usize, usize),
     ) -> Result<IpcMem, IpcError> {
-        let Meta {
+        let Call {
             dtype,
             op,
             keep,
             count,
             ..
-        } = metas[rank];
+        } = metas[rank].call;
         let count = count as usize;
         let size = dtype.size();
         let world = metas.len();
@@ -463,12 +602,8 @@ impl<D: Device> IpcComm<D> {
         };
         if end > start {
             let mut bases = Vec::with_capacity(world);
-            for (s, m) in metas.iter().enumerate() {
-                bases.push(if s == rank {
-                    buf
-                } else {
-                    self.open(&m.buf, (count * size) as u64)?
-                });
+            for s in 0..world {
+                bases.push(self.at(metas, rank, s, buf, |m| m.send, count * size)?);
             }
             let off = (start * size) as u64;
             let ins: Vec<DevPtr> = bases.iter().map(|b| b + off).collect();
@@ -482,6 +617,176 @@ impl<D: Device> IpcComm<D> {
         }
         self.dev.synchronize()?;
         Ok(scratch)
+    }
+
+    /// Gathers `count` elements from every rank's `send` into every rank's `recv`
+    /// (`world × count` elements, in rank order). `send` may be `recv`'s own slice at this
+    /// rank's offset (NCCL's in-place form); any other overlap is refused on every rank.
+    /// After a failed call `recv` is undefined (what torch's backends promise); `send` is
+    /// never written.
+    ///
+    /// # Safety
+    /// `send` is `count` elements and `recv` `world × count` elements of device memory on
+    /// this rank's device, not used by anything else until the call returns.
+    pub unsafe fn all_gather(
+        &mut self,
+        ex: &mut dyn Exchange,
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dtype: DType,
+    ) -> Result<(), IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        let bytes = count * dtype.size();
+        let own = recv + (rank * bytes) as u64;
+        let refused = (send != own && overlap(send, bytes, recv, world * bytes)).then(|| {
+            "all_gather: the input overlaps the output other than as its own slice at this \
+             rank's offset"
+                .to_string()
+        });
+        let call = Call {
+            kind: IpcKind::AllGather,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: false,
+            root: 0,
+            count: count as u64,
+        };
+        let metas = self.begin(ex, call, (send, bytes), (recv, world * bytes), refused)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let local = (|| {
+            for t in Self::targets(&metas, rank) {
+                let recv_t = self.at(&metas, rank, t, recv, |m| m.recv, world * bytes)?;
+                for s in 0..world {
+                    let src = self.at(&metas, rank, s, send, |m| m.send, bytes)?;
+                    let dst = recv_t + (s * bytes) as u64;
+                    if src != dst {
+                        self.dev.copy(dst, src, bytes)?;
+                    }
+                }
+            }
+            self.dev.synchronize()?;
+            Ok(NO_MEM)
+        })();
+        self.phases.reduce += t.elapsed();
+        self.settle(ex, local).map(drop)
+    }
+
+    /// Reduces every rank's `send` (`world × count` elements) with `op` and leaves slice
+    /// `r` of the result in rank `r`'s `recv` (`count` elements), combined in rank order
+    /// (the same bits on every rank). `recv` may be `send`'s own slice at this rank's
+    /// offset (NCCL's in-place form); any other overlap is refused on every rank. After a
+    /// failed call `recv` is undefined; `send` is written only where it is `recv`.
+    ///
+    /// # Safety
+    /// As [`IpcComm::all_gather`], with the sizes swapped.
+    pub unsafe fn reduce_scatter(
+        &mut self,
+        ex: &mut dyn Exchange,
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        if !op.valid_for(dtype) {
+            return Err(IpcError::Invalid(format!(
+                "{op:?} is not defined for {dtype}"
+            )));
+        }
+        let size = dtype.size();
+        let bytes = count * size;
+        let own = send + (rank * bytes) as u64;
+        let refused = (recv != own && overlap(recv, bytes, send, world * bytes)).then(|| {
+            "reduce_scatter: the output overlaps the input other than as its own slice at \
+             this rank's offset"
+                .to_string()
+        });
+        let call = Call {
+            kind: IpcKind::ReduceScatter,
+            dtype,
+            op,
+            keep: false,
+            root: 0,
+            count: count as u64,
+        };
+        let metas = self.begin(ex, call, (send, world * bytes), (recv, bytes), refused)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let local = (|| {
+            for t in Self::targets(&metas, rank) {
+                let out = self.at(&metas, rank, t, recv, |m| m.recv, bytes)?;
+                let mut ins = Vec::with_capacity(world);
+                for s in 0..world {
+                    let base = self.at(&metas, rank, s, send, |m| m.send, world * bytes)?;
+                    ins.push(base + (t * bytes) as u64);
+                }
+                if world == 1 {
+                    if out != ins[0] {
+                        self.dev.copy(out, ins[0], bytes)?;
+                    }
+                } else {
+                    self.dev
+                        .reduce(dtype, op, &ins, &[out], count, world as u32)?;
+                }
+            }
+            self.dev.synchronize()?;
+            Ok(NO_MEM)
+        })();
+        self.phases.reduce += t.elapsed();
+        self.settle(ex, local).map(drop)
+    }
+
+    /// Copies `count` elements of rank `root`'s `buf` into every other rank's `buf`.
+    /// After a failed call a non-root `buf` is undefined; the root's is never written.
+    ///
+    /// # Safety
+    /// `buf` is `count` elements of device memory on this rank's device, not used by
+    /// anything else until the call returns.
+    pub unsafe fn broadcast(
+        &mut self,
+        ex: &mut dyn Exchange,
+        buf: DevPtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        let bytes = count * dtype.size();
+        let refused =
+            (root >= world).then(|| format!("broadcast from rank {root} of a world of {world}"));
+        let call = Call {
+            kind: IpcKind::Broadcast,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: false,
+            root: root as u32,
+            count: count as u64,
+        };
+        let metas = self.begin(ex, call, (buf, bytes), (0, 0), refused)?;
+        if bytes == 0 || world == 1 {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let local = (|| {
+            let src = self.at(&metas, rank, root, buf, |m| m.send, bytes)?;
+            for t in Self::targets(&metas, rank) {
+                if t != root {
+                    let dst = self.at(&metas, rank, t, buf, |m| m.send, bytes)?;
+                    self.dev.copy(dst, src, bytes)?;
+                }
+            }
+            self.dev.synchronize()?;
+            Ok(NO_MEM)
+        })();
+        self.phases.reduce += t.elapsed();
+        self.settle(ex, local).map(drop)
     }
 }
 

@@ -19,4 +19,4 @@ pub use device::{DevPtr, Device, DeviceError, IpcMem};
 #[cfg(feature = "cuda")]
 pub use driver::{compile, device_count, load_nvrtc, CudaDevice};
 pub use host::HostDevice;
-pub use ipc::{Exchange, IpcComm, IpcError};
+pub use ipc::{Exchange, IpcComm, IpcError, IpcKind};

@@ -1,6 +1,8 @@
-//! The same-host all_reduce's logic on the host-memory device: ranks are threads, the
+//! The same-host collectives' logic on the host-memory device: ranks are threads, the
 //! exchange is an in-memory all_gather. Results are compared with the CPU kernels, bit for
-//! bit, for every dtype and op, world sizes 1 to 8 and counts that do not divide evenly.
+//! bit, for every dtype and op, world sizes 1 to 8 and counts that do not divide evenly;
+//! all_gather, reduce_scatter and broadcast in and out of place, with a GPU per rank and
+//! with ranks sharing GPUs.
 
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -423,5 +425,230 @@ fn ranks_sharing_a_gpu_run_one_kernel_per_gpu() {
         assert!(res.is_err(), "rank {r} must fail");
         assert_eq!(out, values(DType::F32, 100, r), "rank {r}'s buffer changed");
         assert_eq!(mapped, 0);
+    }
+}
+
+/// Runs `f` on `world` threads, rank r on simulated GPU `gpu_of(r)` (`None`: its own),
+/// each with its device, communicator and exchange; returns what each returned.
+fn each_rank<R: Send>(
+    world: usize,
+    gpu_of: &(dyn Fn(usize) -> Option<u32> + Sync),
+    fail: Option<(usize, usize)>,
+    f: &(dyn Fn(usize, &HostDevice, &mut IpcComm<HostDevice>, &mut Rank) -> R + Sync),
+) -> Vec<R> {
+    let mem = Mem::new(world);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let mem = mem.clone();
+                s.spawn(move || {
+                    let dev = Arc::new(match gpu_of(rank) {
+                        Some(g) => HostDevice::on_gpu(g),
+                        None => HostDevice::new(),
+                    });
+                    let mut ex = Rank {
+                        mem,
+                        rank,
+                        fail_at: fail.filter(|f| f.0 == rank).map(|f| f.1),
+                        calls: 0,
+                    };
+                    let mut comm = IpcComm::new(dev.clone());
+                    let out = f(rank, &dev, &mut comm, &mut ex);
+                    drop(comm);
+                    assert_eq!(
+                        dev.open_mappings(),
+                        0,
+                        "dropping the comm unmaps everything"
+                    );
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn upload(dev: &HostDevice, data: &[u8]) -> u64 {
+    let p = dev.alloc(data.len().max(1)).unwrap();
+    unsafe { dev.upload(p, data).unwrap() };
+    p
+}
+
+fn download(dev: &HostDevice, p: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    unsafe { dev.download(&mut out, p).unwrap() };
+    out
+}
+
+const LAYOUTS: [(&str, &(dyn Fn(usize) -> Option<u32> + Sync)); 3] = [
+    ("a GPU each", &|_| None),
+    ("one GPU", &|_| Some(1)),
+    ("two GPUs", &|r| Some(r as u32 % 2)),
+];
+
+#[test]
+fn all_gather_gives_every_rank_every_input_in_rank_order() {
+    for (what, gpu_of) in LAYOUTS {
+        for world in 1..=5 {
+            for (dtype, count) in [(DType::F32, 37), (DType::BF16, 8), (DType::I8, 0)] {
+                for in_place in [false, true] {
+                    let res = each_rank(world, gpu_of, None, &|rank, dev, comm, ex| {
+                        let size = dtype.size();
+                        let recv = dev.alloc((world * count * size).max(1)).unwrap();
+                        let send = if in_place {
+                            let p = recv + (rank * count * size) as u64;
+                            unsafe { dev.upload(p, &values(dtype, count, rank)).unwrap() };
+                            p
+                        } else {
+                            upload(dev, &values(dtype, count, rank))
+                        };
+                        unsafe { comm.all_gather(ex, send, recv, count, dtype) }.unwrap();
+                        assert_eq!(
+                            download(dev, send, count * size),
+                            values(dtype, count, rank)
+                        );
+                        download(dev, recv, world * count * size)
+                    });
+                    let want: Vec<u8> = (0..world).flat_map(|r| values(dtype, count, r)).collect();
+                    for (r, out) in res.iter().enumerate() {
+                        assert_eq!(
+                            out, &want,
+                            "{what} world {world} {dtype} in place {in_place} rank {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_leaves_each_rank_its_slice_of_the_cpu_result() {
+    for (what, gpu_of) in LAYOUTS {
+        for world in 1..=5 {
+            for (dtype, op) in [
+                (DType::F32, ReduceOp::Sum),
+                (DType::BF16, ReduceOp::Avg),
+                (DType::F16, ReduceOp::Max),
+                (DType::I32, ReduceOp::BXor),
+            ] {
+                for in_place in [false, true] {
+                    let count = 19;
+                    let size = dtype.size();
+                    let res = each_rank(world, gpu_of, None, &|rank, dev, comm, ex| {
+                        let send = upload(dev, &values(dtype, world * count, rank));
+                        let recv = if in_place {
+                            send + (rank * count * size) as u64
+                        } else {
+                            dev.alloc(count * size).unwrap()
+                        };
+                        unsafe { comm.reduce_scatter(ex, send, recv, count, dtype, op) }.unwrap();
+                        download(dev, recv, count * size)
+                    });
+                    let want = expected(dtype, op, world * count, world);
+                    for (r, out) in res.iter().enumerate() {
+                        assert_eq!(
+                            out,
+                            &want[r * count * size..(r + 1) * count * size],
+                            "{what} world {world} {dtype} {op:?} in place {in_place} rank {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_copies_the_roots_buffer_and_never_writes_it() {
+    for (what, gpu_of) in LAYOUTS {
+        for world in 1..=4 {
+            for root in 0..world {
+                let count = 33;
+                let res = each_rank(world, gpu_of, None, &|rank, dev, comm, ex| {
+                    let buf = upload(dev, &values(DType::F64, count, rank));
+                    unsafe { comm.broadcast(ex, buf, count, DType::F64, root) }.unwrap();
+                    download(dev, buf, count * 8)
+                });
+                for (r, out) in res.iter().enumerate() {
+                    assert_eq!(
+                        out,
+                        &values(DType::F64, count, root),
+                        "{what} root {root} rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn overlapping_buffers_and_disagreeing_ranks_fail_everywhere_and_touch_nothing() {
+    // Rank 1's all_gather input overlaps its output at another rank's slot: every rank
+    // fails with the same kind of error, and no buffer changed.
+    let (count, size) = (16, 4);
+    let res = each_rank(3, &|_| Some(0), None, &|rank, dev, comm, ex| {
+        let recv = upload(dev, &vec![0xAB; 3 * count * size]);
+        let send = if rank == 1 {
+            recv + 4 // inside slot 0, not its own
+        } else {
+            upload(dev, &values(DType::F32, count, rank))
+        };
+        let r = unsafe { comm.all_gather(ex, send, recv, count, DType::F32) };
+        (r, download(dev, recv, 3 * count * size))
+    });
+    for (r, (res, out)) in res.into_iter().enumerate() {
+        match res {
+            Err(IpcError::Invalid(m)) => assert!(m.contains("overlap"), "rank {r}: {m}"),
+            other => panic!("rank {r}: {other:?}"),
+        }
+        assert!(
+            out.iter().all(|&b| b == 0xAB),
+            "rank {r}'s output was written"
+        );
+    }
+    // Rank 0 calls all_gather, the others reduce_scatter: a mismatch on every rank.
+    let res = each_rank(3, &|_| None, None, &|rank, dev, comm, ex| {
+        let send = upload(dev, &values(DType::F32, 3 * count, rank));
+        let recv = dev.alloc(3 * count * size).unwrap();
+        if rank == 0 {
+            unsafe { comm.all_gather(ex, send, recv, count, DType::F32) }
+        } else {
+            unsafe { comm.reduce_scatter(ex, send, recv, count, DType::F32, ReduceOp::Sum) }
+        }
+    });
+    for (r, res) in res.into_iter().enumerate() {
+        match res {
+            Err(IpcError::Mismatch(m)) => assert!(m.contains("AllGather"), "rank {r}: {m}"),
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    // A broadcast from a root outside the world.
+    let res = each_rank(2, &|_| None, None, &|_, dev, comm, ex| {
+        let buf = upload(dev, &values(DType::F32, 4, 0));
+        unsafe { comm.broadcast(ex, buf, 4, DType::F32, 2) }
+    });
+    assert!(
+        res.iter().all(|r| matches!(r, Err(IpcError::Invalid(_)))),
+        "{res:?}"
+    );
+}
+
+#[test]
+fn a_peer_dying_fails_every_collective_without_a_hang() {
+    for at in [0, 1] {
+        let res = each_rank(3, &|_| Some(0), Some((2, at)), &|rank, dev, comm, ex| {
+            let send = upload(dev, &values(DType::F32, 30, rank));
+            let recv = dev.alloc(30 * 4).unwrap();
+            let a = unsafe { comm.reduce_scatter(ex, send, recv, 10, DType::F32, ReduceOp::Sum) };
+            (a.is_err(), comm.mappings())
+        });
+        for (r, (failed, mapped)) in res.into_iter().enumerate() {
+            assert!(failed, "exchange {at}: rank {r} must fail");
+            assert_eq!(
+                mapped, 0,
+                "exchange {at}: rank {r} kept a dead world's mappings"
+            );
+        }
     }
 }

@@ -252,6 +252,52 @@ class Communicator:
         kernels straight from each other's memory over CUDA IPC. The memory must be ready (its stream synchronized)
         and untouched until the call is done; `owner` (the tensor) is held until then.
         """
+    def all_gather_device(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """All_gather of device memory among ranks that all run on this host: `count` elements of `dtype` at
+        `send` from every rank into `recv` (world x count, rank order) on every rank, GPU to GPU over CUDA IPC.
+        `send` may be `recv`'s slice at this rank's offset (NCCL's in-place form). After a failed call `recv` is
+        undefined. Readiness and `owner` as for `all_reduce_device`.
+        """
+    def reduce_scatter_device(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        op: Any | None = None,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """Reduce_scatter of device memory among ranks that all run on this host: every rank's `send` (world x
+        count elements) reduced with `op` in rank order, slice r of the result into rank r's `recv` (`count`
+        elements). `recv` may be `send`'s slice at this rank's offset. After a failed call `recv` is undefined.
+        """
+    def broadcast_device(
+        self,
+        ptr: int,
+        count: int,
+        dtype: str,
+        root: int,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """Broadcast of device memory from rank `root` among ranks that all run on this host, GPU to GPU over
+        CUDA IPC. After a failed call a non-root buffer is undefined; the root's is never written.
+        """
     def all_reduce(
         self, tensor: Any, op: Any | None = None, *, async_op: bool = False, keep_on_abort: bool = True
     ) -> OpInfo | Work:

@@ -2,12 +2,16 @@
 
 Two paths, picked per call:
 
-- **Same host, CUDA IPC** (all_reduce): when every rank of the world runs on this host
-  (every link is shared memory) and `ECCL_CUDA_IPC` is not `0`, the backend waits for the
-  tensor's current stream, and every rank's GPU reduces its chunk straight from the other
-  ranks' device memory (`eccl.Communicator.all_reduce_device`): no copy through the host.
-  Two processes on one GPU are served too (NCCL refuses them).
-- **Staged** (every other collective and point-to-point call, and all_reduce across
+- **Same host, CUDA IPC** (all_reduce, broadcast, all_gather_into_tensor and
+  reduce_scatter_tensor with their coalesced forms): when every rank of the world runs on
+  this host (every link is shared memory) and `ECCL_CUDA_IPC` is not `0`, the backend
+  waits for the tensors' current stream, and each GPU's first rank copies or reduces
+  straight from the other ranks' device memory into the buffers of the ranks on its GPU
+  (`eccl.Communicator.all_reduce_device` and its siblings): no copy through the host. Two
+  processes on one GPU are served too (NCCL refuses them). Tensors must be contiguous and
+  of a dtype eccl's device kernels know, with the shapes the call asks for; otherwise the
+  call is staged.
+- **Staged** (every other collective and point-to-point call, and every call across
   hosts): the CUDA tensors are copied to host memory (after the current stream's work),
   the call runs on the host tensors as for CPU tensors, and the outputs are copied back to
   the device before the Work completes, as gloo does with CUDA tensors.
@@ -142,6 +146,68 @@ def all_reduce_ipc(comm: Any, tensors: List[torch.Tensor], op: Any) -> List[Any]
     return works
 
 
+# The dtypes eccl's device kernels and records know (its DType list, as torch names them).
+IPC_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+              torch.uint8, torch.int32, torch.int64}
+IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
+             "_reduce_scatter_base", "reduce_scatter_tensor_coalesced")
+
+
+def _ipc_ok(ts: List[torch.Tensor]) -> bool:
+    return (bool(ts) and all(t.is_contiguous() and t.dtype in IPC_DTYPES for t in ts)
+            and len({t.device for t in ts}) == 1)
+
+
+def _ready(ts: List[torch.Tensor]) -> None:
+    """The work queued on the tensors' streams is done before any peer reads them."""
+    for dev in {t.device for t in ts}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
+    """The same-host path of the backend call `name` (one of `IPC_CALLS`): its eccl Works
+    and what torch's Work completes with, or None where the call's tensors do not fit it
+    (the call is then staged; every rank decides alike, from the call's shapes)."""
+    comm, world = backend.comm, backend.size()
+    if name == "broadcast":
+        tensors, opts = args[0], args[1]
+        if not _ipc_ok(tensors):
+            return None
+        _ready(tensors)
+        return [comm.broadcast_device(t.data_ptr(), t.numel(), str(t.dtype), opts.rootRank,
+                                      device=t.device.index or 0, owner=t, async_op=True)
+                for t in tensors], tensors
+    outs, ins = args[0], args[1]
+    if name.endswith("_base"):
+        outs, ins = [outs], [ins]
+    outs, ins = list(outs), list(ins)
+    gather = "allgather" in name
+    if len(outs) != len(ins) or not _ipc_ok(outs + ins):
+        return None
+    for o, i in zip(outs, ins):
+        small, big = (i, o) if gather else (o, i)
+        if o.dtype != i.dtype or big.numel() != small.numel() * world:
+            return None
+    op = None
+    if not gather:
+        from eccl.torch import _op_name
+        opts = args[2] if len(args) > 2 else None
+        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+    _ready(outs + ins)
+    works = []
+    for o, i in zip(outs, ins):
+        dev = o.device.index or 0
+        if gather:
+            works.append(comm.all_gather_device(
+                i.data_ptr(), o.data_ptr(), i.numel(), str(i.dtype), device=dev,
+                owner=(o, i), async_op=True))
+        else:
+            works.append(comm.reduce_scatter_device(
+                i.data_ptr(), o.data_ptr(), o.numel(), str(o.dtype), op, device=dev,
+                owner=(o, i), async_op=True))
+    return works, outs
+
+
 def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a backend call) taking CUDA tensors through host copies."""
     @functools.wraps(fn)
@@ -160,6 +226,11 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 and len({t.device for t in _tensors(args[0])}) == 1):
             _say("all_reduce over CUDA IPC (same host)")
             return self._all_reduce_cuda(*args, **kwargs)
+        if name in IPC_CALLS and not kwargs and ipc_wanted() and same_host(self.comm):
+            got = ipc_works(self, name, args)
+            if got is not None:
+                _say(f"{name} over CUDA IPC (same host)")
+                return self._calls.submit(*got)
         _say(f"staged through host memory ({name})")
         moved: List[Tuple[torch.Tensor, torch.Tensor]] = []
         host_args = tuple(_to_host(a, moved) for a in args)

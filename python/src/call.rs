@@ -53,10 +53,10 @@ pub(crate) enum Call {
         peer: Rank,
         tag: u32,
     },
-    /// All_reduce of device memory among ranks of one host, over CUDA IPC
-    /// (`eccl_cuda::ipc`). `owner` is the Python object that owns the memory (a tensor),
+    /// A collective on device memory among ranks of one host, over CUDA IPC
+    /// (`eccl_cuda::ipc`). `owner` is the Python object that owns the memory (tensors),
     /// held until the call is done.
-    DeviceAllReduce {
+    Device {
         on: DeviceBuf,
         _owner: pyo3::Py<pyo3::PyAny>,
     },
@@ -82,7 +82,7 @@ impl Call {
             | Call::Leave
             | Call::AnnounceAbort
             | Call::Reconfigure { .. }
-            | Call::DeviceAllReduce { .. } => (vec![], vec![]),
+            | Call::Device { .. } => (vec![], vec![]),
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
@@ -95,14 +95,24 @@ impl Call {
 }
 
 /// Device memory a call works in: `count` elements of `dtype` at `ptr` on CUDA device
-/// `device`, all_reduced with `op`; `keep`: left as it was if the call fails (G2).
+/// `device` (per rank: all_gather's input, reduce_scatter's output), and the call.
 pub(crate) struct DeviceBuf {
     pub ptr: u64,
     pub count: usize,
     pub dtype: DType,
-    pub op: ReduceOp,
     pub device: usize,
-    pub keep: bool,
+    pub what: DeviceOp,
+}
+
+pub(crate) enum DeviceOp {
+    /// In place at `ptr`; `keep`: left as it was if the call fails (G2).
+    AllReduce { op: ReduceOp, keep: bool },
+    /// Into `recv` (world × count elements).
+    AllGather { recv: u64 },
+    /// `ptr` is the input (world × count elements), `recv` the output.
+    ReduceScatter { recv: u64, op: ReduceOp },
+    /// In place at `ptr`, from rank `root`.
+    Broadcast { root: usize },
 }
 
 pub(crate) struct Job {
@@ -209,13 +219,9 @@ fn device_error(e: eccl::device::IpcError) -> eccl::Error {
     }
 }
 
-/// One device all_reduce: blocks this runtime worker (in `block_in_place`) for the
+/// One device collective: blocks this runtime worker (in `block_in_place`) for the
 /// device work and the exchange rounds, which run as ordinary collectives.
-fn device_all_reduce(
-    comm: &mut eccl::Communicator,
-    devices: &mut Devices,
-    b: &DeviceBuf,
-) -> Outcome {
+fn device_call(comm: &mut eccl::Communicator, devices: &mut Devices, b: &DeviceBuf) -> Outcome {
     let ipc = match devices.by_ordinal.entry(b.device) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => {
@@ -227,9 +233,24 @@ fn device_all_reduce(
     let rt = tokio::runtime::Handle::current();
     tokio::task::block_in_place(|| {
         let mut ex = eccl::device::CommExchange::new(comm, rt);
-        // SAFETY: the Python side checked that `ptr` is `count` elements of a tensor on
-        // `device`, and the call holds that tensor (`owner`) until it is done.
-        unsafe { ipc.all_reduce(&mut ex, b.ptr, b.count, b.dtype, b.op, b.keep) }
+        // SAFETY: the Python side checked that the pointers are tensors of the call's
+        // sizes on `device`, and the call holds those tensors (`owner`) until it is done.
+        unsafe {
+            match b.what {
+                DeviceOp::AllReduce { op, keep } => {
+                    ipc.all_reduce(&mut ex, b.ptr, b.count, b.dtype, op, keep)
+                }
+                DeviceOp::AllGather { recv } => {
+                    ipc.all_gather(&mut ex, b.ptr, recv, b.count, b.dtype)
+                }
+                DeviceOp::ReduceScatter { recv, op } => {
+                    ipc.reduce_scatter(&mut ex, b.ptr, recv, b.count, b.dtype, op)
+                }
+                DeviceOp::Broadcast { root } => {
+                    ipc.broadcast(&mut ex, b.ptr, b.count, b.dtype, root)
+                }
+            }
+        }
     })
     .map_err(device_error)?;
     Ok(Done::Left)
@@ -321,7 +342,7 @@ async fn run(
                 .await
                 .map(Done::Op)
         }
-        Call::DeviceAllReduce { on, _owner: _ } => device_all_reduce(comm, devices, on),
+        Call::Device { on, _owner: _ } => device_call(comm, devices, on),
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)
             .await

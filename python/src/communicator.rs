@@ -16,7 +16,7 @@ use pyo3::IntoPyObjectExt;
 use tokio::sync::mpsc;
 
 use crate::buffer::{check_disjoint, HostBuffer, WritableBuffer};
-use crate::call::{serve, Call, DeviceBuf, Info, Job};
+use crate::call::{serve, Call, DeviceBuf, DeviceOp, Info, Job};
 use crate::errors::{invalid, OrRaise};
 use crate::runtime::{runtime, track};
 use crate::work::{Completer, Work};
@@ -60,6 +60,41 @@ pub(crate) struct Communicator {
 }
 
 impl Communicator {
+    /// Submits one device collective: `ptrs` are the device addresses it is given (none
+    /// may be null when there is something to move).
+    #[allow(clippy::too_many_arguments)]
+    fn device_call(
+        &self,
+        py: Python<'_>,
+        ptrs: &[u64],
+        count: usize,
+        dtype: &str,
+        device: usize,
+        what: DeviceOp,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let dtype =
+            DType::parse(dtype).ok_or_else(|| invalid(format!("unknown dtype {dtype:?}")))?;
+        if count > 0 && ptrs.contains(&0) {
+            return Err(invalid("a null device pointer".to_string()));
+        }
+        self.submit(
+            py,
+            Call::Device {
+                on: DeviceBuf {
+                    ptr: ptrs[0],
+                    count,
+                    dtype,
+                    device,
+                    what,
+                },
+                _owner: owner.unwrap_or_else(|| py.None()),
+            },
+            async_op,
+        )
+    }
+
     fn submit(&self, py: Python<'_>, call: Call, async_op: bool) -> PyResult<Py<PyAny>> {
         {
             let (reads, writes) = call.buffers();
@@ -348,27 +383,98 @@ impl Communicator {
         async_op: bool,
         keep_on_abort: bool,
     ) -> PyResult<Py<PyAny>> {
-        let op = reduce_op(op)?;
-        let dtype =
-            DType::parse(dtype).ok_or_else(|| invalid(format!("unknown dtype {dtype:?}")))?;
-        if ptr == 0 && count > 0 {
-            return Err(invalid("a null device pointer".to_string()));
-        }
-        self.submit(
+        let what = DeviceOp::AllReduce {
+            op: reduce_op(op)?,
+            keep: keep_on_abort,
+        };
+        self.device_call(py, &[ptr], count, dtype, device, what, owner, async_op)
+    }
+
+    /// All_gather of device memory among ranks that all run on this host: `count`
+    /// elements of `dtype` at `send` from every rank into `recv` (world × count, rank
+    /// order) on every rank, copied GPU to GPU over CUDA IPC. `send` may be `recv`'s slice
+    /// at this rank's offset (NCCL's in-place form). After a failed call `recv` is
+    /// undefined. Readiness and `owner` as for `all_reduce_device`.
+    #[pyo3(signature = (send, recv, count, dtype, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather_device(
+        &self,
+        py: Python<'_>,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: &str,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let what = DeviceOp::AllGather { recv };
+        self.device_call(
             py,
-            Call::DeviceAllReduce {
-                on: DeviceBuf {
-                    ptr,
-                    count,
-                    dtype,
-                    op,
-                    device,
-                    keep: keep_on_abort,
-                },
-                _owner: owner.unwrap_or_else(|| py.None()),
-            },
+            &[send, recv],
+            count,
+            dtype,
+            device,
+            what,
+            owner,
             async_op,
         )
+    }
+
+    /// Reduce_scatter of device memory among ranks that all run on this host: every
+    /// rank's `send` (world × count elements) reduced with `op` in rank order, slice r of
+    /// the result into rank r's `recv` (`count` elements), GPU to GPU over CUDA IPC.
+    /// `recv` may be `send`'s slice at this rank's offset (NCCL's in-place form). After a
+    /// failed call `recv` is undefined. Readiness and `owner` as for `all_reduce_device`.
+    #[pyo3(signature = (send, recv, count, dtype, op=None, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_device(
+        &self,
+        py: Python<'_>,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: &str,
+        op: Option<&Bound<'_, PyAny>>,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let what = DeviceOp::ReduceScatter {
+            recv,
+            op: reduce_op(op)?,
+        };
+        self.device_call(
+            py,
+            &[send, recv],
+            count,
+            dtype,
+            device,
+            what,
+            owner,
+            async_op,
+        )
+    }
+
+    /// Broadcast of device memory from rank `root` among ranks that all run on this
+    /// host: `count` elements of `dtype` at `ptr`, copied GPU to GPU over CUDA IPC. After a
+    /// failed call a non-root buffer is undefined; the root's is never written.
+    /// Readiness and `owner` as for `all_reduce_device`.
+    #[pyo3(signature = (ptr, count, dtype, root, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast_device(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        count: usize,
+        dtype: &str,
+        root: usize,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let what = DeviceOp::Broadcast { root };
+        self.device_call(py, &[ptr], count, dtype, device, what, owner, async_op)
     }
 
     /// Several tensors of one dtype reduced in place by one all_reduce (one collective,

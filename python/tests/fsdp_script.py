@@ -9,10 +9,12 @@
     fsdp_script.py BACKEND inplace  NCCL's in-place forms of all_gather_into_tensor and
                                     reduce_scatter_tensor, and an overlap they do not allow
 
-Results are printed as JSON after "RESULT ".
+`ECCL_TEST_DEVICE=cuda` puts the model, the data and every buffer on the GPU (two
+processes share one when there is one). Results are printed as JSON after "RESULT ".
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -47,14 +49,18 @@ def in_place():
 
 
 def main():
+    dev = os.environ.get("ECCL_TEST_DEVICE", "cpu")
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.set_default_device("cuda")
     dist.init_process_group(sys.argv[1])
     if sys.argv[2:] == ["inplace"]:
         return in_place()
     rank, n = dist.get_rank(), dist.get_world_size()
     if sys.argv[2:] == ["hsdp"]:
-        mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(dev, (2, n // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (n,))
+        mesh = init_device_mesh(dev, (n,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 3))
@@ -65,7 +71,8 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
-        loss = model(torch.randn(8, 16, generator=data)).square().mean()
+        x = torch.randn(8, 16, generator=data, device="cpu").to(dev)
+        loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -57,6 +57,41 @@ def test_ddp_on_cuda_ends_with_gloos_parameters():
     assert eccl_res[0]["params"] == eccl_res[1]["params"]
 
 
+def test_fsdp2_on_cuda_over_ipc_trains_as_staged_and_near_the_cpu():
+    """FSDP2 on CUDA tensors: its all-gathers and reduce-scatters (NCCL's in-place forms)
+    over CUDA IPC end with the staged path's parameters and loss bit for bit (the same
+    GPU computes both; only the path of the bytes differs), and within float rounding of
+    the CPU's."""
+    script = HERE / "fsdp_script.py"
+    on("cuda", ipc=True)
+    ipc = run_world(2, ["eccl"], script)
+    on("cuda", ipc=False)
+    staged = run_world(2, ["eccl"], script)
+    on("cpu")
+    cpu = run_world(2, ["eccl"], script)
+    assert ipc[0]["params"] == ipc[1]["params"]
+    assert ipc == staged
+    for k, v in cpu[0]["params"].items():
+        got = torch.tensor(ipc[0]["params"][k], dtype=torch.float64)
+        assert torch.allclose(got, torch.tensor(v, dtype=torch.float64), rtol=1e-4, atol=1e-5), k
+
+
+def test_in_place_gather_and_scatter_over_ipc_follow_nccl():
+    """all_gather_into_tensor and reduce_scatter_tensor on CUDA tensors in NCCL's
+    in-place forms give the out-of-place results; an input overlapping the output
+    anywhere else is refused with InvalidArgumentError on every rank, and the group goes
+    on (as on the CPU: test_torch_backend)."""
+    on("cuda")
+    n = 2
+    res = run_world(n, ["eccl", "inplace"], HERE / "fsdp_script.py")
+    gathered = [float(10 * r + i) for r in range(n) for i in range(3)]
+    for r, x in enumerate(res):
+        assert x["gathered"] == gathered, (r, x)
+        assert x["scattered"] == x["scatter_expect"], (r, x)
+        assert x["overlap"] == "InvalidArgumentError", (r, x)
+        assert x["after"] == [float(n)] * 2, (r, x)
+
+
 def test_mixed_devices_and_disagreeing_ranks_get_typed_errors():
     on("cuda")
     res = run_processes(world_specs(2, ["eccl", "mixed"], HERE / "torch_script.py"))

@@ -1,0 +1,95 @@
+"""Which path the torch backend takes for CUDA tensors, and what it hands the same-host
+calls, checked without a GPU: `eccl.torch_cuda.ipc_works` with a recording communicator
+and CPU tensors standing in for CUDA ones (the GPU check runs the real thing)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import eccl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from eccl import torch_cuda  # noqa: E402
+
+
+class Comm:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return name
+        return record
+
+
+class Backend:
+    def __init__(self, world, rank):
+        self.comm, self.world, self.r = Comm(), world, rank
+
+    def size(self):
+        return self.world
+
+    def rank(self):
+        return self.r
+
+
+@pytest.fixture(autouse=True)
+def _no_streams(monkeypatch):
+    monkeypatch.setattr(torch_cuda, "_ready", lambda ts: None)
+
+
+def opts(**kw):
+    import types
+    return types.SimpleNamespace(**kw)
+
+
+def test_all_gather_hands_over_input_output_and_the_input_count():
+    b = Backend(3, 1)
+    out, inp = torch.zeros(12), torch.ones(4)
+    works, result = torch_cuda.ipc_works(b, "_allgather_base", (out, inp, None))
+    assert works == ["all_gather_device"] and result == [out]
+    name, args, kw = b.comm.calls[0]
+    assert args == (inp.data_ptr(), out.data_ptr(), 4, "torch.float32")
+    assert kw["owner"] == (out, inp) and kw["async_op"] is True
+    # NCCL's in-place form goes the same way (the Rust side accepts the own slice).
+    b = Backend(3, 1)
+    torch_cuda.ipc_works(b, "allgather_into_tensor_coalesced", ([out], [out[4:8]], None))
+    assert b.comm.calls[0][1][:3] == (out[4:8].data_ptr(), out.data_ptr(), 4)
+
+
+def test_reduce_scatter_hands_over_the_op_and_the_output_count():
+    b = Backend(2, 0)
+    out, inp = torch.zeros(5, dtype=torch.bfloat16), torch.ones(10, dtype=torch.bfloat16)
+    works, _ = torch_cuda.ipc_works(
+        b, "_reduce_scatter_base", (out, inp, opts(reduceOp=dist.ReduceOp.MAX)))
+    name, args, _ = b.comm.calls[0]
+    assert name == "reduce_scatter_device"
+    assert args == (inp.data_ptr(), out.data_ptr(), 5, "torch.bfloat16", eccl.ReduceOp.MAX)
+    b = Backend(2, 0)
+    torch_cuda.ipc_works(b, "reduce_scatter_tensor_coalesced", ([out], [inp]))
+    assert b.comm.calls[0][1][4] == eccl.ReduceOp.SUM     # no options: sum
+
+
+def test_broadcast_hands_over_the_root():
+    b = Backend(4, 2)
+    ts = [torch.zeros(7, dtype=torch.int64)]
+    works, result = torch_cuda.ipc_works(b, "broadcast", (ts, opts(rootRank=3)))
+    assert result is ts
+    assert b.comm.calls[0][1] == (ts[0].data_ptr(), 7, "torch.int64", 3)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "noncontiguous", "bool", "mixed dtypes"])
+def test_calls_that_do_not_fit_are_staged(case):
+    b = Backend(2, 0)
+    out, inp = torch.zeros(8), torch.ones(4)
+    if case == "shape":
+        out = torch.zeros(9)
+    elif case == "dtype":
+        out, inp = out.to(torch.int16), inp.to(torch.int16)
+    elif case == "noncontiguous":
+        out = torch.zeros(16)[::2]
+    elif case == "bool":
+        out, inp = out.bool(), inp.bool()
+    else:
+        inp = inp.double()
+    assert torch_cuda.ipc_works(b, "_allgather_base", (out, inp, None)) is None
+    assert b.comm.calls == []
