@@ -538,6 +538,12 @@ impl Registry {
             .collect()
     }
 
+    /// Peers registered so far: the live ones and the departed ones still remembered
+    /// (the newest [`MAX_GONE`]).
+    pub fn peers_seen(&self) -> usize {
+        self.peers.len()
+    }
+
     pub fn pending(&self) -> Vec<PeerId> {
         self.peers
             .iter()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import atexit
 import enum
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from . import _eccl
 from ._eccl import (  # noqa: F401  (re-exported)
@@ -117,6 +117,11 @@ class Master:
     def is_leader(self) -> bool:
         """Whether this master leads its cluster now (a lone master always does)."""
         return self._m is not None and self._m.is_leader()
+
+    def peer_counts(self) -> Tuple[int, int]:
+        """(peers registered so far, departed ones included; peers registered and not
+        gone now); (0, 0) once shut down."""
+        return (0, 0) if self._m is None else self._m.peer_counts()
 
     @classmethod
     def spawn(cls, listen: str = "127.0.0.1:0", secret: Optional[str] = None, *,

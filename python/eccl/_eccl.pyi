@@ -22,9 +22,9 @@ ERRORS: list[type[EcclError]]
 
 # -- errors (errors.rs) ------------------------------------------------------------------
 
-class EcclError(Exception):
-    """Base class of every eccl error; `retryable` says whether update_topology() and the same call can succeed, `hint`
-    what to do.
+class EcclError(RuntimeError):
+    """Base class of every eccl error (a RuntimeError, as torch.distributed's errors are); `retryable` says whether
+    update_topology() and the same call can succeed, `hint` what to do.
     """
 
     retryable: bool
@@ -396,6 +396,10 @@ class Master:
     def node_id(self) -> int: ...
     def is_leader(self) -> bool:
         """Whether this master leads its cluster now."""
+    def peer_counts(self) -> tuple[int, int]:
+        """(peers registered so far, departed ones included; peers registered and not gone now): what a process
+        hosting the master waits on before it stops it.
+        """
     def shutdown(self) -> None:
         """Stops the master (peers then get `MasterUnavailableError` from calls that need it)."""
 

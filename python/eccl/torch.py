@@ -16,7 +16,9 @@ staged through host memory).
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -37,6 +39,8 @@ from eccl.torch_setup import (
     monitored_barrier,
 )
 from eccl.torch_work import TorchWork, _Calls
+
+log = logging.getLogger("eccl.torch")
 
 __all__ = ["ProcessGroupEccl", "TorchWork", "BACKEND", "ElasticDDP", "DiLoCo",
            "init_optimizer_state", "register"]
@@ -128,6 +132,9 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         self._barriers = 0
         self.comm = comm
         self._master = master
+        # The processes of the job this group's master serves (its size at init): the
+        # rank hosting the master keeps it until all of them have come and gone.
+        self._job_size = size
         self._calls = _Calls(self._recovery)
         self._closed = False
 
@@ -432,11 +439,38 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         new = ProcessGroupEccl(self.comm, self._master, self._timeout, self._store,
                                rank=w.rank, size=w.world_size)
         new._recovery.hooks = dict(self._recovery.hooks)
+        new._job_size = self._job_size
         remaining = [r for r in range(self.size()) if r not in excluded]
         new._named(self._options.group_name, self._global_ranks(remaining))
         self._master = None
         self._handed_over = True
         return new
+
+    def _linger(self) -> None:
+        """Keeps the master this rank hosts until every other process of the job has
+        registered with it and left, or lost its lease: their calls need it, and the
+        ranks of a reconfigurable group finish when they finish (one left out of the last
+        world may be done long before the others). One that never registers is waited for
+        as long as torch's timeout allows, at most a minute; no wait is longer than the
+        timeout."""
+        start = time.monotonic()
+        limit = self._timeout.total_seconds()
+        said = False
+        while True:
+            seen, live = self._master.peer_counts()
+            if live == 0 and seen >= self._job_size:
+                return
+            waited = time.monotonic() - start
+            if waited > limit or (seen < self._job_size and waited > min(limit, 60.0)):
+                log.info("eccl: stopping this rank's master with %d of the job's %d "
+                         "processes seen and %d still live", seen, self._job_size, live)
+                return
+            if not said and waited > 1.0:
+                said = True
+                log.info("eccl: this rank hosts the group's master; keeping it until the "
+                         "job's other processes have left (%d of %d seen, %d live)",
+                         seen, self._job_size, live)
+            time.sleep(0.02)
 
     def shutdown(self, wait: bool = True) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the
@@ -453,20 +487,8 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             self.comm.leave()
         except eccl.EcclError:
             pass
-        # The rank hosting the group's master keeps it until the others have left too
-        # (each says so in the group's store after its leave), for at most a few
-        # seconds: a member that leaves after the master is gone waits out its connect
-        # timeout instead.
-        left = "eccl/left/"
-        try:
-            if self._master is None and self._store is not None:
-                self._store.set(f"{left}{self.rank()}", "1")
-            elif self._master is not None and self._store is not None and self.size() > 1 \
-                    and wait:
-                bound = min(self._timeout, timedelta(seconds=5))
-                self._store.wait([f"{left}{r}" for r in range(1, self.size())], bound)
-        except Exception:  # noqa: BLE001 - a store that is gone, a member that never left
-            pass
+        if self._master is not None and wait and self._job_size > 1:
+            self._linger()
         if self._master is not None:
             self._master.shutdown()
 

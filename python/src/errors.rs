@@ -9,16 +9,18 @@ use std::ffi::CString;
 
 use eccl::{Error, ErrorKind};
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 
+// A RuntimeError, as torch.distributed's own errors are (DistError, DistBackendError):
+// torch code and torch's tests catch failed collectives and reconfigures as RuntimeError.
 create_exception!(
     eccl,
     EcclError,
-    PyException,
-    "Base class of every eccl error; `retryable` says whether update_topology() and the same call can succeed, `hint` what to do."
+    PyRuntimeError,
+    "Base class of every eccl error (a RuntimeError, as torch.distributed's errors are); `retryable` says whether update_topology() and the same call can succeed, `hint` what to do."
 );
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();

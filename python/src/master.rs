@@ -103,6 +103,22 @@ impl Master {
             .unwrap_or(false)
     }
 
+    /// (peers registered so far, departed ones included; peers registered and not gone
+    /// now): what a process hosting the master waits on before it stops it.
+    fn peer_counts(&self) -> (usize, usize) {
+        self.handle
+            .lock()
+            .ok()
+            .and_then(|h| {
+                h.as_ref().map(|h| {
+                    h.coordinator
+                        .raft
+                        .read(|r| (r.peers_seen(), r.live_peers().len()))
+                })
+            })
+            .unwrap_or((0, 0))
+    }
+
     /// Stops the master (peers then get `MasterUnavailableError` from calls that need it).
     fn shutdown(&self, py: Python<'_>) {
         let h = self.handle.lock().ok().and_then(|mut h| h.take());

@@ -142,3 +142,31 @@ def test_reconfigure_in_flight_and_shrink_give_what_a_reconfigure_gives(scenario
     # shrink after a stop: the call fails at the lease.
     check_eccl(run_scenario("eccl", scenario, n), n, scenario,
                lost_s={"inflight": 0.7, "shrink": 1.0, "shrink_stop": 2.5}[scenario])
+
+
+CONTRACT = ["basic", "all_reduce", "send_recv", "shrink_last", "shrink_middle",
+            "scale_down_up", "single_to_all", "identity", "late_join", "merge_split",
+            "after_abort", "reused_uuid"]
+
+
+def test_torchs_reconfigure_contract_passes_as_under_gloo(tmp_path):
+    """The scenarios PyTorch's own fault-tolerance test runs for a backend (3 ranks, a
+    FileStore, enable_reconfigure=True): a world formed, all_reduce and send/recv on it,
+    the last or a middle rank left out, disjoint singletons formed at once and merged,
+    identity, a late join, halves split and merged, a reconfigure after abort(), and a
+    reused uuid refused as "already used". Each passes under eccl as under gloo, each in
+    a group of its own in the same processes; the times are printed side by side."""
+    res = {}
+    for backend in ("gloo", "eccl"):
+        folder = tmp_path / backend
+        folder.mkdir()
+        res[backend] = run_world(3, [backend, str(folder)], HERE / "contract_script.py")
+    for backend, ranks in res.items():
+        for r, got in enumerate(ranks):
+            bad = {k: v for k, v in got.items() if v["ok"] != "ok"}
+            assert not bad, f"{backend} rank {r}: {bad}"
+            assert sorted(got) == sorted(CONTRACT), (backend, r, sorted(got))
+    slowest = {b: {k: max(rk[k]["ms"] for rk in ranks) for k in CONTRACT}
+               for b, ranks in res.items()}
+    for k in CONTRACT:
+        print(f"{k:14s} gloo {slowest['gloo'][k]:8.1f} ms   eccl {slowest['eccl'][k]:8.1f} ms")
