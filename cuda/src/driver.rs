@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::mem::MaybeUninit;
+use std::os::unix::fs::DirBuilderExt;
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::{result, sys};
@@ -106,11 +107,9 @@ pub fn load_nvrtc() -> Result<()> {
     .map_err(DeviceError::Unavailable)
 }
 
-/// Compiles every generated kernel to PTX for `arch` (`compute_90`, ...); needs NVRTC but
-/// no GPU.
-pub fn compile(arch: &str) -> Result<String> {
-    load_nvrtc()?;
-    let opts = nvrtc::CompileOptions {
+/// NVRTC's flags for the kernels: IEEE semantics, no fast math (see `kernels`).
+fn compile_options(arch: &str) -> nvrtc::CompileOptions {
+    nvrtc::CompileOptions {
         ftz: Some(false),
         prec_div: Some(true),
         prec_sqrt: Some(true),
@@ -119,10 +118,87 @@ pub fn compile(arch: &str) -> Result<String> {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
         name: Some("eccl_kernels.cu".into()),
         ..Default::default()
-    };
-    let ptx = nvrtc::compile_ptx_with_opts(kernels::source(), opts)
+    }
+}
+
+/// Compiles every generated kernel to PTX for `arch` (`compute_90`, ...); needs NVRTC but
+/// no GPU.
+pub fn compile(arch: &str) -> Result<String> {
+    load_nvrtc()?;
+    let ptx = nvrtc::compile_ptx_with_opts(kernels::source(), compile_options(arch))
         .map_err(|e| DeviceError::Compile(format!("{e:?}")))?;
     Ok(ptx.to_src())
+}
+
+/// Where compiled kernels are kept between processes: `ECCL_KERNEL_CACHE` (a folder, or
+/// `off`), else `$XDG_CACHE_HOME/eccl/kernels`, else `~/.cache/eccl/kernels`.
+pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    match std::env::var("ECCL_KERNEL_CACHE") {
+        Ok(v) if v == "off" || v == "0" => None,
+        Ok(v) if !v.trim().is_empty() => Some(v.into()),
+        _ => std::env::var_os("XDG_CACHE_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))
+            .map(|c| c.join("eccl").join("kernels")),
+    }
+}
+
+/// The cache file of the kernels for `arch`: named by a hash of everything the PTX
+/// depends on (the generated source, the flags, the architecture, NVRTC's version), so a
+/// change to any of them compiles afresh and nothing is ever invalidated by hand.
+fn cache_file(dir: &std::path::Path, arch: &str) -> std::path::PathBuf {
+    use std::hash::{Hash, Hasher};
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters; NVRTC is loaded (the caller checked).
+    let _ = unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (
+        kernels::source(),
+        format!("{:?}", compile_options(arch)),
+        arch,
+        major,
+        minor,
+    )
+        .hash(&mut h);
+    env!("CARGO_PKG_VERSION").hash(&mut h);
+    dir.join(format!("{arch}-{:016x}.ptx", h.finish()))
+}
+
+/// [`compile`] through the on-disk cache ([`kernel_cache_dir`]): NVRTC runs once per
+/// machine (a few seconds) instead of once per process. A cache that cannot be read or
+/// written is only logged; `fresh` skips reading it (a cached PTX the driver refused).
+pub fn compile_cached(arch: &str, fresh: bool) -> Result<String> {
+    load_nvrtc()?;
+    let Some(dir) = kernel_cache_dir() else {
+        return compile(arch);
+    };
+    let file = cache_file(&dir, arch);
+    if !fresh {
+        if let Ok(ptx) = std::fs::read_to_string(&file) {
+            tracing::info!("eccl-cuda: kernels for {arch} from {}", file.display());
+            return Ok(ptx);
+        }
+    }
+    let ptx = compile(arch)?;
+    // Written whole to a private name, then renamed: a reader sees all of it or nothing.
+    let tmp = dir.join(format!(".{}.{}", std::process::id(), arch));
+    let stored = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .and_then(|()| std::fs::write(&tmp, &ptx))
+        .and_then(|()| std::fs::rename(&tmp, &file));
+    match stored {
+        Ok(()) => tracing::info!("eccl-cuda: kernels for {arch} cached in {}", file.display()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::info!(
+                "eccl-cuda: not caching the kernels in {}: {e}",
+                dir.display()
+            );
+        }
+    }
+    Ok(ptx)
 }
 
 fn load_driver() -> Result<()> {
@@ -240,11 +316,21 @@ impl CudaDevice {
         let mut k = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
         if k.is_none() {
             let t = std::time::Instant::now();
-            let ptx = compile(&self.arch)?;
-            let image = CString::new(ptx).map_err(|e| DeviceError::Compile(e.to_string()))?;
-            // SAFETY: `image` is NUL-terminated PTX that NVRTC produced.
-            let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
-                .map_err(drv("cuModuleLoadData"))?;
+            let load = |ptx: String| -> Result<sys::CUmodule> {
+                let image = CString::new(ptx).map_err(|e| DeviceError::Compile(e.to_string()))?;
+                // SAFETY: `image` is NUL-terminated PTX (NVRTC's, or the cache's copy of
+                // it, which the driver checks like any other).
+                unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+                    .map_err(drv("cuModuleLoadData"))
+            };
+            let module = match load(compile_cached(&self.arch, false)?) {
+                Ok(m) => m,
+                Err(e) => {
+                    // A cached file the driver refuses (damaged by hand): compile afresh.
+                    tracing::info!("eccl-cuda: the cached kernels did not load ({e}); compiling");
+                    load(compile_cached(&self.arch, true)?)?
+                }
+            };
             let mut funcs = HashMap::new();
             for (d, o) in kernels::pairs() {
                 let n = kernels::kernel_name(d, o);
@@ -255,7 +341,7 @@ impl CudaDevice {
                 funcs.insert(n, f);
             }
             tracing::info!(
-                "eccl-cuda: {} kernels compiled for {} in {:?}",
+                "eccl-cuda: {} kernels ready for {} in {:?}",
                 funcs.len(),
                 self.arch,
                 t.elapsed()

@@ -27,3 +27,50 @@ fn every_generated_kernel_compiles() {
         assert!(!ptx.contains("div.approx"), "{arch}: approximate division");
     }
 }
+
+#[test]
+fn compiled_kernels_are_cached_on_disk_by_what_they_depend_on() {
+    if let Err(e) = eccl_cuda::load_nvrtc() {
+        if std::env::var_os("ECCL_REQUIRE_NVRTC").is_some() {
+            panic!("ECCL_REQUIRE_NVRTC is set: {e}");
+        }
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("eccl-kernel-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // The only test in this binary that sets it (the other calls `compile` directly).
+    std::env::set_var("ECCL_KERNEL_CACHE", &dir);
+    let files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&dir)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default()
+    };
+    let first = eccl_cuda::compile_cached("compute_90", false).unwrap();
+    assert_eq!(first, eccl_cuda::compile("compute_90").unwrap());
+    let cached = files();
+    assert_eq!(cached.len(), 1, "{cached:?}");
+    let name = cached[0].file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.starts_with("compute_90-") && name.ends_with(".ptx"),
+        "{name}"
+    );
+    // The second call reads the file: what is there is what it returns.
+    std::fs::write(&cached[0], "// marker\n").unwrap();
+    assert_eq!(
+        eccl_cuda::compile_cached("compute_90", false).unwrap(),
+        "// marker\n"
+    );
+    // `fresh` compiles and rewrites it; another architecture is another file.
+    assert_eq!(
+        eccl_cuda::compile_cached("compute_90", true).unwrap(),
+        first
+    );
+    assert_eq!(std::fs::read_to_string(&cached[0]).unwrap(), first);
+    eccl_cuda::compile_cached("compute_75", false).unwrap();
+    assert_eq!(files().len(), 2);
+    // `off`: no cache.
+    std::env::set_var("ECCL_KERNEL_CACHE", "off");
+    assert!(eccl_cuda::kernel_cache_dir().is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
