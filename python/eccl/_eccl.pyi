@@ -137,6 +137,18 @@ class SyncInfo:
     @property
     def hash(self) -> str:
         """blake3 of the whole state (hex), equal on every member (G5)."""
+    @property
+    def hash_ms(self) -> float:
+        """Milliseconds spent hashing this member's tensors."""
+    @property
+    def plan_ms(self) -> float:
+        """Milliseconds waiting for the master's plan (every member's report)."""
+    @property
+    def transfer_ms(self) -> float:
+        """Milliseconds serving or fetching chunks."""
+    @property
+    def hashed_bytes(self) -> int:
+        """Bytes this call hashed (tensors promised unchanged are not)."""
     def __repr__(self) -> str: ...
 
 # -- Work (work.rs) ----------------------------------------------------------------------
@@ -361,6 +373,7 @@ class Communicator:
         tensors: dict[str, Any],
         strategy: str = "enforce_popular",
         *,
+        unchanged: set[str] | None = None,
         async_op: bool = False,
     ) -> SyncInfo | Work:
         """Brings every member's `tensors` (name -> array or tensor) to the content most members hold at the highest

@@ -141,6 +141,8 @@ class ElasticDDP:
         self.optimizer = optimizer
         self.max_retries = max_retries
         self.revision = 0
+        # (address, torch version) of each state tensor after the last sync.
+        self._synced: dict = {}
         self.members: tuple = ()
         self.layout = bucket_layout(module, bucket_cap_mb)
         params = dict(module.named_parameters())
@@ -165,7 +167,12 @@ class ElasticDDP:
     # -- state ----------------------------------------------------------------------
 
     def _state(self) -> dict:
-        st = {f"param.{n}": p.data for n, p in self.module.named_parameters()}
+        return {n: t.data for n, t in self._sources().items()}
+
+    def _sources(self) -> dict:
+        """The state's tensors as torch tracks them (parameters themselves, whose version
+        counter every in-place update bumps, not their `.data`)."""
+        st = dict((f"param.{n}", p) for n, p in self.module.named_parameters())
         st.update({f"buffer.{n}": b for n, b in self.module.named_buffers()})
         names = {p: n for n, p in self.module.named_parameters()}
         for group in self.optimizer.param_groups:
@@ -176,8 +183,16 @@ class ElasticDDP:
         return st
 
     def _sync(self) -> bool:
-        """Syncs the state; returns whether this rank's state was replaced."""
-        info = self.comm.sync_shared_state(self.revision, self._state())
+        """Syncs the state; returns whether this rank's state was replaced. Tensors with
+        the address and torch version counter they had after the last sync are promised
+        unchanged (not hashed again); the sync's own writes bump no counter, and what
+        they wrote is what eccl remembers."""
+        sources = self._sources()
+        now = {n: (t.data_ptr(), t._version) for n, t in sources.items()}
+        unchanged = {n for n, v in now.items() if self._synced.get(n) == v}
+        info = self.comm.sync_shared_state(self.revision, {n: t.data for n, t in sources.items()},
+                                           unchanged=unchanged)
+        self._synced = now
         replaced = info.revision != self.revision
         self.revision = info.revision
         return replaced

@@ -70,6 +70,8 @@ pub(crate) enum Call {
         revision: u64,
         tensors: Vec<(String, WritableBuffer)>,
         strategy: SyncStrategy,
+        /// Names promised unchanged since the last sync (`SharedTensor::unchanged`).
+        unchanged: std::collections::HashSet<String>,
     },
 }
 
@@ -359,10 +361,13 @@ async fn run(
             revision,
             tensors,
             strategy,
+            unchanged,
         } => {
             let mut ts: Vec<SharedTensor<'_>> = tensors
                 .iter_mut()
-                .map(|(n, b)| SharedTensor::bytes(n.clone(), b.bytes_mut()))
+                .map(|(n, b)| {
+                    SharedTensor::bytes(n.clone(), b.bytes_mut()).unchanged(unchanged.contains(n))
+                })
                 .collect();
             comm.sync_shared_state(*revision, &mut ts, *strategy)
                 .await

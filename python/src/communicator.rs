@@ -704,15 +704,18 @@ impl Communicator {
     /// Brings every member's `tensors` (name -> array or tensor, the same names and
     /// sizes everywhere) to the content most members hold at the highest revision;
     /// outdated members fetch it in checked chunks from several members at once.
-    /// `strategy`: "enforce_popular" (default), "receive_only" or "send_only". Returns a
-    /// `SyncInfo` whose `revision` every member now holds.
-    #[pyo3(signature = (revision, tensors, strategy="enforce_popular", *, async_op=false))]
+    /// `strategy`: "enforce_popular" (default), "receive_only" or "send_only".
+    /// `unchanged`: names of tensors the caller promises hold what the last sync left in
+    /// them (same memory): they are not hashed again. Returns a `SyncInfo` whose
+    /// `revision` every member now holds.
+    #[pyo3(signature = (revision, tensors, strategy="enforce_popular", *, unchanged=None, async_op=false))]
     fn sync_shared_state(
         &self,
         py: Python<'_>,
         revision: u64,
         tensors: &Bound<'_, PyDict>,
         strategy: &str,
+        unchanged: Option<std::collections::HashSet<String>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
         let strategy = SyncStrategy::parse(strategy).ok_or_else(|| {
@@ -729,6 +732,7 @@ impl Communicator {
             revision,
             tensors: bufs,
             strategy,
+            unchanged: unchanged.unwrap_or_default(),
         };
         self.submit(py, call, async_op)
     }

@@ -132,6 +132,26 @@ impl PySyncInfo {
     fn hash(&self) -> String {
         hex::encode(self.0.hash)
     }
+    /// Milliseconds spent hashing this member's tensors.
+    #[getter]
+    fn hash_ms(&self) -> f64 {
+        self.0.hash_ms
+    }
+    /// Milliseconds waiting for the master's plan (every member's report).
+    #[getter]
+    fn plan_ms(&self) -> f64 {
+        self.0.plan_ms
+    }
+    /// Milliseconds serving or fetching chunks.
+    #[getter]
+    fn transfer_ms(&self) -> f64 {
+        self.0.transfer_ms
+    }
+    /// Bytes this call hashed (tensors promised unchanged are not).
+    #[getter]
+    fn hashed_bytes(&self) -> u64 {
+        self.0.hashed_bytes
+    }
     fn __repr__(&self) -> String {
         let s = &self.0;
         format!(

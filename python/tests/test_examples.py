@@ -34,7 +34,7 @@ COVERED = {
     "ddp_cuda.py": "test_cuda.py's machine: the GPU check (.ci/gpu_check.sh) runs it on a GPU",
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "compare_transports.py", "kill_latency.py",
-            "store_bench.py", "netns_transports.sh", "torch_overhead.py"}
+            "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -91,6 +91,14 @@ def test_kill_latency():
     assert re.search(r"^gloo, 2 ranks: 1 survivors' errors after SIGKILL", out, re.M), out
     rec = re.search(r"_reconfigure of 1 survivors: p50 ([0-9.inf]+) ms", out)
     assert rec and rec.group(1) != "inf", out
+
+
+def test_sync_cost():
+    out = run([sys.executable, str(EXAMPLES / "sync_cost.py"), "--members", "2", "--state-mb",
+               "8", "--rounds", "2"], timeout=120)
+    rows = dict(re.findall(r"^(hash|unchanged)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)$", out, re.M))
+    # Everything hashed without the promise, nothing with it.
+    assert rows == {"hash": str(8 << 20), "unchanged": "0"}, out
 
 
 def test_store_bench():

@@ -36,7 +36,7 @@
 mod half;
 mod par;
 
-pub use par::{set_threads, threads, PAR_MIN_BYTES};
+pub use par::{map_chunks, set_threads, threads, PAR_MIN_BYTES};
 
 use ::half::{bf16, f16};
 use bytemuck::Pod;

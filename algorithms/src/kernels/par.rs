@@ -30,6 +30,19 @@ pub fn threads() -> usize {
     THREADS.load(Ordering::Relaxed)
 }
 
+/// `f` over the `chunk`-byte chunks of `data`, in order: on the reduction threads when
+/// there are several and more than one chunk, else on the caller (hashing a shared
+/// state's chunks, for one).
+pub fn map_chunks<T: Send>(data: &[u8], chunk: usize, f: impl Fn(&[u8]) -> T + Sync) -> Vec<T> {
+    if threads() > 1 && data.len() > chunk {
+        if let Some((pool, _)) = plan(data.len().max(PAR_MIN_BYTES)) {
+            use rayon::prelude::*;
+            return pool.install(|| data.par_chunks(chunk).map(&f).collect());
+        }
+    }
+    data.chunks(chunk).map(f).collect()
+}
+
 /// The pool and part size for a reduction of `bytes`, or `None` to stay on this thread.
 pub(super) fn plan(bytes: usize) -> Option<(Arc<rayon::ThreadPool>, usize)> {
     let threads = threads();

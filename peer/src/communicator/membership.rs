@@ -120,6 +120,7 @@ impl Communicator {
             inplace: AlignedBuf::default(),
             schedules: HashMap::new(),
             last_algo: HashMap::new(),
+            state_digests: HashMap::new(),
         })
     }
         .boxed()

@@ -97,6 +97,8 @@ pub struct Communicator {
     inplace: AlignedBuf,
     schedules: HashMap<(Descriptor, u32, u32), Arc<collective::Built>>,
     last_algo: HashMap<CollectiveKind, Algo>,
+    /// Shared-state tensors' digests as the last sync left them (by name).
+    pub(crate) state_digests: HashMap<String, crate::shared_state::KnownDigest>,
 }
 
 impl Drop for Communicator {

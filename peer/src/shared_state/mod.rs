@@ -20,21 +20,38 @@ use futures::future::{BoxFuture, FutureExt};
 pub struct SharedTensor<'a> {
     pub name: String,
     pub data: &'a mut [u8],
+    /// The caller's promise that `data` (same address and length) holds what it held when
+    /// this communicator's last sync of the tensor ended: its digest is then not computed
+    /// again. A false promise makes this member report stale content (G5 no longer holds
+    /// for it), as a wrong buffer would in any collective.
+    pub unchanged: bool,
 }
 
 impl<'a> SharedTensor<'a> {
     pub fn new<T: crate::Element>(name: impl Into<String>, data: &'a mut [T]) -> SharedTensor<'a> {
-        SharedTensor {
-            name: name.into(),
-            data: bytemuck::cast_slice_mut(data),
-        }
+        SharedTensor::bytes(name, bytemuck::cast_slice_mut(data))
     }
     pub fn bytes(name: impl Into<String>, data: &'a mut [u8]) -> SharedTensor<'a> {
         SharedTensor {
             name: name.into(),
             data,
+            unchanged: false,
         }
     }
+    /// See [`SharedTensor::unchanged`].
+    pub fn unchanged(mut self, unchanged: bool) -> SharedTensor<'a> {
+        self.unchanged = unchanged;
+        self
+    }
+}
+
+/// A tensor's digest as of the end of this communicator's last sync of it, with the
+/// memory it described: reused for a tensor promised [`SharedTensor::unchanged`].
+#[derive(Clone, Debug)]
+pub(crate) struct KnownDigest {
+    addr: usize,
+    len: usize,
+    digest: TensorDigest,
 }
 
 /// Which content a member accepts and offers (the wire type itself).
@@ -54,6 +71,13 @@ pub struct SyncInfo {
     pub updated: Vec<String>,
     /// blake3 digest of the whole state after the sync (equal on every member, G5).
     pub hash: [u8; 32],
+    /// Where the call's time went, in milliseconds: hashing this member's tensors, the
+    /// master's plan (a round trip, waiting for every member), and serving or fetching.
+    pub hash_ms: f64,
+    pub plan_ms: f64,
+    pub transfer_ms: f64,
+    /// Bytes hashed by this call (tensors promised unchanged are not).
+    pub hashed_bytes: u64,
 }
 
 use std::collections::{HashMap, HashSet};
@@ -69,12 +93,11 @@ use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::master_client::reply_error;
 
-/// blake3 per chunk, and over the tensor: its length and the chunk hashes.
+/// blake3 per chunk, and over the tensor: its length and the chunk hashes. Chunks are
+/// hashed on the reduction threads where there are several (`ECCL_REDUCE_THREADS`).
 pub(crate) fn digest(name: &str, data: &[u8]) -> TensorDigest {
-    let chunks: Vec<[u8; 32]> = data
-        .chunks(STATE_CHUNK)
-        .map(|c| *blake3::hash(c).as_bytes())
-        .collect();
+    let chunks: Vec<[u8; 32]> =
+        eccl_algorithms::kernels::map_chunks(data, STATE_CHUNK, |c| *blake3::hash(c).as_bytes());
     TensorDigest {
         name: name.to_string(),
         len: data.len() as u64,
@@ -174,8 +197,25 @@ impl Communicator {
             if let Some(e) = self.abort.check(epoch) {
                 return Err(e);
             }
-            let local: Vec<TensorDigest> =
-                tensors.iter().map(|t| digest(&t.name, t.data)).collect();
+            let started = std::time::Instant::now();
+            let mut hashed_bytes = 0u64;
+            let local: Vec<TensorDigest> = tensors
+                .iter()
+                .map(|t| {
+                    let known = self.state_digests.get(&t.name).filter(|k| {
+                        t.unchanged && k.addr == t.data.as_ptr() as usize && k.len == t.data.len()
+                    });
+                    match known {
+                        Some(k) => k.digest.clone(),
+                        None => {
+                            hashed_bytes += t.data.len() as u64;
+                            digest(&t.name, t.data)
+                        }
+                    }
+                })
+                .collect();
+            let hash_ms = started.elapsed().as_secs_f64() * 1e3;
+            let planned = std::time::Instant::now();
             let req = PeerRequest::SyncState {
                 peer_id,
                 epoch,
@@ -185,6 +225,8 @@ impl Communicator {
                 tensors: local.clone(),
             };
             let reply = self.master.request(req, self.cfg.join_timeout).await?;
+            let plan_ms = planned.elapsed().as_secs_f64() * 1e3;
+            let moved = std::time::Instant::now();
             let (revision, target, sources, receivers) = match reply {
                 MasterReply::SyncPlan {
                     revision,
@@ -200,7 +242,22 @@ impl Communicator {
                 )
                 .await
             {
-                Ok(info) => Ok(info),
+                Ok(mut info) => {
+                    info.hash_ms = hash_ms;
+                    info.plan_ms = plan_ms;
+                    info.transfer_ms = moved.elapsed().as_secs_f64() * 1e3;
+                    info.hashed_bytes = hashed_bytes;
+                    tracing::info!(
+                        target: "eccl::coll",
+                        "epoch {epoch}: shared-state sync took {:.1} ms hashing {} B, {:.1} ms \
+                         for the plan, {:.1} ms moving chunks",
+                        info.hash_ms,
+                        info.hashed_bytes,
+                        info.plan_ms,
+                        info.transfer_ms
+                    );
+                    Ok(info)
+                }
                 // The others may already be in the next collective: break the epoch so that
                 // they fail promptly instead of waiting for this member.
                 Err(e) => {
@@ -234,7 +291,12 @@ impl Communicator {
             sources: Vec::new(),
             updated: Vec::new(),
             hash: state_hash(local),
+            hash_ms: 0.0,
+            plan_ms: 0.0,
+            transfer_ms: 0.0,
+            hashed_bytes: 0,
         };
+        let receiving = receivers.contains(&peer_id);
         if sources.contains(&peer_id) {
             info.bytes_sent = self
                 .serve_state(epoch, round, tensors, &target, &receivers)
@@ -267,6 +329,23 @@ impl Communicator {
             info.bytes_received,
             info.sources
         );
+        // What each tensor holds now, for the next call's `unchanged` promise: the chosen
+        // content where this member received it, else its own.
+        self.state_digests.clear();
+        for (t, own) in tensors.iter().zip(local) {
+            let now = receiving
+                .then(|| target.iter().find(|d| d.name == t.name))
+                .flatten()
+                .unwrap_or(own);
+            self.state_digests.insert(
+                t.name.clone(),
+                KnownDigest {
+                    addr: t.data.as_ptr() as usize,
+                    len: t.data.len(),
+                    digest: now.clone(),
+                },
+            );
+        }
         Ok(info)
     }
 

@@ -339,3 +339,68 @@ async fn a_member_that_moved_on_sends_the_others_to_update_topology() {
     assert!(ta.is_ok() && topo.is_ok(), "{ta:?} {topo:?}");
     assert!(t0.elapsed() < Duration::from_secs(5));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_promised_unchanged_are_not_hashed_again() {
+    // Two members, one behind: the first sync hashes everything and brings the second up
+    // to date; a second sync with every tensor promised unchanged hashes nothing and
+    // agrees on the same state (the receiver's promise covers what it received); a
+    // tensor changed since, and not promised, is hashed and travels.
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 2).await;
+    let mut states = [State::new(1), State::new(2)];
+    let strategies = [SyncStrategy::EnforcePopular; 2];
+    let first = sync_all(&mut comms, &mut states, &[2, 1], &strategies).await;
+    let first: Vec<SyncInfo> = first.into_iter().map(|r| r.expect("first sync")).collect();
+    let total = (states[0].big.len() * 4 + states[0].small.len() * 8) as u64;
+    assert!(first.iter().all(|i| i.hashed_bytes == total), "{first:?}");
+    assert_eq!(states[1].big, states[0].big);
+    let again = join_all(
+        comms
+            .iter_mut()
+            .zip(states.iter_mut())
+            .map(|(c, s)| async move {
+                let mut t: Vec<SharedTensor<'_>> =
+                    s.tensors().into_iter().map(|t| t.unchanged(true)).collect();
+                c.sync_shared_state(2, &mut t, SyncStrategy::EnforcePopular)
+                    .await
+            }),
+    )
+    .await;
+    for (i, r) in again.iter().enumerate() {
+        let r = r.as_ref().expect("second sync");
+        assert_eq!(r.hashed_bytes, 0, "member {i}");
+        assert_eq!(r.bytes_received, 0, "member {i}");
+        assert_eq!(r.hash, first[0].hash, "member {i}");
+    }
+    // Member 0 changes "small" at a higher revision and says so (no promise for it).
+    states[0].small[3] = -7;
+    let third = join_all(comms.iter_mut().zip(states.iter_mut()).enumerate().map(
+        |(i, (c, s))| async move {
+            let mut t: Vec<SharedTensor<'_>> = s
+                .tensors()
+                .into_iter()
+                .map(|t| {
+                    let same = !(i == 0 && t.name == "small");
+                    t.unchanged(same)
+                })
+                .collect();
+            c.sync_shared_state(3 - i as u64, &mut t, SyncStrategy::EnforcePopular)
+                .await
+        },
+    ))
+    .await;
+    let third: Vec<SyncInfo> = third.into_iter().map(|r| r.expect("third sync")).collect();
+    assert_eq!(
+        third[0].hashed_bytes, 800,
+        "only the changed tensor is hashed"
+    );
+    assert_eq!(third[1].hashed_bytes, 0);
+    assert_eq!(third[1].updated, vec!["small".to_string()]);
+    assert_eq!(states[1].small, states[0].small);
+    assert_eq!(third[0].hash, third[1].hash);
+    assert!(
+        third.iter().all(|i| i.hash_ms >= 0.0 && i.plan_ms > 0.0),
+        "{third:?}"
+    );
+}
