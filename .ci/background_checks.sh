@@ -41,7 +41,8 @@ echo "== miri (at ${SECONDS} s)"
 miri_test() {
     cargo +"$MIRI_TOOLCHAIN" miri test --locked --config 'profile.dev.package."*".opt-level=0' "$@"
 }
-miri_test -p eccl-algorithms --lib -- bufs::
+# Without the thread pool (rayon and crossbeam would be built for Miri only to go unused).
+miri_test -p eccl-algorithms --lib --no-default-features -- bufs::
 miri_test -p eccl-shm --lib
 
 echo "== cargo fuzz (at ${SECONDS} s)"

@@ -193,14 +193,14 @@ for t in tcp shm quic; do
 done
 
 seed="${ECCL_CHAOS_SEED:-$RANDOM}"
-phase "chaos: 20 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
-target/release/eccl-chaos --peers 4 --duration 20 --seed "$seed" --transport shm
+phase "chaos: 15 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
+target/release/eccl-chaos --peers 4 --duration 15 --seed "$seed" --transport shm
 for t in tcp quic tls; do
-    phase "chaos: 10 s over $t"
-    target/release/eccl-chaos --peers 4 --duration 10 --seed "$seed" --transport "$t"
+    phase "chaos: 8 s over $t"
+    target/release/eccl-chaos --peers 4 --duration 8 --seed "$seed" --transport "$t"
 done
-phase "chaos: 25 s with three masters, the leader killed and hung among peer faults"
-target/release/eccl-chaos --peers 4 --masters 3 --duration 25 --seed "$seed" --state-mb 4 \
+phase "chaos: 20 s with three masters, the leader killed and hung among peer faults"
+target/release/eccl-chaos --peers 4 --masters 3 --duration 20 --seed "$seed" --state-mb 4 \
     --faults kill,hang,join,master-kill,master-hang
 
 # Last: the chaos runs above overlap the background job (it yields to them).

@@ -180,6 +180,7 @@ fn nothing_is_left_behind_after_kills_over_shm() {
 }
 
 #[test]
+#[ignore = "the test command's chaos pass plays the same faults on 4 peers for longer, with a fresh seed each run; run with --ignored for seed 7"]
 fn a_short_random_run_stays_exact() {
     let r = chaos(
         "random",

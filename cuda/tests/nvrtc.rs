@@ -46,8 +46,12 @@ fn compiled_kernels_are_cached_on_disk_by_what_they_depend_on() {
             .map(|d| d.map(|e| e.unwrap().path()).collect())
             .unwrap_or_default()
     };
+    // Two compiles in all (NVRTC takes seconds): the first call, and `fresh` below.
     let first = eccl_cuda::compile_cached("compute_90", false).unwrap();
-    assert_eq!(first, eccl_cuda::compile("compute_90").unwrap());
+    assert!(
+        first.contains(".entry eccl_reduce_"),
+        "not the kernels' PTX"
+    );
     let cached = files();
     assert_eq!(cached.len(), 1, "{cached:?}");
     let name = cached[0].file_name().unwrap().to_string_lossy().to_string();
@@ -61,14 +65,13 @@ fn compiled_kernels_are_cached_on_disk_by_what_they_depend_on() {
         eccl_cuda::compile_cached("compute_90", false).unwrap(),
         "// marker\n"
     );
-    // `fresh` compiles and rewrites it; another architecture is another file.
+    // `fresh` compiles (the same PTX) and rewrites it.
     assert_eq!(
         eccl_cuda::compile_cached("compute_90", true).unwrap(),
         first
     );
     assert_eq!(std::fs::read_to_string(&cached[0]).unwrap(), first);
-    eccl_cuda::compile_cached("compute_75", false).unwrap();
-    assert_eq!(files().len(), 2);
+    assert_eq!(files().len(), 1, "no temporary file left behind");
     // `off`: no cache.
     std::env::set_var("ECCL_KERNEL_CACHE", "off");
     assert!(eccl_cuda::kernel_cache_dir().is_none());

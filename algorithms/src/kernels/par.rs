@@ -6,6 +6,7 @@
 //! and calls [`set_threads`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(feature = "parallel")]
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// Below this many bytes a reduction stays on the calling thread: handing parts to other
@@ -14,9 +15,11 @@ pub const PAR_MIN_BYTES: usize = 256 << 10;
 
 /// Parts start on 64-byte boundaries of the slice: whole elements of every dtype, and
 /// no cache line written by two threads.
+#[cfg(feature = "parallel")]
 const PART_ALIGN: usize = 64;
 
 static THREADS: AtomicUsize = AtomicUsize::new(1);
+#[cfg(feature = "parallel")]
 static POOL: Mutex<Option<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(None);
 
 /// Sets how many threads one large reduction may use (at least 1). Changing it replaces
@@ -34,6 +37,7 @@ pub fn threads() -> usize {
 /// there are several and more than one chunk, else on the caller (hashing a shared
 /// state's chunks, for one).
 pub fn map_chunks<T: Send>(data: &[u8], chunk: usize, f: impl Fn(&[u8]) -> T + Sync) -> Vec<T> {
+    #[cfg(feature = "parallel")]
     if threads() > 1 && data.len() > chunk {
         if let Some((pool, _)) = plan(data.len().max(PAR_MIN_BYTES)) {
             use rayon::prelude::*;
@@ -44,6 +48,7 @@ pub fn map_chunks<T: Send>(data: &[u8], chunk: usize, f: impl Fn(&[u8]) -> T + S
 }
 
 /// The pool and part size for a reduction of `bytes`, or `None` to stay on this thread.
+#[cfg(feature = "parallel")]
 pub(super) fn plan(bytes: usize) -> Option<(Arc<rayon::ThreadPool>, usize)> {
     let threads = threads();
     if threads <= 1 || bytes < PAR_MIN_BYTES {
