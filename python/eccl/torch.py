@@ -465,11 +465,12 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 log.info("eccl: stopping this rank's master with %d of the job's %d "
                          "processes seen and %d still live", seen, self._job_size, live)
                 return
-            if not said and waited > 1.0:
+            if not said and waited > 10.0:
+                # Unusual enough to say without ECCL_DEBUG: the process does not exit.
                 said = True
-                log.info("eccl: this rank hosts the group's master; keeping it until the "
-                         "job's other processes have left (%d of %d seen, %d live)",
-                         seen, self._job_size, live)
+                log.warning("eccl: this rank hosts the group's master; keeping it until the "
+                            "job's other processes have left (%d of %d seen, %d live; at "
+                            "most torch's timeout, %.0f s)", seen, self._job_size, live, limit)
             time.sleep(0.02)
 
     def shutdown(self, wait: bool = True) -> None:
