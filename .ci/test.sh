@@ -193,8 +193,9 @@ for t in tcp shm quic; do
 done
 
 seed="${ECCL_CHAOS_SEED:-$RANDOM}"
-phase "chaos: 15 s of kills, hangs, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
-target/release/eccl-chaos --peers 4 --duration 15 --seed "$seed" --transport shm
+phase "chaos: 15 s of kills, hangs, slow peers, joins and leaves on 4 peers over shared memory (exit 1 on any violation)"
+target/release/eccl-chaos --peers 4 --duration 15 --seed "$seed" --transport shm \
+    --faults kill,hang,slow,join,leave
 for t in tcp quic tls; do
     phase "chaos: 8 s over $t"
     target/release/eccl-chaos --peers 4 --duration 8 --seed "$seed" --transport "$t"

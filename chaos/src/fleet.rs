@@ -39,6 +39,11 @@ pub enum Fate {
         since: f64,
         resume_at: f64,
     },
+    /// SIGSTOPped for less than half a lease (a slow peer) until `resume_at`.
+    Slowed {
+        since: f64,
+        resume_at: f64,
+    },
     /// Killed by the orchestrator.
     Killed,
     /// Asked to leave.

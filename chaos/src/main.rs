@@ -81,6 +81,10 @@ pub struct RunArgs {
     /// How long a hung peer stays stopped, in milliseconds (default: lease + 1500).
     #[arg(long)]
     pub hang_ms: Option<u64>,
+    /// How long a slow peer (`--faults slow`) stays stopped, in milliseconds (default:
+    /// two fifths of the lease; it must be under half of it).
+    #[arg(long)]
+    pub slow_ms: Option<u64>,
     /// The master's lease on each peer, in milliseconds.
     #[arg(long, default_value_t = 800)]
     pub lease_ms: u64,
@@ -129,6 +133,10 @@ impl RunArgs {
         self.hang_ms.unwrap_or(self.lease_ms + 1500)
     }
 
+    pub fn slow_ms(&self) -> u64 {
+        self.slow_ms.unwrap_or(self.lease_ms * 2 / 5)
+    }
+
     /// Checks that flags which parse on their own also make sense together.
     fn check(&self) -> Result<(), String> {
         let duration = self.duration_ms();
@@ -145,6 +153,13 @@ impl RunArgs {
             return Err(format!(
                 "--hang-ms {} must exceed --lease-ms {}: a shorter stop is not a fault the master can see",
                 self.hang_ms(),
+                self.lease_ms
+            ));
+        }
+        if self.slow_ms() == 0 || self.slow_ms() * 2 >= self.lease_ms {
+            return Err(format!(
+                "--slow-ms {} must be positive and under half of --lease-ms {}: a longer stop is a hang",
+                self.slow_ms(),
                 self.lease_ms
             ));
         }

@@ -100,8 +100,11 @@ impl Measurement {
     pub fn new(fault: Fault, survivors: impl IntoIterator<Item = usize>, deadline: f64) -> Self {
         let victim = match fault.kind {
             // Master faults are measured by `master_faults`, from the masters' reports;
-            // a peer measurement of one would have no victim among the workers.
-            FaultKind::Kill | FaultKind::MasterKill | FaultKind::MasterHang => Victim::Gone,
+            // a peer measurement of one would have no victim among the workers. A slow
+            // peer is judged by the report (`slow_aborts`, false evictions), not measured.
+            FaultKind::Kill | FaultKind::MasterKill | FaultKind::MasterHang | FaultKind::Slow => {
+                Victim::Gone
+            }
             FaultKind::Hang => Victim::Stopped {
                 resumed: None,
                 evicted: false,
@@ -122,9 +125,11 @@ impl Measurement {
                 .filter(|&s| s != fault.victim)
                 .map(|s| (s, Survivor::default()))
                 .collect(),
-            FaultKind::Join | FaultKind::Leave | FaultKind::MasterKill | FaultKind::MasterHang => {
-                BTreeMap::new()
-            }
+            FaultKind::Join
+            | FaultKind::Leave
+            | FaultKind::MasterKill
+            | FaultKind::MasterHang
+            | FaultKind::Slow => BTreeMap::new(),
         };
         Measurement {
             fault,

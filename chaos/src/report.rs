@@ -38,6 +38,11 @@ pub struct RunLog {
     pub master_faults: Vec<(FaultKind, MasterOutcome)>,
     /// When each stopped worker was stopped: (slot, from, to).
     pub stopped: Vec<(usize, f64, f64)>,
+    /// When each slow worker was stopped (under half a lease): (slot, from, to). Not
+    /// among `stopped`: its eviction is a false one.
+    pub slowed: Vec<(usize, f64, f64)>,
+    /// The lease, in milliseconds.
+    pub lease_ms: f64,
     /// When each master fault played out: (from, to).
     pub master_windows: Vec<(f64, f64)>,
     /// Slots below this are the initial workers.
@@ -72,6 +77,7 @@ pub struct FaultCounts {
     pub leave: u64,
     pub master_kill: u64,
     pub master_hang: u64,
+    pub slow: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -161,6 +167,7 @@ pub fn analyse(log: &RunLog) -> Report {
     violations.extend(ghosts(&log.events));
     let falsely = false_evictions(log);
     violations.extend(falsely.iter().cloned());
+    violations.extend(slow_aborts(log));
 
     let mut faults = FaultCounts::default();
     for (kind, _) in &log.faults {
@@ -171,8 +178,10 @@ pub fn analyse(log: &RunLog) -> Report {
             FaultKind::Leave => &mut faults.leave,
             FaultKind::MasterKill => &mut faults.master_kill,
             FaultKind::MasterHang => &mut faults.master_hang,
+            FaultKind::Slow => &mut faults.slow,
         } += 1;
     }
+    faults.slow += log.slowed.len() as u64;
     for (kind, _) in &log.master_faults {
         *match kind {
             FaultKind::MasterHang => &mut faults.master_hang,
@@ -450,6 +459,29 @@ fn ghosts(events: &[(usize, Event)]) -> Vec<String> {
     found
 }
 
+/// Failed calls while a peer was slow (stopped under half a lease) or within a lease after
+/// it woke: a slow peer must cost the others time, never an abort. Faults play one at a
+/// time, so nothing else can have caused them.
+pub(crate) fn slow_aborts(log: &RunLog) -> Vec<String> {
+    let mut found = Vec::new();
+    for &(victim, from, to) in &log.slowed {
+        for (slot, e) in &log.events {
+            let Some(c) = e.call() else { continue };
+            if !c.ok && c.op.is_counted() && c.end > from && c.start < to + log.lease_ms {
+                found.push(format!(
+                    "slow peer caused an abort: worker {victim} was stopped {:.0} ms (under \
+                     half a lease) and peer {} (worker {slot}) failed a {} in epoch {}",
+                    to - from,
+                    c.peer,
+                    op_name(c.op),
+                    c.epoch
+                ));
+            }
+        }
+    }
+    found
+}
+
 /// Evictions of peers that were never stopped before they heard of them: only a hung
 /// peer may be evicted (a killed one says nothing, and a peer's links breaking must not
 /// cost it its place).
@@ -526,6 +558,12 @@ pub fn summary(r: &Report) -> String {
         fmt_stats(&r.join_ms),
         r.faults.leave
     );
+    if r.faults.slow > 0 {
+        out += &format!(
+            "  slow {:>7}   (stopped under half a lease: no abort, no eviction may follow)\n",
+            r.faults.slow
+        );
+    }
     if r.faults.master_kill + r.faults.master_hang > 0 {
         out += &format!(
             "  master-kill {}, master-hang {}: failover (ms) p50 {} p99 {} max {}\n",

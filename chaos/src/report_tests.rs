@@ -43,6 +43,8 @@ fn log(events: Vec<(usize, Event)>) -> RunLog {
         faults: Vec::new(),
         master_faults: Vec::new(),
         stopped: Vec::new(),
+        slowed: Vec::new(),
+        lease_ms: 800.0,
         master_windows: Vec::new(),
         initial: 2,
         finishers: [0, 1].into(),
@@ -215,6 +217,41 @@ fn only_a_stopped_peer_may_be_evicted() {
         "{:?}",
         r.violations
     );
+}
+
+#[test]
+fn a_slow_peer_may_cost_time_but_no_abort_or_eviction() {
+    let failed = |peer, start, end| match call(peer, Op::AllReduce, start, end, 1, &[1, 2]) {
+        Event::Call(c) => Event::Call(Call { ok: false, ..c }),
+        e => e,
+    };
+    // Worker 1 was slow from 1,000 to 1,300 ms. A call that succeeded late is fine; one
+    // that failed within a lease of its waking is a violation, one long after is not this
+    // check's; and its eviction is a false one (it was never stopped as a hang).
+    let mut l = log(vec![
+        (0, call(1, Op::AllReduce, 900.0, 1400.0, 1, &[1, 2])),
+        (0, failed(1, 1500.0, 1700.0)),
+        (0, failed(1, 5000.0, 5100.0)),
+        (
+            1,
+            Event::Evicted {
+                peer: 2,
+                t: 1200.0,
+                reason: "lease".into(),
+            },
+        ),
+    ]);
+    l.slowed = vec![(1, 1000.0, 1300.0)];
+    let r = analyse(&l);
+    assert_eq!(r.faults.slow, 1);
+    let slow: Vec<_> = r
+        .violations
+        .iter()
+        .filter(|v| v.contains("slow peer"))
+        .collect();
+    assert_eq!(slow.len(), 1, "{:?}", r.violations);
+    assert!(slow[0].contains("worker 1 was stopped 300 ms"), "{slow:?}");
+    assert_eq!(r.false_evictions, 1, "{:?}", r.violations);
 }
 
 #[test]

@@ -18,16 +18,20 @@ pub enum FaultKind {
     MasterKill,
     /// SIGSTOP the leading master past an election, then SIGCONT it.
     MasterHang,
+    /// SIGSTOP a peer for less than half a lease (`--slow-ms`), then SIGCONT it: a slow
+    /// peer, which must never be evicted nor cause an abort.
+    Slow,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 7] = [
         FaultKind::Kill,
         FaultKind::Hang,
         FaultKind::Join,
         FaultKind::Leave,
         FaultKind::MasterKill,
         FaultKind::MasterHang,
+        FaultKind::Slow,
     ];
 
     pub fn name(self) -> &'static str {
@@ -38,6 +42,7 @@ impl FaultKind {
             FaultKind::Leave => "leave",
             FaultKind::MasterKill => "master-kill",
             FaultKind::MasterHang => "master-hang",
+            FaultKind::Slow => "slow",
         }
     }
 
@@ -48,7 +53,7 @@ impl FaultKind {
 }
 
 /// Parses `--faults`: a comma list of kill, hang, join, leave, master-kill, master-hang,
-/// or `none`.
+/// slow, or `none`.
 pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
     if s.trim() == "none" {
         return Ok(Vec::new());
@@ -58,7 +63,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
         let kind = FaultKind::ALL
             .into_iter()
             .find(|k| k.name() == word)
-            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, or none)"))?;
+            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, slow, or none)"))?;
         if !kinds.contains(&kind) {
             kinds.push(kind);
         }

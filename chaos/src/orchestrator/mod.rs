@@ -93,6 +93,8 @@ struct Run<'a> {
     open: Vec<Measurement>,
     faults: Vec<(FaultKind, Outcome)>,
     stopped: Vec<(usize, f64, f64)>,
+    /// Slow faults played: (slot, from, to).
+    slowed: Vec<(usize, f64, f64)>,
     violations: Vec<String>,
     hangs: u64,
     max_revision: u64,
@@ -121,6 +123,7 @@ impl<'a> Run<'a> {
             open: Vec::new(),
             faults: Vec::new(),
             stopped: Vec::new(),
+            slowed: Vec::new(),
             violations: Vec::new(),
             hangs: 0,
             max_revision: 0,
@@ -140,7 +143,13 @@ impl<'a> Run<'a> {
 
     /// A fault is still playing out.
     fn busy(&self) -> bool {
-        !self.open.is_empty() || self.master_open.is_some()
+        !self.open.is_empty()
+            || self.master_open.is_some()
+            || self
+                .fleet
+                .workers
+                .iter()
+                .any(|w| matches!(w.fate, Fate::Slowed { .. }))
     }
 
     /// Prints one line stamped with the run time of `at`.
@@ -261,6 +270,24 @@ impl<'a> Run<'a> {
     fn resume_due(&mut self) -> anyhow::Result<()> {
         let now = now_ms();
         for slot in 0..self.fleet.workers.len() {
+            if let Fate::Slowed { since, resume_at } = self.fleet.workers[slot].fate {
+                if now >= resume_at {
+                    self.fleet.signal(slot, libc::SIGCONT)?;
+                    self.fleet.workers[slot].fate = Fate::Running;
+                    self.slowed.push((slot, since, now));
+                    let peer = self.fleet.workers[slot].peer;
+                    self.say(
+                        since,
+                        &format!(
+                            "slow  {} (pid {}) stopped {:.0} ms, under half a lease",
+                            name(slot, peer),
+                            self.fleet.workers[slot].pid,
+                            now - since
+                        ),
+                    );
+                }
+                continue;
+            }
             let Fate::Stopped { since, resume_at } = self.fleet.workers[slot].fate else {
                 continue;
             };
@@ -368,8 +395,10 @@ impl<'a> Run<'a> {
                 ),
                 None => format!("{head}: did not join"),
             },
-            // Described by `MasterFault::describe`.
-            FaultKind::Leave | FaultKind::MasterKill | FaultKind::MasterHang => head,
+            // Described by `MasterFault::describe`, and a slow peer when it wakes.
+            FaultKind::Leave | FaultKind::MasterKill | FaultKind::MasterHang | FaultKind::Slow => {
+                head
+            }
         }
     }
 
@@ -462,6 +491,15 @@ impl<'a> Run<'a> {
                     self.stop(v, now, None);
                 }
             }
+            FaultKind::Slow => {
+                let v = victim();
+                if self.fleet.signal(v, libc::SIGSTOP)? {
+                    self.fleet.workers[v].fate = Fate::Slowed {
+                        since: now,
+                        resume_at: now + self.args.slow_ms() as f64,
+                    };
+                }
+            }
             FaultKind::Leave => {
                 let v = victim();
                 if self.fleet.tell(v, "leave") {
@@ -535,6 +573,8 @@ impl<'a> Run<'a> {
             faults: self.faults,
             master_faults: self.master_faults,
             stopped: self.stopped,
+            slowed: self.slowed,
+            lease_ms: self.args.lease_ms as f64,
             master_windows: self.master_windows,
             initial: self.args.peers as usize,
             finishers,
