@@ -110,7 +110,11 @@ class Recovery:
         with self._lock:
             if generation is not None and generation != self.generation:
                 return
-        self.run_hooks()
+        # The epoch the call failed in (an AbortedError names it): a reconfigure that
+        # abandoned the call may have moved the communicator on already, and the hooks
+        # ran for that epoch when it did.
+        epoch = getattr(error, "epoch", None)
+        self.run_hooks(epoch if epoch else None)
         with self._lock:
             if self.state is State.FORMED and generation in (None, self.generation):
                 self.state = State.ABORTED
@@ -130,9 +134,10 @@ class Recovery:
             self.state = State.FORMED
             self.generation += 1
 
-    def run_hooks(self) -> None:
-        """Runs the abort hooks, once per aborted epoch, before the failure is reported."""
-        epoch = self.comm.epoch
+    def run_hooks(self, epoch: Optional[int] = None) -> None:
+        """Runs the abort hooks, once per aborted epoch (`epoch`, default the
+        communicator's current one), before the failure is reported."""
+        epoch = self.comm.epoch if epoch is None else epoch
         with self._lock:
             if epoch == self._hooked_epoch:
                 return
