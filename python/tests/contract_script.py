@@ -9,6 +9,7 @@ identity, late_join, merge_split, after_abort, reused_uuid. Prints, after "RESUL
 each scenario "ok" or the error it met, and the milliseconds it took (init included).
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ class Scenario:
     def __init__(self, backend, store_path):
         self.backend = backend
         self.store = dist.FileStore(store_path, N)
+        self.store.set_timeout(TIMEOUT)
 
     def init(self):
         dist.init_process_group(self.backend, world_size=N, rank=R, store=self.store,
@@ -193,16 +195,25 @@ def main():
     for f in SCENARIOS:
         if f.__name__ not in wanted:
             continue
+        # A scenario that hangs prints where every thread is and ends the process, so
+        # the test names it instead of waiting out its own limit.
+        faulthandler.dump_traceback_later(60, exit=True)
         t0 = time.monotonic()
+        s = Scenario(backend, os.path.join(folder, f.__name__))
         try:
-            f(Scenario(backend, os.path.join(folder, f.__name__)))
+            f(s)
             res[f.__name__] = {"ok": "ok"}
         except Exception as e:  # noqa: BLE001 - reported, and the next scenario runs
             res[f.__name__] = {"ok": f"{type(e).__name__}: {e}"[:300],
                                "trace": traceback.format_exc()[-1500:]}
         res[f.__name__]["ms"] = round((time.monotonic() - t0) * 1000, 1)
+        # Every rank ends the scenario before any destroys its group or starts the next:
+        # torch's harness gives each scenario processes of its own; here one rank's
+        # teardown must not race another's scenario (gloo hung on that once in 16 runs).
+        s.barrier("scenario_end")
         if dist.is_initialized():
             dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
     print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -1,6 +1,7 @@
 """torch's fault-tolerance API on eccl: ProcessGroup.abort() and abort hooks,
 shrink_group, and dist._reconfigure against gloo's in the same scenarios."""
 
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -154,19 +155,32 @@ def test_torchs_reconfigure_contract_passes_as_under_gloo(tmp_path):
     FileStore, enable_reconfigure=True): a world formed, all_reduce and send/recv on it,
     the last or a middle rank left out, disjoint singletons formed at once and merged,
     identity, a late join, halves split and merged, a reconfigure after abort(), and a
-    reused uuid refused as "already used". Each passes under eccl as under gloo, each in
-    a group of its own in the same processes; the times are printed side by side."""
-    res = {}
-    for backend in ("gloo", "eccl"):
+    reused uuid refused as "already used". Every one passes under eccl, each in a group of
+    its own in the same processes. gloo runs the same scenarios beside it for the times,
+    printed side by side; its result is reported, not asserted: gloo itself fails one now
+    and then here ("connectFullMesh failed ... Connection closed by peer" when singletons
+    merge, about one run in six), which says nothing of eccl."""
+    def run(backend):
         folder = tmp_path / backend
         folder.mkdir()
-        res[backend] = run_world(3, [backend, str(folder)], HERE / "contract_script.py")
-    for backend, ranks in res.items():
-        for r, got in enumerate(ranks):
-            bad = {k: v for k, v in got.items() if v["ok"] != "ok"}
-            assert not bad, f"{backend} rank {r}: {bad}"
-            assert sorted(got) == sorted(CONTRACT), (backend, r, sorted(got))
-    slowest = {b: {k: max(rk[k]["ms"] for rk in ranks) for k in CONTRACT}
-               for b, ranks in res.items()}
+        return run_world(3, [backend, str(folder)], HERE / "contract_script.py")
+
+    eccl_res = run("eccl")
+    for r, got in enumerate(eccl_res):
+        bad = {k: v for k, v in got.items() if v["ok"] != "ok"}
+        assert not bad, f"eccl rank {r}: {bad}"
+        assert sorted(got) == sorted(CONTRACT), (r, sorted(got))
+    try:
+        gloo_res = run("gloo")
+    except (AssertionError, subprocess.TimeoutExpired) as e:
+        print(f"gloo did not complete the scenarios in this run: {str(e)[:300]}")
+        gloo_res = None
     for k in CONTRACT:
-        print(f"{k:14s} gloo {slowest['gloo'][k]:8.1f} ms   eccl {slowest['eccl'][k]:8.1f} ms")
+        ours = max(rk[k]["ms"] for rk in eccl_res)
+        if gloo_res is None:
+            theirs = "-"
+        else:
+            oks = {rk.get(k, {}).get("ok", "missing") for rk in gloo_res}
+            theirs = (f"{max(rk[k]['ms'] for rk in gloo_res):8.1f} ms" if oks == {"ok"}
+                      else f"failed: {sorted(oks)[-1][:80]}")
+        print(f"{k:14s} eccl {ours:8.1f} ms   gloo {theirs}")
