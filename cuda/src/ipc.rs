@@ -497,6 +497,28 @@ impl<D: Device> IpcComm<D> {
             .collect()
     }
 
+    /// The work of a call without `keep`: `work(self, t)` for every rank `t` whose buffers
+    /// this rank writes ([`Self::targets`]), a wait for the device, and the status
+    /// exchange that ends the call.
+    fn owners_work(
+        &mut self,
+        ex: &mut dyn Exchange,
+        metas: &[Meta],
+        rank: usize,
+        mut work: impl FnMut(&mut Self, usize) -> Result<(), IpcError>,
+    ) -> Result<(), IpcError> {
+        let t = std::time::Instant::now();
+        let local = (|| {
+            for target in Self::targets(metas, rank) {
+                work(self, target)?;
+            }
+            self.dev.synchronize()?;
+            Ok(NO_MEM)
+        })();
+        self.phases.reduce += t.elapsed();
+        self.settle(ex, local).map(drop)
+    }
+
     /// All-reduces `count` elements at `buf` in place across the exchange's ranks, all on
     /// this host. `keep`: leave `buf` as it was if the call fails (G2), at the cost of a
     /// scratch chunk and a second pass.
@@ -656,23 +678,17 @@ impl<D: Device> IpcComm<D> {
         if bytes == 0 {
             return Ok(());
         }
-        let t = std::time::Instant::now();
-        let local = (|| {
-            for t in Self::targets(&metas, rank) {
-                let recv_t = self.at(&metas, rank, t, recv, |m| m.recv, world * bytes)?;
-                for s in 0..world {
-                    let src = self.at(&metas, rank, s, send, |m| m.send, bytes)?;
-                    let dst = recv_t + (s * bytes) as u64;
-                    if src != dst {
-                        self.dev.copy(dst, src, bytes)?;
-                    }
+        self.owners_work(ex, &metas, rank, |this, t| {
+            let recv_t = this.at(&metas, rank, t, recv, |m| m.recv, world * bytes)?;
+            for s in 0..world {
+                let src = this.at(&metas, rank, s, send, |m| m.send, bytes)?;
+                let dst = recv_t + (s * bytes) as u64;
+                if src != dst {
+                    this.dev.copy(dst, src, bytes)?;
                 }
             }
-            self.dev.synchronize()?;
-            Ok(NO_MEM)
-        })();
-        self.phases.reduce += t.elapsed();
-        self.settle(ex, local).map(drop)
+            Ok(())
+        })
     }
 
     /// Reduces every rank's `send` (`world × count` elements) with `op` and leaves slice
@@ -718,29 +734,23 @@ impl<D: Device> IpcComm<D> {
         if bytes == 0 {
             return Ok(());
         }
-        let t = std::time::Instant::now();
-        let local = (|| {
-            for t in Self::targets(&metas, rank) {
-                let out = self.at(&metas, rank, t, recv, |m| m.recv, bytes)?;
-                let mut ins = Vec::with_capacity(world);
-                for s in 0..world {
-                    let base = self.at(&metas, rank, s, send, |m| m.send, world * bytes)?;
-                    ins.push(base + (t * bytes) as u64);
-                }
-                if world == 1 {
-                    if out != ins[0] {
-                        self.dev.copy(out, ins[0], bytes)?;
-                    }
-                } else {
-                    self.dev
-                        .reduce(dtype, op, &ins, &[out], count, world as u32)?;
-                }
+        self.owners_work(ex, &metas, rank, |this, t| {
+            let out = this.at(&metas, rank, t, recv, |m| m.recv, bytes)?;
+            let mut ins = Vec::with_capacity(world);
+            for s in 0..world {
+                let base = this.at(&metas, rank, s, send, |m| m.send, world * bytes)?;
+                ins.push(base + (t * bytes) as u64);
             }
-            self.dev.synchronize()?;
-            Ok(NO_MEM)
-        })();
-        self.phases.reduce += t.elapsed();
-        self.settle(ex, local).map(drop)
+            if world == 1 {
+                if out != ins[0] {
+                    this.dev.copy(out, ins[0], bytes)?;
+                }
+            } else {
+                this.dev
+                    .reduce(dtype, op, &ins, &[out], count, world as u32)?;
+            }
+            Ok(())
+        })
     }
 
     /// Copies `count` elements of rank `root`'s `buf` into every other rank's `buf`.
@@ -773,20 +783,14 @@ impl<D: Device> IpcComm<D> {
         if bytes == 0 || world == 1 {
             return Ok(());
         }
-        let t = std::time::Instant::now();
-        let local = (|| {
-            let src = self.at(&metas, rank, root, buf, |m| m.send, bytes)?;
-            for t in Self::targets(&metas, rank) {
-                if t != root {
-                    let dst = self.at(&metas, rank, t, buf, |m| m.send, bytes)?;
-                    self.dev.copy(dst, src, bytes)?;
-                }
+        self.owners_work(ex, &metas, rank, |this, t| {
+            if t != root {
+                let src = this.at(&metas, rank, root, buf, |m| m.send, bytes)?;
+                let dst = this.at(&metas, rank, t, buf, |m| m.send, bytes)?;
+                this.dev.copy(dst, src, bytes)?;
             }
-            self.dev.synchronize()?;
-            Ok(NO_MEM)
-        })();
-        self.phases.reduce += t.elapsed();
-        self.settle(ex, local).map(drop)
+            Ok(())
+        })
     }
 }
 

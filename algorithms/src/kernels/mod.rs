@@ -238,28 +238,13 @@ impl Visit for Into3<'_> {
     }
 }
 
-/// The bytes of the common whole-element prefix of slices of these lengths.
-#[cfg(feature = "parallel")]
-fn common(size: usize, lens: &[usize]) -> usize {
-    lens.iter().copied().min().unwrap_or(0) / size * size
-}
-
 /// `dst = dst ⊕ src`, element-wise over the common whole-element prefix; a large one
 /// split over [`threads`] threads.
 pub fn reduce_inplace(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
-    #[cfg(feature = "parallel")]
-    {
-        let n = common(dtype.size(), &[dst.len(), src.len()]);
-        if let Some((pool, part)) = par::plan(n) {
-            use rayon::prelude::*;
-            let (dst, src) = (&mut dst[..n], &src[..n]);
-            pool.install(|| {
-                dst.par_chunks_mut(part)
-                    .zip(src.par_chunks(part))
-                    .for_each(|(d, s)| reduce_inplace_one(dtype, op, d, s))
-            });
-            return;
-        }
+    if par::in_parts(dtype.size(), dst, src, None, |d, s, _| {
+        reduce_inplace_one(dtype, op, d, s)
+    }) {
+        return;
     }
     reduce_inplace_one(dtype, op, dst, src)
 }
@@ -282,19 +267,10 @@ fn reduce_inplace_one(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
 /// `dst = src ⊕ dst`: the incoming operand on the left, as [`crate::Prim::RecvReduce`]
 /// defines it.
 pub fn reduce_inplace_rev(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
-    #[cfg(feature = "parallel")]
-    {
-        let n = common(dtype.size(), &[dst.len(), src.len()]);
-        if let Some((pool, part)) = par::plan(n) {
-            use rayon::prelude::*;
-            let (dst, src) = (&mut dst[..n], &src[..n]);
-            pool.install(|| {
-                dst.par_chunks_mut(part)
-                    .zip(src.par_chunks(part))
-                    .for_each(|(d, s)| reduce_inplace_rev_one(dtype, op, d, s))
-            });
-            return;
-        }
+    if par::in_parts(dtype.size(), dst, src, None, |d, s, _| {
+        reduce_inplace_rev_one(dtype, op, d, s)
+    }) {
+        return;
     }
     reduce_inplace_rev_one(dtype, op, dst, src)
 }
@@ -316,20 +292,10 @@ fn reduce_inplace_rev_one(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]
 
 /// `dst = a ⊕ b`, element-wise over the common whole-element prefix of all three.
 pub fn reduce_to(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
-    #[cfg(feature = "parallel")]
-    {
-        let n = common(dtype.size(), &[dst.len(), a.len(), b.len()]);
-        if let Some((pool, part)) = par::plan(n) {
-            use rayon::prelude::*;
-            let (dst, a, b) = (&mut dst[..n], &a[..n], &b[..n]);
-            pool.install(|| {
-                dst.par_chunks_mut(part)
-                    .zip(a.par_chunks(part))
-                    .zip(b.par_chunks(part))
-                    .for_each(|((d, x), y)| reduce_to_one(dtype, op, d, x, y))
-            });
-            return;
-        }
+    if par::in_parts(dtype.size(), dst, a, Some(b), |d, x, y| {
+        reduce_to_one(dtype, op, d, x, y.unwrap_or_default())
+    }) {
+        return;
     }
     reduce_to_one(dtype, op, dst, a, b)
 }

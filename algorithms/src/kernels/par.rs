@@ -33,6 +33,42 @@ pub fn threads() -> usize {
     THREADS.load(Ordering::Relaxed)
 }
 
+/// Runs `f` over matching parts of `dst`, `a` and `b` (their common whole-element prefix
+/// for elements of `size` bytes) on the reduction threads, when there are several and
+/// the reduction is large enough; returns false, having done nothing, otherwise.
+pub(super) fn in_parts(
+    size: usize,
+    dst: &mut [u8],
+    a: &[u8],
+    b: Option<&[u8]>,
+    f: impl Fn(&mut [u8], &[u8], Option<&[u8]>) + Sync,
+) -> bool {
+    #[cfg(feature = "parallel")]
+    {
+        let n = dst
+            .len()
+            .min(a.len())
+            .min(b.map_or(usize::MAX, <[u8]>::len))
+            / size
+            * size;
+        if let Some((pool, part)) = plan(n) {
+            use rayon::prelude::*;
+            let (dst, a) = (&mut dst[..n], &a[..n]);
+            let b = b.map(|b| &b[..n]);
+            pool.install(|| {
+                dst.par_chunks_mut(part)
+                    .zip(a.par_chunks(part))
+                    .enumerate()
+                    .for_each(|(i, (d, x))| f(d, x, b.map(|b| &b[i * part..(i * part + d.len())])))
+            });
+            return true;
+        }
+    }
+    #[cfg(not(feature = "parallel"))]
+    let _ = (size, dst, a, b, f);
+    false
+}
+
 /// `f` over the `chunk`-byte chunks of `data`, in order: on the reduction threads when
 /// there are several and more than one chunk, else on the caller (hashing a shared
 /// state's chunks, for one).
