@@ -1,5 +1,7 @@
 """DDP step time with the "eccl" backend and eccl's ElasticDDP against "gloo" on the
-same model and machine, in one run (alternating, so all see the same load).
+same model and machine, in one run: each round is one torchrun launch in which the
+workers train with each system in turn (the order turns round by round, so all see the
+same load).
 
     python examples/compare_ddp.py --width 4000 --steps 10 --rounds 2
 """
@@ -21,33 +23,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def median_step_ms(backend: str, nproc: int, width: int, steps: int) -> float:
-    env = dict(os.environ)
-    master = None
-    if backend == "elastic":
-        import eccl
-        master = eccl.Master()
-        env.update(ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+def median_step_ms(backends, nproc: int, width: int, steps: int):
+    """One torchrun launch that trains with each of `backends` in turn (ddp_example.py
+    --backend a,b,c): {backend: median step in ms}."""
+    import eccl
+    master = eccl.Master()  # ElasticDDP's; the "eccl" backend starts its own in rank 0
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
     try:
-        return _median_step_ms(backend, nproc, width, steps, env)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", str(HERE / "ddp_example.py"),
+               "--backend", ",".join(backends), "--width", str(width), "--steps", str(steps)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     finally:
-        if master is not None:
-            master.shutdown()
-
-
-def _median_step_ms(backend: str, nproc: int, width: int, steps: int, env) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(HERE / "ddp_example.py"),
-           "--backend", backend, "--width", str(width), "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    m = re.search(r"median step ([0-9.]+) ms", out.stdout)
+        master.shutdown()
+    found = {m.group(1): float(m.group(2))
+             for m in re.finditer(r"^(\w+): median step ([0-9.]+) ms", out.stdout, re.M)}
     # torch's own teardown may abort a worker after the run is measured ("terminate
     # called without an active exception", seen under gloo and eccl alike): that is the
     # exit, not the measurement.
     exit_abort = "terminate called without an active exception" in out.stderr
-    if (out.returncode != 0 and not exit_abort) or not m:
-        raise SystemExit(f"{backend} failed ({out.returncode}):\n{out.stdout}\n{out.stderr[-3000:]}")
-    return float(m.group(1))
+    if (out.returncode != 0 and not exit_abort) or set(found) != set(backends):
+        raise SystemExit(f"{','.join(backends)} failed ({out.returncode}):\n{out.stdout}\n"
+                         f"{out.stderr[-3000:]}")
+    return found
 
 
 def main() -> None:
@@ -59,9 +57,12 @@ def main() -> None:
     a = p.parse_args()
     systems = ("eccl", "elastic", "gloo")
     times = {b: [] for b in systems}
-    for _ in range(a.rounds):
-        for b in systems:
-            times[b].append(median_step_ms(b, a.nproc, a.width, a.steps))
+    for r in range(a.rounds):
+        # Each round is one launch; the order turns round by round, so that no system
+        # always runs first (cold caches) or last.
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for b, ms in median_step_ms(order, a.nproc, a.width, a.steps).items():
+            times[b].append(ms)
     g = times["gloo"]
     print(f"DDP, {a.nproc} ranks, 3 x Linear({a.width}), {a.steps} steps, {a.rounds} rounds "
           "(median step per run; best and worst run):")

@@ -3,7 +3,11 @@
 //! requires a report with no violation and the fault measured.
 //!
 //! Runs go one at a time: two at once on a small machine slow each other's calls past
-//! the hang limit.
+//! the hang limit. Each run paces its workers (`--step-ms 20`, and a shared state of one
+//! to four MiB instead of 16): a fault injected at an exact phase fires within the first
+//! steps, and what the run checks (the abort, the recovery, exact results after) does not
+//! need the workers to spin at full speed for its whole duration, which cost the test
+//! command two cores for a minute (7.3 CPU seconds a 4-second run; 1.5 paced).
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -61,7 +65,7 @@ fn one_kill(name: &str, spec: &str) -> Value {
 
 fn one_kill_over(name: &str, spec: &str, transport: &str) -> Value {
     let args = format!(
-        "--peers 4 --duration 4 --faults none --seed 1 --elements 65536 --transport {transport} --inject 1={spec}"
+        "--peers 4 --duration 4 --faults none --seed 1 --elements 65536 --state-mb 1 --step-ms 20 --transport {transport} --inject 1={spec}"
     );
     let r = chaos(name, &args);
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
@@ -89,7 +93,7 @@ fn kill_during_update_topology() {
 fn kill_a_source_while_a_newcomer_fetches_the_shared_state() {
     let r = chaos(
         "sync-serve",
-        "--peers 3 --duration 8 --faults join --interval-ms 2000 --seed 1 --inject 0=sync-serve:kill",
+        "--peers 3 --duration 8 --faults join --interval-ms 2000 --seed 1 --state-mb 4 --step-ms 20 --inject 0=sync-serve:kill",
     );
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
     assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
@@ -101,7 +105,7 @@ fn kill_a_source_while_a_newcomer_fetches_the_shared_state() {
 fn kill_a_newcomer_while_it_joins() {
     let r = chaos(
         "sync-fetch",
-        "--peers 3 --duration 8 --faults join --interval-ms 2000 --seed 1 --inject join=sync-fetch:kill",
+        "--peers 3 --duration 8 --faults join --interval-ms 2000 --seed 1 --state-mb 4 --step-ms 20 --inject join=sync-fetch:kill",
     );
     assert_eq!(r["faults"]["kill"], 1, "{r:#}");
     assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
@@ -112,7 +116,7 @@ fn kill_a_newcomer_while_it_joins() {
 fn a_stopped_peer_holding_its_sockets_is_evicted_within_the_lease() {
     let r = chaos(
         "mid-ring-stop",
-        "--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --inject 1=mid-ring:stop@5",
+        "--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --state-mb 1 --step-ms 20 --inject 1=mid-ring:stop@5",
     );
     assert_eq!(r["faults"]["hang"], 1, "{r:#}");
     let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
@@ -132,7 +136,7 @@ fn kill_and_stop_mid_ring_over_tcp_and_quic() {
         assert_eq!(r["transport"], t, "{r:#}");
         let r = chaos(
             &format!("mid-ring-stop-{t}"),
-            &format!("--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --transport {t} --inject 1=mid-ring:stop@5"),
+            &format!("--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --state-mb 1 --step-ms 20 --transport {t} --inject 1=mid-ring:stop@5"),
         );
         assert_eq!(r["faults"]["hang"], 1, "{t}: {r:#}");
         let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
@@ -164,7 +168,7 @@ fn nothing_is_left_behind_after_kills_over_shm() {
     let before = listing();
     let r = chaos_in_turn(
         "shm-residue",
-        "--peers 4 --duration 12 --faults kill,hang,join --interval-ms 1500 --seed 3 --transport shm",
+        "--peers 4 --duration 12 --faults kill,hang,join --interval-ms 1500 --seed 3 --state-mb 4 --step-ms 20 --transport shm",
     );
     assert!(r["faults"]["kill"].as_u64() >= Some(1), "{r:#}");
     assert_eq!(listing(), before, "/dev/shm changed");

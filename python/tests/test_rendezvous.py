@@ -18,6 +18,7 @@ import eccl  # noqa: E402
 import eccl.rendezvous  # noqa: E402
 import procs  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from conftest import opt_in  # noqa: E402
 from eccl.store import EcclStore  # noqa: E402
 from procs import free_port, spawn  # noqa: E402
 from torch.distributed.elastic.rendezvous import (  # noqa: E402
@@ -175,20 +176,30 @@ def elastic(tmp_path, *args):
     return json.loads(out.read_text()), p.stdout
 
 
-def test_elastic_torchrun_survives_node_and_leader_loss_and_c10d_does_not(tmp_path):
-    """Three agents; the node started first (with c10d: the store's host) is SIGKILLed
-    with its worker; a replacement joins. With eccl's rendezvous on three masters, whose
-    raft leader is also killed while the nodes train and again during the re-rendezvous,
-    the job finishes at world 3 with one set of parameters; c10d's ends."""
+def test_elastic_torchrun_survives_node_and_leader_loss(tmp_path):
+    """Three agents; the node started first is SIGKILLed with its worker; a replacement
+    joins. With eccl's rendezvous on three masters, whose raft leader is also killed
+    while the nodes train and again during the re-rendezvous, the job finishes at world
+    3 with one set of parameters."""
     # The test command builds it before the Python tests; without it this is a setup error.
     assert (ROOT / "target" / "release" / "eccl-master").exists(), \
         "target/release/eccl-master is missing: run `cargo build --release` first"
-    res, out = elastic(tmp_path, "--backends", "eccl,c10d", "--masters", "3",
+    res, out = elastic(tmp_path, "--backends", "eccl", "--masters", "3",
                        "--kill-leader", "both")
     print(out)
-    e, c = res
+    (e,) = res
     assert e["leader_killed_in_training"]["training_went_on"], e
     assert "leader_killed_in_rdzv" in e, e
     assert e["outcome"] == "finished" and e["final_world"] == 3, e
     assert e["kill_to_world2_step_s"] is not None and e["replacement_to_world3_step_s"] is not None
-    assert c["outcome"] == "job ended", c
+
+
+def test_c10d_rendezvous_does_not_survive_the_loss_of_its_store_host(tmp_path):
+    """The comparison: the same run on torch's c10d rendezvous, whose store lives in the
+    node killed, ends (or stays stuck) instead of going on. It tells nothing about eccl
+    and takes 40 to 110 s here, so it runs with the benchmarks."""
+    opt_in("ECCL_BENCH", "torch's c10d rendezvous under the same node loss, 40 to 110 s")
+    res, out = elastic(tmp_path, "--backends", "c10d")
+    print(out)
+    (c,) = res
+    assert c["outcome"] in ("job ended", "stuck"), c
