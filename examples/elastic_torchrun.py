@@ -95,7 +95,10 @@ def scenario(backend: str, a, workdir: str) -> Dict:
                "--nproc-per-node=1", f"--rdzv-backend={backend}",
                f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--max-restarts=3",
                "--monitor-interval=0.1", TRAIN, "--steps", str(a.steps), "--ckpt", ckpt,
-               "--backend", a.train_backend, "--step-s", str(a.step_s)]
+               "--backend", a.train_backend, "--step-s", str(a.step_s),
+               # The survivors train on at world 2 until the replacement is in, however
+               # long its start takes against how fast they step.
+               "--until-world", "3"]
         p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                              start_new_session=True)
         ag = Agent(name, log, p)

@@ -23,6 +23,10 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--backend", default="eccl")
     ap.add_argument("--step-s", type=float, default=0.05)
+    ap.add_argument("--until-world", type=int, default=0,
+                    help="past --steps, go on training while the world is smaller than this, "
+                         "and end 5 steps after it is reached (a run that waits for a "
+                         "replacement node instead of finishing before it arrives)")
     a = ap.parse_args()
 
     dist.init_process_group(a.backend)
@@ -39,7 +43,10 @@ def main():
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
     print(f"START restart={restart} rank={rank} world={world} step={start} t={time.time():.3f}",
           flush=True)
-    for step in range(start, a.steps):
+    step, here = start, 0
+    # Every rank of a world decides alike: the same step (from the checkpoint), the
+    # same world, the same count of steps since this attempt started.
+    while step < a.steps or (a.until_world and (world < a.until_world or here < 5)):
         g = torch.Generator().manual_seed(step * 1000 + rank)
         x, y = torch.randn(64, 256, generator=g), torch.randn(64, 1, generator=g)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -50,6 +57,7 @@ def main():
         if rank == 0:
             torch.save({"model": model.state_dict(), "step": step + 1}, a.ckpt + ".tmp")
             os.replace(a.ckpt + ".tmp", a.ckpt)
+        step, here = step + 1, here + 1
         time.sleep(a.step_s)
     h = hashlib.sha256()
     for p in model.parameters():
