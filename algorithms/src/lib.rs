@@ -94,6 +94,65 @@ pub fn buffer_lens(
 /// root against the world only for rooted ones; the other fields are ignored there, as
 /// in NCCL.
 pub fn build(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, BuildError> {
+    build_in_ring(desc, rank, world, None)
+}
+
+/// [`build`] with the world's ring order: `ring` lists the ranks around the ring (each
+/// sends to the next, the last to the first), as the master solves it from measured
+/// links (`eccl_master::topology`). It applies to all_reduce, whose output is the whole buffer on
+/// every rank: the schedule is built for this rank's place in the ring and its peers
+/// are the ranks at the neighbouring places, so every rank still ends with the same
+/// bits (each chunk is reduced by one rank in one order and copied to the others). The
+/// collectives whose blocks belong to ranks (all_gather, reduce_scatter, ...) keep rank
+/// order. `None`, or a ring that is not a permutation of the world's ranks, is rank
+/// order.
+pub fn build_in_ring(
+    desc: &Descriptor,
+    rank: u32,
+    world: u32,
+    ring: Option<&[u32]>,
+) -> Result<Schedule, BuildError> {
+    let ring = ring.filter(|r| {
+        desc.kind == CollectiveKind::AllReduce && world > 2 && is_permutation(r, world)
+    });
+    let Some(ring) = ring else {
+        return build_rank_order(desc, rank, world);
+    };
+    if rank >= world {
+        return Err(BuildError::InvalidArgument(format!(
+            "rank {rank} is not in a world of {world}"
+        )));
+    }
+    let place = ring.iter().position(|&r| r == rank).expect("a permutation") as u32;
+    let mut s = build_rank_order(desc, place, world)?;
+    let at = |p: &mut u32| *p = ring[*p as usize];
+    for step in &mut s.steps {
+        for prim in &mut step.prims {
+            match prim {
+                Prim::Send { peer, .. }
+                | Prim::Recv { peer, .. }
+                | Prim::RecvReduce { peer, .. } => at(peer),
+                Prim::RecvCopySend { from, to, .. } | Prim::RecvReduceSend { from, to, .. } => {
+                    at(from);
+                    at(to);
+                }
+                Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => {}
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// Whether `ring` holds each rank of a world of `world` exactly once.
+pub fn is_permutation(ring: &[u32], world: u32) -> bool {
+    let mut seen = vec![false; world as usize];
+    ring.len() == world as usize
+        && ring
+            .iter()
+            .all(|&r| (r < world) && !std::mem::replace(&mut seen[r as usize], true))
+}
+
+fn build_rank_order(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, BuildError> {
     use CollectiveKind::*;
     let kind = desc.kind;
     let invalid = |m: String| Err(BuildError::InvalidArgument(m));

@@ -7,7 +7,8 @@
 //! real fractions and checks what must hold regardless: all ranks agree bit for bit.
 
 use eccl_algorithms::{
-    available_algos, buffer_lens, build, mem, Algo, CollectiveKind, DType, Descriptor, ReduceOp,
+    available_algos, buffer_lens, build, build_in_ring, mem, Algo, CollectiveKind, DType,
+    Descriptor, ReduceOp,
 };
 use half::{bf16, f16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -236,6 +237,108 @@ fn all_reduce_results_are_bitwise_identical_across_ranks() {
                 }
             }
         }
+    }
+}
+
+/// A solved ring order (the master's, from measured links): rank `ring[k]` sends to
+/// `ring[k+1]`. Every algorithm of all_reduce still gives the reference (exact inputs)
+/// and, with fractions, the same bits on every rank; the ring's schedules talk only to
+/// the ranks beside them in the order; and any other collective, or a list that is not
+/// a permutation, keeps rank order.
+#[test]
+fn all_reduce_in_a_solved_ring_order_is_exact_and_identical_on_every_rank() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for world in 3..=8u32 {
+        // A few orders per world: reversed, interleaved, and a shuffle.
+        let mut shuffled: Vec<u32> = (0..world).collect();
+        for i in (1..shuffled.len()).rev() {
+            shuffled.swap(i, rng.gen_range(0..=i));
+        }
+        let reversed: Vec<u32> = (0..world).rev().collect();
+        let interleaved: Vec<u32> = (0..world).step_by(2).chain((1..world).step_by(2)).collect();
+        for ring in [reversed, interleaved, shuffled] {
+            for algo in available_algos(CollectiveKind::AllReduce).iter().copied() {
+                for (count, fractions) in [(257usize, false), (1000, true), (3, true)] {
+                    let desc = Descriptor {
+                        kind: CollectiveKind::AllReduce,
+                        dtype: DType::F32,
+                        op: ReduceOp::Sum,
+                        algo,
+                        root: 0,
+                        count: count as u64,
+                    };
+                    let schedules: Vec<_> = (0..world)
+                        .map(|r| build_in_ring(&desc, r, world, Some(&ring)).unwrap())
+                        .collect();
+                    if algo == Algo::Ring {
+                        for (r, s) in schedules.iter().enumerate() {
+                            let k = ring.iter().position(|&x| x == r as u32).unwrap();
+                            let right = ring[(k + 1) % ring.len()];
+                            let left = ring[(k + ring.len() - 1) % ring.len()];
+                            for p in s.steps.iter().flat_map(|st| &st.prims) {
+                                assert!(
+                                    p.sends_to().is_none_or(|to| to == right),
+                                    "{ring:?} rank {r}: {p:?}"
+                                );
+                                assert!(
+                                    p.recvs_from().is_none_or(|f| f == left),
+                                    "{ring:?} rank {r}: {p:?}"
+                                );
+                            }
+                        }
+                    }
+                    let ins: Vec<Vec<u8>> = if fractions {
+                        (0..world)
+                            .map(|_| {
+                                (0..count)
+                                    .flat_map(|_| (rng.gen::<f32>() * 2.0 - 1.0).to_le_bytes())
+                                    .collect()
+                            })
+                            .collect()
+                    } else {
+                        inputs(&mut rng, &desc, world)
+                    };
+                    let out = mem::run_schedules(desc.dtype, desc.op, &schedules, &ins)
+                        .unwrap_or_else(|e| panic!("{desc} ring {ring:?}: {e}"));
+                    for r in 1..world as usize {
+                        assert_eq!(out[r], out[0], "{desc} ring {ring:?}: rank {r} differs");
+                    }
+                    if !fractions {
+                        assert_eq!(
+                            out,
+                            mem::reference(&desc, world, &ins),
+                            "{desc} ring {ring:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Rank order where the order does not apply.
+    let gather = Descriptor {
+        kind: CollectiveKind::AllGather,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        algo: Algo::Ring,
+        root: 0,
+        count: 8,
+    };
+    let ring = [2u32, 0, 3, 1];
+    for r in 0..4 {
+        assert_eq!(
+            build_in_ring(&gather, r, 4, Some(&ring)).unwrap(),
+            build(&gather, r, 4).unwrap()
+        );
+    }
+    let all_reduce = Descriptor {
+        kind: CollectiveKind::AllReduce,
+        ..gather
+    };
+    for bad in [&[0u32, 1, 2][..], &[0, 1, 1, 2], &[0, 1, 2, 4]] {
+        assert_eq!(
+            build_in_ring(&all_reduce, 1, 4, Some(bad)).unwrap(),
+            build(&all_reduce, 1, 4).unwrap()
+        );
     }
 }
 

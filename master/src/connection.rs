@@ -333,6 +333,9 @@ impl Connection {
                     .reconfigure(claimed, uuid, members, ordered, reply)
                     .await
             }),
+            PeerRequest::Topology { epoch, links, .. } => self.spawn(reply.clone(), async move {
+                coord.topology(claimed, epoch, links, reply).await
+            }),
             PeerRequest::ArePeersPending { epoch, .. } => self.spawn(reply.clone(), async move {
                 coord.pending_query(claimed, epoch, reply).await
             }),

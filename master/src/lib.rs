@@ -21,6 +21,7 @@ pub mod secret;
 pub mod server;
 pub mod store;
 pub mod sync;
+pub mod topology;
 
 #[cfg(feature = "server")]
 mod start;

@@ -18,7 +18,8 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use eccl_protocol::{Member, PeerId, World};
+use crate::topology::{link_cost, solve_ring, CostMatrix, SOLVE_MAX};
+use eccl_protocol::{LinkMeasure, Member, PeerId, World};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,6 +89,13 @@ pub enum Command {
         members: Vec<PeerId>,
         ordered: bool,
     },
+    /// `optimize_topology()`: what each member of the world at `epoch` measured of its
+    /// links. The measurements are kept, and the world goes on at a new epoch (same
+    /// members, same ranks) with the ring solved from them.
+    Topology {
+        epoch: u64,
+        rows: Vec<(PeerId, Vec<LinkMeasure>)>,
+    },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,7 +152,16 @@ pub struct Registry {
     /// Reconfigure uuids used, newest last: one is refused while it is here (the newest
     /// [`MAX_USED_UUIDS`]).
     used_uuids: VecDeque<u64>,
+    /// Measured links between live peers, (from, to) -> (bytes per second, one-way
+    /// latency in ns): what the ring is solved from at every epoch. Links of departed
+    /// peers are dropped (so a job holds at most its live peers' pairs).
+    links: BTreeMap<(PeerId, PeerId), (u64, u64)>,
 }
+
+/// The step a ring's cost is reckoned for: one chunk of a 64 MiB all_reduce. Large
+/// messages are where the ring's order matters (small ones are latency-bound and go
+/// direct or by tree), and the latency still counts in every edge.
+pub const RING_REFERENCE_BYTES: f64 = (64u64 << 20) as f64;
 
 /// Reconfigure uuids remembered as used: what one job member can make the masters hold
 /// by reconfiguring itself over and over.
@@ -184,6 +201,15 @@ impl Registry {
             for p in &gone[..gone.len() - MAX_GONE] {
                 self.peers.remove(p);
             }
+        }
+        let live = |p: &PeerId| matches!(self.peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }));
+        if self.links.keys().any(|(a, b)| !live(a) || !live(b)) {
+            let peers = &self.peers;
+            self.links.retain(|(a, b), _| {
+                [a, b].iter().all(|p| {
+                    matches!(peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }))
+                })
+            });
         }
     }
 
@@ -257,7 +283,88 @@ impl Registry {
                 Outcome::Nothing
             }
             Command::Store(cmd) => Outcome::Store(self.store.apply(cmd)),
+            Command::Topology { epoch, rows } => self.topology(*epoch, rows),
         }
+    }
+
+    /// Keeps what the members of the world at `epoch` measured and commits its next
+    /// epoch, same members and ranks, with the ring solved from the measurements.
+    fn topology(&mut self, epoch: u64, rows: &[(PeerId, Vec<LinkMeasure>)]) -> Outcome {
+        let Some(entry) = self.worlds.get(&epoch) else {
+            return Outcome::Rejected(format!(
+                "epoch {epoch} is not a world's current epoch (the last given is {})",
+                self.epoch
+            ));
+        };
+        let world = &entry.world;
+        for (from, row) in rows {
+            if world.rank_of(*from).is_none() {
+                return Outcome::Rejected(format!("peer {from} is not a member of epoch {epoch}"));
+            }
+            for m in row {
+                if m.to != *from && world.rank_of(m.to).is_some() {
+                    self.links
+                        .insert((*from, m.to), (m.bytes_per_s, m.latency_ns));
+                }
+            }
+        }
+        let members: Vec<PeerId> = world
+            .members
+            .iter()
+            .map(|m| m.peer_id)
+            .filter(|p| matches!(self.peers.get(p), Some(r) if r.state == PeerState::Member))
+            .collect();
+        let by_reconfigure = entry.by_reconfigure;
+        self.worlds.remove(&epoch);
+        Outcome::Epoch(self.new_world(&members, by_reconfigure))
+    }
+
+    /// The ring through `members` (ranks in this order) from the measured links, or
+    /// rank order (empty) if none of their links was measured or the world is too
+    /// large to solve. A link not measured costs what the worst measured one does; two
+    /// members on one host without a measurement cost what the best one does (shared
+    /// memory).
+    fn solve_ring(&self, members: &[PeerId]) -> Vec<u32> {
+        let n = members.len();
+        if !(3..=SOLVE_MAX).contains(&n) {
+            return Vec::new();
+        }
+        let chunk = RING_REFERENCE_BYTES / n as f64;
+        let measured = |i: usize, j: usize| {
+            self.links
+                .get(&(members[i], members[j]))
+                .map(|&(bw, ns)| link_cost(bw as f64, ns as f64 * 1e-9, chunk))
+        };
+        let known: Vec<f64> = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .filter_map(|(i, j)| measured(i, j))
+            .filter(|c| c.is_finite())
+            .collect();
+        if known.is_empty() {
+            return Vec::new();
+        }
+        let worst = known.iter().copied().fold(0.0, f64::max);
+        let best = known.iter().copied().fold(f64::INFINITY, f64::min);
+        let host = |i: usize| self.peers.get(&members[i]).map(|r| r.host.as_str());
+        let m = CostMatrix::from_fn(n, |i, j| {
+            measured(i, j).unwrap_or(if host(i).is_some() && host(i) == host(j) {
+                best
+            } else {
+                worst
+            })
+        });
+        let ring = solve_ring(&m);
+        ring.order.iter().map(|&k| k as u32).collect()
+    }
+
+    /// What was measured of the links among `members`: `(from, to, bytes per second,
+    /// latency in ns)`.
+    pub fn links_among(&self, members: &[PeerId]) -> Vec<(PeerId, PeerId, u64, u64)> {
+        self.links
+            .iter()
+            .filter(|((a, b), _)| members.contains(a) && members.contains(b))
+            .map(|((a, b), &(bw, ns))| (*a, *b, bw, ns))
+            .collect()
     }
 
     fn remove(&mut self, peer: PeerId, reason: String) -> Outcome {
@@ -433,7 +540,11 @@ impl Registry {
                     }
                 })
                 .collect(),
+            ring: self.solve_ring(members),
         };
+        if !world.ring.is_empty() {
+            tracing::info!(target: "eccl::master", "epoch {}: ring {:?} solved from measured links", world.epoch, world.ring);
+        }
         self.worlds.insert(
             self.epoch,
             WorldEntry {

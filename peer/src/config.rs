@@ -34,6 +34,10 @@ pub struct Config {
     pub nstreams: usize,
     /// Force an algorithm (`ECCL_ALGO`: ring, direct, tree).
     pub algo: Option<Algo>,
+    /// `ECCL_TOPOLOGY=optimize`: whenever the world changes (it forms, someone joins or
+    /// leaves), `update_topology()` goes on to `optimize_topology()` (every member must
+    /// have it set alike). Default off: rank order.
+    pub optimize_topology: bool,
     /// Which transport links use (`ECCL_TRANSPORT`: auto, tcp, shm, quic; default auto).
     pub transport: TransportChoice,
     /// TLS 1.3 on TCP links (`ECCL_TLS=1`); this peer then refuses plaintext links.
@@ -173,6 +177,7 @@ impl Default for Config {
             buffsize: 1 << 20,
             nstreams: 1,
             algo: None,
+            optimize_topology: false,
             transport: TransportChoice::Auto,
             tls: false,
             socket_ifname: None,
@@ -221,6 +226,17 @@ impl Config {
             c.algo = Some(Algo::parse(&a).ok_or_else(|| {
                 Error::InvalidArgument(format!("ECCL_ALGO={a:?}: expected ring, direct or tree"))
             })?);
+        }
+        if let Some(t) = env("ECCL_TOPOLOGY") {
+            c.optimize_topology = match t.to_ascii_lowercase().as_str() {
+                "optimize" => true,
+                "" | "off" | "rank" => false,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "ECCL_TOPOLOGY={t:?}: expected optimize or off"
+                    )))
+                }
+            };
         }
         if let Some(t) = env("ECCL_TRANSPORT") {
             c.transport = TransportChoice::parse(&t).ok_or_else(|| {

@@ -20,7 +20,9 @@ pub mod store;
 pub mod variables;
 
 pub use abort::AbortHandle;
-pub use communicator::{CollArgs, Communicator, OnAbort, OpInfo, RetryPolicy, WorldUpdate};
+pub use communicator::{
+    CollArgs, Communicator, OnAbort, OpInfo, RetryPolicy, TopologyUpdate, WorldUpdate, PROBE_TAG,
+};
 pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{

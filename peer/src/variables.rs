@@ -40,6 +40,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_DEBUG", "WARN", "peer, master, tools", "log level: WARN, INFO (explains decisions), DEBUG, TRACE"),
     v("ECCL_DEBUG_SUBSYS", "all", "peer, master, tools", "comma list of INIT, COLL, NET, MASTER"),
     v("ECCL_ALGO", "tuned per call", "peer", "force an algorithm: ring, direct, tree"),
+    v("ECCL_TOPOLOGY", "off", "peer", "optimize: measure the links and solve the ring order whenever the world changes (set it on every member)"),
     v("ECCL_TRANSPORT", "auto", "peer", "links: auto (shm on one host, TCP across), tcp, shm, quic"),
     v("ECCL_TLS", "0", "peer", "1: TLS 1.3 on TCP links, and refuse plaintext ones"),
     v("ECCL_HOST_ID", "hostname, boot id, network namespace", "peer", "who can share memory with whom"),

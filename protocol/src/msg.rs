@@ -111,6 +111,15 @@ pub enum PeerRequest {
         members: Vec<PeerId>,
         ordered: bool,
     },
+    /// One member's part of `optimize_topology()`: what it measured of its links to the
+    /// other members of `epoch`. Answered with the same `World` at a new epoch (same
+    /// members and ranks, the ring solved from every member's measurements) once every
+    /// live member has reported, or with an error if one is lost meanwhile.
+    Topology {
+        peer_id: PeerId,
+        epoch: u64,
+        links: Vec<crate::types::LinkMeasure>,
+    },
 }
 
 impl PeerRequest {
@@ -125,6 +134,7 @@ impl PeerRequest {
             | PeerRequest::ReportFault { peer_id, .. }
             | PeerRequest::Leave { peer_id }
             | PeerRequest::Reconfigure { peer_id, .. }
+            | PeerRequest::Topology { peer_id, .. }
             | PeerRequest::SyncState { peer_id, .. } => Some(*peer_id),
             PeerRequest::Register(_)
             | PeerRequest::Attach { .. }

@@ -435,6 +435,18 @@ pub struct World {
     pub epoch: u64,
     /// Members sorted by rank; `members[r].rank == r`.
     pub members: Vec<Member>,
+    /// The ring order the master solved from measured links (`optimize_topology()`):
+    /// the ranks around the ring, each sending to the next. Empty: rank order.
+    pub ring: Vec<u32>,
+}
+
+/// What one member measured of its link to another (`optimize_topology()`): bytes per
+/// second one way, and the one-way latency.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkMeasure {
+    pub to: PeerId,
+    pub bytes_per_s: u64,
+    pub latency_ns: u64,
 }
 
 impl World {
@@ -463,6 +475,20 @@ impl World {
                 self.members.len(),
                 crate::MAX_WORLD_SIZE
             ));
+        }
+        if !self.ring.is_empty() {
+            let n = self.members.len();
+            let mut placed = vec![false; n];
+            let ok = self.ring.len() == n
+                && self.ring.iter().all(|&r| {
+                    (r as usize) < n && !std::mem::replace(&mut placed[r as usize], true)
+                });
+            if !ok {
+                return Err(format!(
+                    "the ring {:?} is not an order of the {n} ranks",
+                    &self.ring[..self.ring.len().min(16)]
+                ));
+            }
         }
         let mut seen = std::collections::HashSet::new();
         for (i, m) in self.members.iter().enumerate() {

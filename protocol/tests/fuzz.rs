@@ -55,6 +55,7 @@ fn world(n: u32) -> World {
                 shm: Some(format!("eccl-{r}")),
             })
             .collect(),
+        ring: (0..n).rev().collect(),
     }
 }
 
@@ -143,6 +144,15 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             keys: vec![b"a".to_vec(), b"b".to_vec()],
             timeout_ms: 100,
         }),
+        PeerRequest::Topology {
+            peer_id: p,
+            epoch: 3,
+            links: vec![LinkMeasure {
+                to: PeerId(9),
+                bytes_per_s: 1 << 30,
+                latency_ns: 50_000,
+            }],
+        },
     ];
     let keys = LinkKeys {
         accept: [3; 32],

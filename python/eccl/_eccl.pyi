@@ -223,6 +223,11 @@ class Communicator:
         """Votes for the next epoch and waits until every live member has voted: pending peers are admitted, departed
         ones dropped.
         """
+    def optimize_topology(self, *, async_op: bool = False) -> dict[str, Any] | Work:
+        """Measures the links to every other member and has the master solve the ring order from them; returns at the
+        new epoch that uses it (same members and ranks): {"epoch", "ring", "links": [{"rank", "bytes_per_s",
+        "latency_us"}]}. A collective call: every member makes it.
+        """
     def reconfigure(
         self,
         uuid: int,

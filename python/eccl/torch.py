@@ -396,6 +396,13 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                              _cpu(input).contiguous(), root, async_op=True)
         return self._calls.submit([w], output)
 
+    def optimize_topology(self) -> dict:
+        """Measures this group's links and has the master solve its ring order (see
+        `eccl.Communicator.optimize_topology`); every rank of the group calls it, between
+        collectives. Ranks stay as they are; all_reduce follows the new ring from the
+        next call. `ECCL_TOPOLOGY=optimize` does this whenever the world changes."""
+        return self.comm.optimize_topology()
+
     @property
     def supports_splitting(self) -> bool:
         return True

@@ -14,6 +14,8 @@ use crate::work::{Completer, Done, Outcome};
 
 pub(crate) enum Call {
     UpdateTopology,
+    /// Measure the links, have the master solve the ring (a new epoch).
+    OptimizeTopology,
     ArePeersPending,
     Leave,
     /// Tells the other ranks of an abort made here (after the calls queued before it).
@@ -80,6 +82,7 @@ impl Call {
     pub fn buffers(&self) -> (Vec<&HostBuffer>, Vec<&WritableBuffer>) {
         match self {
             Call::UpdateTopology
+            | Call::OptimizeTopology
             | Call::ArePeersPending
             | Call::Leave
             | Call::AnnounceAbort
@@ -271,6 +274,7 @@ async fn run(
     let world = comm.world_size();
     match call {
         Call::UpdateTopology => comm.update_topology().await.map(Done::World),
+        Call::OptimizeTopology => comm.optimize_topology().await.map(Done::Topology),
         Call::ArePeersPending => comm.are_peers_pending().await.map(Done::Pending),
         Call::AnnounceAbort => {
             comm.announce_abort().await;

@@ -283,6 +283,16 @@ impl Communicator {
         self.submit(py, Call::UpdateTopology, false)
     }
 
+    /// Measures the links to every other member (all pairs, in rounds where each member
+    /// talks to one other) and has the master solve the ring order from them: returns
+    /// at the new epoch that uses it, same members and ranks. A collective call: every
+    /// member makes it. Returns `{"epoch", "ring": [ranks around the ring], "links":
+    /// [{"rank", "bytes_per_s", "latency_us"}, ...]}` (this member's measurements).
+    #[pyo3(signature = (*, async_op=false))]
+    fn optimize_topology(&self, py: Python<'_>, async_op: bool) -> PyResult<Py<PyAny>> {
+        self.submit(py, Call::OptimizeTopology, async_op)
+    }
+
     /// torch's `_reconfigure`: the next epoch is a world of exactly `peers` (peer ids),
     /// ranks in list order when `ordered` (else the master chooses: members of the
     /// current world first). Every one of them must call it with the same `uuid` and

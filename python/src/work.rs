@@ -23,6 +23,7 @@ pub(crate) enum Done {
     Pending(bool),
     Op(eccl::OpInfo),
     Sync(eccl::SyncInfo),
+    Topology(eccl::TopologyUpdate),
     Left,
 }
 
@@ -217,6 +218,21 @@ fn outcome_to_py(py: Python<'_>, o: Outcome) -> PyResult<Py<PyAny>> {
         Done::Pending(p) => p.into_py_any(py),
         Done::Op(o) => PyOpInfo(o).into_py_any(py),
         Done::Sync(s) => PySyncInfo(s).into_py_any(py),
+        Done::Topology(t) => {
+            let d = pyo3::types::PyDict::new(py);
+            d.set_item("epoch", t.epoch)?;
+            d.set_item("ring", t.ring)?;
+            let links = pyo3::types::PyList::empty(py);
+            for (rank, m) in t.links {
+                let l = pyo3::types::PyDict::new(py);
+                l.set_item("rank", rank.0)?;
+                l.set_item("bytes_per_s", m.bytes_per_s)?;
+                l.set_item("latency_us", m.latency_ns as f64 / 1e3)?;
+                links.append(l)?;
+            }
+            d.set_item("links", links)?;
+            d.into_py_any(py)
+        }
         Done::Left => Ok(py.None()),
     }
 }

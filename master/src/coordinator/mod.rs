@@ -17,6 +17,7 @@ use crate::sync::{self, Report};
 mod liveness;
 mod reconfigure;
 pub mod store;
+mod topology;
 pub use liveness::{Timing, TAKEOVER_GRACE};
 
 /// What the master sends a peer, queued for the connection's writer. Bounded: a peer
@@ -87,6 +88,8 @@ struct State {
     syncs: HashMap<PeerId, SyncEntry>,
     /// Members waiting in a `reconfigure()` for the others it names.
     reconfigs: HashMap<PeerId, reconfigure::Request>,
+    /// Members waiting in an `optimize_topology()` for the others of their epoch.
+    topologies: HashMap<PeerId, topology::Report>,
     /// Epochs aborted because of a fault report (one abort per epoch is enough), and
     /// epochs in which a member was evicted (their links are suspect); trimmed to the
     /// worlds' current epochs.
@@ -696,6 +699,7 @@ impl Coordinator {
                     });
                 }
                 self.reconfigure_lost(&mut st, peer, reason);
+                self.topology_lost(&mut st, peer, epoch, reason);
                 // A member that leaves on purpose has finished its part of every collective
                 // it returned from; the others learn of the new world at their next
                 // update_topology(). An evicted member may be holding a collective up,

@@ -180,3 +180,92 @@ fn unknown_peers_are_rejected() {
         Outcome::Rejected(_)
     ));
 }
+
+/// optimize_topology()'s measurements: kept in the replicated state, the world goes on
+/// at a new epoch with the same members and ranks and the ring solved from them, and a
+/// later world (someone left) is solved again from what was measured.
+#[test]
+fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
+    use eccl_protocol::LinkMeasure;
+    let mut r = Registry::default();
+    let p: Vec<PeerId> = (0..5).map(|i| reg(&mut r, Some(i))).collect();
+    let Outcome::Epoch(w) = r.apply(&Command::CommitEpoch {
+        expected_epoch: 0,
+        admit: p.clone(),
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert!(w.ring.is_empty(), "rank order until something is measured");
+    // Fast (10 GB/s) only between ranks two apart (0-2-4-1-3-0); every other link is
+    // 100 times slower, including all of rank order's.
+    let fast = |i: usize, j: usize| (i + 2) % 5 == j || (j + 2) % 5 == i;
+    let rows: Vec<(PeerId, Vec<LinkMeasure>)> = (0..5)
+        .map(|i| {
+            let row = (0..5)
+                .filter(|&j| j != i)
+                .map(|j| LinkMeasure {
+                    to: p[j],
+                    bytes_per_s: if fast(i, j) {
+                        10_000_000_000
+                    } else {
+                        100_000_000
+                    },
+                    latency_ns: 20_000,
+                })
+                .collect();
+            (p[i], row)
+        })
+        .collect();
+    // Measurements of an epoch that is not current change nothing.
+    assert!(matches!(
+        r.apply(&Command::Topology {
+            epoch: 7,
+            rows: rows.clone()
+        }),
+        Outcome::Rejected(_)
+    ));
+    let Outcome::Epoch(w2) = r.apply(&Command::Topology {
+        epoch: w.epoch,
+        rows,
+    }) else {
+        panic!()
+    };
+    assert_eq!(w2.epoch, w.epoch + 1);
+    assert_eq!(w2.peer_ids(), w.peer_ids(), "same members, same ranks");
+    w2.validate().unwrap();
+    let ring = &w2.ring;
+    assert_eq!(ring.len(), 5);
+    for k in 0..5 {
+        let (a, b) = (ring[k] as usize, ring[(k + 1) % 5] as usize);
+        assert!(fast(a, b), "ring {ring:?} uses the slow link {a}->{b}");
+    }
+    assert_eq!(r.links_among(&p).len(), 20);
+    // Rank 2 leaves: the four left are solved again from what was measured (the
+    // departed peer's links are forgotten).
+    r.apply(&Command::Leave { peer: p[2] });
+    let Outcome::Epoch(w3) = r.apply(&Command::CommitEpoch {
+        expected_epoch: w2.epoch,
+        admit: vec![],
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert_eq!(w3.size(), 4);
+    assert_eq!(w3.ring.len(), 4);
+    w3.validate().unwrap();
+    assert_eq!(
+        r.links_among(&p).len(),
+        12,
+        "links of the departed peer are dropped"
+    );
+    // A measurement from someone outside the world is refused.
+    let stranger = reg(&mut r, None);
+    assert!(matches!(
+        r.apply(&Command::Topology {
+            epoch: w3.epoch,
+            rows: vec![(stranger, vec![])]
+        }),
+        Outcome::Rejected(_)
+    ));
+}

@@ -5,7 +5,7 @@ use futures::future::{BoxFuture, FutureExt};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
-use eccl_algorithms::{buffer_lens, build, choose_algo, Schedule};
+use eccl_algorithms::{buffer_lens, build_in_ring, choose_algo, Schedule};
 use eccl_protocol::frame::AbortCause;
 use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, PeerId, PeerRequest, Rank, ReduceOp};
 use eccl_transport::pool::AlignedBuf;
@@ -200,7 +200,10 @@ impl Communicator {
             let built = match self.schedules.get(&key) {
                 Some(s) => s.clone(),
                 None => {
-                    let s = build(&desc, rank.0, world).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    // The master's ring order, if it solved one (all_reduce follows it).
+                    let ring = self.cur.as_ref().map(|c| c.world.ring.clone()).unwrap_or_default();
+                    let ring = (!ring.is_empty()).then_some(&ring[..]);
+                    let s = build_in_ring(&desc, rank.0, world, ring).map_err(|e| Error::InvalidArgument(e.to_string()))?;
                     s.validate().map_err(|e| Error::InvalidArgument(format!("internal schedule error: {e}")))?;
                     let s = Arc::new(Built { plain: s, in_place: OnceLock::new() });
                     if self.schedules.len() > 256 {

@@ -158,6 +158,11 @@ impl Communicator {
             } else if let Some(c) = &self.cur {
                 links_kept = c.links.iter().flatten().count() as u32;
             }
+            if changed && self.cfg.optimize_topology && self.world_size() > 2 {
+                // ECCL_TOPOLOGY=optimize: every member got this same new world, and
+                // measures it now (the new epoch keeps members and ranks).
+                self.optimize_topology().await?;
+            }
             let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
                 epoch,
                 cause: "no world".into(),
@@ -236,7 +241,12 @@ impl Communicator {
 
     /// Enters `world`, whose links this peer proves and checks with `keys`; returns how
     /// many links were kept from the previous epoch.
-    async fn install(&mut self, world: World, keys: LinkKeys, reuse: bool) -> Result<u32> {
+    pub(super) async fn install(
+        &mut self,
+        world: World,
+        keys: LinkKeys,
+        reuse: bool,
+    ) -> Result<u32> {
         // The master's word is checked like any other input from the network before
         // anything is indexed by rank.
         world.validate().map_err(|e| Error::MasterUnavailable {

@@ -7,6 +7,7 @@
 //! | `collective.rs` | running a schedule over the links, in place and out of place |
 //! | `p2p.rs` | tagged `send` / `recv` |
 //! | `retry.rs` | [`RetryPolicy`], `recover` and the `*_with_retry` helpers |
+//! | `topology.rs` | `optimize_topology`: link measurements, the master's ring |
 //! | `typed.rs` | the typed API (`all_reduce(&mut [f32], op)`, ...) over [`Element`](crate::Element) |
 //!
 //! Collectives take `&mut self`: within an epoch every member calls the same collectives
@@ -23,6 +24,7 @@ mod collective;
 mod membership;
 mod p2p;
 mod retry;
+mod topology;
 mod typed;
 
 use futures::future::{BoxFuture, FutureExt};
@@ -43,6 +45,7 @@ use crate::master_client::MasterClient;
 pub use collective::{CollArgs, OnAbort, OpInfo};
 pub use membership::WorldUpdate;
 pub use retry::RetryPolicy;
+pub use topology::{TopologyUpdate, PROBE_TAG};
 
 /// The world this peer is in, and what it keeps per epoch.
 pub(crate) struct Current {

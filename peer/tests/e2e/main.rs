@@ -15,3 +15,4 @@ mod p2p;
 mod reconfigure;
 mod security;
 mod store;
+mod topology;
