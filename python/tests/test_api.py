@@ -287,6 +287,31 @@ def test_all_reduce_coalesced_is_one_collective():
         assert r["a"] == [3.0] * 3 and r["b"] == [30.0] * 5 and r["c"] == [0.0, 2.0, 4.0, 6.0]
 
 
+def test_optimize_topology_solves_a_ring_and_keeps_ranks():
+    """optimize_topology() from Python on three processes: a new epoch with the same
+    ranks, a ring of all three that every rank agrees on, a measurement to each other
+    rank, and an all_reduce after it that is exact (torch's backend calls the same)."""
+    body = """
+    def main(comm, rank, n):
+        before = (comm.epoch, comm.rank)
+        t = comm.optimize_topology()
+        x = np.arange(1000, dtype=np.int64) * (rank + 1)
+        comm.all_reduce(x)
+        return {"before": before, "after": (comm.epoch, comm.rank), "t": t,
+                "ok": bool((x == np.arange(1000) * 6).all())}
+    """
+    res = _run_ranks(3, body)
+    rings = {tuple(r["t"]["ring"]) for r in res}
+    assert len(rings) == 1 and sorted(rings.pop()) == [0, 1, 2], res
+    for r in res:
+        assert r["after"] == [r["before"][0] + 1, r["before"][1]], r
+        assert r["t"]["epoch"] == r["after"][0], r
+        assert sorted(link["rank"] for link in r["t"]["links"]) == \
+            sorted({0, 1, 2} - {r["after"][1]}), r
+        assert all(link["bytes_per_s"] > 0 and link["latency_us"] > 0 for link in r["t"]["links"])
+        assert r["ok"], r
+
+
 def test_done_callbacks_run_once_where_the_call_finishes():
     """eccl.Work.add_done_callback (how the torch backend completes torch's futures): a
     callback added before the call finishes runs once, on eccl's callback thread rather

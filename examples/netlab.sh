@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The network lab: eccl peers on links of different speeds, each peer in a network
+# namespace of its own (a host of its own to eccl, so no shared memory between them),
+# the master in another, all on one bridge. Each peer shapes what it sends with `tc`
+# (an htb qdisc on its veth: FAST by default, SLOW to the peers a scenario names; netem
+# is not available here, so links differ in rate, not in delay). It runs eccl-bench's
+# all_reduce twice over TCP links, in rank order and after optimize_topology()
+# (--show-topology, which prints the measured matrix and the ring), and compares.
+#
+#   sudo bash examples/netlab.sh --scenario slow-pair --json out.json
+#
+# Scenarios (SLOW is FAST / 100):
+#   slow-pair  4 peers; 0<->1 and 2<->3 are slow. Rank order's ring (0 1 2 3) crosses
+#              both, a ring such as 0 2 1 3 none.
+#   slow-ring  5 peers; every link between neighbours in rank order (i <-> i+1) is
+#              slow, so rank order's ring is slow throughout and 0 2 4 1 3 is not.
+#   wan        4 peers; one long slow hop, 3<->0 (rank order's closing link).
+#
+# Options: --size (all_reduce bytes, default 1M), --iters (default 3), --fast (default
+# 1gbit), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps",
+# "optimized_busbw_gbps", "speedup", "ring", "striped_rate_fraction",
+# "quantized_speedup", "quantized_max_rel_error"}; the last three are null: striped
+# links and quantized all_reduce are not built yet.
+#
+# Needs root, iproute2 (ip, tc) and a release build. Every namespace, link and process
+# it makes is removed on exit, also on failure; where namespaces cannot be made it says
+# so and exits 3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SCENARIO=slow-pair SIZE=1M ITERS=3 FAST=1gbit JSON=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --scenario) SCENARIO=$2; shift 2 ;;
+        --size) SIZE=$2; shift 2 ;;
+        --iters) ITERS=$2; shift 2 ;;
+        --fast) FAST=$2; shift 2 ;;
+        --json) JSON=$2; shift 2 ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        *) echo "netlab: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case $SCENARIO in
+    slow-pair) N=4; SLOW_PAIRS="0-1 2-3" ;;
+    slow-ring) N=5; SLOW_PAIRS="0-1 1-2 2-3 3-4 4-0" ;;
+    wan) N=4; SLOW_PAIRS="3-0" ;;
+    *) echo "netlab: unknown scenario $SCENARIO (slow-pair, slow-ring, wan)" >&2; exit 2 ;;
+esac
+rate_bits() { # 1gbit -> bits per second
+    local v=${1%bit} m=1
+    case $v in *g) m=1000000000; v=${v%g} ;; *m) m=1000000; v=${v%m} ;; *k) m=1000; v=${v%k} ;; esac
+    echo $((v * m))
+}
+FAST_BPS=$(rate_bits "$FAST")
+SLOW=$((FAST_BPS / 100000))kbit
+BENCH=$PWD/target/release/eccl-bench
+MASTER=$PWD/target/release/eccl-master
+[ -x "$BENCH" ] && [ -x "$MASTER" ] || { echo "build first: cargo build --release" >&2; exit 2; }
+
+TAG=$$
+SW=eccl-sw-$TAG
+NSS=()
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+    for ns in "${NSS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+if ! ip netns add "$SW" 2>/dev/null; then
+    echo "netlab: skipped: network namespaces cannot be made here (ip netns add failed; needs root)" >&2
+    exit 3
+fi
+NSS+=("$SW")
+ip -n "$SW" link add br0 type bridge
+ip -n "$SW" link set br0 up
+# One namespace per host: "m" for the master, 0..N-1 for the peers.
+attach() { # name ip
+    local ns=eccl-$1-$TAG
+    ip netns add "$ns"
+    NSS+=("$ns")
+    ip link add "v$1-$TAG" netns "$ns" type veth peer name "s$1" netns "$SW"
+    ip -n "$SW" link set "s$1" master br0 up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set "v$1-$TAG" name eth0
+    ip -n "$ns" addr add "$2/24" dev eth0
+    ip -n "$ns" link set eth0 up
+}
+ip_of() { echo "10.77.0.$((10 + $1))"; }
+attach m 10.77.0.2
+for i in $(seq 0 $((N - 1))); do
+    attach "$i" "$(ip_of "$i")"
+    ns=eccl-$i-$TAG
+    ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: htb default 10 r2q 1000
+    ip netns exec "$ns" tc class add dev eth0 parent 1: classid 1:10 htb rate "$FAST"
+    ip netns exec "$ns" tc class add dev eth0 parent 1: classid 1:20 htb rate "$SLOW"
+    for pair in $SLOW_PAIRS; do
+        a=${pair%-*} b=${pair#*-}
+        other=
+        [ "$a" = "$i" ] && other=$b
+        [ "$b" = "$i" ] && other=$a
+        [ -n "$other" ] && ip netns exec "$ns" tc filter add dev eth0 parent 1: protocol ip prio 1 \
+            u32 match ip dst "$(ip_of "$other")/32" flowid 1:20
+    done
+done
+
+export ECCL_SECRET
+ECCL_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+out=$(mktemp)
+ip netns exec "eccl-m-$TAG" "$MASTER" --listen 10.77.0.2:0 >"$out" 2>/dev/null &
+PIDS+=($!)
+for _ in $(seq 200); do grep -q "listening on" "$out" && break; sleep 0.05; done
+ADDR=$(sed -n 's/^eccl-master listening on \([^ ]*\).*/\1/p' "$out" | head -1)
+rm -f "$out"
+[ -n "$ADDR" ] || { echo "netlab: the master did not start" >&2; exit 1; }
+echo "# netlab $SCENARIO: $N peers, $FAST links, $SLOW between $SLOW_PAIRS; master $ADDR"
+
+run() { # extra eccl-bench flags; prints rank 0's output
+    local first=() log
+    log=$(mktemp)
+    for i in $(seq 1 $((N - 1))); do
+        ip netns exec "eccl-$i-$TAG" env ECCL_TRANSPORT=tcp "$BENCH" all_reduce --master "$ADDR" \
+            --world-size "$N" --rank-hint "$i" -b "$SIZE" -e "$SIZE" -n "$ITERS" -w 1 -c "$@" \
+            >/dev/null 2>&1 &
+        first+=($!)
+        PIDS+=($!)
+    done
+    ip netns exec "eccl-0-$TAG" env ECCL_TRANSPORT=tcp "$BENCH" all_reduce --master "$ADDR" \
+        --world-size "$N" --rank-hint 0 -b "$SIZE" -e "$SIZE" -n "$ITERS" -w 1 -c "$@" >"$log" 2>&1 || {
+        cat "$log" >&2
+        echo "netlab: rank 0 failed" >&2
+        exit 1
+    }
+    for p in "${first[@]}"; do wait "$p"; done
+    cat "$log"
+    rm -f "$log"
+}
+busbw() { sed -n 's/^# Avg bus bandwidth *: *\([0-9.]*\).*/\1/p' | head -1; }
+usec() { awk '/^ +[0-9]/ { print $6; exit }'; }  # the size row's time column
+wrong() { grep -q "Out of bounds values : 0 OK" || { echo "netlab: wrong results" >&2; exit 1; }; }
+
+plain=$(run)
+echo "$plain" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/rank order: /"
+echo "$plain" | wrong
+optimized=$(run --show-topology)
+echo "$optimized" | grep -E "^#( topology| ring| +from| +to)|^# eccl-bench|^ +[0-9]" | sed "s/^/optimized:  /"
+echo "$optimized" | wrong
+b0=$(echo "$plain" | busbw)
+b1=$(echo "$optimized" | busbw)
+ring=$(echo "$optimized" | sed -n 's/^# ring \[\([0-9, ]*\)\].*/\1/p' | head -1)
+# From the times: the bus bandwidths are printed to three decimals only.
+t0=$(echo "$plain" | usec)
+t1=$(echo "$optimized" | usec)
+speedup=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
+echo "# $SCENARIO: bus bandwidth rank order $b0 GB/s, optimized $b1 GB/s ($speedup x), ring [$ring]"
+if [ -n "$JSON" ]; then
+    printf '{"scenario": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": null, "quantized_speedup": null, "quantized_max_rel_error": null}\n' \
+        "$SCENARIO" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" >"$JSON"
+fi
