@@ -12,3 +12,4 @@ mod registry;
 mod state_machine;
 mod store;
 mod sync;
+mod topology;
