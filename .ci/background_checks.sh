@@ -9,9 +9,6 @@
 #    member reaches, ECCL_FUZZ_SECONDS (default 10) per target, starting from the corpus
 #    committed in fuzz/corpus (what a run finds goes to target/fuzz-corpus, not into the
 #    repository; a crash leaves its input in fuzz/artifacts and fails the run);
-#  - the verbs feature (RDMA links): its build, linted as the main build is, and its
-#    tests (without a device they say why they skip), last, in the main target once
-#    the test command's own builds are done with it.
 # Miri and the fuzzers build into targets of their own (target/miri, fuzz/target).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +21,7 @@ if [ -w /proc/self/autogroup ]; then
     echo 19 >/proc/self/autogroup || true
 fi
 
-# The verbs build (last) lints as the main build does; Miri and the fuzzers do not.
-lint_wrapper="${RUSTC_WORKSPACE_WRAPPER:-}"
-lint_args="${CLIPPY_ARGS:-}"
+# Miri and the fuzzers do not lint (the main build does, with clippy).
 unset RUSTC_WORKSPACE_WRAPPER CLIPPY_ARGS
 
 # Each part says when it starts, in seconds since the job started (bash's SECONDS), so
@@ -73,10 +68,6 @@ for t in $(cargo +"$MIRI_TOOLCHAIN" fuzz list); do
 done
 cd ..
 
-echo "== verbs feature (at ${SECONDS} s)"
-ibv_devices 2>&1 | head -5 | sed "s/^/verbs: /" || true
-RUSTC_WORKSPACE_WRAPPER="$lint_wrapper" CLIPPY_ARGS="$lint_args" \
-    cargo test --release --locked -p eccl-transport --features verbs -- verbs --nocapture
 echo "== done (at ${SECONDS} s)"
 # The CPU time this job and what it ran used (user, then system): it shares the machine
 # with the foreground's tests, so its cost is in CPU, not in its wall time.

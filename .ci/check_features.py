@@ -23,16 +23,14 @@ def features(*args):
 
 
 def main():
+    # The test command builds with eccl-transport's verbs feature, through eccl-python's
+    # (.ci/test.sh: CARGO_FEATURES; maturin --features verbs).
     builds = {
-        "cargo build --workspace": features("--workspace", "-e", "normal,build"),
-        "cargo test --workspace": features("--workspace"),
-        "maturin (-p eccl-python)": features("-p", "eccl-python", "-e", "normal,build"),
-        # Normal dependencies only: the verbs build's build scripts (bindgen) are built
-        # for the host apart anyway.
-        "verbs (-p eccl-transport --features verbs)": {
-            k: f for k, f in features(
-                "-p", "eccl-transport", "--features", "verbs", "-e", "normal").items()
-            if k[0] != "eccl-transport"},
+        "cargo build --workspace": features("--workspace", "--features", "eccl-python/verbs",
+                                            "-e", "normal,build"),
+        "cargo test --workspace": features("--workspace", "--features", "eccl-python/verbs"),
+        "maturin (-p eccl-python --features verbs)": features(
+            "-p", "eccl-python", "--features", "verbs", "-e", "normal,build"),
     }
     names = list(builds)
     bad = []

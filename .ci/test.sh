@@ -126,13 +126,19 @@ export PYO3_PYTHON="$PWD/.venv/bin/python"
 PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import struct, sys; print("cpython-%d.%d-%dbit" % (sys.version_info[0], sys.version_info[1], 8 * struct.calcsize("P")))')"
 export PYO3_ENVIRONMENT_SIGNATURE
 
-phase "miri, cargo fuzz and the verbs feature (.ci/background_checks.sh), started in the background"
+# One feature set for every cargo command and maturin: eccl-transport's verbs feature
+# (RDMA links; rdma-core's headers and libibverbs, installed above) is in the one build,
+# so its code is linted and its tests run with the others instead of compiling the
+# transport, its tests and their dependents a second time.
+CARGO_FEATURES=(--features eccl-python/verbs)
+
+phase "miri and cargo fuzz (.ci/background_checks.sh), started in the background"
 # Everything below leaves CPU idle part of the time (the build's last crates and links
 # run one at a time; the tests wait on processes, leases and timeouts): the background
 # job uses it, from here to the end. Miri over the pure-Rust unsafe code (it fails on
 # any undefined behaviour or data race; the Python layer's unsafe code calls into C, so
-# valgrind checks it, pytest below), each fuzz target briefly from the committed
-# corpus, then the verbs feature's build (clippy too) and tests. In a session of its
+# valgrind checks it, pytest below), and each fuzz target briefly from the committed
+# corpus. In a session of its
 # own, so that a failed run stops all of it (kill -- -PID); the job lowers its own
 # session's scheduling group to nice 19 (with the kernel's autogroups, a process's nice
 # value only counts within its session, so `nice` alone left the job an equal share
@@ -151,7 +157,7 @@ wait_for_background() {
 phase "build: the workspace's libraries, binaries and Python extension (release, clippy -D warnings)"
 # What the Python tests need (the extension, eccl-master, eccl-bench, eccl-chaos) first;
 # the test binaries after maturin (below).
-cargo build --release --workspace --locked
+cargo build --release --workspace --locked "${CARGO_FEATURES[@]}"
 
 phase "python tools: the background install, ruff"
 wait_for_pip
@@ -159,7 +165,7 @@ wait_for_pip
 
 phase "python package: maturin into the shared target, then the wheel into .venv"
 rm -f target/wheels/eccl-*.whl
-.venv/bin/maturin build --release --locked -m python/Cargo.toml --out target/wheels -q
+.venv/bin/maturin build --release --locked -m python/Cargo.toml --features verbs --out target/wheels -q
 .venv/bin/python -m pip install -q --no-deps --force-reinstall --disable-pip-version-check \
     target/wheels/eccl-*.whl
 # The type stubs (python/eccl/_eccl.pyi) name what the extension really has, with the
@@ -169,7 +175,7 @@ rm -f target/wheels/eccl-*.whl
 phase "test binaries: every test target (release, same features)"
 # In the foreground: only the tests themselves compile (the libraries are built), and
 # at full speed (in the background, starved by the Python tests, they took 616 s).
-cargo test --release --workspace --locked --no-run
+cargo test --release --workspace --locked "${CARGO_FEATURES[@]}" --no-run
 
 phase "python tests (the background job runs beside them)"
 if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
@@ -185,7 +191,7 @@ if [ -z "${ECCL_SKIP_TORCH:-}" ]; then
     ECCL_NVRTC_LIB="$(ls "$PWD"/.venv/lib/python3*/site-packages/nvidia/cu*/lib/libnvrtc.so.* | head -n 1)"
     export ECCL_NVRTC_LIB ECCL_REQUIRE_NVRTC=1
 fi
-cargo test --release --workspace --locked
+cargo test --release --workspace --locked "${CARGO_FEATURES[@]}"
 
 phase "smoke: eccl-bench all_reduce --local 4 -c over every transport"
 for t in tcp shm quic; do
@@ -205,7 +211,7 @@ target/release/eccl-chaos --peers 4 --masters 3 --duration 20 --seed "$seed" --s
     --faults kill,hang,join,master-kill,master-hang
 
 # Last: the chaos runs above overlap the background job (it yields to them).
-phase "miri, cargo fuzz and the verbs feature: the rest of the background run"
+phase "miri and cargo fuzz: the rest of the background run"
 wait_for_background
 grep -E "^(== |test |test result|[a-z_]+: Done|verbs)" target/background.log
 
@@ -215,5 +221,5 @@ if [ -n "${ECCL_SOAK:-}" ]; then
     phase "soak: 8 peers, 3 masters, 10 minutes, every fault"
     target/release/eccl-chaos --peers 8 --masters 3 --duration 600 --seed 10 --state-mb 4 \
         --faults kill,hang,join,leave,master-kill,master-hang
-    cargo test --release --workspace --locked --test phases -- --ignored
+    cargo test --release --workspace --locked "${CARGO_FEATURES[@]}" --test phases -- --ignored
 fi
