@@ -89,9 +89,9 @@ def test_every_collective_matches_gloo(n, monkeypatch):
     if n == 3:
         # With three ranks, the eccl run first measures its links and takes the ring
         # the master solved (ProcessGroupEccl.optimize_topology()).
-        monkeypatch.setenv("ECCL_TEST_OPTIMIZE_TOPOLOGY", "1")
+        monkeypatch.setenv("TEST_OPTIMIZE_TOPOLOGY", "1")
     eccl_res = run_world(n, ["eccl", "collectives"])
-    monkeypatch.delenv("ECCL_TEST_OPTIMIZE_TOPOLOGY", raising=False)
+    monkeypatch.delenv("TEST_OPTIMIZE_TOPOLOGY", raising=False)
     if n == 3:
         rings = [r.pop("_topology")["ring"] for r in eccl_res]
         assert all(ring == rings[0] for ring in rings) and sorted(rings[0]) == [0, 1, 2], rings

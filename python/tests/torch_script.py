@@ -150,14 +150,14 @@ def main():
         torch.set_default_device("cuda")
     dist.init_process_group(backend)
     r, n = dist.get_rank(), dist.get_world_size()
-    if backend == "eccl" and os.environ.get("ECCL_TEST_OPTIMIZE_TOPOLOGY"):
+    if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         # The backend's optimize_topology(): the collectives below then run on the ring
         # the master solved, and must still give gloo's results.
         pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
         topology = pg.optimize_topology()
     res = {"collectives": collectives, "coverage": coverage, "mixed": mixed}.get(
         what, lambda r, n: ddp(r, n, 10))(r, n)
-    if backend == "eccl" and os.environ.get("ECCL_TEST_OPTIMIZE_TOPOLOGY"):
+    if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         res["_topology"] = {"ring": topology["ring"], "rank": dist.get_rank()}
     print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
