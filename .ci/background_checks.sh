@@ -6,7 +6,7 @@
 #  - Miri over the pure-Rust unsafe code (the executor's buffer borrows, the shared-memory
 #    ring: eccl-algorithms' bufs, eccl-shm): fails on any undefined behaviour or data race;
 #  - coverage-guided fuzzing (cargo fuzz, libFuzzer) of every decoder a stranger or a job
-#    member reaches, ECCL_FUZZ_SECONDS (default 10) per target, starting from the corpus
+#    member reaches, ECCL_FUZZ_SECONDS (default 6) per target, starting from the corpus
 #    committed in fuzz/corpus (what a run finds goes to target/fuzz-corpus, not into the
 #    repository; a crash leaves its input in fuzz/artifacts and fails the run);
 # Miri and the fuzzers build into targets of their own (target/miri, fuzz/target).
@@ -54,7 +54,7 @@ cd fuzz
 # cargo fuzz takes no --locked: fetching first with it checks fuzz/Cargo.lock holds.
 cargo +"$MIRI_TOOLCHAIN" fetch --locked
 cargo +"$MIRI_TOOLCHAIN" fuzz build -s none --dev
-seconds="${ECCL_FUZZ_SECONDS:-10}"
+seconds="${ECCL_FUZZ_SECONDS:-6}"
 for t in $(cargo +"$MIRI_TOOLCHAIN" fuzz list); do
     mkdir -p "../target/fuzz-corpus/$t"
     log="../target/fuzz-$t.log"

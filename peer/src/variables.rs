@@ -73,7 +73,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_TORCHFT", "—", "tests", "bash .ci/test.sh also runs torchft on eccl (installs torchft into .venv-torchft)"),
     v("ECCL_CHAOS_SEED", "random", "tests", "the seed of the test command's chaos runs"),
     v("ECCL_FUZZ_CASES", "2000", "tests", "cases per property of the decoders' property tests"),
-    v("ECCL_FUZZ_SECONDS", "10", "tests", "seconds of cargo fuzz per target in the test command"),
+    v("ECCL_FUZZ_SECONDS", "6", "tests", "seconds of cargo fuzz per target in the test command"),
     v("ECCL_RANK", "—", "tests", "a test script's rank (python/tests/elastic_parity.py)"),
     v("ECCL_WORLD", "—", "tests", "a test script's world size (python/tests/elastic_parity.py)"),
     v("ECCL_REQUIRE_NVRTC", "—", "tests", "set by the test command: the kernel compile test fails, rather than skips, without libnvrtc"),
