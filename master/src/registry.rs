@@ -202,15 +202,10 @@ impl Registry {
                 self.peers.remove(p);
             }
         }
-        let live = |p: &PeerId| matches!(self.peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }));
-        if self.links.keys().any(|(a, b)| !live(a) || !live(b)) {
-            let peers = &self.peers;
-            self.links.retain(|(a, b), _| {
-                [a, b].iter().all(|p| {
-                    matches!(peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }))
-                })
-            });
-        }
+        // Measured links of departed (or forgotten) peers go with them.
+        let peers = &self.peers;
+        let live = |p: &PeerId| matches!(peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }));
+        self.links.retain(|(a, b), _| live(a) && live(b));
     }
 
     fn apply_one(&mut self, cmd: &Command) -> Outcome {

@@ -127,6 +127,23 @@ impl CostMatrix {
         (worst, sum)
     }
 
+    /// The least distinct off-diagonal cost under which `holds` does, found by binary
+    /// search: `holds` must be monotone in the threshold and hold at the largest cost
+    /// (the complete graph).
+    fn least_threshold(&self, mut holds: impl FnMut(f64) -> bool) -> f64 {
+        let ts = self.thresholds();
+        let (mut lo, mut hi) = (0, ts.len() - 1);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if holds(ts[mid]) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        ts[lo]
+    }
+
     /// Distinct off-diagonal costs, ascending (infinity included if present).
     fn thresholds(&self) -> Vec<f64> {
         let mut t: Vec<f64> = (0..self.n)
@@ -157,34 +174,37 @@ pub struct Ring {
     pub exact: bool,
 }
 
+impl Ring {
+    /// The ring `order` with its costs; `lower_bound` `None` when `order` is proven
+    /// optimal (the bound is then its own bottleneck).
+    fn of(m: &CostMatrix, order: Vec<usize>, lower_bound: Option<f64>) -> Ring {
+        let (bottleneck, sum) = m.ring_cost(&order);
+        let lower_bound = lower_bound.unwrap_or(bottleneck);
+        Ring {
+            exact: bottleneck <= lower_bound,
+            order,
+            bottleneck,
+            sum,
+            lower_bound,
+        }
+    }
+}
+
 /// The best ring through every member of `m` (see the module comment): exact up to
 /// [`EXACT_MAX`] members, a heuristic beside a lower bound up to [`SOLVE_MAX`], and
 /// member order beyond.
 pub fn solve_ring(m: &CostMatrix) -> Ring {
     let n = m.len();
     if n <= 2 {
-        let order: Vec<usize> = (0..n).collect();
-        let (bottleneck, sum) = m.ring_cost(&order);
-        return Ring {
-            order,
-            bottleneck,
-            sum,
-            lower_bound: bottleneck,
-            exact: true,
-        };
+        return Ring::of(m, (0..n).collect(), None);
     }
     if n <= EXACT_MAX {
         return exact(m);
     }
     if n > SOLVE_MAX {
-        let order: Vec<usize> = (0..n).collect();
-        let (bottleneck, sum) = m.ring_cost(&order);
         return Ring {
-            order,
-            bottleneck,
-            sum,
-            lower_bound: degree_bound(m),
             exact: false,
+            ..Ring::of(m, (0..n).collect(), Some(degree_bound(m)))
         };
     }
     heuristic(m)
@@ -231,19 +251,8 @@ fn hamiltonian(adj: &[u32]) -> bool {
 
 fn exact(m: &CostMatrix) -> Ring {
     let n = m.len();
-    let ts = m.thresholds();
-    // The smallest threshold with a Hamiltonian cycle; the largest always has one (the
-    // graph is complete under it).
-    let (mut lo, mut hi) = (0, ts.len() - 1);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if hamiltonian(&adjacency(m, ts[mid])) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    let t = ts[lo];
+    // The smallest threshold with a Hamiltonian cycle.
+    let t = m.least_threshold(|t| hamiltonian(&adjacency(m, t)));
     // Held-Karp under the threshold: best[mask][v] is the least sum of a path from 0
     // through `mask` ending at v.
     let full = (1usize << n) - 1;
@@ -286,15 +295,7 @@ fn exact(m: &CostMatrix) -> Ring {
     if end == usize::MAX {
         // Costs all infinite under the threshold (unmeasured links): any order is
         // as good as another.
-        let order: Vec<usize> = (0..n).collect();
-        let (bottleneck, sum) = m.ring_cost(&order);
-        return Ring {
-            order,
-            bottleneck,
-            sum,
-            lower_bound: bottleneck,
-            exact: true,
-        };
+        return Ring::of(m, (0..n).collect(), None);
     }
     let mut order = Vec::with_capacity(n);
     let (mut mask, mut v) = (full, end);
@@ -306,14 +307,7 @@ fn exact(m: &CostMatrix) -> Ring {
     }
     order.push(0);
     order.reverse();
-    let (bottleneck, sum) = m.ring_cost(&order);
-    Ring {
-        order,
-        bottleneck,
-        sum,
-        lower_bound: bottleneck,
-        exact: true,
-    }
+    Ring::of(m, order, None)
 }
 
 /// Every member needs a link out and a link in: no ring beats the worst of the
@@ -426,35 +420,12 @@ fn strongly_connected(m: &CostMatrix, t: f64) -> bool {
 /// none has a smaller bottleneck. It sees what the assignment cannot, that a ring must
 /// leave every group of members (a site behind a slow link) at least once.
 fn connectivity_bound(m: &CostMatrix) -> f64 {
-    let ts = m.thresholds();
-    let (mut lo, mut hi) = (0, ts.len() - 1);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if strongly_connected(m, ts[mid]) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    ts[lo]
+    m.least_threshold(|t| strongly_connected(m, t))
 }
 
-/// The bottleneck assignment: the least threshold with a perfect matching, and one.
-fn bottleneck_assignment(m: &CostMatrix) -> (f64, Vec<usize>) {
-    let ts = m.thresholds();
-    let (mut lo, mut hi) = (0, ts.len() - 1);
-    let mut found = assignment_under(m, ts[hi]).expect("a complete graph has a perfect matching");
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        match assignment_under(m, ts[mid]) {
-            Some(s) => {
-                found = s;
-                hi = mid;
-            }
-            None => lo = mid + 1,
-        }
-    }
-    (ts[lo], found)
+/// The bottleneck assignment's bottleneck: the least threshold with a perfect matching.
+fn assignment_bound(m: &CostMatrix) -> f64 {
+    m.least_threshold(|t| assignment_under(m, t).is_some())
 }
 
 /// Local search on `order`: moves a segment of one to [`MAX_SEGMENT`] members to another place
@@ -684,8 +655,7 @@ const TRIES: usize = 24;
 /// The heuristic alone, whatever the size (what [`solve_ring`] uses beyond
 /// [`EXACT_MAX`]): for tests and comparisons against the exact solution.
 pub fn heuristic(m: &CostMatrix) -> Ring {
-    let (assigned, _) = bottleneck_assignment(m);
-    let lower_bound = assigned.max(connectivity_bound(m));
+    let lower_bound = assignment_bound(m).max(connectivity_bound(m));
     let ts = m.thresholds();
     let first = ts.partition_point(|&x| x < lower_bound);
     // The least threshold tried under which a ring is found: the bound and the next
@@ -717,12 +687,5 @@ pub fn heuristic(m: &CostMatrix) -> Ring {
         .position(|&v| v == 0)
         .expect("every member is in the ring");
     order.rotate_left(z);
-    let (bottleneck, sum) = m.ring_cost(&order);
-    Ring {
-        exact: bottleneck <= lower_bound,
-        order,
-        bottleneck,
-        sum,
-        lower_bound,
-    }
+    Ring::of(m, order, Some(lower_bound))
 }
