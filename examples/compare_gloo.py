@@ -5,6 +5,11 @@ Runs `eccl-bench all_reduce --local N` and the same sizes with torch.distributed
 gloo backend over N local processes, then prints both tables and eccl/gloo ratios.
 
     .venv/bin/python examples/compare_gloo.py --ranks 2 4 -b 1K -e 256M -f 4
+    .venv/bin/python examples/compare_gloo.py --ranks 2 -b 1K -e 64M -f 4 \
+        --transports shm,tcp,quic --plot all_reduce.svg   # docs/pictures/all_reduce.svg
+
+--plot draws every result in one picture with `eccl-bench plot` (bus bandwidth and time
+against size): eccl over each transport and gloo side by side.
 
 Needs torch (the test script installs it in .venv) and a release build
 (`cargo build --release`).
@@ -96,11 +101,14 @@ def run_gloo(world, szs, iters, warmup):
     return rows
 
 
-def run_eccl(world, lo, hi, f, iters, warmup):
+def run_eccl(world, lo, hi, f, iters, warmup, transport="auto"):
     out = tempfile.mktemp(suffix=".json")
     cmd = [str(BENCH), "all_reduce", "--local", str(world), "-b", str(lo), "-e", str(hi), "-f", str(f),
            "-n", str(iters), "-w", str(warmup), "-c", "--json", out]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    env = dict(os.environ)
+    if transport != "auto":
+        env["ECCL_TRANSPORT"] = transport
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800, env=env)
     with open(out) as fh:
         rows = json.load(fh)["rows"]
     os.unlink(out)
@@ -119,17 +127,27 @@ def main():
     ap.add_argument("-f", type=int, default=4)
     ap.add_argument("-n", type=int, default=10)
     ap.add_argument("-w", type=int, default=2)
+    ap.add_argument("--transports", default="auto",
+                    help="eccl's transports to run, comma-separated (auto, shm, tcp, tls, quic); "
+                         "the table compares the first with gloo")
     ap.add_argument("--json", help="write both result sets here")
+    ap.add_argument("--plot", help="draw every result into this SVG file (eccl-bench plot)")
     a = ap.parse_args()
+    transports = [t for t in a.transports.split(",") if t]
+    if not transports:
+        ap.error("--transports names no transport")
     if not BENCH.exists():
         raise SystemExit(f"{BENCH} missing: run `cargo build --release` first")
     lo, hi = parse_size(a.b), parse_size(a.e)
     szs = sizes(lo, hi, a.f)
     results = {}
     for n in a.ranks:
-        e = run_eccl(n, lo, hi, a.f, a.n, a.w)
+        by_transport = {t: run_eccl(n, lo, hi, a.f, a.n, a.w, t) for t in transports}
+        e = by_transport[transports[0]]
         g = run_gloo(n, szs, a.n, a.w)
         results[n] = {"eccl": e, "gloo": g}
+        if len(transports) > 1:
+            results[n]["eccl_by_transport"] = by_transport
         print(f"\n# all_reduce float32 sum, {n} ranks, {a.n} iterations ({a.w} warm-up), same machine, same run")
         print(f"# {'size(B)':>11} | {'eccl us':>10} {'busbw':>7} | {'gloo us':>10} {'busbw':>7} |"
               f" {'busbw eccl/gloo':>15} {'time gloo/eccl':>14}")
@@ -142,6 +160,27 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    if a.plot:
+        plot(results, transports, a.plot)
+
+
+def plot(results, transports, path):
+    """Every result as an eccl-bench --json file (gloo's rows in the same shape), drawn
+    into one picture by `eccl-bench plot`."""
+    several = len(results) > 1
+    with tempfile.TemporaryDirectory() as tmp:
+        files = []
+        for n, r in results.items():
+            sets = [(f"eccl {t}", r.get("eccl_by_transport", {t: r["eccl"]})[t]) for t in transports]
+            sets.append(("gloo", [dict(row, dtype="float32", op="sum") for row in r["gloo"]]))
+            for label, rows in sets:
+                f = os.path.join(tmp, f"{len(files)}.json")
+                with open(f, "w") as fh:
+                    json.dump({"collective": "all_reduce", "world_size": n, "transport": label,
+                               "label": f"{label}, {n} ranks" if several else label,
+                               "rows": rows}, fh)
+                files.append(f)
+        subprocess.run([str(BENCH), "plot", path, *files], check=True, timeout=120)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ mod measure;
 mod orchestrator;
 mod report;
 mod schedule;
+mod timeline;
 mod worker;
 
 use std::path::PathBuf;
@@ -109,6 +110,10 @@ pub struct RunArgs {
     /// Also write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also draw the run into this SVG file: members per epoch, steps per second, each
+    /// fault with its abort and recovery, master leader changes.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Print only the start line and the summary, not one line per fault.
     #[arg(long)]
     pub quiet: bool,
@@ -169,6 +174,14 @@ impl RunArgs {
                 self.masters
             ));
         }
+        if let Some(p) = &self.plot {
+            if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+                return Err(format!(
+                    "--plot {}: the picture is an SVG file; name it *.svg",
+                    p.display()
+                ));
+            }
+        }
         if self.elements == 0 || self.state_mb == 0 {
             return Err("--elements and --state-mb must be positive".into());
         }
@@ -213,6 +226,17 @@ fn run(args: &RunArgs) -> anyhow::Result<ExitCode> {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "eccl-chaos: {} peers, {}, seed {}, {} faults, {} violations",
+            report.peers,
+            report.transport,
+            report.seed,
+            report.timeline.faults.len(),
+            report.violations.len()
+        );
+        timeline::figure(&report.timeline, title).write_svg(path)?;
     }
     Ok(if report.violations.is_empty() {
         ExitCode::SUCCESS

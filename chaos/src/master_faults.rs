@@ -44,6 +44,8 @@ impl MasterView {
 /// What a master fault found.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct MasterOutcome {
+    /// Wall-clock ms of the fault.
+    pub at: f64,
     /// From the fault to another master leading (and granting fresh leases); `None` if
     /// the victim did not lead or no leader came.
     pub failover_ms: Option<f64>,
@@ -124,6 +126,7 @@ impl MasterFault {
 
     pub fn outcome(&self) -> MasterOutcome {
         MasterOutcome {
+            at: self.at,
             failover_ms: self.new_leader.map(|(_, t)| t - self.at),
             rejoined_ms: self.rejoined_at.map(|t| t - self.at),
         }

@@ -82,6 +82,8 @@ pub struct Measurement {
 /// What a finished (or abandoned) measurement found.
 #[derive(Debug, Default, PartialEq)]
 pub struct Outcome {
+    /// Wall-clock ms of the fault (of the spawn, for a join).
+    pub at: f64,
     pub abort_ms: Option<f64>,
     pub recovery: Option<Recovered>,
     pub recovery_ms: Option<f64>,
@@ -290,6 +292,7 @@ impl Measurement {
             .collect::<Option<Vec<_>>>()
             .and_then(|r| r.into_iter().reduce(|a, b| if b.at > a.at { b } else { a }));
         let mut out = Outcome {
+            at,
             abort_ms,
             recovery,
             recovery_ms: recovery.map(|r| r.at - at),

@@ -60,6 +60,8 @@ pub struct RunLog {
     pub duration_s: f64,
     /// The workers' `--transport`.
     pub transport: String,
+    /// Wall-clock ms of the run's start (the timeline's zero).
+    pub t0: f64,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -107,6 +109,8 @@ pub struct Report {
     pub seed: u64,
     pub peers: u32,
     pub transport: String,
+    /// The run over time (`--plot` draws it).
+    pub timeline: crate::timeline::Timeline,
 }
 
 /// Nearest-rank percentile of sorted samples.
@@ -231,6 +235,7 @@ pub fn analyse(log: &RunLog) -> Report {
         seed: log.seed,
         peers: log.peers,
         transport: log.transport.clone(),
+        timeline: crate::timeline::timeline(log),
     }
 }
 
@@ -591,4 +596,4 @@ pub fn summary(r: &Report) -> String {
 
 #[cfg(test)]
 #[path = "report_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -37,7 +37,7 @@ fn fin(peer: PeerId, hash: &str) -> Event {
     }
 }
 
-fn log(events: Vec<(usize, Event)>) -> RunLog {
+pub(crate) fn log(events: Vec<(usize, Event)>) -> RunLog {
     RunLog {
         events,
         faults: Vec::new(),
@@ -55,6 +55,7 @@ fn log(events: Vec<(usize, Event)>) -> RunLog {
         peers: 2,
         transport: "auto".into(),
         duration_s: 1.0,
+        t0: 0.0,
     }
 }
 

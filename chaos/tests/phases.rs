@@ -147,6 +147,51 @@ fn kill_and_stop_mid_ring_over_tcp_and_quic() {
     }
 }
 
+/// The report's timeline holds the run (epochs with their members, steps per second,
+/// every fault where the counts say) and the picture draws it.
+fn check_timeline(r: &Value, svg: &str) {
+    let t = &r["timeline"];
+    let members = t["members"].as_array().expect("members");
+    assert!(members.len() >= 2, "a kill makes a new epoch: {t:#}");
+    for m in members {
+        let (at, n) = (m[0].as_f64().unwrap(), m[2].as_u64().unwrap());
+        assert!(
+            (0.0..=r["duration_s"].as_f64().unwrap()).contains(&at) && (2..=6).contains(&n),
+            "{m}"
+        );
+    }
+    let rate = t["steps_per_s"].as_array().expect("steps_per_s");
+    let bin = t["bin_s"].as_f64().unwrap();
+    let steps: f64 = rate.iter().map(|p| p[1].as_f64().unwrap() * bin).sum();
+    assert_eq!(
+        steps.round() as u64,
+        r["steps"].as_u64().unwrap(),
+        "every step in one bin: {t:#}"
+    );
+    let faults = t["faults"].as_array().unwrap();
+    for kind in ["kill", "hang", "join"] {
+        let counted = r["faults"][kind].as_u64().unwrap();
+        let listed = faults.iter().filter(|f| f["kind"] == kind).count() as u64;
+        assert_eq!(listed, counted, "{kind}: {t:#}");
+    }
+    let kill = faults.iter().find(|f| f["kind"] == "kill").unwrap();
+    assert!(
+        kill["abort_ms"].as_f64().is_some() && kill["recovery_ms"].as_f64().is_some(),
+        "{kill}"
+    );
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    for text in [
+        "members of the epoch",
+        "steps per second",
+        "seconds since the start",
+        "kill",
+        "abort",
+        "recovery",
+    ] {
+        assert!(svg.contains(text), "the picture has no {text:?}");
+    }
+}
+
 /// Shared memory leaves nothing behind: after a run with kills and hangs, /dev/shm holds
 /// what it held before and no process of the run is left.
 #[test]
@@ -166,12 +211,17 @@ fn nothing_is_left_behind_after_kills_over_shm() {
     // run cannot add to either.
     let _turn = turn();
     let before = listing();
+    // The run also draws its picture (--plot), checked below against its timeline.
+    let svg = std::env::temp_dir().join(format!("eccl-chaos-{}-shm.svg", std::process::id()));
     let r = chaos_in_turn(
         "shm-residue",
-        "--peers 4 --duration 12 --faults kill,hang,join --interval-ms 1500 --seed 3 --state-mb 4 --step-ms 20 --transport shm",
+        &format!("--peers 4 --duration 12 --faults kill,hang,join --interval-ms 1500 --seed 3 --state-mb 4 --step-ms 20 --transport shm --plot {}", svg.display()),
     );
     assert!(r["faults"]["kill"].as_u64() >= Some(1), "{r:#}");
     assert_eq!(listing(), before, "/dev/shm changed");
+    let picture = std::fs::read_to_string(&svg).expect("--plot wrote its file");
+    let _ = std::fs::remove_file(&svg);
+    check_timeline(&r, &picture);
     let exe = env!("CARGO_BIN_EXE_eccl-chaos");
     let left: Vec<String> = std::fs::read_dir("/proc")
         .unwrap()
@@ -210,6 +260,7 @@ fn bad_flags_exit_with_status_2_and_a_reason() {
         ("--inject 1=mid-air:kill", "mid-air"),
         ("--lease-ms 2000 --hang-ms 1500", "--hang-ms"),
         ("--faults kill,master-kill", "--masters 3"),
+        ("--plot run.png", "*.svg"),
         ("--bogus", "--bogus"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))

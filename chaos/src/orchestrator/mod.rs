@@ -585,6 +585,7 @@ impl<'a> Run<'a> {
             peers: self.args.peers,
             duration_s,
             transport: self.args.transport.clone(),
+            t0: self.t0,
         })
     }
 }

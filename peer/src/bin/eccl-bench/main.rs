@@ -7,6 +7,7 @@
 mod check;
 mod cuda_probe;
 mod device;
+mod plot;
 mod probe;
 
 use std::io::{BufRead, BufReader};
@@ -87,6 +88,11 @@ struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<String>,
+    /// Also draw the results (bus bandwidth and time against size, log axes) into this
+    /// SVG file. `eccl-bench plot OUT.svg A.json B.json...` draws several --json results
+    /// in one picture.
+    #[arg(long)]
+    plot: Option<String>,
     /// Rank this process asks for (set by --local for its children).
     #[arg(long, hide = true)]
     rank_hint: Option<u32>,
@@ -204,13 +210,16 @@ fn main() -> ExitCode {
         eccl::logging::init();
         return probe::main(&argv[2..]);
     }
+    if argv.get(1).map(String::as_str) == Some("plot") {
+        return plot::main(&argv[2..]);
+    }
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
             if e.use_stderr() {
                 let msg = e.to_string();
                 let first = msg.lines().next().unwrap_or("bad arguments");
-                eprintln!("{first}\nUsage: eccl-bench <COLLECTIVE> (--local N | --master ADDR) [-b MIN] [-e MAX] [-f F] [-n N] [-w N] [-c] [-d TYPE] [-o OP] [-r ROOT] [--json FILE]\nFor more information, try '--help'.");
+                eprintln!("{first}\nUsage: eccl-bench <COLLECTIVE> (--local N | --master ADDR) [-b MIN] [-e MAX] [-f F] [-n N] [-w N] [-c] [-d TYPE] [-o OP] [-r ROOT] [--json FILE] [--plot FILE]\n       eccl-bench plot OUT.svg RESULT.json...\nFor more information, try '--help'.");
                 return ExitCode::from(2);
             }
             let _ = e.print();
@@ -593,19 +602,41 @@ async fn run_peer(
         println!("# Avg bus bandwidth    : {avg:.3}");
     }
     if rank == 0 && std::env::var_os("ECCL_BENCH_NO_JSON").is_none() {
+        let report = Report {
+            collective: kind.name().into(),
+            world_size: n as u32,
+            dtype: json_dtypes,
+            op: op_list,
+            transport: comm.transport_summary(),
+            rows,
+        };
         if let Some(path) = &args.json {
-            let report = Report {
-                collective: kind.name().into(),
-                world_size: n as u32,
-                dtype: json_dtypes,
-                op: op_list,
-                transport: comm.transport_summary(),
-                rows,
-            };
             let text = serde_json::to_string_pretty(&report)
                 .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
             std::fs::write(path, text)
                 .map_err(|e| eccl::Error::InvalidArgument(format!("cannot write {path}: {e}")))?;
+        }
+        if let Some(path) = &args.plot {
+            let drawn = plot::Result {
+                collective: report.collective,
+                world_size: report.world_size,
+                transport: report.transport,
+                label: None,
+                rows: report
+                    .rows
+                    .iter()
+                    .map(|r| plot::Row {
+                        dtype: r.dtype.into(),
+                        op: r.op.into(),
+                        bytes: r.bytes,
+                        time_us: r.time_us,
+                        busbw_gbps: r.busbw_gbps,
+                    })
+                    .collect(),
+            };
+            plot::figure(&[drawn])
+                .write_svg(std::path::Path::new(path))
+                .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
         }
     }
     comm.leave().await?;
