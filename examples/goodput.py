@@ -18,6 +18,9 @@ this interpreter's torch through a .pth file) unless `--skip-torchft`.
 
     python examples/goodput.py                         # 120 s phases, about 12 minutes
     python examples/goodput.py --duration 60 --json goodput.json --skip-torchft
+    python examples/goodput.py --duration 40 --kill-every 10 --skip-torchft \
+        --json goodput.json --plot goodput.svg      # docs/pictures/goodput.svg
+    python examples/goodput.py --replot goodput.json --plot goodput.svg
 
 Throughput counts samples: a step taken by m of the n replicas counts m/n of a step
 (steps_per_s is in full-size steps). goodput_ratio = faulted / fault-free;
@@ -30,6 +33,7 @@ admitted into a world and holding the model's and optimizer's state, the catch-u
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -75,6 +79,7 @@ class Phase:
         self.env.pop("ECCL_DEBUG", None)
         self.service: Optional[object] = None   # the eccl master or torchft's lighthouse
         self.crashes: List[str] = []
+        self.kills_at: List[float] = []
 
     # -- processes ------------------------------------------------------------------
 
@@ -172,6 +177,7 @@ class Phase:
                     live = [n for n in self.nodes if n.proc.poll() is None]
                     if live:
                         self.kill(min(live, key=lambda n: n.started))
+                        self.kills_at.append(time.time() - t0)
                         faults += 1
                     self.start_node(newcomer=True)
                     next_kill += self.a.kill_every
@@ -190,6 +196,10 @@ class Phase:
                         first[step] = (t, m)
         end = t0 + self.a.duration
         done = sum(m for t, m in first.values() if t0 < t <= end) / self.a.nproc
+        # Each step of the window at its first commit: (seconds since t0, share of the
+        # replicas that took it), for the picture.
+        timeline = sorted((round(t - t0, 3), m / self.a.nproc)
+                          for t, m in first.values() if t0 < t <= end)
         newcomers, synced = [], []
         for n in self.nodes:
             if not n.newcomer:
@@ -203,6 +213,7 @@ class Phase:
             if ready is not None and sync is not None:
                 synced.append(sync - ready)
         return {"steps": done, "steps_per_s": done / self.a.duration, "faults": faults,
+                "timeline": timeline, "kills_at": [round(k, 3) for k in self.kills_at],
                 "newcomers": newcomers, "synced": synced, "crashes": self.crashes,
                 "replacements": sum(n.newcomer for n in self.nodes)}
 
@@ -227,9 +238,11 @@ def torchft_python(venv: str) -> str:
 
 
 def summarize(ff: dict, fl: Optional[dict]) -> dict:
-    out = {"fault_free_steps_per_s": ff["steps_per_s"]}
+    out = {"fault_free_steps_per_s": ff["steps_per_s"],
+           "timeline": {"fault_free": ff["timeline"]}}
     if fl is None:
         return out
+    out["timeline"].update(faulted=fl["timeline"], kills_at=fl["kills_at"])
     rate = ff["steps_per_s"]
     out.update(
         faulted_steps_per_s=fl["steps_per_s"],
@@ -243,6 +256,66 @@ def summarize(ff: dict, fl: Optional[dict]) -> dict:
     if fl["synced"]:        # eccl: admitted and holding the model and optimizer state
         out["newcomer_synced_s"] = statistics.median(fl["synced"])
     return out
+
+
+def plot(results: dict, path: str) -> None:
+    """Steps per second over time for each system and phase (in bins of a twelfth of a
+    phase, at least 2 s: a step takes about a second here), and the steps done so far
+    below it; each kill of the faulted phases a vertical line. Drawn with matplotlib into
+    `path` (its format from the name: .svg, .png, .pdf)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    # Text stays text in an SVG (searchable, and smaller than glyph outlines).
+    matplotlib.rcParams["svg.fonttype"] = "none"
+    import matplotlib.pyplot as plt
+
+    duration = results["duration_s"]
+    width = max(2.0, duration / 12)
+    bins = int(math.ceil(duration / width))
+    fig, (rate_ax, done_ax) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
+                                           gridspec_kw={"height_ratios": [3, 2]})
+    kills = set()
+    colours = {"eccl": "tab:blue", "torchft": "tab:orange", "gloo_ddp": "tab:gray"}
+    for name in ("eccl", "torchft", "gloo_ddp"):
+        r = results.get(name)
+        if r is None:
+            continue
+        for phase, line in (("fault_free", "--"), ("faulted", "-")):
+            steps = r["timeline"].get(phase)
+            if steps is None:
+                continue
+            label = f"{name} {phase.replace('_', '-')}"
+            counts = [0.0] * bins
+            for t, share in steps:
+                counts[min(int(t // width), bins - 1)] += share
+            xs = [(k + 0.5) * width for k in range(bins)]
+            rate_ax.plot(xs, [c / width for c in counts], line, marker=".",
+                         color=colours[name], label=label)
+            total, ts, done = 0.0, [0.0], [0.0]
+            for t, share in steps:
+                total += share
+                ts.append(t)
+                done.append(total)
+            done_ax.step(ts, done, line, where="post", color=colours[name], label=label)
+        kills.update(r["timeline"].get("kills_at", []))
+    for ax in (rate_ax, done_ax):
+        for i, k in enumerate(sorted(kills)):
+            ax.axvline(k, color="tab:red", alpha=0.6, linewidth=1,
+                       label="node SIGKILLed (and a replacement started)" if i == 0 else None)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    rate_ax.set_ylabel(f"steps per second ({width:.2g} s bins)")
+    done_ax.set_ylabel("steps done")
+    done_ax.set_xlabel("seconds since the job first stepped at full size")
+    done_ax.set_xlim(0, duration)
+    every = results.get("kill_every_s")
+    rate_ax.set_title(f"Goodput under failures: {results.get('nproc', '?')} nodes, "
+                      f"a kill every {every if every is None else format(every, 'g')} s "
+                      f"(steps of full size; one of m of n replicas counts m/n)")
+    rate_ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def fmt(v, spec: str) -> str:
@@ -266,7 +339,17 @@ def main() -> None:
                    help="the eccl master's lease (a killed node is noticed by its closed "
                         "connections at once; the lease only times out hung ones)")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--plot", help="draw steps per second over time, kills marked, into "
+                                  "this file (.svg, .png or .pdf; needs matplotlib)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="draw --plot from the results a --json run wrote, without running")
     a = p.parse_args()
+    if a.replot:
+        if not a.plot:
+            p.error("--replot needs --plot FILE")
+        with open(a.replot) as f:
+            plot(json.load(f), a.plot)
+        return
     if a.nproc < 2 or a.duration <= 0 or a.kill_every <= 0:
         p.error("--nproc must be at least 2, --duration and --kill-every positive")
 
@@ -287,6 +370,8 @@ def main() -> None:
                                         None)
         results["faults"] = fl["faults"]
         results["duration_s"] = a.duration
+        results["nproc"] = a.nproc
+        results["kill_every_s"] = a.kill_every
     finally:
         if a.keep_logs:
             print(f"logs kept in {workdir}")
@@ -321,6 +406,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
+    if a.plot:
+        plot(results, a.plot)
 
 
 if __name__ == "__main__":
