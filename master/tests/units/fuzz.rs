@@ -3,7 +3,7 @@
 //! commands inside log entries; and `RaftRpc::refuse` on whatever decodes. See
 //! `protocol/tests/fuzz.rs` for the method and `ECCL_FUZZ_CASES`.
 
-#[path = "../../protocol/tests/support/mutate.rs"]
+#[path = "../../../protocol/tests/support/mutate.rs"]
 mod mutate;
 
 use eccl_master::raft::types::{RaftHello, RaftRpc, RaftRpcReply, TypeConfig, TERM_LIMIT};
