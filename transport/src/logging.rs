@@ -3,32 +3,36 @@
 //! NCCL's variables. Subsystems are tracing targets: `eccl::init`, `eccl::coll`,
 //! `eccl::net`, `eccl::master`.
 
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::{LevelFilter, Targets};
 
-/// The filter these variables describe.
-pub fn filter_from_env() -> EnvFilter {
+/// The filter these variables describe: per-target levels, matched as prefixes of the
+/// event's target (tracing-subscriber's `Targets`; eccl reads no `RUST_LOG`-style
+/// directives, so it needs no regex engine).
+pub fn filter_from_env() -> Targets {
     let level = std::env::var("ECCL_DEBUG")
         .unwrap_or_default()
         .trim()
         .to_ascii_lowercase();
     let level = match level.as_str() {
-        "" | "warn" | "version" => "warn",
-        "info" => "info",
-        "debug" => "debug",
-        "trace" => "trace",
-        "error" | "none" => "error",
-        _ => "info",
+        "" | "warn" | "version" => LevelFilter::WARN,
+        "info" => LevelFilter::INFO,
+        "debug" => LevelFilter::DEBUG,
+        "trace" => LevelFilter::TRACE,
+        "error" | "none" => LevelFilter::ERROR,
+        _ => LevelFilter::INFO,
     };
     let subsys = std::env::var("ECCL_DEBUG_SUBSYS").unwrap_or_default();
     // openraft reports its own shutdown (an embedded master stopping with peers still
     // connected) as errors; eccl logs what matters of raft itself, so openraft speaks
     // only when eccl is asked for its full detail.
-    let raft = if level == "trace" {
-        "openraft=debug"
+    let raft = if level == LevelFilter::TRACE {
+        LevelFilter::DEBUG
     } else {
-        "openraft=off"
+        LevelFilter::OFF
     };
-    let mut directives = vec!["warn".to_string(), raft.to_string()];
+    let mut filter = Targets::new()
+        .with_default(LevelFilter::WARN)
+        .with_target("openraft", raft);
     let chosen: Vec<String> = subsys
         .split(',')
         .map(|s| s.trim().to_ascii_lowercase())
@@ -42,22 +46,27 @@ pub fn filter_from_env() -> EnvFilter {
             "eccl_chaos",
             "eccl_bench",
         ] {
-            directives.push(format!("{t}={level}"));
+            filter = filter.with_target(t, level);
         }
     } else {
         for s in chosen {
-            directives.push(format!("eccl::{s}={level}"));
+            filter = filter.with_target(format!("eccl::{s}"), level);
         }
     }
-    EnvFilter::new(directives.join(","))
+    filter
 }
 
 /// Installs a stderr subscriber once per process; later calls do nothing.
 pub fn init() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter_from_env())
-        .with_writer(std::io::stderr)
-        .with_target(true)
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_target(true),
+        )
+        .with(filter_from_env())
         .try_init();
 }
 
@@ -101,6 +110,25 @@ pub fn held_note(held: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_variables_pick_levels_per_subsystem() {
+        // One test sets the variables: the others of this binary do not read them.
+        std::env::set_var("ECCL_DEBUG", "INFO");
+        std::env::set_var("ECCL_DEBUG_SUBSYS", "COLL,net");
+        let f = super::filter_from_env();
+        std::env::remove_var("ECCL_DEBUG");
+        std::env::remove_var("ECCL_DEBUG_SUBSYS");
+        let at = |target: &str, level| f.would_enable(target, &level);
+        assert!(at("eccl::coll", tracing::Level::INFO));
+        assert!(at("eccl::net::quic", tracing::Level::INFO));
+        assert!(!at("eccl::init", tracing::Level::INFO));
+        assert!(at("eccl::init", tracing::Level::WARN));
+        assert!(!at("openraft::core", tracing::Level::ERROR));
+        let quiet = super::filter_from_env();
+        assert!(!quiet.would_enable("eccl::coll", &tracing::Level::INFO));
+        assert!(quiet.would_enable("eccl_master::raft", &tracing::Level::WARN));
+    }
+
     #[test]
     fn a_flood_of_lines_is_held_back_and_counted() {
         let let_through = (0..100)
