@@ -483,5 +483,11 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
     """The text of the secret file at `path`, stripped; `InvalidArgumentError` when others may read or write the file.
     """
 
+def load_or_create_secret_file(path: str | os.PathLike[str] | None = None) -> str:
+    """The job secret of the file at `path` (`~/.eccl/secret` when None).
+
+    The file is created with a fresh secret, readable by its owner only, when missing.
+    """
+
 def _shutdown() -> None:
     """Stops every communicator of this process (registered with `atexit`); returns once every task has stopped."""

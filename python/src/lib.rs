@@ -48,6 +48,18 @@ fn read_secret_file(path: std::path::PathBuf) -> PyResult<String> {
     Ok(text.trim().to_string())
 }
 
+/// The job secret of the file at `path` (`~/.eccl/secret` when `None`), as
+/// `eccl-master` reads it: the file is created with a fresh random secret, readable by
+/// its owner only, when it does not exist; refused like [`read_secret_file`] when
+/// others may read it.
+#[pyfunction]
+#[pyo3(signature = (path=None))]
+fn load_or_create_secret_file(path: Option<std::path::PathBuf>) -> PyResult<String> {
+    let path = path.unwrap_or_else(eccl_master::secret::default_secret_file);
+    eccl_master::secret::load_or_create(&path).map_err(|e| errors::invalid(format!("{e:#}")))?;
+    read_secret_file(path)
+}
+
 #[pymodule]
 fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -61,6 +73,7 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::_shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_of, m)?)?;
     m.add_function(wrap_pyfunction!(read_secret_file, m)?)?;
+    m.add_function(wrap_pyfunction!(load_or_create_secret_file, m)?)?;
     m.add_class::<seal::OpenKey>()?;
     m.add_function(wrap_pyfunction!(seal::seal, m)?)?;
     // The single lists, which the Python package turns into its enums and exceptions.

@@ -5,6 +5,7 @@ in it, and the page lists exactly the flags each binary's --help shows. No page 
 issue number."""
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -99,3 +100,71 @@ def test_the_readme_torch_example_runs_as_written(tmp_path):
     printed = [line for f in logs.rglob("stdout.log") for line in f.read_text().splitlines()]
     assert sorted(line for line in printed if line.endswith(" done")) == \
         ["0 done", "1 done"], printed
+
+
+BINARY = re.compile(r"(?:^|/)(eccl-bench|eccl-chaos|eccl-master)$")
+EXAMPLE = re.compile(r"(?:^|/)examples/(\w+\.py)$")
+
+
+def _doc_commands():
+    """Every shell command of the README and the docs: (page, words), continuation lines
+    joined, comments and `VAR=value` prefixes dropped, `a && b` split."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```(?:sh|bash)\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #", 1)[0].strip()
+                if not line or line.startswith("#"):
+                    continue
+                for part in line.split("&&"):
+                    words = shlex.split(part)
+                    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+                        words.pop(0)
+                    if words:
+                        yield page.name, words
+
+
+def _program(words):
+    """(what runs, its arguments) for eccl's binaries and examples; None otherwise.
+    `cargo run ... -p eccl-chaos -- ARGS` runs eccl-chaos."""
+    if words[:2] == ["cargo", "run"] and "--" in words:
+        package = words[words.index("-p") + 1] if "-p" in words else None
+        return (package, words[words.index("--") + 1:]) if package else None
+    for i, w in enumerate(words[:3]):
+        if BINARY.search(w) or EXAMPLE.search(w):
+            return w.rsplit("/", 1)[-1], words[i + 1:]
+    return None
+
+
+def _long_flags(args):
+    return {a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2}
+
+
+def test_every_documented_command_uses_flags_its_program_has():
+    """A command in the README or the docs names only flags its program takes: the
+    binaries' --help (of the subcommand, for `eccl-master cluster status`), the examples'
+    argparse definitions. Catches a page left behind when a flag is renamed."""
+    checked = 0
+    for page, words in _doc_commands():
+        found = _program(words)
+        if found is None:
+            continue
+        program, args = found
+        used = _long_flags(args)
+        if program.endswith(".py"):
+            source = (ROOT / "examples" / program).read_text()
+            known = set(re.findall(r"add_argument\(\s*(?:\"-\w\",\s*)?\"(--[a-z0-9-]+)\"", source))
+        else:
+            sub = []
+            if program == "eccl-master":   # `cluster status ...`: the words before a flag
+                for a in args:
+                    if a.startswith("-"):
+                        break
+                    sub.append(a)
+            if program == "eccl-bench" and args[:1] in (["probe"], ["plot"]):
+                continue   # their arguments are short flags and files
+            out = subprocess.run([str(ROOT / "target" / "release" / program), *sub, "--help"],
+                                 capture_output=True, text=True, check=True).stdout
+            known = set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9_-]*)", out, re.M))
+        assert used <= known, f"{page}: `{' '.join(words)}` uses {sorted(used - known)}"
+        checked += 1
+    assert checked >= 15, checked

@@ -142,3 +142,39 @@ def test_torch_ranks_point_at_an_external_master_cluster(tmp_path):
     finally:
         for m in masters:
             m.shutdown()
+
+
+def test_the_packages_eccl_master_and_python_m_eccl_work_as_documented(tmp_path):
+    """`eccl-master` (the package's console script) creates the secret file it is given
+    (owner-only) and serves a peer with it until SIGTERM; a secret file others may read
+    is refused, naming the file; `python -m eccl` reports the installation."""
+    exe = os.path.join(os.path.dirname(sys.executable), "eccl-master")
+    assert os.path.exists(exe), "the package installs an eccl-master command"
+    secret_file = tmp_path / "dir" / "secret"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ECCL_")}
+    p = subprocess.Popen([exe, "--listen", "127.0.0.1:0", "--secret-file", str(secret_file)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline().strip()
+        assert line.startswith("eccl-master listening on "), (line, p.stderr.read() if p.poll() else "")
+        assert os.stat(secret_file).st_mode & 0o777 == 0o600
+        secret = secret_file.read_text().strip()
+        assert len(secret) == 64 and int(secret, 16) >= 0
+        comm = eccl.Communicator(line.split()[-1], secret, min_world=1)
+        update = comm.update_topology()
+        assert (update.rank, update.world_size) == (0, 1)
+        comm.leave()
+        p.terminate()
+        assert p.wait(timeout=TIMEOUT) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    os.chmod(secret_file, 0o644)
+    bad = subprocess.run([exe, "--listen", "127.0.0.1:0", "--secret-file", str(secret_file)],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert bad.returncode == 1 and str(secret_file) in bad.stderr, bad.stderr
+    info = subprocess.run([sys.executable, "-m", "eccl"], capture_output=True, text=True,
+                          env=env, timeout=TIMEOUT)
+    assert info.returncode == 0, info.stderr
+    assert info.stdout.startswith("eccl 0.1.0, native module ") and "ECCL_MASTER" in info.stdout

@@ -65,8 +65,22 @@ impl Cluster {
     }
 
     fn allocate(&mut self) -> usize {
-        self.clients.push(format!("127.0.0.1:{}", free_port()));
-        self.rafts.push(format!("127.0.0.1:{}", free_port()));
+        // A port released by one free_port() may come back from the next: each is kept
+        // only if no master of this cluster has it (a duplicate once made the second
+        // master fail with "address already in use").
+        let mut ports: Vec<u16> = Vec::new();
+        while ports.len() < 2 {
+            let port = free_port();
+            let addr = format!("127.0.0.1:{port}");
+            if !ports.contains(&port)
+                && !self.clients.contains(&addr)
+                && !self.rafts.contains(&addr)
+            {
+                ports.push(port);
+            }
+        }
+        self.clients.push(format!("127.0.0.1:{}", ports[0]));
+        self.rafts.push(format!("127.0.0.1:{}", ports[1]));
         self.procs.push(None);
         self.stopped.push(false);
         self.clients.len() - 1
