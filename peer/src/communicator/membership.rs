@@ -316,6 +316,10 @@ impl Communicator {
     /// `update_topology()`.
     pub fn leave(self) -> BoxFuture<'static, Result<()>> {
         async move {
+            // No lease to renew once leaving: a heartbeat the master answered after the
+            // leave ("this connection is not peer N") read as an eviction and logged a
+            // warning at the end of every clean run.
+            self.heartbeat.abort();
             let req = PeerRequest::Leave {
                 peer_id: self.peer_id,
             };
