@@ -21,7 +21,8 @@ pub mod variables;
 
 pub use abort::AbortHandle;
 pub use communicator::{
-    CollArgs, Communicator, OnAbort, OpInfo, RetryPolicy, TopologyUpdate, WorldUpdate, PROBE_TAG,
+    CollArgs, Communicator, OnAbort, OpInfo, Quantize, RetryPolicy, TopologyUpdate, WorldUpdate,
+    PROBE_TAG,
 };
 pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};

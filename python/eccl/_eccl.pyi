@@ -316,11 +316,19 @@ class Communicator:
         CUDA IPC. After a failed call a non-root buffer is undefined; the root's is never written.
         """
     def all_reduce(
-        self, tensor: Any, op: Any | None = None, *, async_op: bool = False, keep_on_abort: bool = True
+        self,
+        tensor: Any,
+        op: Any | None = None,
+        *,
+        async_op: bool = False,
+        keep_on_abort: bool = True,
+        quantize: str | None = None,
     ) -> OpInfo | Work:
         """Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`). A failed call leaves
         `tensor` as it was; with `keep_on_abort=False` it may leave partial results there instead, and saves a copy of
-        the whole tensor per call (the ring works in the tensor itself, as NCCL and gloo do).
+        the whole tensor per call (the ring works in the tensor itself, as NCCL and gloo do). `quantize="int8"` sends
+        8-bit values with a minimum and step per block of 256 (f32, f16, bf16; sum and avg; within half a step per
+        rank's block plus half of the sum's, the same bits on every rank, a failed call leaves the tensor as it was).
         """
     def all_reduce_coalesced(
         self, tensors: Iterable[Any], op: Any | None = None, *, async_op: bool = False

@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 import eccl
-from eccl.elastic import COMPRESSION, init_optimizer_state, next_world
+from eccl.elastic import COMPRESSION, QUANTIZED, init_optimizer_state, next_world
 
 __all__ = ["DiLoCo"]
 
@@ -70,6 +70,8 @@ class DiLoCo:
         self._shared = [p.detach().clone() for p in self._params]
         self._sizes = [p.numel() for p in self._params]
         self._wire = COMPRESSION[compression] or torch.float32
+        # "int8": the outer all_reduce quantizes (f32 on both ends, 8-bit values between).
+        self._quantize = compression if compression in QUANTIZED else None
         init_optimizer_state(self.inner)
         init_optimizer_state(self.outer)
         self._needs_inner = comm.rank is None
@@ -177,7 +179,7 @@ class DiLoCo:
         for _ in range(self.max_retries):
             flat = self._pseudo_gradient(zero)
             try:
-                info = self.comm.all_reduce(flat, "sum")
+                info = self.comm.all_reduce(flat, "sum", quantize=self._quantize)
             except eccl.AbortedError:
                 next_world(self.comm, lambda: self._admitted(in_outer=True), self.max_retries)
                 continue

@@ -45,6 +45,12 @@ pub(crate) enum Call {
         buf: WritableBuffer,
         on_abort: eccl::OnAbort,
     },
+    /// All_reduce in place with quantized values on the wire (`eccl::Quantize`).
+    Quantized {
+        op: ReduceOp,
+        buf: WritableBuffer,
+        quantize: eccl::Quantize,
+    },
     /// One all_reduce over several buffers of one dtype.
     Coalesced {
         op: ReduceOp,
@@ -91,7 +97,9 @@ impl Call {
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
-            Call::InPlace { buf, .. } | Call::Recv { buf, .. } => (vec![], vec![buf]),
+            Call::InPlace { buf, .. } | Call::Recv { buf, .. } | Call::Quantized { buf, .. } => {
+                (vec![], vec![buf])
+            }
             Call::Coalesced { bufs, .. } => (vec![], bufs.iter().collect()),
             Call::Send { buf, .. } => (vec![buf], vec![]),
             Call::Sync { tensors, .. } => (vec![], tensors.iter().map(|(_, b)| b).collect()),
@@ -338,6 +346,12 @@ async fn run(
                 world,
             );
             comm.collective_inplace_with(args, buf.bytes_mut(), *on_abort)
+                .await
+                .map(Done::Op)
+        }
+        Call::Quantized { op, buf, quantize } => {
+            let dtype = buf.read().dtype();
+            comm.all_reduce_quantized_bytes(dtype, buf.bytes_mut(), *op, *quantize)
                 .await
                 .map(Done::Op)
         }

@@ -445,3 +445,43 @@ def test_a_secret_file_others_may_read_is_refused(tmp_path):
         eccl._eccl.read_secret_file(str(path))
     os.chmod(path, 0o600)
     assert eccl._eccl.read_secret_file(str(path)) == "0123456789abcdef" * 4
+
+
+def test_quantized_all_reduce_and_diloco_int8_give_every_rank_the_same_bits():
+    """`all_reduce(..., quantize="int8")` from Python: the same bits on every rank, within
+    the bound of the exact sum (half a step per rank's block of 256 plus half of the sum's:
+    under 0.05 for these ranges) and not exact; an integer buffer is refused by name.
+    DiLoCo(compression="int8") quantizes its outer all_reduce and keeps its members'
+    models identical."""
+    res = _run_ranks(3, """
+        def main(comm, rank, n):
+            import torch
+            import eccl.torch
+            def values(r):
+                return (np.sin(np.arange(5000) * 0.01 + r) * (r + 1)).astype(np.float32)
+            x = values(rank)
+            exact = sum(values(r) for r in range(n))
+            comm.all_reduce(x, "sum", quantize="int8")
+            try:
+                comm.all_reduce(np.ones(4, np.int32), quantize="int8")
+                refused = ""
+            except eccl.InvalidArgumentError as e:
+                refused = str(e)
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 4)
+            inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            outer = torch.optim.SGD(model.parameters(), lr=0.7)
+            job = eccl.torch.DiLoCo(model, inner, outer, comm, sync_every=2, compression="int8")
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(4):
+                data = torch.randn(16, 8, generator=g)
+                job.train_step(lambda m: m(data).square().mean())
+            params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            return {"x": x.tobytes().hex(), "err": float(np.abs(x - exact).max()),
+                    "refused": refused, "params": params.numpy().tobytes().hex(),
+                    "outer": job.outer_steps}
+    """)
+    assert len({r["x"] for r in res}) == 1, "ranks differ"
+    assert 0 < res[0]["err"] < 0.05, res[0]["err"]
+    assert all("f32, f16 or bf16, not i32" in r["refused"] for r in res), res[0]["refused"]
+    assert len({r["params"] for r in res}) == 1 and res[0]["outer"] == 2, res

@@ -75,6 +75,7 @@ def test_elastic_ddp_overlap_gives_gloo_ddps_parameters(tmp_path, accumulate):
 
 
 def test_compressed_gradients_are_identical_on_every_rank(tmp_path):
+    """bf16 and int8 on the wire: every rank the same bits, near the uncompressed run."""
     (tmp_path / "f32").mkdir()
     (tmp_path / "bf16").mkdir()
     full = parity("elastic", 3, tmp_path / "f32")
@@ -89,6 +90,14 @@ def test_compressed_gradients_are_identical_on_every_rank(tmp_path):
     apart = max(float((e - f).abs().max()) for e, f in zip(el[0], full[0]))
     assert moved > 0.01, moved
     assert apart < 0.02 * moved, (apart, moved)
+    # int8 on the wire (the all_reduce's quantize="int8"): identical ranks again, and
+    # the same model within 8-bit steps of each bucket's gradient range.
+    (tmp_path / "int8").mkdir()
+    q8 = parity("elastic", 3, tmp_path / "int8", ["--compression", "int8"])
+    assert same(q8[0], q8[1]) and same(q8[0], q8[2]), "ranks differ (int8)"
+    assert not same(q8[0], full[0])
+    apart8 = max(float((e - f).abs().max()) for e, f in zip(q8[0], full[0]))
+    assert apart8 < 0.05 * moved, (apart8, moved)
 
 
 FINAL = re.compile(r"FINAL peer (\d+) outer (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")

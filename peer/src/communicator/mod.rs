@@ -23,6 +23,7 @@
 mod collective;
 mod membership;
 mod p2p;
+mod quantized;
 mod retry;
 mod topology;
 mod typed;
@@ -44,6 +45,7 @@ use crate::master_client::MasterClient;
 
 pub use collective::{CollArgs, OnAbort, OpInfo};
 pub use membership::WorldUpdate;
+pub use quantized::Quantize;
 pub use retry::RetryPolicy;
 pub use topology::{TopologyUpdate, PROBE_TAG};
 

@@ -12,6 +12,7 @@ mod elastic;
 mod failover;
 mod master_cluster;
 mod p2p;
+mod quantized;
 mod reconfigure;
 mod security;
 mod store;
