@@ -101,38 +101,51 @@ pub fn encode(values: &[f32], out: &mut [u8]) {
         let min = if finite { min } else { 0.0 };
         dst[..4].copy_from_slice(&min.to_le_bytes());
         dst[4..HEADER].copy_from_slice(&step.to_le_bytes());
+        // `as u8` saturates (and takes NaN to 0); adding a half before it rounds the
+        // non-negative value to nearest. One multiplication a value, no division.
+        let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
         for (q, &v) in dst[HEADER..].iter_mut().zip(block) {
-            *q = if step > 0.0 {
-                ((v - min) / step).round().clamp(0.0, 255.0) as u8
-            } else {
-                0
-            };
+            *q = ((v - min) * inv + 0.5) as u8;
         }
     }
 }
 
-/// Decodes `n` values from `enc` and hands each to `f` with its index.
-fn decode_each(enc: &[u8], n: usize, mut f: impl FnMut(usize, f32)) {
-    assert_eq!(enc.len(), encoded_len(n), "quant::decode: input size");
-    for (b, src) in enc.chunks(HEADER + BLOCK).enumerate() {
-        let min = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
-        let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
-        for (i, &q) in src[HEADER..].iter().enumerate() {
-            f(b * BLOCK + i, min + q as f32 * step);
-        }
-    }
+/// Each block of `enc` (holding `n` values) with its minimum, step and codes, beside the
+/// matching block of `out`.
+fn blocks<'a>(
+    enc: &'a [u8],
+    out: &'a mut [f32],
+) -> impl Iterator<Item = (f32, f32, &'a [u8], &'a mut [f32])> {
+    assert_eq!(
+        enc.len(),
+        encoded_len(out.len()),
+        "quant::decode: input size"
+    );
+    enc.chunks(HEADER + BLOCK)
+        .zip(out.chunks_mut(BLOCK))
+        .map(|(src, dst)| {
+            let min = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+            let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
+            (min, step, &src[HEADER..], dst)
+        })
 }
 
 /// Adds the `acc.len()` values encoded in `enc` to `acc`.
 pub fn decode_add(enc: &[u8], acc: &mut [f32]) {
-    let n = acc.len();
-    decode_each(enc, n, |i, v| acc[i] += v);
+    for (min, step, codes, dst) in blocks(enc, acc) {
+        for (a, &q) in dst.iter_mut().zip(codes) {
+            *a += min + q as f32 * step;
+        }
+    }
 }
 
 /// The `out.len()` values encoded in `enc`.
 pub fn decode(enc: &[u8], out: &mut [f32]) {
-    let n = out.len();
-    decode_each(enc, n, |i, v| out[i] = v);
+    for (min, step, codes, dst) in blocks(enc, out) {
+        for (o, &q) in dst.iter_mut().zip(codes) {
+            *o = min + q as f32 * step;
+        }
+    }
 }
 
 #[cfg(test)]

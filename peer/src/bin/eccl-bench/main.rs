@@ -80,6 +80,10 @@ struct Args {
     /// host memory by default.
     #[arg(long, value_parser = device_arg)]
     device: Option<DeviceArg>,
+    /// all_reduce with 8-bit values on the wire: `int8` (f32, f16 or bf16; sum or avg).
+    /// The results are not exact, so `-c` does not go with it.
+    #[arg(long, value_parser = quantize_arg)]
+    quantize: Option<eccl::Quantize>,
     /// Before the benchmark, measure every link and have the master solve the ring
     /// (`optimize_topology()`); print the measured matrix, the ring and its bottleneck
     /// against rank order's.
@@ -96,6 +100,10 @@ struct Args {
     /// Rank this process asks for (set by --local for its children).
     #[arg(long, hide = true)]
     rank_hint: Option<u32>,
+}
+
+fn quantize_arg(s: &str) -> Result<eccl::Quantize, String> {
+    eccl::Quantize::parse(s).ok_or_else(|| format!("{s:?} is not a quantization (int8)"))
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -201,6 +209,9 @@ struct Report {
     dtype: String,
     op: String,
     transport: String,
+    /// `int8` with --quantize.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quantize: Option<&'static str>,
     rows: Vec<Row>,
 }
 
@@ -234,6 +245,21 @@ fn main() -> ExitCode {
     if args.stepfactor < 2 && args.minbytes != args.maxbytes {
         eprintln!("eccl-bench: -f must be at least 2");
         return ExitCode::from(2);
+    }
+    if let Some(q) = args.quantize {
+        let why = if kind != CollectiveKind::AllReduce {
+            Some(format!("quantizes all_reduce only, not {kind}"))
+        } else if args.check != 0 {
+            Some("gives results within a bound, not exact ones: drop -c".into())
+        } else if args.device.is_some() {
+            Some("runs on host memory only, not with --device".into())
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            eprintln!("eccl-bench: --quantize {} {why}", q.name());
+            return ExitCode::from(2);
+        }
     }
     if args.minbytes > args.maxbytes {
         eprintln!(
@@ -540,10 +566,11 @@ async fn run_peer(
             kind,
             args.root,
             comm.transport_summary(),
-            match (args.inplace, args.on_abort) {
-                (false, _) => "out of place",
-                (true, eccl::OnAbort::Unchanged) => "in place",
-                (true, eccl::OnAbort::Undefined) => "in place, undefined on abort",
+            match (args.quantize, args.inplace, args.on_abort) {
+                (Some(eccl::Quantize::Int8), ..) => "in place, int8 on the wire",
+                (None, false, _) => "out of place",
+                (None, true, eccl::OnAbort::Unchanged) => "in place",
+                (None, true, eccl::OnAbort::Undefined) => "in place, undefined on abort",
             }
         );
         println!(
@@ -608,6 +635,7 @@ async fn run_peer(
             dtype: json_dtypes,
             op: op_list,
             transport: comm.transport_summary(),
+            quantize: args.quantize.map(eccl::Quantize::name),
             rows,
         };
         if let Some(path) = &args.json {
@@ -620,8 +648,10 @@ async fn run_peer(
             let drawn = plot::Result {
                 collective: report.collective,
                 world_size: report.world_size,
+                label: report
+                    .quantize
+                    .map(|q| format!("eccl {} {q}", report.transport)),
                 transport: report.transport,
-                label: None,
                 rows: report
                     .rows
                     .iter()
@@ -691,6 +721,7 @@ async fn sweep(
         };
         let run = Run {
             a: cargs,
+            quantize: args.quantize,
             inplace: args.inplace,
             on_abort: args.on_abort,
             rank,
@@ -829,6 +860,7 @@ fn on_abort(s: &str) -> Result<eccl::OnAbort, String> {
 /// One call as the benchmark repeats it.
 struct Run {
     a: CollArgs,
+    quantize: Option<eccl::Quantize>,
     inplace: bool,
     on_abort: eccl::OnAbort,
     rank: usize,
@@ -863,6 +895,12 @@ async fn one(
     work: &mut [u8],
 ) -> eccl::Result<bool> {
     let a = run.a;
+    if let Some(q) = run.quantize {
+        // In place in the work buffer, as an in-place all_reduce runs.
+        let w = &mut work[..input.len()];
+        comm.all_reduce_quantized_bytes(a.dtype, w, a.op, q).await?;
+        return Ok(true);
+    }
     if a.kind == CollectiveKind::SendRecv {
         // Pairs (0,1), (2,3), ...: the even rank sends first, the odd one receives first.
         if run.n == 1 {
