@@ -1,7 +1,14 @@
-//! 8-bit min-max quantization for all_reduce over slow links (`Quantize::Int8`): each
-//! block of [`BLOCK`] values goes on the wire as its minimum and step (two f32) and one
-//! byte per value, `round((v - min) / step)`, `step = (max - min) / 255`. A value comes
-//! back within `step / 2` of what was encoded (plus f32 rounding).
+//! 8-bit quantization for all_reduce over slow links, two codecs ([`Codec`]):
+//!
+//! - `Int8` (min-max): each block of [`BLOCK`] values goes on the wire as its minimum and
+//!   step (two f32) and one byte per value, `round((v - min) / step)`, `step = (max -
+//!   min) / 255`. A value comes back within `step / 2` of what was encoded (plus f32
+//!   rounding).
+//! - `Fp8` (OCP FP8 E4M3, scaled per block like torchft's row-wise fp8): each block's
+//!   scale is its largest magnitude over 448 (E4M3's largest finite value) and each value
+//!   the E4M3 number nearest `v / scale` (ties to the even code). A value comes back
+//!   within `max(|v| / 16, scale / 1024)`: half a unit of E4M3's 3-bit mantissa, or of
+//!   its smallest subnormal.
 //!
 //! The quantized all_reduce (the peer's `all_reduce_quantized`, torchft's and PCCL's
 //! shape): every rank encodes its buffer in `world` segments and sends segment `r` to
@@ -22,6 +29,65 @@ use half::{bf16, f16};
 pub const BLOCK: usize = 256;
 /// Bytes of a block's header: its minimum and its step, f32 little-endian.
 const HEADER: usize = 8;
+
+/// How each value of a block becomes a byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Codec {
+    /// Min-max, 256 evenly spaced levels.
+    Int8,
+    /// FP8 E4M3 of the value over its block's scale.
+    Fp8,
+}
+
+/// The 256 E4M3 values (code 127 and 255 are NaN): sign, 4 exponent bits (bias 7), 3
+/// mantissa bits, subnormals at exponent 0, no infinities.
+fn e4m3(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (((code >> 3) & 0xF) as i32, (code & 7) as f32);
+    if e == 15 && m == 7.0 {
+        return f32::NAN;
+    }
+    let mag = if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    };
+    sign * mag
+}
+
+/// E4M3's largest finite value.
+pub const FP8_MAX: f32 = 448.0;
+
+/// The non-negative finite E4M3 values, by code (0 to 126), increasing.
+static E4M3_POSITIVE: std::sync::LazyLock<[f32; 127]> =
+    std::sync::LazyLock::new(|| std::array::from_fn(|c| e4m3(c as u8)));
+/// Every code's value, for decoding.
+static E4M3_ALL: std::sync::LazyLock<[f32; 256]> =
+    std::sync::LazyLock::new(|| std::array::from_fn(|c| e4m3(c as u8)));
+
+/// The E4M3 code nearest `x` (finite; clamped to ±448), ties to the even code.
+fn to_e4m3(x: f32) -> u8 {
+    let table = &*E4M3_POSITIVE;
+    let a = x.abs().min(FP8_MAX);
+    // The first code whose value is at least `a`, and the one below it.
+    let hi = table.partition_point(|&v| v < a).min(126);
+    let code = if hi == 0 {
+        0
+    } else {
+        let (lo_v, hi_v) = (table[hi - 1], table[hi]);
+        let (d_lo, d_hi) = (a - lo_v, hi_v - a);
+        if d_lo < d_hi || (d_lo == d_hi && (hi - 1) % 2 == 0) {
+            hi - 1
+        } else {
+            hi
+        }
+    } as u8;
+    if x.is_sign_negative() && code != 0 {
+        code | 0x80
+    } else {
+        code
+    }
+}
 
 /// Whether `dtype` can be quantized (floating point of 32 bits or fewer).
 pub fn supported(dtype: DType) -> bool {
@@ -78,34 +144,54 @@ pub fn narrow(dtype: DType, values: &[f32], bytes: &mut [u8]) {
 }
 
 /// Encodes `values` into `out` (`encoded_len(values.len())` bytes).
-pub fn encode(values: &[f32], out: &mut [u8]) {
+pub fn encode(codec: Codec, values: &[f32], out: &mut [u8]) {
     assert_eq!(
         out.len(),
         encoded_len(values.len()),
         "quant::encode: output size"
     );
     for (block, dst) in values.chunks(BLOCK).zip(out.chunks_mut(HEADER + BLOCK)) {
-        let (min, max) = block
-            .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                (lo.min(v), hi.max(v))
-            });
         let finite = block.iter().all(|v| v.is_finite());
-        let step = if !finite {
-            f32::NAN
-        } else if max > min {
-            (max - min) / 255.0
-        } else {
-            0.0
+        let (base, step) = match codec {
+            Codec::Int8 => {
+                let (min, max) = block
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                        (lo.min(v), hi.max(v))
+                    });
+                if !finite {
+                    (0.0, f32::NAN)
+                } else if max > min {
+                    (min, (max - min) / 255.0)
+                } else {
+                    (min, 0.0)
+                }
+            }
+            Codec::Fp8 => {
+                let peak = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                if !finite {
+                    (0.0, f32::NAN)
+                } else {
+                    (0.0, peak / FP8_MAX)
+                }
+            }
         };
-        let min = if finite { min } else { 0.0 };
-        dst[..4].copy_from_slice(&min.to_le_bytes());
+        dst[..4].copy_from_slice(&base.to_le_bytes());
         dst[4..HEADER].copy_from_slice(&step.to_le_bytes());
-        // `as u8` saturates (and takes NaN to 0); adding a half before it rounds the
-        // non-negative value to nearest. One multiplication a value, no division.
         let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-        for (q, &v) in dst[HEADER..].iter_mut().zip(block) {
-            *q = ((v - min) * inv + 0.5) as u8;
+        match codec {
+            // `as u8` saturates (and takes NaN to 0); adding a half before it rounds the
+            // non-negative value to nearest. One multiplication a value, no division.
+            Codec::Int8 => {
+                for (q, &v) in dst[HEADER..].iter_mut().zip(block) {
+                    *q = ((v - base) * inv + 0.5) as u8;
+                }
+            }
+            Codec::Fp8 => {
+                for (q, &v) in dst[HEADER..].iter_mut().zip(block) {
+                    *q = if inv > 0.0 { to_e4m3(v * inv) } else { 0 };
+                }
+            }
         }
     }
 }
@@ -130,22 +216,33 @@ fn blocks<'a>(
         })
 }
 
-/// Adds the `acc.len()` values encoded in `enc` to `acc`.
-pub fn decode_add(enc: &[u8], acc: &mut [f32]) {
-    for (min, step, codes, dst) in blocks(enc, acc) {
-        for (a, &q) in dst.iter_mut().zip(codes) {
-            *a += min + q as f32 * step;
+/// Hands every decoded value of `enc` to `f` with its slot of `out`.
+fn decode_with(codec: Codec, enc: &[u8], out: &mut [f32], f: impl Fn(&mut f32, f32)) {
+    let table = &*E4M3_ALL;
+    for (base, step, codes, dst) in blocks(enc, out) {
+        match codec {
+            Codec::Int8 => {
+                for (o, &q) in dst.iter_mut().zip(codes) {
+                    f(o, base + q as f32 * step);
+                }
+            }
+            Codec::Fp8 => {
+                for (o, &q) in dst.iter_mut().zip(codes) {
+                    f(o, table[q as usize] * step);
+                }
+            }
         }
     }
 }
 
+/// Adds the `acc.len()` values encoded in `enc` to `acc`.
+pub fn decode_add(codec: Codec, enc: &[u8], acc: &mut [f32]) {
+    decode_with(codec, enc, acc, |a, v| *a += v);
+}
+
 /// The `out.len()` values encoded in `enc`.
-pub fn decode(enc: &[u8], out: &mut [f32]) {
-    for (min, step, codes, dst) in blocks(enc, out) {
-        for (o, &q) in dst.iter_mut().zip(codes) {
-            *o = min + q as f32 * step;
-        }
-    }
+pub fn decode(codec: Codec, enc: &[u8], out: &mut [f32]) {
+    decode_with(codec, enc, out, |o, v| *o = v);
 }
 
 #[cfg(test)]
@@ -153,11 +250,60 @@ mod tests {
     use super::*;
 
     fn roundtrip(values: &[f32]) -> Vec<f32> {
+        roundtrip_with(Codec::Int8, values)
+    }
+
+    fn roundtrip_with(codec: Codec, values: &[f32]) -> Vec<f32> {
         let mut enc = vec![0u8; encoded_len(values.len())];
-        encode(values, &mut enc);
+        encode(codec, values, &mut enc);
         let mut out = vec![0f32; values.len()];
-        decode(&enc, &mut out);
+        decode(codec, &enc, &mut out);
         out
+    }
+
+    #[test]
+    fn e4m3_is_the_ocp_format_and_rounds_to_nearest() {
+        // Known values: the largest, the smallest normal and subnormal, one, NaN.
+        assert_eq!(e4m3(0x7E), 448.0);
+        assert_eq!(e4m3(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3(0x38), 1.0);
+        assert_eq!(e4m3(0xB8), -1.0);
+        assert!(e4m3(0x7F).is_nan() && e4m3(0xFF).is_nan());
+        // Every finite code is its own nearest, and the values increase with the code.
+        for c in 0u8..=126 {
+            assert_eq!(to_e4m3(e4m3(c)), c, "{c}");
+            assert_eq!(to_e4m3(-e4m3(c)), if c == 0 { 0 } else { c | 0x80 }, "-{c}");
+            if c > 0 {
+                assert!(e4m3(c) > e4m3(c - 1));
+            }
+        }
+        // Halfway between 1.0 (0x38) and 1.125 (0x39) goes to the even code; past it, up.
+        assert_eq!(to_e4m3(1.0625), 0x38);
+        assert_eq!(to_e4m3(1.07), 0x39);
+        assert_eq!(to_e4m3(1e6), 0x7E, "clamped to 448");
+    }
+
+    #[test]
+    fn fp8_values_come_back_within_half_a_unit_of_their_binade() {
+        let values: Vec<f32> = (0..1000)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.731)
+            .collect();
+        let back = roundtrip_with(Codec::Fp8, &values);
+        for (block, got) in values.chunks(BLOCK).zip(back.chunks(BLOCK)) {
+            let scale = block.iter().fold(0f32, |m, v| m.max(v.abs())) / FP8_MAX;
+            for (v, g) in block.iter().zip(got) {
+                let bound = (v.abs() / 16.0).max(scale / 1024.0) * 1.0001;
+                assert!((v - g).abs() <= bound, "{v} -> {g} (bound {bound})");
+            }
+        }
+        assert_eq!(roundtrip_with(Codec::Fp8, &[0.0; 10]), vec![0.0; 10]);
+        let mut v = vec![1.0f32; 300];
+        v[3] = f32::NAN;
+        let back = roundtrip_with(Codec::Fp8, &v);
+        assert!(
+            back[..BLOCK].iter().all(|x| x.is_nan()) && back[BLOCK..].iter().all(|x| *x == 1.0)
+        );
     }
 
     #[test]

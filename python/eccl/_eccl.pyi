@@ -326,9 +326,9 @@ class Communicator:
     ) -> OpInfo | Work:
         """Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`). A failed call leaves
         `tensor` as it was; with `keep_on_abort=False` it may leave partial results there instead, and saves a copy of
-        the whole tensor per call (the ring works in the tensor itself, as NCCL and gloo do). `quantize="int8"` sends
-        8-bit values with a minimum and step per block of 256 (f32, f16, bf16; sum and avg; within half a step per
-        rank's block plus half of the sum's, the same bits on every rank, a failed call leaves the tensor as it was).
+        the whole tensor per call (the ring works in the tensor itself, as NCCL and gloo do). `quantize="int8"` or
+        `"fp8"` sends 8-bit values, scaled per block of 256 (f32, f16, bf16; sum and avg; within a documented bound,
+        the same bits on every rank, a failed call leaves the tensor as it was).
         """
     def all_reduce_coalesced(
         self, tensors: Iterable[Any], op: Any | None = None, *, async_op: bool = False

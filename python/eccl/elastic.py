@@ -15,10 +15,11 @@ __all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world"]
 T = TypeVar("T")
 
 #: Wire dtypes `ElasticDDP(compression=...)` accepts.
-COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None}
+COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": None,
+               "fp8": None}
 #: Compressions that quantize on the wire (the all_reduce's `quantize=`) instead of
 #: casting the buffer.
-QUANTIZED = {"int8"}
+QUANTIZED = {"int8", "fp8"}
 #: What `quantize=` takes.
 QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -126,7 +127,8 @@ class ElasticDDP:
     `"fp16"` sends floating-point gradients in that type (the sum is still the same on
     every rank); `"int8"` sends them as 8-bit values with a minimum and step per block of
     256 (the all_reduce's `quantize="int8"`: a quarter of f32's bytes, the same bits on
-    every rank, within half a step per rank's block plus half of the sum's).
+    every rank, within half a step per rank's block plus half of the sum's); `"fp8"` as
+    E4M3 scaled per block (`quantize="fp8"`).
     `with job.no_sync():` around forward and backward accumulates gradients locally for
     the next `train_step`.
 

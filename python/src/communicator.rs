@@ -359,10 +359,10 @@ impl Communicator {
     /// Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`).
     /// A failed call leaves `tensor` as it was; with `keep_on_abort=False` it may leave
     /// partial results there instead, and saves a copy of the whole tensor per call
-    /// (the ring works in the tensor itself, as NCCL and gloo do). `quantize="int8"`
-    /// sends 8-bit values with a minimum and step per block of 256 (f32, f16, bf16; sum
-    /// and avg; within half a step per rank's block plus half of the sum's, the same bits
-    /// on every rank, a failed call leaves the tensor as it was).
+    /// (the ring works in the tensor itself, as NCCL and gloo do). `quantize="int8"` or
+    /// `"fp8"` sends 8-bit values, scaled per block of 256 (f32, f16, bf16; sum and avg;
+    /// within a documented bound, the same bits on every rank, a failed call leaves the
+    /// tensor as it was).
     #[pyo3(signature = (tensor, op=None, *, async_op=false, keep_on_abort=true, quantize=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
@@ -378,7 +378,7 @@ impl Communicator {
         if let Some(q) = quantize {
             let quantize = eccl::Quantize::parse(q).ok_or_else(|| {
                 invalid(format!(
-                    "quantize={q:?}: eccl quantizes as \"int8\" (or None)"
+                    "quantize={q:?}: eccl quantizes as \"int8\" or \"fp8\" (or None)"
                 ))
             })?;
             let buf = WritableBuffer::extract(tensor, "tensor")?;

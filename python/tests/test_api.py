@@ -448,7 +448,7 @@ def test_a_secret_file_others_may_read_is_refused(tmp_path):
 
 
 def test_quantized_all_reduce_and_diloco_int8_give_every_rank_the_same_bits():
-    """`all_reduce(..., quantize="int8")` from Python: the same bits on every rank, within
+    """`all_reduce(..., quantize="int8")` (and "fp8") from Python: the same bits on every rank, within
     the bound of the exact sum (half a step per rank's block of 256 plus half of the sum's:
     under 0.05 for these ranges) and not exact; an integer buffer is refused by name.
     DiLoCo(compression="int8") quantizes its outer all_reduce and keeps its members'
@@ -462,6 +462,10 @@ def test_quantized_all_reduce_and_diloco_int8_give_every_rank_the_same_bits():
             x = values(rank)
             exact = sum(values(r) for r in range(n))
             comm.all_reduce(x, "sum", quantize="int8")
+            y = values(rank)
+            comm.all_reduce(y, "sum", quantize="fp8")
+            fp8_err = float(np.max(np.abs(y - exact) / (sum(np.abs(values(r)) for r in range(n))
+                                                         + np.abs(exact) + 1e-3)))
             try:
                 comm.all_reduce(np.ones(4, np.int32), quantize="int8")
                 refused = ""
@@ -478,10 +482,15 @@ def test_quantized_all_reduce_and_diloco_int8_give_every_rank_the_same_bits():
                 job.train_step(lambda m: m(data).square().mean())
             params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             return {"x": x.tobytes().hex(), "err": float(np.abs(x - exact).max()),
+                    "y": y.tobytes().hex(), "fp8_err": fp8_err,
                     "refused": refused, "params": params.numpy().tobytes().hex(),
                     "outer": job.outer_steps}
     """)
     assert len({r["x"] for r in res}) == 1, "ranks differ"
     assert 0 < res[0]["err"] < 0.05, res[0]["err"]
+    # fp8 (E4M3 per block): every value within 1/16 of its magnitude, each rank's and
+    # the sum's, so the error over (sum of |inputs| + |sum|) is at most 1/16.
+    assert len({r["y"] for r in res}) == 1, "ranks differ (fp8)"
+    assert 0 < res[0]["fp8_err"] <= 1 / 16, res[0]["fp8_err"]
     assert all("f32, f16 or bf16, not i32" in r["refused"] for r in res), res[0]["refused"]
     assert len({r["params"] for r in res}) == 1 and res[0]["outer"] == 2, res

@@ -14,18 +14,21 @@ use super::{Communicator, OpInfo};
 use crate::error::{Error, Result};
 use crate::Element;
 
-/// How an all_reduce's values travel.
+/// How an all_reduce's values travel (f32, f16, bf16; sum and avg).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Quantize {
-    /// Min-max 8-bit integers per block of 256 values (f32, f16, bf16; sum and avg).
+    /// Min-max 8-bit integers per block of 256 values.
     Int8,
+    /// FP8 E4M3 scaled per block of 256 values (each block's largest magnitude to 448).
+    Fp8,
 }
 
 impl Quantize {
-    /// `int8` (what Python's `quantize=` takes).
+    /// `int8` or `fp8` (what Python's `quantize=` takes).
     pub fn parse(s: &str) -> Option<Quantize> {
         match s.trim().to_ascii_lowercase().as_str() {
             "int8" => Some(Quantize::Int8),
+            "fp8" => Some(Quantize::Fp8),
             _ => None,
         }
     }
@@ -33,6 +36,14 @@ impl Quantize {
     pub fn name(self) -> &'static str {
         match self {
             Quantize::Int8 => "int8",
+            Quantize::Fp8 => "fp8",
+        }
+    }
+
+    fn codec(self) -> quant::Codec {
+        match self {
+            Quantize::Int8 => quant::Codec::Int8,
+            Quantize::Fp8 => quant::Codec::Fp8,
         }
     }
 }
@@ -50,10 +61,12 @@ impl Communicator {
     }
 
     /// All_reduce in place of `buf` (elements of `dtype`: f32, f16 or bf16; `Sum` or
-    /// `Avg`) with quantized values on the wire. The result differs from an exact
-    /// all_reduce by at most, per element, half a step of each rank's block holding it
-    /// plus half a step of the sum's block (a step is its block's range over 255); every
-    /// rank gets the same bits. A block with a NaN or an infinity comes back NaN.
+    /// `Avg`) with quantized values on the wire; every rank gets the same bits. The
+    /// result differs from an exact all_reduce, per element, by at most the sum of one
+    /// encoding error for each rank's value and one for the sum's: `Int8`, half a step
+    /// of the block (its range over 255); `Fp8`, `max(|v| / 16, scale / 1024)` with
+    /// `scale` the block's largest magnitude over 448. A block with a NaN or an infinity
+    /// comes back NaN.
     pub async fn all_reduce_quantized_bytes(
         &mut self,
         dtype: DType,
@@ -61,7 +74,7 @@ impl Communicator {
         op: ReduceOp,
         q: Quantize,
     ) -> Result<OpInfo> {
-        let Quantize::Int8 = q;
+        let codec = q.codec();
         if !quant::supported(dtype) {
             return Err(Error::InvalidArgument(format!(
                 "quantize={} takes f32, f16 or bf16, not {dtype}",
@@ -98,25 +111,25 @@ impl Communicator {
         let e = quant::encoded_len(seg);
         let mut send = vec![0u8; e * n];
         for (v, s) in values.chunks(seg).zip(send.chunks_mut(e)) {
-            quant::encode(v, s);
+            quant::encode(codec, v, s);
         }
         let mut recv = vec![0u8; e * n];
         self.all_to_all_into(&send, &mut recv).await?;
         // This rank's segment: every rank's part of it, added in rank order.
         let mut sum = vec![0f32; seg];
         for part in recv.chunks(e) {
-            quant::decode_add(part, &mut sum);
+            quant::decode_add(codec, part, &mut sum);
         }
         if op == ReduceOp::Avg {
             let k = n as f32;
             sum.iter_mut().for_each(|s| *s /= k);
         }
         let mut mine = vec![0u8; e];
-        quant::encode(&sum, &mut mine);
+        quant::encode(codec, &sum, &mut mine);
         let mut all = vec![0u8; e * n];
         let info = self.all_gather_into(&mine, &mut all).await?;
         for (part, out) in all.chunks(e).zip(values.chunks_mut(seg)) {
-            quant::decode(part, out);
+            quant::decode(codec, part, out);
         }
         quant::narrow(dtype, &values[..count], buf);
         Ok(info)

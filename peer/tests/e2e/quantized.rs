@@ -1,4 +1,4 @@
-//! all_reduce_quantized (`Quantize::Int8`) against a real master, three ranks: every rank
+//! all_reduce_quantized (`Quantize::Int8` and `Fp8`) against a real master, three ranks: every rank
 //! ends with the same bits, within the documented bound of the exact result (half a
 //! step of each rank's block plus half a step of the sum's block), for f32, f16 and bf16,
 //! sum and avg; what it cannot do is refused on the spot with a reason, and the world
@@ -15,7 +15,40 @@ fn value(r: usize, k: usize) -> f32 {
 }
 
 /// The bound for element `k` of `count`, summed over `n` ranks' blocks and the sum's.
-fn bound(n: usize, count: usize, k: usize, exact: &[f32], avg: bool) -> f32 {
+fn bound(q: Quantize, n: usize, count: usize, k: usize, exact: &[f32], avg: bool) -> f32 {
+    match q {
+        Quantize::Int8 => bound_int8(n, count, k, exact, avg),
+        Quantize::Fp8 => bound_fp8(n, count, k, exact, avg),
+    }
+}
+
+/// Element `k`'s block (of the segment it is in): its index range.
+fn block_of(n: usize, count: usize, k: usize) -> std::ops::Range<usize> {
+    const BLOCK: usize = eccl_algorithms::quant::BLOCK;
+    let seg = count.div_ceil(n);
+    let start = (k / seg) * seg + ((k % seg) / BLOCK) * BLOCK;
+    start..(start + BLOCK).min((k / seg + 1) * seg).min(count)
+}
+
+/// FP8 E4M3 per block: each value within max(|v| / 16, scale / 1024), scale = the
+/// block's largest magnitude over 448.
+fn bound_fp8(n: usize, count: usize, k: usize, exact: &[f32], avg: bool) -> f32 {
+    let b = block_of(n, count, k);
+    let one = |v: f32, peak: f32| (v.abs() / 16.0).max(peak / 448.0 / 1024.0);
+    let peak = |f: &dyn Fn(usize) -> f32| b.clone().map(|i| f(i).abs()).fold(0f32, f32::max);
+    let inputs: f32 = (0..n)
+        .map(|r| one(value(r, k), peak(&|i| value(r, i))))
+        .sum();
+    let scale = if avg { 1.0 / n as f32 } else { 1.0 };
+    // The sum as computed is within `inputs` of the exact one.
+    let sum = one(
+        exact[k].abs() / scale + inputs,
+        peak(&|i| exact[i] / scale) + 2.0 * inputs,
+    );
+    (inputs + sum) * scale * 1.01 + 1e-5 * exact[k].abs().max(1.0)
+}
+
+fn bound_int8(n: usize, count: usize, k: usize, exact: &[f32], avg: bool) -> f32 {
     const BLOCK: usize = eccl_algorithms::quant::BLOCK;
     // Ranks own segments of ceil(count / n); blocks of 256 start at each segment's start.
     let seg = count.div_ceil(n);
@@ -39,113 +72,112 @@ async fn quantized_all_reduce_is_identical_everywhere_and_within_its_bound() {
     let m = start_master(&[]);
     let mut comms = world(&m.addr, 3).await;
     let n = comms.len();
-    for count in [1usize, 700, 10_001] {
-        for op in [ReduceOp::Sum, ReduceOp::Avg] {
-            let avg = op == ReduceOp::Avg;
-            let exact: Vec<f32> = (0..count)
-                .map(|k| {
-                    let s: f32 = (0..n).map(|r| value(r, k)).sum();
-                    if avg {
-                        s / n as f32
-                    } else {
-                        s
-                    }
-                })
-                .collect();
-            // f32
-            let got = join_all(comms.iter_mut().map(|c| async move {
-                let r = c.rank().unwrap().0 as usize;
-                let mut v: Vec<f32> = (0..count).map(|k| value(r, k)).collect();
-                c.all_reduce_quantized(&mut v, op, Quantize::Int8)
-                    .await
-                    .expect("quantized all_reduce");
-                v
-            }))
-            .await;
-            for (r, v) in got.iter().enumerate() {
-                assert_eq!(
-                    v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    got[0].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    "rank {r} differs from rank 0 ({count} f32, {op})"
-                );
-            }
-            let mut worst = 0f32;
-            for k in 0..count {
-                let err = (got[0][k] - exact[k]).abs();
-                let b = bound(n, count, k, &exact, avg);
-                assert!(
-                    err <= b,
-                    "element {k} of {count} ({op}): {} vs {} (bound {b})",
-                    got[0][k],
-                    exact[k]
-                );
-                worst = worst.max(err / b);
-            }
-            // Quantized, not exact: some element moved (the bound is not vacuous).
-            if count > 1 {
-                assert!(got[0] != exact, "{count} {op}: bit for bit the exact sum");
-                assert!(
-                    worst > 0.01,
-                    "{count} {op}: error far below the bound ({worst})"
-                );
-            }
-            // bf16 and f16: the same bits everywhere, the bound widened by their rounding.
-            let halves = join_all(comms.iter_mut().map(|c| async move {
-                let r = c.rank().unwrap().0 as usize;
-                let mut b: Vec<bf16> = (0..count).map(|k| bf16::from_f32(value(r, k))).collect();
-                let mut h: Vec<f16> = (0..count).map(|k| f16::from_f32(value(r, k))).collect();
-                c.all_reduce_quantized(&mut b, op, Quantize::Int8)
-                    .await
-                    .expect("bf16");
-                c.all_reduce_quantized(&mut h, op, Quantize::Int8)
-                    .await
-                    .expect("f16");
-                (b, h)
-            }))
-            .await;
-            for (r, (b, h)) in halves.iter().enumerate() {
-                assert!(
-                    b.iter()
-                        .zip(&halves[0].0)
-                        .all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "rank {r} bf16"
-                );
-                assert!(
-                    h.iter()
-                        .zip(&halves[0].1)
-                        .all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "rank {r} f16"
-                );
-            }
-            // Against the exact result of the rounded inputs: the quantization's bound (a
-            // little wider for the rounded inputs' ranges), then the output's rounding.
-            let of = |round: fn(f32) -> f32| -> Vec<f32> {
-                (0..count)
+    for q in [Quantize::Int8, Quantize::Fp8] {
+        for count in [1usize, 700, 10_001] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let avg = op == ReduceOp::Avg;
+                let exact: Vec<f32> = (0..count)
                     .map(|k| {
-                        let s: f32 = (0..n).map(|r| round(value(r, k))).sum();
+                        let s: f32 = (0..n).map(|r| value(r, k)).sum();
                         if avg {
                             s / n as f32
                         } else {
                             s
                         }
                     })
-                    .collect()
-            };
-            let exact_b = of(|v| bf16::from_f32(v).to_f32());
-            let exact_h = of(|v| f16::from_f32(v).to_f32());
-            for k in 0..count {
-                let b = bound(n, count, k, &exact, avg) * 1.05 + 1e-3;
-                let bf = halves[0].0[k].to_f32();
-                let hf = halves[0].1[k].to_f32();
-                let (eb, eh) = (exact_b[k], exact_h[k]);
-                assert!(
-                    (bf - eb).abs() <= b + (eb.abs() + b) / 256.0,
-                    "bf16 {k}: {bf} vs {eb}"
-                );
-                assert!(
-                    (hf - eh).abs() <= b + (eh.abs() + b) / 2048.0,
-                    "f16 {k}: {hf} vs {eh}"
-                );
+                    .collect();
+                // f32
+                let got = join_all(comms.iter_mut().map(|c| async move {
+                    let r = c.rank().unwrap().0 as usize;
+                    let mut v: Vec<f32> = (0..count).map(|k| value(r, k)).collect();
+                    c.all_reduce_quantized(&mut v, op, q)
+                        .await
+                        .expect("quantized all_reduce");
+                    v
+                }))
+                .await;
+                for (r, v) in got.iter().enumerate() {
+                    assert_eq!(
+                        v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        got[0].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "rank {r} differs from rank 0 ({count} f32, {op})"
+                    );
+                }
+                let mut worst = 0f32;
+                for k in 0..count {
+                    let err = (got[0][k] - exact[k]).abs();
+                    let b = bound(q, n, count, k, &exact, avg);
+                    assert!(
+                        err <= b,
+                        "element {k} of {count} ({op}): {} vs {} (bound {b})",
+                        got[0][k],
+                        exact[k]
+                    );
+                    worst = worst.max(err / b);
+                }
+                // Quantized, not exact: some element moved (the bound is not vacuous).
+                if count > 1 {
+                    assert!(got[0] != exact, "{count} {op}: bit for bit the exact sum");
+                    assert!(
+                        worst > 0.01,
+                        "{count} {op}: error far below the bound ({worst})"
+                    );
+                }
+                // bf16 and f16: the same bits everywhere, the bound widened by their rounding.
+                let halves = join_all(comms.iter_mut().map(|c| async move {
+                    let r = c.rank().unwrap().0 as usize;
+                    let mut b: Vec<bf16> =
+                        (0..count).map(|k| bf16::from_f32(value(r, k))).collect();
+                    let mut h: Vec<f16> = (0..count).map(|k| f16::from_f32(value(r, k))).collect();
+                    c.all_reduce_quantized(&mut b, op, q).await.expect("bf16");
+                    c.all_reduce_quantized(&mut h, op, q).await.expect("f16");
+                    (b, h)
+                }))
+                .await;
+                for (r, (b, h)) in halves.iter().enumerate() {
+                    assert!(
+                        b.iter()
+                            .zip(&halves[0].0)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "rank {r} bf16"
+                    );
+                    assert!(
+                        h.iter()
+                            .zip(&halves[0].1)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "rank {r} f16"
+                    );
+                }
+                // Against the exact result of the rounded inputs: the quantization's bound (a
+                // little wider for the rounded inputs' ranges), then the output's rounding.
+                let of = |round: fn(f32) -> f32| -> Vec<f32> {
+                    (0..count)
+                        .map(|k| {
+                            let s: f32 = (0..n).map(|r| round(value(r, k))).sum();
+                            if avg {
+                                s / n as f32
+                            } else {
+                                s
+                            }
+                        })
+                        .collect()
+                };
+                let exact_b = of(|v| bf16::from_f32(v).to_f32());
+                let exact_h = of(|v| f16::from_f32(v).to_f32());
+                for k in 0..count {
+                    let b = bound(q, n, count, k, &exact, avg) * 1.05 + 1e-3;
+                    let bf = halves[0].0[k].to_f32();
+                    let hf = halves[0].1[k].to_f32();
+                    let (eb, eh) = (exact_b[k], exact_h[k]);
+                    assert!(
+                        (bf - eb).abs() <= b + (eb.abs() + b) / 256.0,
+                        "bf16 {k}: {bf} vs {eb}"
+                    );
+                    assert!(
+                        (hf - eh).abs() <= b + (eh.abs() + b) / 2048.0,
+                        "f16 {k}: {hf} vs {eh}"
+                    );
+                }
             }
         }
     }
@@ -172,5 +204,6 @@ async fn quantized_all_reduce_is_identical_everywhere_and_within_its_bound() {
     .await;
     assert!(got.iter().all(|v| v == &vec![3i64; 5]));
     assert_eq!(Quantize::parse("INT8"), Some(Quantize::Int8));
-    assert_eq!(Quantize::parse("fp8"), None);
+    assert_eq!(Quantize::parse("fp8"), Some(Quantize::Fp8));
+    assert_eq!(Quantize::parse("fp4"), None);
 }

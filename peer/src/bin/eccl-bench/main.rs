@@ -80,7 +80,8 @@ struct Args {
     /// host memory by default.
     #[arg(long, value_parser = device_arg)]
     device: Option<DeviceArg>,
-    /// all_reduce with 8-bit values on the wire: `int8` (f32, f16 or bf16; sum or avg).
+    /// all_reduce with 8-bit values on the wire: `int8` or `fp8` (f32, f16 or bf16; sum
+    /// or avg).
     /// The results are not exact, so `-c` does not go with it.
     #[arg(long, value_parser = quantize_arg)]
     quantize: Option<eccl::Quantize>,
@@ -103,7 +104,7 @@ struct Args {
 }
 
 fn quantize_arg(s: &str) -> Result<eccl::Quantize, String> {
-    eccl::Quantize::parse(s).ok_or_else(|| format!("{s:?} is not a quantization (int8)"))
+    eccl::Quantize::parse(s).ok_or_else(|| format!("{s:?} is not a quantization (int8, fp8)"))
 }
 
 fn size(s: &str) -> Result<usize, String> {
@@ -568,6 +569,7 @@ async fn run_peer(
             comm.transport_summary(),
             match (args.quantize, args.inplace, args.on_abort) {
                 (Some(eccl::Quantize::Int8), ..) => "in place, int8 on the wire",
+                (Some(eccl::Quantize::Fp8), ..) => "in place, fp8 on the wire",
                 (None, false, _) => "out of place",
                 (None, true, eccl::OnAbort::Unchanged) => "in place",
                 (None, true, eccl::OnAbort::Undefined) => "in place, undefined on abort",
