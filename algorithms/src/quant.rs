@@ -58,30 +58,29 @@ fn e4m3(code: u8) -> f32 {
 /// E4M3's largest finite value.
 pub const FP8_MAX: f32 = 448.0;
 
-/// The non-negative finite E4M3 values, by code (0 to 126), increasing.
-static E4M3_POSITIVE: std::sync::LazyLock<[f32; 127]> =
-    std::sync::LazyLock::new(|| std::array::from_fn(|c| e4m3(c as u8)));
 /// Every code's value, for decoding.
 static E4M3_ALL: std::sync::LazyLock<[f32; 256]> =
     std::sync::LazyLock::new(|| std::array::from_fn(|c| e4m3(c as u8)));
 
-/// The E4M3 code nearest `x` (finite; clamped to ±448), ties to the even code.
+/// The E4M3 code nearest `x` (finite; clamped to ±448), ties to the even code, from the
+/// bits of `x`: in E4M3's normal range, f32's mantissa rounded to 3 bits (to nearest,
+/// even) and the exponent rebiased; below it (under 2^-6), a whole number of E4M3's
+/// smallest subnormal, 2^-9.
 fn to_e4m3(x: f32) -> u8 {
-    let table = &*E4M3_POSITIVE;
     let a = x.abs().min(FP8_MAX);
-    // The first code whose value is at least `a`, and the one below it.
-    let hi = table.partition_point(|&v| v < a).min(126);
-    let code = if hi == 0 {
-        0
+    let code = if a < 2f32.powi(-6) {
+        // 0 to 8 units of 2^-9; 8 units is the smallest normal, code 8.
+        (a * 512.0).round_ties_even() as u8
     } else {
-        let (lo_v, hi_v) = (table[hi - 1], table[hi]);
-        let (d_lo, d_hi) = (a - lo_v, hi_v - a);
-        if d_lo < d_hi || (d_lo == d_hi && (hi - 1) % 2 == 0) {
-            hi - 1
-        } else {
-            hi
-        }
-    } as u8;
+        let mut bits = a.to_bits();
+        // Round away the 20 low mantissa bits, to nearest, ties to even.
+        let lsb = (bits >> 20) & 1;
+        bits += 0x7_FFFF + lsb;
+        bits &= !0xF_FFFF;
+        let e = (bits >> 23) as i32 - 127 + 7;
+        let m = (bits >> 20) & 7;
+        (((e as u32) << 3) | m).min(0x7E) as u8
+    };
     if x.is_sign_negative() && code != 0 {
         code | 0x80
     } else {
@@ -259,6 +258,46 @@ mod tests {
         let mut out = vec![0f32; values.len()];
         decode(codec, &enc, &mut out);
         out
+    }
+
+    /// The nearest code by search over the values (ties to the even code): what
+    /// `to_e4m3` computes from bits.
+    fn nearest_by_search(x: f32) -> u8 {
+        let a = x.abs().min(FP8_MAX);
+        let mut best = 0u8;
+        for c in 1u8..=126 {
+            let (d, db) = ((e4m3(c) - a).abs(), (e4m3(best) - a).abs());
+            if d < db || (d == db && c % 2 == 0) {
+                best = c;
+            }
+        }
+        if x.is_sign_negative() && best != 0 {
+            best | 0x80
+        } else {
+            best
+        }
+    }
+
+    #[test]
+    fn e4m3_from_bits_is_the_nearest_value() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for _ in 0..20_000 {
+            let x: f32 = rng.gen_range(-500.0f32..500.0) * 2f32.powi(rng.gen_range(-14..1));
+            assert_eq!(to_e4m3(x), nearest_by_search(x), "{x}");
+        }
+        // Every midpoint between neighbours, and just either side of it.
+        for c in 0u8..126 {
+            let mid = (e4m3(c) + e4m3(c + 1)) / 2.0;
+            for x in [mid, mid.next_down(), mid.next_up()] {
+                assert_eq!(
+                    to_e4m3(x),
+                    nearest_by_search(x),
+                    "{x} between codes {c} and {}",
+                    c + 1
+                );
+            }
+        }
     }
 
     #[test]
