@@ -49,8 +49,9 @@ def test_no_source_reads_a_variable_missing_from_the_list():
     assert not missing, f"read but not in eccl::variables::VARIABLES: {sorted(missing)}"
 
 
-def _flags_of(binary: str):
-    out = subprocess.run([str(ROOT / "target" / "release" / binary), "--help"],
+def _flags_of(binary: str, *sub: str):
+    """The long flags `binary [sub...] --help` lists."""
+    out = subprocess.run([str(ROOT / "target" / "release" / binary), *sub, "--help"],
                          capture_output=True, text=True, check=True).stdout
     return set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9_-]*)", out, re.M)) - {"--help", "--version"}
 
@@ -162,9 +163,7 @@ def test_every_documented_command_uses_flags_its_program_has():
                     sub.append(a)
             if program == "eccl-bench" and args[:1] in (["probe"], ["plot"]):
                 continue   # their arguments are short flags and files
-            out = subprocess.run([str(ROOT / "target" / "release" / program), *sub, "--help"],
-                                 capture_output=True, text=True, check=True).stdout
-            known = set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9_-]*)", out, re.M))
+            known = _flags_of(program, *sub)
         assert used <= known, f"{page}: `{' '.join(words)}` uses {sorted(used - known)}"
         checked += 1
     assert checked >= 15, checked

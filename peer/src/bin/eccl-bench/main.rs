@@ -20,7 +20,7 @@ use std::sync::LazyLock;
 
 use device::{device_arg, DeviceArg, OnDevice};
 use eccl::{CollArgs, CollectiveKind, Communicator, Config, DType, ReduceOp};
-use serde::Serialize;
+use plot::{Report, Row};
 
 /// Benchmark and check an eccl collective, the way nccl-tests does.
 #[derive(Parser, Debug, Clone)]
@@ -189,31 +189,6 @@ fn combinations(args: &Args, kind: CollectiveKind) -> Result<Vec<(DType, ReduceO
         return Err("no datatype and op named here go together".into());
     }
     Ok(out)
-}
-
-#[derive(Serialize)]
-struct Row {
-    dtype: &'static str,
-    op: &'static str,
-    bytes: usize,
-    count: usize,
-    time_us: f64,
-    algbw_gbps: f64,
-    busbw_gbps: f64,
-    wrong: u64,
-}
-
-#[derive(Serialize)]
-struct Report {
-    collective: String,
-    world_size: u32,
-    dtype: String,
-    op: String,
-    transport: String,
-    /// `int8` with --quantize.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    quantize: Option<&'static str>,
-    rows: Vec<Row>,
 }
 
 fn main() -> ExitCode {
@@ -637,7 +612,8 @@ async fn run_peer(
             dtype: json_dtypes,
             op: op_list,
             transport: comm.transport_summary(),
-            quantize: args.quantize.map(eccl::Quantize::name),
+            quantize: args.quantize.map(|q| q.name().into()),
+            label: None,
             rows,
         };
         if let Some(path) = &args.json {
@@ -647,26 +623,7 @@ async fn run_peer(
                 .map_err(|e| eccl::Error::InvalidArgument(format!("cannot write {path}: {e}")))?;
         }
         if let Some(path) = &args.plot {
-            let drawn = plot::Result {
-                collective: report.collective,
-                world_size: report.world_size,
-                label: report
-                    .quantize
-                    .map(|q| format!("eccl {} {q}", report.transport)),
-                transport: report.transport,
-                rows: report
-                    .rows
-                    .iter()
-                    .map(|r| plot::Row {
-                        dtype: r.dtype.into(),
-                        op: r.op.into(),
-                        bytes: r.bytes,
-                        time_us: r.time_us,
-                        busbw_gbps: r.busbw_gbps,
-                    })
-                    .collect(),
-            };
-            plot::figure(&[drawn])
+            plot::figure(std::slice::from_ref(&report))
                 .write_svg(std::path::Path::new(path))
                 .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
         }
@@ -830,8 +787,8 @@ async fn sweep(
             );
         }
         rows.push(Row {
-            dtype: dtype.name(),
-            op: redop,
+            dtype: dtype.name().into(),
+            op: redop.into(),
             bytes,
             count,
             time_us: t,

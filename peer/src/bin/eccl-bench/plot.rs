@@ -7,40 +7,54 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use eccl_plot::{Axis, Figure, Panel, Scale, Series, Style, Units};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-/// What the picture reads of a `--json` result (eccl-bench's, or the same shape written
-/// by another benchmark: `examples/compare_gloo.py` writes gloo's so).
-#[derive(Deserialize)]
-pub struct Result {
+/// A run's results: what `--json` writes and the picture reads (also in the shape another
+/// benchmark writes: `examples/compare_gloo.py` writes gloo's so, without the fields
+/// that have defaults here).
+#[derive(Serialize, Deserialize)]
+pub struct Report {
     pub collective: String,
     pub world_size: u32,
-    pub transport: String,
-    /// The series' name, where the transport alone is not it (`gloo`).
     #[serde(default)]
+    pub dtype: String,
+    #[serde(default)]
+    pub op: String,
+    pub transport: String,
+    /// `int8` or `fp8` with --quantize.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize: Option<String>,
+    /// The series' name, where the transport alone is not it (`gloo`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
     pub rows: Vec<Row>,
 }
 
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 pub struct Row {
     pub dtype: String,
     pub op: String,
     pub bytes: usize,
+    #[serde(default)]
+    pub count: usize,
     pub time_us: f64,
+    #[serde(default)]
+    pub algbw_gbps: f64,
     pub busbw_gbps: f64,
+    #[serde(default)]
+    pub wrong: u64,
 }
 
-/// One series per result and (dtype, op) pair, named by the label (or `eccl` and the
-/// transport), with the pair where a result has several.
-pub fn figure(results: &[Result]) -> Figure {
+/// One series per result and (dtype, op) pair, named by the label (or `eccl`, the
+/// transport and the quantization), with the pair where a result has several.
+pub fn figure(results: &[Report]) -> Figure {
     let mut bw = Vec::new();
     let mut time = Vec::new();
     for r in results {
-        let name = r
-            .label
-            .clone()
-            .unwrap_or_else(|| format!("eccl {}", r.transport));
+        let name = r.label.clone().unwrap_or_else(|| match &r.quantize {
+            Some(q) => format!("eccl {} {q}", r.transport),
+            None => format!("eccl {}", r.transport),
+        });
         let mut pairs: Vec<(&str, &str)> = r
             .rows
             .iter()
@@ -117,7 +131,7 @@ pub fn main(args: &[String]) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        match serde_json::from_str::<Result>(&text) {
+        match serde_json::from_str::<Report>(&text) {
             Ok(r) => results.push(r),
             Err(e) => {
                 eprintln!("eccl-bench: {path} is not an eccl-bench --json result: {e}");
