@@ -144,6 +144,18 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         timeout, group name and global ranks (`split_group` starts from them)."""
         return self._options
 
+    if _Base is dist.ProcessGroup:
+        # torch 2.11 and earlier keep a group's name in its registered backends, and a
+        # Python backend is the process group itself with none registered: `group_name`
+        # would raise "ProcessGroup name not set" (DeviceMesh, and with it FSDP2 and
+        # DTensor, reads it). The group keeps the name torch gives it instead.
+        @property
+        def group_name(self) -> str:
+            return self._options.group_name
+
+        def _set_group_name(self, name: str) -> None:
+            self._options.group_name = name
+
     def _named(self, name: str, global_ranks) -> "ProcessGroupEccl":
         self._options.group_name = name
         self._options.global_ranks_in_group = list(global_ranks)

@@ -61,9 +61,13 @@ def main():
         mesh = init_device_mesh(dev, (2, n // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(dev, (n,))
+    # The same initial parameters on every device: drawn from the CPU's generator, then
+    # moved (under a CUDA default device, the CUDA generator would draw other numbers).
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 3))
+    with torch.device("cpu"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 3))
+    model = model.to(dev)
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh)

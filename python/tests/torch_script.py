@@ -153,7 +153,9 @@ def main():
     if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         # The backend's optimize_topology(): the collectives below then run on the ring
         # the master solved, and must still give gloo's results.
-        pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        pg = dist.distributed_c10d._get_default_group()
+        if not isinstance(pg, eccl.torch.ProcessGroupEccl):
+            pg = pg._get_backend(torch.device("cpu"))  # torch 2.12+: the group wraps it
         topology = pg.optimize_topology()
     res = {"collectives": collectives, "coverage": coverage, "mixed": mixed}.get(
         what, lambda r, n: ddp(r, n, 10))(r, n)
