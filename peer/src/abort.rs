@@ -199,7 +199,7 @@ impl LinkObserver for EpochLinkObserver {
             return;
         }
         let rank = self.names.lock().ok().and_then(|n| n.get(peer).copied());
-        let cause = AbortCause::from_u32(header.step);
+        let cause = AbortCause::from_u32(header.index);
         // A peer that refused collective #k (its argument, a mismatch it saw) had done
         // every collective before it; a broken link or a timeout breaks the epoch.
         let refused = matches!(

@@ -29,7 +29,7 @@ pub struct Config {
     pub join_timeout: Duration,
     /// Bytes per frame (`ECCL_BUFFSIZE`, default 1 MiB): a smaller frame pipelines
     /// chains sooner, a larger one costs fewer headers and wake-ups.
-    pub buffsize: usize,
+    pub frame_bytes: usize,
     /// TCP connections per link (`ECCL_NSTREAMS`, default 1).
     pub nstreams: usize,
     /// Force an algorithm (`ECCL_ALGO`: ring, direct, tree).
@@ -174,7 +174,7 @@ impl Default for Config {
             timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             join_timeout: Duration::from_secs(300),
-            buffsize: 1 << 20,
+            frame_bytes: 1 << 20,
             nstreams: 1,
             algo: None,
             optimize_topology: false,
@@ -207,7 +207,7 @@ impl Config {
             c.join_timeout = Duration::from_millis(ms);
         }
         if let Some(b) = env("ECCL_BUFFSIZE") {
-            c.buffsize = parse_size(&b).ok_or_else(|| {
+            c.frame_bytes = parse_size(&b).ok_or_else(|| {
                 Error::InvalidArgument(format!("ECCL_BUFFSIZE={b:?} is not a size"))
             })?;
         }
@@ -275,10 +275,10 @@ impl Config {
                 self.nstreams
             )));
         }
-        if self.buffsize < 4096 || self.buffsize > eccl_protocol::MAX_FRAME_PAYLOAD {
+        if self.frame_bytes < 4096 || self.frame_bytes > eccl_protocol::MAX_FRAME_PAYLOAD {
             return Err(Error::InvalidArgument(format!(
                 "ECCL_BUFFSIZE={} must be between 4096 and {}",
-                self.buffsize,
+                self.frame_bytes,
                 eccl_protocol::MAX_FRAME_PAYLOAD
             )));
         }

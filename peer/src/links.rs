@@ -195,7 +195,7 @@ impl LinkManager {
         let kept = keep.len();
         let settings = LinkSettings {
             nstreams,
-            shm_frame_bytes: cfg.buffsize,
+            shm_frame_bytes: cfg.frame_bytes,
             connect_timeout: cfg.connect_timeout,
             keep_buf_max: KEEP_BUF_MAX,
             observer,

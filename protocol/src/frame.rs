@@ -11,10 +11,11 @@
 //!  6  _pad    u16
 //!  8  epoch   u64  epoch of the collective
 //! 16  seq     u64  collective number in the epoch (send/recv: per-pair number)
-//! 24  step    u32  schedule step (abort: cause code)
+//! 24  index   u32  data: the message's index on the link within the call; abort: the
+//!                  cause code; shared-state sync: the tensor
 //! 28  len     u32  payload bytes following this header
 //! 32  desc    16B  descriptor of the collective
-//! 48  offset  u64  byte offset of the payload inside the step's region
+//! 48  offset  u64  byte offset of the payload inside the message's region
 //! 56  tag     u32  point-to-point tag (0 for everything else)
 //! 60  _pad    u32
 //! ```
@@ -33,14 +34,14 @@ pub enum FrameKind {
     Data = 1,
     /// A tagged point-to-point message.
     P2p = 2,
-    /// The sender aborts collective `seq` of `epoch`; `step` holds an [`AbortCause`]
+    /// The sender aborts collective `seq` of `epoch`; `index` holds an [`AbortCause`]
     /// code and the payload a short UTF-8 reason.
     Abort = 3,
     /// The descriptor check that precedes rooted collectives (no payload).
     Check = 4,
     /// The sender closes the link on purpose.
     Close = 5,
-    /// Shared-state sync: a receiver asks for chunk `offset` of tensor `step`; `seq` is
+    /// Shared-state sync: a receiver asks for chunk `offset` of tensor `index`; `seq` is
     /// the sync round. No payload.
     StateReq = 6,
     /// Shared-state sync: a source answers a `StateReq` with the chunk's bytes.
@@ -83,7 +84,11 @@ pub struct FrameHeader {
     pub kind: FrameKind,
     pub epoch: u64,
     pub seq: u64,
-    pub step: u32,
+    /// Data frames: the message's index on this link within the call (the k-th message
+    /// a rank sends a peer is the k-th that peer receives from it; not the schedule's
+    /// step, which may hold messages on several links). Abort: an [`AbortCause`] code.
+    /// Shared-state sync: the tensor.
+    pub index: u32,
     pub len: u32,
     pub desc: Descriptor,
     pub offset: u64,
@@ -112,7 +117,7 @@ impl FrameHeader {
         b[4] = self.kind as u8;
         b[8..16].copy_from_slice(&self.epoch.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        b[24..28].copy_from_slice(&self.step.to_le_bytes());
+        b[24..28].copy_from_slice(&self.index.to_le_bytes());
         b[28..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..48].copy_from_slice(&self.desc.encode());
         b[48..56].copy_from_slice(&self.offset.to_le_bytes());
@@ -153,7 +158,7 @@ impl FrameHeader {
             kind,
             epoch: u64_at(8),
             seq: u64_at(16),
-            step: u32_at(24),
+            index: u32_at(24),
             len,
             desc,
             offset: u64_at(48),
@@ -172,7 +177,7 @@ mod tests {
             kind: FrameKind::Data,
             epoch: 3,
             seq: 99,
-            step: 4,
+            index: 4,
             len: 4096,
             desc: Descriptor {
                 kind: CollectiveKind::AllReduce,

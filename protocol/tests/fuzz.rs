@@ -340,7 +340,7 @@ proptest! {
             kind: FrameKind::Data,
             epoch: 2,
             seq,
-            step: 3,
+            index: 3,
             len,
             desc: Descriptor {
                 kind: CollectiveKind::AllReduce,

@@ -128,7 +128,8 @@ pub(crate) enum DeviceOp {
     Broadcast { root: usize },
 }
 
-pub(crate) struct Job {
+/// A call waiting in the communicator's queue, with what finishes its Python `Work`.
+pub(crate) struct Queued {
     pub id: u64,
     pub call: Call,
     pub done: Completer,
@@ -149,26 +150,26 @@ pub(crate) struct Info {
 /// cancelled, its Work reports `AbortedError`). Then the links close in order.
 pub(crate) async fn serve(
     mut comm: eccl::Communicator,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
+    mut queue: mpsc::UnboundedReceiver<Queued>,
     info: Arc<Mutex<Info>>,
     stop: Arc<Notify>,
 ) {
     // Each CUDA device's same-host collectives (mapped peer buffers are cached there).
     let mut devices = Devices::default();
     loop {
-        let job = tokio::select! {
+        let queued = tokio::select! {
             biased;
             _ = stop.notified() => break,
-            job = jobs.recv() => match job {
-                Some(job) => job,
+            queued = queue.recv() => match queued {
+                Some(queued) => queued,
                 None => break,
             },
         };
-        let Job { id, mut call, done } = job;
+        let Queued { id, mut call, done } = queued;
         if let Call::Leave = call {
             done.complete(comm.leave().await.map(|_| Done::Left));
-            jobs.close();
-            while let Some(j) = jobs.recv().await {
+            queue.close();
+            while let Some(j) = queue.recv().await {
                 j.done.complete(Err(eccl::Error::Evicted {
                     reason: "this peer left the job".into(),
                 }));
@@ -194,7 +195,7 @@ pub(crate) async fn serve(
         // Only now, with the library done with them, may the buffers go.
         drop(call);
     }
-    jobs.close();
+    queue.close();
     // The Python side let go of this communicator or the interpreter is exiting: the
     // peer leaves on purpose. A departure is not an eviction, so the master does not
     // abort the epoch under a peer that is still reading what this one sent last; the

@@ -16,7 +16,7 @@ use pyo3::IntoPyObjectExt;
 use tokio::sync::mpsc;
 
 use crate::buffer::{check_disjoint, HostBuffer, WritableBuffer};
-use crate::call::{serve, Call, DeviceBuf, DeviceOp, Info, Job};
+use crate::call::{serve, Call, DeviceBuf, DeviceOp, Info, Queued};
 use crate::errors::{invalid, OrRaise};
 use crate::runtime::{runtime, track};
 use crate::work::{Completer, Work};
@@ -52,7 +52,7 @@ fn same_dtype(input: &HostBuffer, output: &WritableBuffer) -> PyResult<()> {
 
 #[pyclass(module = "eccl", frozen)]
 pub(crate) struct Communicator {
-    jobs: mpsc::UnboundedSender<Job>,
+    queue: mpsc::UnboundedSender<Queued>,
     info: Arc<Mutex<Info>>,
     aborter: eccl::AbortHandle,
     job_id: String,
@@ -102,8 +102,8 @@ impl Communicator {
         }
         let (done, completion) = Completer::new();
         let id = NEXT_CALL.fetch_add(1, Ordering::Relaxed);
-        if let Err(mpsc::error::SendError(job)) = self.jobs.send(Job { id, call, done }) {
-            job.done.complete(Err(eccl::Error::Evicted {
+        if let Err(mpsc::error::SendError(queued)) = self.queue.send(Queued { id, call, done }) {
+            queued.done.complete(Err(eccl::Error::Evicted {
                 reason: "this communicator has left the job or was shut down".into(),
             }));
         }
@@ -243,7 +243,7 @@ impl Communicator {
             stop,
         );
         Ok(Communicator {
-            jobs: tx,
+            queue: tx,
             info,
             aborter,
             job_id,

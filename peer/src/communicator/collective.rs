@@ -12,7 +12,7 @@ use eccl_transport::pool::AlignedBuf;
 
 use super::Communicator;
 use crate::error::{Error, Result};
-use crate::executor::{self, Bufs, Op};
+use crate::executor::{self, Bufs, Running};
 
 /// What a successful collective reports (G3): the epoch it ran in and who took part, so
 /// that a caller can, for example, weight an average by the members that contributed.
@@ -154,7 +154,7 @@ impl Communicator {
     ) -> BoxFuture<'a, Result<OpInfo>> {
         async move {
         let forced = self.cfg.algo;
-        let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
+        let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.frame_bytes);
         if let Some(e) = self.evicted_error() {
             return Err(e);
         }
@@ -223,7 +223,7 @@ impl Communicator {
             let sched = direct.unwrap_or(&built.plain);
             self.scratch.set_len(sched.scratch_len * elem);
             let c = self.cur.as_mut().expect("world checked at the start of the call");
-            let op = Op { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect };
+            let op = Running { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect };
             if args.kind.is_rooted() && world > 1 {
                 executor::check_round(&op, &mut c.links).await?;
             }

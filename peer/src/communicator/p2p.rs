@@ -8,7 +8,7 @@ use futures::future::{BoxFuture, FutureExt};
 
 use super::{Communicator, OpInfo};
 use crate::error::{Error, Result};
-use crate::executor::{self, Op};
+use crate::executor::{self, Running};
 
 enum Direction<'a> {
     Send(&'a [u8], Rank),
@@ -68,7 +68,7 @@ impl Communicator {
         dir: Direction<'a>,
     ) -> BoxFuture<'a, Result<OpInfo>> {
         async move {
-            let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.buffsize);
+            let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.frame_bytes);
             self.ready()?;
             let c = self.cur.as_mut().expect("checked by ready()");
             let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
@@ -96,7 +96,7 @@ impl Communicator {
                 )));
             }
             let members = c.members.clone();
-            let op = Op {
+            let op = Running {
                 epoch,
                 seq: 0,
                 desc,
@@ -134,7 +134,7 @@ impl Communicator {
             let link = c.links[peer.idx()]
                 .as_mut()
                 .ok_or_else(|| Error::InvalidArgument(format!("no link to rank {peer}")))?;
-            let op = Op { seq, ..op };
+            let op = Running { seq, ..op };
             let r = match dir {
                 Direction::Send(d, _) => executor::send_p2p(&op, link, peer.0, tag, d).await,
                 Direction::Recv(o, _) => executor::recv_p2p(&op, link, peer.0, tag, first, o).await,

@@ -9,19 +9,19 @@ use eccl_transport::link::Incoming;
 use futures::future::try_join_all;
 
 use super::frames::{next_frame, recv_msg, Want};
-use super::Op;
+use super::Running;
 use crate::error::Result;
 use crate::links::PeerLink;
 
 /// The check that precedes rooted collectives: every rank sends its descriptor to every
 /// other rank and waits for theirs, so that ranks that disagree on the root (and so would
 /// not exchange any data with each other) still fail with `Mismatch` instead of passing.
-pub(crate) async fn check_round(op: &Op<'_>, links: &mut [Option<PeerLink>]) -> Result<()> {
+pub(crate) async fn check_round(op: &Running<'_>, links: &mut [Option<PeerLink>]) -> Result<()> {
     let h = op.header(FrameKind::Check, op.seq, 0, op.desc);
     let want = Want {
         kind: FrameKind::Check,
         seq: op.seq,
-        step: 0,
+        index: 0,
         desc: op.desc,
         tag: 0,
     };
@@ -61,7 +61,7 @@ pub(crate) async fn broadcast_abort(
         kind: FrameKind::Abort,
         epoch,
         seq,
-        step: cause as u32,
+        index: cause as u32,
         len: 0,
         desc,
         offset: 0,
@@ -79,7 +79,7 @@ pub(crate) async fn broadcast_abort(
 
 /// A point-to-point message with tag `tag`.
 pub(crate) async fn send_p2p(
-    op: &Op<'_>,
+    op: &Running<'_>,
     link: &mut PeerLink,
     rank: u32,
     tag: u32,
@@ -99,7 +99,7 @@ pub(crate) async fn send_p2p(
 
 /// Receives a message (the rest of it, after the `first` frame `probe_p2p` took).
 pub(crate) async fn recv_p2p(
-    op: &Op<'_>,
+    op: &Running<'_>,
     link: &mut PeerLink,
     rank: u32,
     tag: u32,
@@ -109,7 +109,7 @@ pub(crate) async fn recv_p2p(
     let want = Want {
         kind: FrameKind::P2p,
         seq: op.seq,
-        step: 0,
+        index: 0,
         desc: op.desc,
         tag,
     };
@@ -134,7 +134,7 @@ pub(crate) async fn recv_p2p(
 /// `next_frame` stashes what it reads before its next await, and only the wait that
 /// returns has taken a frame of the message.
 pub(crate) async fn probe_p2p(
-    op: &Op<'_>,
+    op: &Running<'_>,
     links: &mut [Option<PeerLink>],
     from: Option<u32>,
     tag: u32,
@@ -143,11 +143,11 @@ pub(crate) async fn probe_p2p(
     let want = |r: usize| Want {
         kind: FrameKind::P2p,
         seq: seq_of(r as u32),
-        step: 0,
+        index: 0,
         desc: op.desc,
         tag,
     };
-    let idle = Op {
+    let idle = Running {
         // The per-frame bound would blame whichever rank it ran out on.
         timeout: Duration::from_secs(365 * 24 * 3600),
         ..*op
@@ -196,7 +196,7 @@ pub(crate) fn close_header(epoch: u64) -> FrameHeader {
         kind: FrameKind::Close,
         epoch,
         seq: 0,
-        step: 0,
+        index: 0,
         len: 0,
         desc: Descriptor {
             kind: eccl_protocol::CollectiveKind::Barrier,

@@ -8,7 +8,7 @@ use eccl_protocol::frame::{FrameHeader, FrameKind};
 use eccl_protocol::Descriptor;
 use eccl_transport::link::{Incoming, LinkEvent, Payload};
 
-use super::Op;
+use super::Running;
 use crate::error::{Error, Result};
 use crate::links::PeerRx;
 
@@ -20,7 +20,7 @@ const MAX_STASH: usize = 4096;
 pub(crate) struct Want {
     pub kind: FrameKind,
     pub seq: u64,
-    pub step: u32,
+    pub index: u32,
     pub desc: Descriptor,
     /// Point-to-point only: the message's tag.
     pub tag: u32,
@@ -33,14 +33,14 @@ impl Want {
             && if self.kind == FrameKind::P2p {
                 h.tag == self.tag
             } else {
-                h.step == self.step
+                h.index == self.index
             }
     }
 }
 
 /// Next frame from `rank` that `want` names, taking early arrivals from the stash.
 pub(crate) async fn next_frame(
-    op: &Op<'_>,
+    op: &Running<'_>,
     rx: &mut PeerRx,
     rank: u32,
     want: Want,
@@ -96,7 +96,7 @@ pub(crate) async fn next_frame(
             FrameKind::Data | FrameKind::Check => {
                 h.seq > want.seq
                     || (h.kind == FrameKind::Data
-                        && (want.kind == FrameKind::Check || h.step > want.step))
+                        && (want.kind == FrameKind::Check || h.index > want.index))
             }
             _ => false,
         };
@@ -104,7 +104,7 @@ pub(crate) async fn next_frame(
             return Err(op.mismatch(
                 rank,
                 Some(h.desc),
-                format!("rank {rank} sent {:?} frame (collective #{}, message {}) where this rank expected collective #{} message {}", h.kind, h.seq, h.step, want.seq, want.step),
+                format!("rank {rank} sent {:?} frame (collective #{}, message {}) where this rank expected collective #{} message {}", h.kind, h.seq, h.index, want.seq, want.index),
             ));
         }
         if rx.stash.len() >= MAX_STASH {
@@ -123,7 +123,7 @@ pub(crate) async fn next_frame(
     }
 }
 
-fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
+fn check_desc(op: &Running<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
     if f.header.desc != want.desc {
         return Err(op.mismatch(
             rank,
@@ -140,7 +140,7 @@ fn check_desc(op: &Op<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incomin
 /// Receives one message of `total` bytes from `rank`, handing each frame's payload to
 /// `piece` with its byte offset; `first`: a frame of it the caller already took.
 pub(crate) async fn recv_msg<F>(
-    op: &Op<'_>,
+    op: &Running<'_>,
     rx: &mut PeerRx,
     rank: u32,
     want: Want,

@@ -1,6 +1,6 @@
 //! Runs one rank's [`Schedule`] over the links of its world.
 //!
-//! Every frame is named by `(epoch, seq, kind, step)`, where `step` is the index of the
+//! Every frame is named by `(epoch, seq, kind, index)`, where `index` is the index of the
 //! message on that link within the collective (the k-th message this rank sends to a
 //! peer is the k-th one that peer receives from it). Frames that arrive early wait in the
 //! link's stash; a frame that can never be right (another descriptor, an earlier
@@ -53,11 +53,11 @@ fn take<T>(v: &mut [Option<T>], r: u32) -> Result<T> {
     })
 }
 
-/// `Op::suspect` when nobody is suspected.
+/// `Running::suspect` when nobody is suspected.
 pub(crate) const NO_SUSPECT: u32 = u32::MAX;
 
 /// One collective call in progress.
-pub(crate) struct Op<'a> {
+pub(crate) struct Running<'a> {
     pub epoch: u64,
     pub seq: u64,
     pub desc: Descriptor,
@@ -69,7 +69,7 @@ pub(crate) struct Op<'a> {
     pub suspect: &'a AtomicU32,
 }
 
-impl Op<'_> {
+impl Running<'_> {
     /// Resolves once an abort breaks this call (a collective: this one or one before it
     /// on the aborting rank; a point-to-point message: any abort of the epoch).
     async fn aborted(&self) -> Error {
@@ -81,12 +81,12 @@ impl Op<'_> {
         self.desc.dtype.size()
     }
 
-    fn header(&self, kind: FrameKind, seq: u64, step: u32, desc: Descriptor) -> FrameHeader {
+    fn header(&self, kind: FrameKind, seq: u64, index: u32, desc: Descriptor) -> FrameHeader {
         FrameHeader {
             kind,
             epoch: self.epoch,
             seq,
-            step,
+            index,
             len: 0,
             desc,
             offset: 0,
@@ -131,7 +131,7 @@ impl Op<'_> {
 const LOCAL_YIELD_BYTES: usize = 8 << 20;
 
 pub(crate) async fn run(
-    op: &Op<'_>,
+    op: &Running<'_>,
     links: &mut [Option<PeerLink>],
     sched: &Schedule,
     bufs: &Bufs,
@@ -183,12 +183,12 @@ pub(crate) async fn run(
             let (from, to) = ends(p);
             let recv = match from {
                 Some(r) => {
-                    let step = recvd[r as usize];
+                    let index = recvd[r as usize];
                     recvd[r as usize] += 1;
                     let want = Want {
                         kind: FrameKind::Data,
                         seq: op.seq,
-                        step,
+                        index,
                         desc: op.desc,
                         tag: 0,
                     };
@@ -247,7 +247,7 @@ enum Land<'a> {
 impl Land<'_> {
     /// Lands the piece at byte `off`. A piece that goes on (`forwarding`) must hold
     /// what is forwarded afterwards: a reduction is computed in it.
-    fn piece(&mut self, op: &Op<'_>, off: usize, b: &mut Payload, forwarding: bool) {
+    fn piece(&mut self, op: &Running<'_>, off: usize, b: &mut Payload, forwarding: bool) {
         let (dtype, rop) = (op.desc.dtype, op.desc.op);
         match self {
             Land::Copy(out) => out[off..off + b.len()].copy_from_slice(b.as_bytes()),
@@ -269,7 +269,7 @@ impl Land<'_> {
 /// `mem` (copy or reduce), and forward it to `send`'s rank while the next piece is still
 /// arriving; or, with nothing to receive, send `mem` as it is.
 async fn prim(
-    op: &Op<'_>,
+    op: &Running<'_>,
     recv: Option<(&mut PeerRx, u32, Want)>,
     mem: Mem<'_>,
     send: Option<(&mut LinkTx, u32, FrameHeader)>,

@@ -146,11 +146,11 @@ impl Communicator {
                     let Some(si) = srcs.iter().position(|s| s.rank == r) else {
                         continue;
                     };
-                    let key = (h.step, h.offset);
+                    let key = (h.index, h.offset);
                     let Some(pos) = srcs[si].inflight.iter().position(|k| *k == key) else {
                         continue;
                     };
-                    let t = &target[h.step as usize];
+                    let t = &target[h.index as usize];
                     let range = chunk_range(t.len, h.offset);
                     let good = range.as_ref().is_some_and(|rg| rg.len() == f.payload.len())
                         && t.chunks.get(h.offset as usize)
@@ -170,7 +170,7 @@ impl Communicator {
                     let rg = range.expect("checked above");
                     received += rg.len() as u64;
                     staged
-                        .get_mut(&(h.step as usize))
+                        .get_mut(&(h.index as usize))
                         .expect("requested tensors are staged")[rg]
                         .copy_from_slice(f.payload.as_bytes());
                     if first {

@@ -133,7 +133,7 @@ fn state_header(kind: FrameKind, epoch: u64, round: u64, tensor: u32, chunk: u64
         kind,
         epoch,
         seq: round,
-        step: tensor,
+        index: tensor,
         len: 0,
         desc: Descriptor {
             kind: CollectiveKind::Barrier,

@@ -70,19 +70,19 @@ impl Communicator {
                         }
                         FrameKind::StateReq => {
                             let chunk = target
-                                .get(h.step as usize)
+                                .get(h.index as usize)
                                 .and_then(|t| by_name.get(t.name.as_str()))
                                 .and_then(|i| {
                                     let d = &tensors[*i].data;
                                     chunk_range(d.len() as u64, h.offset).map(|rg| &d[rg])
                                 });
                             let Some(bytes) = chunk else {
-                                tracing::warn!(target: "eccl::coll", "rank {r} asked for chunk {} of tensor {} that does not exist", h.offset, h.step);
+                                tracing::warn!(target: "eccl::coll", "rank {r} asked for chunk {} of tensor {} that does not exist", h.offset, h.index);
                                 waiting.remove(&r);
                                 continue;
                             };
                             let reply =
-                                state_header(FrameKind::StateData, epoch, round, h.step, h.offset);
+                                state_header(FrameKind::StateData, epoch, round, h.index, h.offset);
                             let link = c.links[r as usize]
                                 .as_mut()
                                 .expect("rank of a waiting receiver");

@@ -68,7 +68,7 @@ mod tests {
             kind: FrameKind::Data,
             epoch: 1,
             seq: 2,
-            step: 3,
+            index: 3,
             len: 0,
             desc: Descriptor {
                 kind: CollectiveKind::AllReduce,
@@ -104,7 +104,7 @@ mod tests {
             for (h, part) in f.iter() {
                 assert_eq!(h.offset as usize, next);
                 assert_eq!(h.len as usize, part.len());
-                assert_eq!((h.seq, h.step), (2, 3));
+                assert_eq!((h.seq, h.index), (2, 3));
                 if h.offset as usize + part.len() < len {
                     assert_eq!(part.len() % align, 0, "{len} {frame_bytes} {align} {max}");
                     assert!(part.len() <= max.max(align));

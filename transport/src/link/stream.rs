@@ -426,7 +426,7 @@ mod tests {
             kind: FrameKind::Data,
             epoch: 1,
             seq: 0,
-            step: 0,
+            index: 0,
             len,
             desc: Descriptor {
                 kind: CollectiveKind::AllReduce,

@@ -37,7 +37,7 @@ pub fn header(kind: FrameKind, seq: u64) -> FrameHeader {
         kind,
         epoch: 1,
         seq,
-        step: 0,
+        index: 0,
         len: 0,
         desc: Descriptor {
             kind: CollectiveKind::AllReduce,
