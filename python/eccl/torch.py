@@ -82,7 +82,7 @@ def _input_of(output: "torch.Tensor", input: "torch.Tensor", rank: int) -> "torc
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     # CUDA tensors reach the calls as host copies (`eccl.torch_cuda`); other devices
     # are refused.
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise eccl.InvalidArgumentError(
             f"{what} is on {t.device}: the eccl backend moves CPU and CUDA tensors")
     return t

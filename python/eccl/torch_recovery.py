@@ -75,6 +75,11 @@ class Recovery:
     def before_call(self) -> None:
         """Before every call: refuse it in a group with no world yet; after an aborted
         epoch, form the next one."""
+        if self.state is State.FORMED:
+            # The common case, without the lock: a failure that flips the state just
+            # after this read fails this call, and the next one forms the next epoch
+            # (as when it lands just after the call started).
+            return
         with self._lock:
             state = self.state
             if state is State.UNFORMED:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import eccl
+from eccl import torch_cuda
 
 
 class TorchWork(dist._Work):
@@ -207,7 +208,6 @@ class _Calls:
         """A torch Work that finishes once every one of `works` (eccl Works) has: then
         `after()` runs (a copy-out step) and the future completes with `result`.
         `kind`: "collective", "p2p" or "control" (which errors abort the epoch)."""
-        from eccl import torch_cuda
         if torch_cuda.STAGING.active and torch_cuda.STAGING.back:
             # A call on CUDA tensors staged through host copies: the device tensors
             # get the results before the Work completes, and are its result.

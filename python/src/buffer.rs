@@ -20,7 +20,8 @@ use std::sync::Mutex;
 use eccl::DType;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyString, PyType};
 
 use crate::errors::invalid;
 
@@ -102,9 +103,17 @@ fn extract(obj: &Bound<'_, PyAny>, writable: bool, what: &str) -> PyResult<HostB
     }
 }
 
+/// `torch.Tensor`, once a tensor has been seen (eccl never imports torch itself).
+static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
 /// Whether `obj` is a `torch.Tensor` (or a subclass, such as `nn.Parameter`), found
-/// without importing torch.
+/// without importing torch: by its class's MRO until a tensor has been seen, then by one
+/// `isinstance` (every call of the torch backend asks; the MRO walk cost microseconds).
 fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = obj.py();
+    if let Some(tensor) = TENSOR.get(py) {
+        return obj.is_instance(tensor.bind(py));
+    }
     for cls in obj.get_type().getattr("__mro__")?.try_iter()? {
         let cls = cls?;
         let module = cls.getattr("__module__")?;
@@ -112,6 +121,9 @@ fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         if module.cast::<PyString>().is_ok_and(|m| m == "torch")
             && name.cast::<PyString>().is_ok_and(|n| n == "Tensor")
         {
+            if let Ok(t) = cls.cast_into::<PyType>() {
+                let _ = TENSOR.set(py, t.unbind());
+            }
             return Ok(true);
         }
     }
@@ -127,8 +139,8 @@ fn supported() -> String {
 }
 
 fn from_tensor(t: &Bound<'_, PyAny>, what: &str) -> PyResult<HostBuffer> {
-    let device = t.getattr("device")?;
-    if device.getattr("type")?.extract::<String>()? != "cpu" {
+    if !t.getattr("is_cpu")?.extract::<bool>()? {
+        let device = t.getattr("device")?;
         return Err(invalid(format!(
             "{what} is a tensor on {device}: eccl moves CPU tensors only so far; move it with .cpu()"
         )));
