@@ -79,6 +79,23 @@ pub struct RunArgs {
     /// Mean pause between one fault playing out and the next, in milliseconds.
     #[arg(long, default_value_t = 3000)]
     pub interval_ms: u64,
+    /// Churn, as PCCL's long test: faults drawn on a clock, one every --churn-ms
+    /// whatever the job is doing (kills land during recoveries, joins during syncs, two
+    /// faults may hit one epoch), instead of each after the previous one played out.
+    /// The run then also fails if no new step is committed for --max-stall-ms.
+    #[arg(long)]
+    pub churn: bool,
+    /// The pause between two churn faults, drawn uniformly: MIN-MAX milliseconds.
+    #[arg(long, default_value = "500-2000", value_parser = schedule::parse_range_ms)]
+    pub churn_ms: (u64, u64),
+    /// Peers kept running whatever the schedule draws: a kill, hang or leave that would
+    /// leave fewer becomes a join.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..))]
+    pub min_live: u32,
+    /// With --churn, the longest the job may go without committing a new step, in
+    /// milliseconds (PCCL's criterion is 5 minutes). Every run reports its longest stall.
+    #[arg(long, default_value_t = 5000)]
+    pub max_stall_ms: u64,
     /// How long a hung peer stays stopped, in milliseconds (default: lease + 1500).
     #[arg(long)]
     pub hang_ms: Option<u64>,
@@ -103,7 +120,7 @@ pub struct RunArgs {
     pub step_ms: u64,
     /// Set ECCL_FAULT_INJECT=SPEC on initial worker K (0-based), or with K=join on the
     /// first newcomer. SPEC is point:action[@n]: point first-chunk, mid-ring,
-    /// update-topology, sync-serve or sync-fetch; action kill or stop; n the occurrence
+    /// update-topology, connect, sync-serve or sync-fetch; action kill or stop; n the occurrence
     /// that fires (default 1). Repeatable.
     #[arg(long, value_name = "K=SPEC", value_parser = schedule::parse_inject)]
     pub inject: Vec<Inject>,
@@ -166,6 +183,12 @@ impl RunArgs {
                 "--slow-ms {} must be positive and under half of --lease-ms {}: a longer stop is a hang",
                 self.slow_ms(),
                 self.lease_ms
+            ));
+        }
+        if self.min_live > self.peers {
+            return Err(format!(
+                "--min-live {} is more than --peers {}: the run would start below it",
+                self.min_live, self.peers
             ));
         }
         if self.masters < 3 && self.faults.iter().any(|f| f.is_master()) {

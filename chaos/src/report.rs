@@ -3,7 +3,9 @@
 //!
 //! - a hang is a call that took longer than the lease plus a margin, except calls of a
 //!   worker while it was itself stopped and each initial worker's first
-//!   `update_topology()` (world formation); a membership call (`update_topology`, sync)
+//!   `update_topology()` (world formation); a call that the stops of several other
+//!   peers overlap (`--churn`) may take one more lease per stop after the first, the time
+//!   to notice each; a membership call (`update_topology`, sync)
 //!   that overlaps a master fault may also take [`MASTER_FAULT_ALLOWANCE_MS`] more, the
 //!   time to elect the next leader and for the peer to find it (an all_reduce may not);
 //! - a divergence is two members of one epoch holding different states at the same
@@ -55,6 +57,8 @@ pub struct RunLog {
     pub hangs: u64,
     /// A call longer than this (ms) is a hang.
     pub hang_limit_ms: f64,
+    /// `--churn`: the longest the job may go without a new step (ms).
+    pub max_stall_ms: Option<f64>,
     pub seed: u64,
     pub peers: u32,
     pub duration_s: f64,
@@ -103,6 +107,9 @@ pub struct Report {
     /// From a master fault to another master leading (its first act: fresh leases).
     pub master_failover_ms: Stats,
     pub false_evictions: u64,
+    /// The longest time between two new steps of the job (the first commit of a
+    /// revision higher than every one before), in ms; none before two steps.
+    pub longest_stall_ms: Option<f64>,
     pub violations: Vec<String>,
     pub steps: u64,
     pub duration_s: f64,
@@ -172,6 +179,15 @@ pub fn analyse(log: &RunLog) -> Report {
     let falsely = false_evictions(log);
     violations.extend(falsely.iter().cloned());
     violations.extend(slow_aborts(log));
+    let stall = longest_stall(&log.events, log.t0 + log.duration_s * 1e3);
+    if let (Some(limit), Some((ms, at))) = (log.max_stall_ms, stall) {
+        if ms > limit {
+            violations.push(format!(
+                "stall: no new step for {ms:.0} ms, until {:.2} s into the run (limit {limit:.0} ms)",
+                (at - log.t0) / 1e3
+            ));
+        }
+    }
 
     let mut faults = FaultCounts::default();
     for (kind, _) in &log.faults {
@@ -229,6 +245,7 @@ pub fn analyse(log: &RunLog) -> Report {
         join_ms: of(FaultKind::Join, |o| o.join_ms),
         master_failover_ms: stats(log.master_faults.iter().filter_map(|(_, o)| o.failover_ms)),
         false_evictions: falsely.len() as u64,
+        longest_stall_ms: stall.map(|(ms, _)| ms),
         violations,
         steps,
         duration_s: log.duration_s,
@@ -237,6 +254,42 @@ pub fn analyse(log: &RunLog) -> Report {
         transport: log.transport.clone(),
         timeline: crate::timeline::timeline(log),
     }
+}
+
+/// The longest time between two new steps of the job (or from the last one to `end`, the
+/// end of the run: a job that stops making progress commits nothing more), and when it
+/// ended: the job's progress is the highest revision any worker has committed, and a
+/// step is new when it raises that. PCCL's churn test fails when nothing completes for 5
+/// minutes; eccl's asks for seconds.
+pub fn longest_stall(events: &[(usize, Event)], end: f64) -> Option<(f64, f64)> {
+    let mut commits: Vec<(f64, u64)> = events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::Commit { t, revision, .. } => Some((*t, *revision)),
+            _ => None,
+        })
+        .collect();
+    commits.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut best: Option<(f64, f64)> = None;
+    let mut last: Option<(f64, u64)> = None;
+    for (t, rev) in commits {
+        match last {
+            Some((_, top)) if rev <= top => {}
+            Some((since, _)) => {
+                if best.is_none_or(|(ms, _)| t - since > ms) {
+                    best = Some((t - since, t));
+                }
+                last = Some((t, rev));
+            }
+            None => last = Some((t, rev)),
+        }
+    }
+    if let (Some((since, _)), Some((ms, _))) = (last, best) {
+        if end - since > ms {
+            best = Some((end - since, end));
+        }
+    }
+    best
 }
 
 /// Calls longer than the limit, except those of a worker while it was stopped and each
@@ -262,11 +315,22 @@ fn hung_calls(log: &RunLog) -> Vec<String> {
                 .master_windows
                 .iter()
                 .any(|&(from, to)| c.start < to && c.end > from);
-        let limit = if master_fault {
-            log.hang_limit_ms + MASTER_FAULT_ALLOWANCE_MS
-        } else {
-            log.hang_limit_ms
-        };
+        // Each stopped peer is noticed only when its lease runs out: a call that two or
+        // more stops overlap (under --churn) may wait out one lease per stop after the
+        // first before its world settles. One at a time, this adds nothing.
+        let stops: BTreeSet<usize> = log
+            .stopped
+            .iter()
+            .filter(|&&(s, from, to)| s != *slot && c.start < to && c.end > from)
+            .map(|&(s, _, _)| s)
+            .collect();
+        let overlapping = log.lease_ms * stops.len().saturating_sub(1) as f64;
+        let limit = overlapping
+            + if master_fault {
+                log.hang_limit_ms + MASTER_FAULT_ALLOWANCE_MS
+            } else {
+                log.hang_limit_ms
+            };
         let ms = c.end - c.start;
         if ms > limit && !forming && !while_stopped {
             hung.push(format!(
@@ -583,6 +647,13 @@ pub fn summary(r: &Report) -> String {
         "# collectives ok {}, aborted {}; wrong results {}; hangs {}; divergences {}; lost steps {}; false evictions {}\n",
         r.collectives_ok, r.collectives_aborted, r.wrong_results, r.hangs, r.divergences, r.lost_steps, r.false_evictions
     );
+    if let Some(ms) = r.longest_stall_ms {
+        out += &format!(
+            "# steps {}; longest wait for a new step {ms:.0} ms
+",
+            r.steps
+        );
+    }
     if r.violations.is_empty() {
         out += "# violations: none\n";
     } else {

@@ -51,6 +51,7 @@ pub(crate) fn log(events: Vec<(usize, Event)>) -> RunLog {
         violations: Vec::new(),
         hangs: 0,
         hang_limit_ms: 3000.0,
+        max_stall_ms: None,
         seed: 1,
         peers: 2,
         transport: "auto".into(),
@@ -273,4 +274,96 @@ fn membership_calls_may_wait_out_a_master_fault_but_collectives_may_not() {
         .violations
         .iter()
         .any(|v| v.contains("sync_shared_state took 4000 ms")));
+}
+
+fn commit_at(peer: PeerId, t: f64, revision: u64) -> Event {
+    Event::Commit {
+        peer,
+        t,
+        epoch: 1,
+        revision,
+        prev: String::new(),
+        hash: format!("h{revision}"),
+    }
+}
+
+#[test]
+fn a_stall_is_the_longest_wait_for_a_new_step_and_fails_a_churn_run() {
+    // Two workers commit every step; the job's progress pauses from 3 s to 9.5 s. A
+    // worker catching up on old revisions (a newcomer after its sync) is not progress.
+    let mut events = Vec::new();
+    for (i, t) in [1_000.0, 2_000.0, 3_000.0, 9_500.0, 10_000.0]
+        .into_iter()
+        .enumerate()
+    {
+        events.push((0, commit_at(1, t, i as u64 + 1)));
+        events.push((1, commit_at(2, t + 50.0, i as u64 + 1)));
+    }
+    events.push((2, commit_at(3, 6_000.0, 2)));
+    assert_eq!(longest_stall(&events, 10_500.0), Some((6_500.0, 9_500.0)));
+    // A job that stops committing stalls until the end of the run.
+    assert_eq!(longest_stall(&events, 30_000.0), Some((20_000.0, 30_000.0)));
+    let mut l = log(events);
+    l.duration_s = 10.5; // t0 0: the run ends at 10.5 s
+    let r = analyse(&l);
+    assert_eq!(r.longest_stall_ms, Some(6_500.0));
+    assert!(!r.violations.iter().any(|v| v.starts_with("stall")));
+    l.max_stall_ms = Some(5_000.0);
+    let r = analyse(&l);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.contains("no new step for 6500 ms") && v.contains("9.50 s")),
+        "{:?}",
+        r.violations
+    );
+    l.max_stall_ms = Some(7_000.0);
+    assert!(!analyse(&l)
+        .violations
+        .iter()
+        .any(|v| v.starts_with("stall")));
+    assert_eq!(longest_stall(&[], 1_000.0), None);
+}
+
+#[test]
+fn each_overlapping_stop_after_the_first_allows_one_more_lease() {
+    // Lease 800 ms, limit 3000 ms. A call that two other peers' stops overlap may take
+    // 3800 ms; one overlapped by a single stop, or by none, only 3000.
+    let mut l = log(vec![
+        (
+            0,
+            call(1, Op::UpdateTopology, 10_000.0, 13_500.0, 3, &[1, 2]),
+        ),
+        (
+            0,
+            call(1, Op::UpdateTopology, 20_000.0, 23_500.0, 4, &[1, 2]),
+        ),
+        (
+            0,
+            call(1, Op::UpdateTopology, 30_000.0, 33_900.0, 5, &[1, 2]),
+        ),
+    ]);
+    l.initial = 0; // no call is a world formation
+    l.stopped = vec![
+        (2, 9_500.0, 11_800.0),
+        (3, 10_200.0, 12_500.0),
+        (2, 19_500.0, 21_800.0),
+        (2, 29_500.0, 31_800.0),
+        (3, 30_100.0, 32_400.0),
+    ];
+    let r = analyse(&l);
+    let hung: Vec<&String> = r
+        .violations
+        .iter()
+        .filter(|v| v.starts_with("hang"))
+        .collect();
+    assert_eq!(hung.len(), 2, "{hung:?}");
+    assert!(
+        hung[0].contains("took 3500 ms in epoch 4 (limit 3000 ms)"),
+        "{hung:?}"
+    );
+    assert!(
+        hung[1].contains("took 3900 ms in epoch 5 (limit 3800 ms)"),
+        "{hung:?}"
+    );
 }

@@ -105,23 +105,74 @@ pub fn plan(seed: u64, kinds: &[FaultKind], duration_ms: f64, interval_ms: f64) 
     }
 }
 
+/// `--churn`'s schedule: the same draws as [`plan`], with each pause uniform over
+/// `[min_ms, max_ms]` and counted from the previous fault's strike, not from its end.
+pub fn plan_churn(
+    seed: u64,
+    kinds: &[FaultKind],
+    duration_ms: f64,
+    (min_ms, max_ms): (u64, u64),
+) -> Vec<Planned> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut faults = Vec::new();
+    let mut at = 0.0;
+    if kinds.is_empty() || max_ms == 0 {
+        return faults;
+    }
+    loop {
+        let gap_ms = rng.gen_range(min_ms..=max_ms) as f64;
+        at += gap_ms;
+        if at > duration_ms {
+            return faults;
+        }
+        faults.push(Planned {
+            gap_ms,
+            kind: kinds[rng.gen_range(0..kinds.len())],
+            victim: rng.gen(),
+        });
+    }
+}
+
+/// Parses `--churn-ms`: `MIN-MAX` milliseconds, `0 < MIN <= MAX`.
+pub fn parse_range_ms(s: &str) -> Result<(u64, u64), String> {
+    let bad = || format!("{s:?}: give MIN-MAX milliseconds, as in 500-2000");
+    let (a, b) = s.split_once('-').ok_or_else(bad)?;
+    let (a, b): (u64, u64) = (
+        a.trim().parse().map_err(|_| bad())?,
+        b.trim().parse().map_err(|_| bad())?,
+    );
+    if a == 0 || a > b {
+        return Err(format!("{s:?}: MIN must be positive and at most MAX"));
+    }
+    Ok((a, b))
+}
+
 /// The fault actually injected, given `running` peers that are neither stopped nor on
 /// their way out and `live` processes in all: a kill, hang or leave that would leave
-/// fewer than two running peers becomes a join, and a join beyond `cap` live peers
-/// becomes a leave.
-pub fn adjust(kind: FaultKind, running: usize, live: usize, cap: usize) -> FaultKind {
+/// fewer than `min_live` running peers becomes a join, and a join beyond `cap` live
+/// peers becomes a leave.
+pub fn adjust(
+    kind: FaultKind,
+    running: usize,
+    live: usize,
+    cap: usize,
+    min_live: usize,
+) -> FaultKind {
     match kind {
-        FaultKind::Kill | FaultKind::Hang | FaultKind::Leave if running < 3 => FaultKind::Join,
+        FaultKind::Kill | FaultKind::Hang | FaultKind::Leave if running <= min_live => {
+            FaultKind::Join
+        }
         FaultKind::Join if live >= cap => FaultKind::Leave,
         k => k,
     }
 }
 
 /// Points of the library where `ECCL_FAULT_INJECT` can fire.
-pub const INJECT_POINTS: [&str; 5] = [
+pub const INJECT_POINTS: [&str; 6] = [
     "first-chunk",
     "mid-ring",
     "update-topology",
+    "connect",
     "sync-serve",
     "sync-fetch",
 ];
@@ -195,6 +246,27 @@ mod tests {
     }
 
     #[test]
+    fn churn_draws_its_pauses_within_the_range_and_fills_the_run() {
+        let kinds = [FaultKind::Kill, FaultKind::Join];
+        let a = plan_churn(7, &kinds, 60_000.0, (500, 2000));
+        assert_eq!(a, plan_churn(7, &kinds, 60_000.0, (500, 2000)));
+        assert!(a.iter().all(|p| (500.0..=2000.0).contains(&p.gap_ms)));
+        let total: f64 = a.iter().map(|p| p.gap_ms).sum();
+        assert!(total <= 60_000.0 && total > 58_000.0, "{total}");
+        assert!(a.len() >= 30, "{} faults in a minute at 0.5-2 s", a.len());
+        assert!(plan_churn(7, &[], 60_000.0, (500, 2000)).is_empty());
+    }
+
+    #[test]
+    fn churn_ranges_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_range_ms("500-2000"), Ok((500, 2000)));
+        assert_eq!(parse_range_ms("100-100"), Ok((100, 100)));
+        for bad in ["", "500", "2000-500", "0-10", "a-b", "-5"] {
+            assert!(parse_range_ms(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn gaps_stay_near_the_interval_and_fill_the_duration() {
         let p = plan(1, &[FaultKind::Kill, FaultKind::Join], 100_000.0, 2000.0);
         assert!(p.iter().all(|f| (1000.0..3000.0).contains(&f.gap_ms)));
@@ -229,12 +301,15 @@ mod tests {
     #[test]
     fn two_running_peers_are_kept_and_the_world_is_capped() {
         use FaultKind::*;
-        assert_eq!(adjust(Kill, 3, 3, 6), Kill);
-        assert_eq!(adjust(Kill, 2, 3, 6), Join);
-        assert_eq!(adjust(Hang, 2, 2, 6), Join);
-        assert_eq!(adjust(Leave, 2, 2, 6), Join);
-        assert_eq!(adjust(Join, 5, 5, 6), Join);
-        assert_eq!(adjust(Join, 5, 6, 6), Leave);
+        assert_eq!(adjust(Kill, 3, 3, 6, 2), Kill);
+        assert_eq!(adjust(Kill, 2, 3, 6, 2), Join);
+        assert_eq!(adjust(Hang, 2, 2, 6, 2), Join);
+        assert_eq!(adjust(Leave, 2, 2, 6, 2), Join);
+        assert_eq!(adjust(Join, 5, 5, 6, 2), Join);
+        assert_eq!(adjust(Join, 5, 6, 6, 2), Leave);
+        // --min-live 4: a kill that would leave three becomes a join.
+        assert_eq!(adjust(Kill, 4, 4, 12, 4), Join);
+        assert_eq!(adjust(Kill, 5, 5, 12, 4), Kill);
     }
 
     #[test]

@@ -248,6 +248,46 @@ fn a_short_random_run_stays_exact() {
     assert!(r["steps"].as_u64() > Some(10), "{r:#}");
 }
 
+/// Found by `--churn`: a member that stops right after an epoch's commit, while the
+/// others connect their links to it, held them in update_topology() until it woke (or
+/// until the collective timeout: 30 s of a world without progress). The master's abort
+/// of that epoch at the stopped member's lease now ends the connect.
+#[test]
+fn a_member_stopped_while_the_links_of_its_epoch_connect_is_left_behind_at_its_lease() {
+    // Occurrence 1 is the world's formation, 2 the epoch that admits the newcomer.
+    let r = chaos(
+        "connect-stop",
+        "--peers 3 --duration 7 --faults join --interval-ms 1500 --seed 1 --lease-ms 1000 --state-mb 1 --step-ms 20 --inject 1=connect:stop@2",
+    );
+    assert_eq!(r["faults"]["hang"], 1, "{r:#}");
+    let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
+    assert!(
+        abort <= 1800.0,
+        "survivors waited {abort} ms for a peer stopped under a 1000 ms lease"
+    );
+    // The stopped peer stays stopped for lease + 1.5 s: the others went on before.
+    assert!(recorded(&r, &["longest_stall_ms"]) < 2_500.0, "{r:#}");
+}
+
+#[test]
+fn churn_strikes_on_a_clock_and_every_result_stays_exact() {
+    // PCCL's churn, CI-sized: a fault every 0.3-0.9 s whatever is playing out, so kills
+    // land during recoveries and joins during syncs. One at a time (each after the last
+    // played out, ~1 s apart here) would fit about half as many into the run.
+    let r = chaos(
+        "churn",
+        "--peers 6 --duration 14 --churn --churn-ms 300-900 --faults kill,hang,join,leave --seed 3 --quiet",
+    );
+    let faults: u64 = ["kill", "hang", "join", "leave"]
+        .iter()
+        .filter_map(|k| r["faults"][k].as_u64())
+        .sum();
+    assert!(faults >= 12, "{faults} faults in 12 s at 0.3-0.9 s: {r:#}");
+    let stall = recorded(&r, &["longest_stall_ms"]);
+    assert!(stall > 0.0 && stall < 5_000.0, "{r:#}");
+    assert!(r["steps"].as_u64() > Some(20), "{r:#}");
+}
+
 #[test]
 fn bad_flags_exit_with_status_2_and_a_reason() {
     for (args, reason) in [
@@ -261,6 +301,9 @@ fn bad_flags_exit_with_status_2_and_a_reason() {
         ("--lease-ms 2000 --hang-ms 1500", "--hang-ms"),
         ("--faults kill,master-kill", "--masters 3"),
         ("--plot run.png", "*.svg"),
+        ("--churn --churn-ms 2000-500", "at most MAX"),
+        ("--churn --churn-ms fast", "MIN-MAX"),
+        ("--peers 4 --min-live 5", "--min-live 5"),
         ("--bogus", "--bogus"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))

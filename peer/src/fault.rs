@@ -14,6 +14,9 @@ pub(crate) enum Point {
     MidRing,
     /// The vote of `update_topology()` reached the master; the answer has not.
     UpdateTopology,
+    /// `update_topology()` has the new epoch's world; its links are not connected yet
+    /// (the others are connecting to this peer).
+    Connect,
     /// A shared-state source sent its first chunk.
     SyncServe,
     /// A shared-state receiver got its first chunk.
@@ -26,6 +29,7 @@ impl Point {
             "first-chunk" => Point::FirstChunk,
             "mid-ring" => Point::MidRing,
             "update-topology" => Point::UpdateTopology,
+            "connect" => Point::Connect,
             "sync-serve" => Point::SyncServe,
             "sync-fetch" => Point::SyncFetch,
             _ => return None,
@@ -47,7 +51,7 @@ fn plan() -> Option<&'static Plan> {
         let spec = std::env::var("ECCL_FAULT_INJECT").ok()?;
         let parsed = parse(&spec);
         if parsed.is_none() {
-            tracing::warn!(target: "eccl::init", "ignoring ECCL_FAULT_INJECT={spec:?}: expected <first-chunk|mid-ring|update-topology|sync-serve|sync-fetch>:<kill|stop>[@n]");
+            tracing::warn!(target: "eccl::init", "ignoring ECCL_FAULT_INJECT={spec:?}: expected <first-chunk|mid-ring|update-topology|connect|sync-serve|sync-fetch>:<kill|stop>[@n]");
         }
         parsed
     })

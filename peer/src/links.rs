@@ -163,7 +163,7 @@ impl LinkManager {
     ///
     /// Each pair has one dialer, the larger peer id (it dials the smaller:
     /// [`dial_link`]); the smaller accepts ([`accept_links`]). Both sides run at once
-    /// under the collective timeout.
+    /// under the collective timeout, and stop when `abort` breaks the epoch.
     pub async fn connect_world(
         &mut self,
         world: &World,
@@ -171,6 +171,7 @@ impl LinkManager {
         me: PeerId,
         cfg: &Config,
         mut keep: HashMap<PeerId, PeerLink>,
+        abort: &AbortState,
     ) -> Result<Vec<Option<PeerLink>>> {
         let epoch = world.epoch;
         let nstreams = cfg.nstreams as u16;
@@ -237,18 +238,22 @@ impl LinkManager {
             Assembler::new(settings.clone()),
             &mut later,
         );
-        let res =
-            tokio::time::timeout(cfg.timeout, async { tokio::try_join!(dials, accepts) }).await;
-        self.early.extend(later);
-        let (dialed, accepted) = match res {
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(Error::Timeout {
+        // The master's abort of this epoch (a member evicted at its lease, or gone) ends
+        // the wait at once: a member that stopped after the commit accepts TCP in its
+        // kernel but never answers a handshake, and the connect would otherwise hold
+        // every other member in update_topology() until the collective timeout
+        // (`eccl-chaos --churn` found it: 30 s of a world without progress).
+        let res = tokio::select! {
+            r = tokio::time::timeout(cfg.timeout, async { tokio::try_join!(dials, accepts) }) => {
+                r.map_err(|_| Error::Timeout {
                     what: format!("connecting the links of epoch {epoch}"),
                     ms: cfg.timeout.as_millis() as u64,
                 })
             }
+            e = abort.wait(epoch, None) => Err(e),
         };
+        self.early.extend(later);
+        let (dialed, accepted) = res??;
 
         let mut links: Vec<Option<PeerLink>> = world
             .members

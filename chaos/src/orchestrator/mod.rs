@@ -33,12 +33,12 @@ const FINISH_TIMEOUT_MS: f64 = 30_000.0;
 
 pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     let seed = args.seed.unwrap_or_else(rand::random);
-    let plan = schedule::plan(
-        seed,
-        &args.faults,
-        args.duration_ms() - QUIET_BEFORE_END_MS,
-        args.interval_ms as f64,
-    );
+    let span = args.duration_ms() - QUIET_BEFORE_END_MS;
+    let plan = if args.churn {
+        schedule::plan_churn(seed, &args.faults, span, args.churn_ms)
+    } else {
+        schedule::plan(seed, &args.faults, span, args.interval_ms as f64)
+    };
     let (fleet, rx) = Fleet::start(
         args.masters as usize,
         args.lease_ms,
@@ -75,7 +75,11 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     }
     run.wait_for_world()?;
     let end = run.t0 + args.duration_ms();
-    run.inject(plan, end - QUIET_BEFORE_END_MS)?;
+    if args.churn {
+        run.inject_on_a_clock(plan, end - QUIET_BEFORE_END_MS)?;
+    } else {
+        run.inject(plan, end - QUIET_BEFORE_END_MS)?;
+    }
     while now_ms() < end || run.busy() {
         run.pump()?;
     }
@@ -462,12 +466,43 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Injects one planned fault, adjusted so that two running peers remain and the world
+    /// `--churn`: injects the planned faults until `quiet_from`, each at its time from
+    /// the previous strike, whatever is still playing out (PCCL's churn). A master fault
+    /// whose predecessor is still open is skipped: the cluster is measured one fault at a
+    /// time (and a second leader loss at once would be a majority fault).
+    fn inject_on_a_clock(&mut self, plan: Vec<Planned>, quiet_from: f64) -> anyhow::Result<()> {
+        let mut at = now_ms();
+        for p in plan {
+            at += p.gap_ms;
+            if at >= quiet_from {
+                break;
+            }
+            while now_ms() < at {
+                self.pump()?;
+            }
+            if p.kind.is_master() && self.master_open.is_some() {
+                continue;
+            }
+            self.strike(p)?;
+        }
+        while now_ms() < quiet_from {
+            self.pump()?;
+        }
+        Ok(())
+    }
+
+    /// Injects one planned fault, adjusted so that --min-live running peers remain and the world
     /// stays within --peers + 2. A victim that died in the meantime escapes it.
     fn strike(&mut self, p: Planned) -> anyhow::Result<()> {
         let running: Vec<usize> = self.fleet.running().collect();
         let live = self.fleet.live().count();
-        let kind = schedule::adjust(p.kind, running.len(), live, self.args.peers as usize + 2);
+        let kind = schedule::adjust(
+            p.kind,
+            running.len(),
+            live,
+            self.args.peers as usize + 2,
+            self.args.min_live as usize,
+        );
         let victim = || running[p.victim as usize % running.len()];
         let now = now_ms();
         match kind {
@@ -586,6 +621,7 @@ impl<'a> Run<'a> {
             duration_s,
             transport: self.args.transport.clone(),
             t0: self.t0,
+            max_stall_ms: self.args.churn.then_some(self.args.max_stall_ms as f64),
         })
     }
 }

@@ -279,9 +279,10 @@ impl Communicator {
             world.peer_ids()
         );
         let kept = keep.len() as u32;
+        crate::fault::hit(crate::fault::Point::Connect);
         let links = match self
             .links
-            .connect_world(&world, &keys, self.peer_id, &self.cfg, keep)
+            .connect_world(&world, &keys, self.peer_id, &self.cfg, keep, &self.abort)
             .await
         {
             Ok(l) => l,
