@@ -276,16 +276,16 @@ fn churn_strikes_on_a_clock_and_every_result_stays_exact() {
     // played out, ~1 s apart here) would fit about half as many into the run.
     let r = chaos(
         "churn",
-        "--peers 6 --duration 14 --churn --churn-ms 300-900 --faults kill,hang,join,leave --seed 3 --quiet",
+        "--peers 6 --duration 10 --churn --churn-ms 300-900 --faults kill,hang,join,leave --seed 3 --quiet",
     );
     let faults: u64 = ["kill", "hang", "join", "leave"]
         .iter()
         .filter_map(|k| r["faults"][k].as_u64())
         .sum();
-    assert!(faults >= 12, "{faults} faults in 12 s at 0.3-0.9 s: {r:#}");
+    assert!(faults >= 8, "{faults} faults in 7 s at 0.3-0.9 s: {r:#}");
     let stall = recorded(&r, &["longest_stall_ms"]);
     assert!(stall > 0.0 && stall < 5_000.0, "{r:#}");
-    assert!(r["steps"].as_u64() > Some(20), "{r:#}");
+    assert!(r["steps"].as_u64() > Some(15), "{r:#}");
 }
 
 #[test]

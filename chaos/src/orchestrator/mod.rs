@@ -106,6 +106,10 @@ struct Run<'a> {
     committed: BTreeSet<usize>,
     /// Workers that reported `left` or `final`: their exit is expected.
     done: BTreeSet<usize>,
+    /// Workers told of their eviction that have not registered again: no fault strikes
+    /// them until they have (under `--churn` one could; a fault measured on a peer that
+    /// is already out would wait for an eviction it was told of before).
+    between_lives: BTreeSet<usize>,
     /// `ECCL_FAULT_INJECT` for the first newcomer, until it is started.
     newcomer_inject: Option<String>,
     masters: MasterView,
@@ -133,6 +137,7 @@ impl<'a> Run<'a> {
             max_revision: 0,
             committed: BTreeSet::new(),
             done: BTreeSet::new(),
+            between_lives: BTreeSet::new(),
             newcomer_inject: args
                 .inject
                 .iter()
@@ -198,7 +203,13 @@ impl<'a> Run<'a> {
 
     fn on_event(&mut self, slot: usize, event: Event) {
         match &event {
-            Event::Registered { peer, .. } => self.fleet.workers[slot].peer = Some(*peer),
+            Event::Registered { peer, .. } => {
+                self.fleet.workers[slot].peer = Some(*peer);
+                self.between_lives.remove(&slot);
+            }
+            Event::Evicted { .. } => {
+                self.between_lives.insert(slot);
+            }
             Event::Commit { revision, .. } => {
                 self.max_revision = self.max_revision.max(*revision);
                 self.committed.insert(slot);
@@ -494,7 +505,11 @@ impl<'a> Run<'a> {
     /// Injects one planned fault, adjusted so that --min-live running peers remain and the world
     /// stays within --peers + 2. A victim that died in the meantime escapes it.
     fn strike(&mut self, p: Planned) -> anyhow::Result<()> {
-        let running: Vec<usize> = self.fleet.running().collect();
+        let running: Vec<usize> = self
+            .fleet
+            .running()
+            .filter(|s| !self.between_lives.contains(s))
+            .collect();
         let live = self.fleet.live().count();
         let kind = schedule::adjust(
             p.kind,
