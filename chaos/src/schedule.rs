@@ -85,24 +85,12 @@ pub struct Planned {
 /// uniformly over ±50% around `interval_ms`, so that faults do not fall into step with
 /// the training loop.
 pub fn plan(seed: u64, kinds: &[FaultKind], duration_ms: f64, interval_ms: f64) -> Vec<Planned> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut faults = Vec::new();
-    let mut at = 0.0;
-    if kinds.is_empty() || interval_ms <= 0.0 {
-        return faults;
+    if interval_ms <= 0.0 {
+        return Vec::new();
     }
-    loop {
-        let gap_ms = interval_ms * rng.gen_range(0.5..1.5);
-        at += gap_ms;
-        if at > duration_ms {
-            return faults;
-        }
-        faults.push(Planned {
-            gap_ms,
-            kind: kinds[rng.gen_range(0..kinds.len())],
-            victim: rng.gen(),
-        });
-    }
+    draw(seed, kinds, duration_ms, |rng| {
+        interval_ms * rng.gen_range(0.5..1.5)
+    })
 }
 
 /// `--churn`'s schedule: the same draws as [`plan`], with each pause uniform over
@@ -113,14 +101,30 @@ pub fn plan_churn(
     duration_ms: f64,
     (min_ms, max_ms): (u64, u64),
 ) -> Vec<Planned> {
+    if max_ms == 0 {
+        return Vec::new();
+    }
+    draw(seed, kinds, duration_ms, |rng| {
+        rng.gen_range(min_ms..=max_ms) as f64
+    })
+}
+
+/// Faults drawn from `seed` until their gaps (from `gap`) pass `duration_ms`: for each,
+/// its gap, then its kind, then its victim.
+fn draw(
+    seed: u64,
+    kinds: &[FaultKind],
+    duration_ms: f64,
+    mut gap: impl FnMut(&mut StdRng) -> f64,
+) -> Vec<Planned> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut faults = Vec::new();
     let mut at = 0.0;
-    if kinds.is_empty() || max_ms == 0 {
+    if kinds.is_empty() {
         return faults;
     }
     loop {
-        let gap_ms = rng.gen_range(min_ms..=max_ms) as f64;
+        let gap_ms = gap(&mut rng);
         at += gap_ms;
         if at > duration_ms {
             return faults;
