@@ -1,7 +1,8 @@
 //! Fault injection for end-to-end tests: `ECCL_FAULT_INJECT=<point>:<action>[@<n>]`
-//! makes this process SIGKILL or SIGSTOP itself the n-th time it reaches `point`, so a
-//! test can hit one exact phase of the protocol (eccl-chaos `--inject` sets it). Unset,
-//! each point costs one relaxed atomic load.
+//! makes this process SIGKILL or SIGSTOP itself, or hold the thread that got there for a
+//! while (`delay<ms>`: a slow member, alive throughout), the n-th time it reaches
+//! `point`, so a test can hit one exact phase of the protocol (eccl-chaos `--inject`
+//! sets it). Unset, each point costs one relaxed atomic load.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
@@ -14,8 +15,8 @@ pub(crate) enum Point {
     MidRing,
     /// The vote of `update_topology()` reached the master; the answer has not.
     UpdateTopology,
-    /// `update_topology()` has the new epoch's world; its links are not connected yet
-    /// (the others are connecting to this peer).
+    /// `update_topology()` or `reconfigure()` has the new epoch's world; its links are
+    /// not connected yet (the others are connecting to this peer).
     Connect,
     /// A shared-state source sent its first chunk.
     SyncServe,
@@ -37,10 +38,16 @@ impl Point {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    Signal(libc::c_int),
+    Delay(std::time::Duration),
+}
+
 #[derive(Debug)]
 struct Plan {
     point: Point,
-    signal: libc::c_int,
+    action: Action,
     nth: u32,
     seen: AtomicU32,
 }
@@ -51,7 +58,7 @@ fn plan() -> Option<&'static Plan> {
         let spec = std::env::var("ECCL_FAULT_INJECT").ok()?;
         let parsed = parse(&spec);
         if parsed.is_none() {
-            tracing::warn!(target: "eccl::init", "ignoring ECCL_FAULT_INJECT={spec:?}: expected <first-chunk|mid-ring|update-topology|connect|sync-serve|sync-fetch>:<kill|stop>[@n]");
+            tracing::warn!(target: "eccl::init", "ignoring ECCL_FAULT_INJECT={spec:?}: expected <first-chunk|mid-ring|update-topology|connect|sync-serve|sync-fetch>:<kill|stop|delay<ms>>[@n]");
         }
         parsed
     })
@@ -64,14 +71,17 @@ fn parse(spec: &str) -> Option<Plan> {
         Some((a, n)) => (a, n.parse().ok().filter(|n| *n > 0)?),
         None => (rest, 1),
     };
-    let signal = match action {
-        "kill" => libc::SIGKILL,
-        "stop" => libc::SIGSTOP,
-        _ => return None,
+    let action = match action {
+        "kill" => Action::Signal(libc::SIGKILL),
+        "stop" => Action::Signal(libc::SIGSTOP),
+        _ => {
+            let ms: u64 = action.strip_prefix("delay")?.parse().ok()?;
+            Action::Delay(std::time::Duration::from_millis(ms))
+        }
     };
     Some(Plan {
         point: Point::parse(point)?,
-        signal,
+        action,
         nth,
         seen: AtomicU32::new(0),
     })
@@ -83,7 +93,20 @@ pub(crate) fn hit(point: Point) {
     if p.point != point || p.seen.fetch_add(1, Ordering::Relaxed) + 1 != p.nth {
         return;
     }
-    let what = if p.signal == libc::SIGKILL {
+    let signal = match p.action {
+        Action::Delay(d) => {
+            eprintln!(
+                "eccl: fault injection: delay {d:?} at {point:?} (#{})",
+                p.nth
+            );
+            // The thread that got here is held, as a slow machine would hold it; the
+            // process's other threads (heartbeats, listeners) go on.
+            std::thread::sleep(d);
+            return;
+        }
+        Action::Signal(s) => s,
+    };
+    let what = if signal == libc::SIGKILL {
         "kill"
     } else {
         "stop"
@@ -91,7 +114,7 @@ pub(crate) fn hit(point: Point) {
     eprintln!("eccl: fault injection: {what} at {point:?} (#{})", p.nth);
     // SAFETY: kill(2) on our own pid with a valid signal number.
     unsafe {
-        libc::kill(libc::getpid(), p.signal);
+        libc::kill(libc::getpid(), signal);
     }
 }
 
@@ -103,13 +126,22 @@ mod tests {
     fn specs() {
         let p = parse("mid-ring:kill@3").unwrap();
         assert_eq!(
-            (p.point, p.signal, p.nth),
-            (Point::MidRing, libc::SIGKILL, 3)
+            (p.point, p.action, p.nth),
+            (Point::MidRing, Action::Signal(libc::SIGKILL), 3)
         );
         let p = parse("sync-serve:stop").unwrap();
         assert_eq!(
-            (p.point, p.signal, p.nth),
-            (Point::SyncServe, libc::SIGSTOP, 1)
+            (p.point, p.action, p.nth),
+            (Point::SyncServe, Action::Signal(libc::SIGSTOP), 1)
+        );
+        let p = parse("connect:delay300@2").unwrap();
+        assert_eq!(
+            (p.point, p.action, p.nth),
+            (
+                Point::Connect,
+                Action::Delay(std::time::Duration::from_millis(300)),
+                2
+            )
         );
         for bad in [
             "",
@@ -118,6 +150,8 @@ mod tests {
             "nowhere:kill",
             "mid-ring:kill@0",
             "mid-ring:kill@x",
+            "connect:delay",
+            "connect:delayx",
         ] {
             assert!(parse(bad).is_none(), "{bad}");
         }

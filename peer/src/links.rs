@@ -243,7 +243,9 @@ impl LinkManager {
         // kernel but never answers a handshake, and the connect would otherwise hold
         // every other member in update_topology() until the collective timeout
         // (`eccl-chaos --churn` found it: 30 s of a world without progress).
+        // Links that are all there win over an abort heard at the same moment.
         let res = tokio::select! {
+            biased;
             r = tokio::time::timeout(cfg.timeout, async { tokio::try_join!(dials, accepts) }) => {
                 r.map_err(|_| Error::Timeout {
                     what: format!("connecting the links of epoch {epoch}"),

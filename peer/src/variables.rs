@@ -54,7 +54,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_JOIN_TIMEOUT_MS", "300000", "peer", "how long update_topology() waits for the other members"),
     v("ECCL_RANK_HINT", "—", "peer", "the rank asked for at admission (torchrun's RANK is read too)"),
     v("ECCL_MIN_WORLD", "1", "peer", "the smallest first world (torchrun's WORLD_SIZE is read too)"),
-    v("ECCL_FAULT_INJECT", "—", "peer", "POINT:ACTION[@n]: kill or stop this process at a point of the protocol (eccl-chaos --inject sets it)"),
+    v("ECCL_FAULT_INJECT", "—", "peer", "POINT:ACTION[@n]: kill or stop this process, or hold it delayMS milliseconds, at a point of the protocol (eccl-chaos --inject sets it)"),
     v("ECCL_KERNEL_CACHE", "$XDG_CACHE_HOME/eccl/kernels, else ~/.cache/eccl/kernels", "peer", "folder of the compiled device kernels, one file per architecture and NVRTC version; off: compile in every process"),
     v("ECCL_NVRTC_LIB", "the loader's path, then pip's nvidia wheels", "peer", "the libnvrtc that compiles the device kernels on first use"),
     v("ECCL_CUDA_IPC", "1", "peer, torch", "0: all_reduce of CUDA tensors on one host goes through host memory instead of GPU to GPU over CUDA IPC"),

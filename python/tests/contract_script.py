@@ -22,6 +22,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 R, N = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# CONTRACT_RANK0_FAULT: an ECCL_FAULT_INJECT spec for rank 0 alone (a slow member).
+if R == 0 and os.environ.get("CONTRACT_RANK0_FAULT"):
+    os.environ["ECCL_FAULT_INJECT"] = os.environ["CONTRACT_RANK0_FAULT"]
 TIMEOUT = timedelta(seconds=30)
 
 

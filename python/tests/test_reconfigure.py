@@ -184,3 +184,19 @@ def test_torchs_reconfigure_contract_passes_as_under_gloo(tmp_path):
             theirs = (f"{max(rk[k]['ms'] for rk in gloo_res):8.1f} ms" if oks == {"ok"}
                       else f"failed: {sorted(oks)[-1][:80]}")
         print(f"{k:14s} eccl {ours:8.1f} ms   gloo {theirs}")
+
+
+def test_a_merge_completes_for_a_member_slow_to_connect_while_the_others_split_again(
+        tmp_path, monkeypatch):
+    """torch's scale_down_up with rank 0 slow to connect the merged world's links (held
+    400 ms after the master's answer): the others connect to it (its listener answers),
+    finish the merge and split into singletons at once, which aborts the merged epoch
+    before rank 0 connects. The merge still completes on rank 0 (its uuid is spent; a
+    failure would leave nothing to retry), and its own split follows. Failed one CI run
+    in the wild before the fix: "collective aborted in epoch 4: members [PeerId(3)] left
+    for reconfigure 606"."""
+    # Hit 1 is the singleton reconfigure, hit 2 the merge.
+    monkeypatch.setenv("CONTRACT_RANK0_FAULT", "connect:delay400@2")
+    res = run_world(3, ["eccl", str(tmp_path), "scale_down_up"], HERE / "contract_script.py")
+    for r, got in enumerate(res):
+        assert got["scale_down_up"]["ok"] == "ok", f"rank {r}: {got}"

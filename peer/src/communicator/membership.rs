@@ -207,7 +207,20 @@ impl Communicator {
             other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
         // Always fresh links: the old epoch may have lost a member mid-collective.
-        self.install(world, keys, false).await?;
+        let new_epoch = world.epoch;
+        match self.install(world, keys, false).await {
+            Ok(_) => {}
+            // The world is committed and this peer is in it: if the master aborted it
+            // while the links connected (a member went on at once to a reconfigure of its
+            // own, or died), that is news for the next collective, which fails with it,
+            // not a failed reconfigure. The uuid is spent; failing here would leave the
+            // caller no way to retry it (torch's contract: a singleton split right after
+            // a merge, while a slower member still connects).
+            Err(Error::Aborted { epoch, cause }) if epoch == new_epoch => {
+                tracing::info!(target: "eccl::init", "reconfigure {uuid}: epoch {epoch} was aborted while its links connected ({cause}); the next collective reports it");
+            }
+            Err(e) => return Err(e),
+        }
         let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
             epoch,
             cause: "no world".into(),
@@ -288,7 +301,10 @@ impl Communicator {
             Ok(l) => l,
             Err(e) => {
                 self.abort.raise(world.epoch, e.clone());
-                self.cur = Some(Current::new(world, rank, Vec::new()));
+                // One empty slot per rank: whatever runs next on this epoch meets its
+                // abort, never an index past the end.
+                let none = (0..world.size()).map(|_| None).collect();
+                self.cur = Some(Current::new(world, rank, none));
                 return Err(e);
             }
         };
