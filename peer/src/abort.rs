@@ -45,9 +45,11 @@ pub(crate) struct AbortState {
     tx: watch::Sender<Option<AbortInfo>>,
     /// The epoch whose links this peer runs now (what `abort_here` breaks).
     current: AtomicU64,
-    /// Set by `abort_here` until the abort is announced to the peers or a new epoch
-    /// begins.
+    /// Set by `abort_here` (or `revoke_here`) until the abort is announced to the peers
+    /// or a new epoch begins.
     local: AtomicBool,
+    /// Whether that local abort is a revoke.
+    local_revoke: AtomicBool,
     /// Peers the master evicted, as its abort events named them; a shared-state sync
     /// stops using them as sources or waiting for them as receivers.
     gone: std::sync::Mutex<std::collections::HashSet<eccl_protocol::PeerId>>,
@@ -59,6 +61,7 @@ impl AbortState {
             tx: watch::channel(None).0,
             current: AtomicU64::new(0),
             local: AtomicBool::new(false),
+            local_revoke: AtomicBool::new(false),
             gone: Default::default(),
         })
     }
@@ -95,9 +98,36 @@ impl AbortState {
         );
     }
 
-    /// Whether an `abort_here` is still to be announced to the peers (once).
-    pub fn take_local(&self) -> bool {
-        self.local.swap(false, Ordering::AcqRel)
+    /// Revokes the epoch this peer runs now (NCCL's `ncclCommRevoke`, torchcomms'
+    /// revoke): every call in flight fails with `Revoked` at once, and so does every
+    /// later one until the next epoch; the peers are told as of an abort, with the
+    /// cause `Revoked`, so that theirs fail too. What differs from an abort is what the
+    /// members do next: nobody forms the next world on its own (the torch backend waits
+    /// for a reconfigure or a shrink).
+    pub fn revoke_here(&self, reason: &str) {
+        let epoch = self.current.load(Ordering::Acquire);
+        self.local_revoke.store(true, Ordering::Release);
+        self.local.store(true, Ordering::Release);
+        self.raise(
+            epoch,
+            Error::Revoked {
+                epoch,
+                cause: format!("revoked on this rank: {reason}"),
+            },
+        );
+    }
+
+    /// The cause to announce to the peers for an `abort_here` or `revoke_here` not yet
+    /// announced (once), or `None`.
+    pub fn take_local(&self) -> Option<AbortCause> {
+        if !self.local.swap(false, Ordering::AcqRel) {
+            return None;
+        }
+        Some(if self.local_revoke.swap(false, Ordering::AcqRel) {
+            AbortCause::Revoked
+        } else {
+            AbortCause::EpochAborted
+        })
     }
 
     /// A receiver that wakes on every abort and eviction.
@@ -189,6 +219,7 @@ impl EpochLinkObserver {
         }
         self.state.current.store(epoch, Ordering::Release);
         self.state.local.store(false, Ordering::Release);
+        self.state.local_revoke.store(false, Ordering::Release);
     }
 }
 
@@ -218,6 +249,13 @@ impl LinkObserver for EpochLinkObserver {
                 theirs: Some(header.desc),
                 detail: reason.to_string(),
             },
+            Some(AbortCause::Revoked) => Error::Revoked {
+                epoch,
+                cause: format!(
+                    "rank {} revoked the epoch: {reason}",
+                    rank.map_or("?".into(), |r| r.to_string())
+                ),
+            },
             _ => Error::Aborted {
                 epoch,
                 cause: format!(
@@ -246,6 +284,11 @@ pub struct AbortHandle(pub(crate) Arc<AbortState>);
 impl AbortHandle {
     pub fn abort(&self, reason: &str) {
         self.0.abort_here(reason)
+    }
+
+    /// See [`AbortState::revoke_here`].
+    pub fn revoke(&self, reason: &str) {
+        self.0.revoke_here(reason)
     }
 }
 
@@ -281,6 +324,38 @@ mod tests {
         assert!(a.check_call(5, Some(0)).is_some());
         a.raise_from(5, 7, err());
         assert!(a.check_call(5, Some(1)).is_some());
+    }
+
+    #[test]
+    fn a_revoke_breaks_the_epoch_and_is_announced_as_one_once() {
+        let a = AbortState::new();
+        a.current.store(7, Ordering::Release);
+        a.revoke_here("test");
+        assert!(matches!(a.check(7), Some(Error::Revoked { epoch: 7, .. })));
+        assert_eq!(a.take_local(), Some(AbortCause::Revoked));
+        assert_eq!(a.take_local(), None, "announced once");
+        a.abort_here("later");
+        assert!(
+            matches!(a.check(7), Some(Error::Revoked { .. })),
+            "the first cause stays"
+        );
+        assert_eq!(a.take_local(), Some(AbortCause::EpochAborted));
+    }
+
+    #[test]
+    fn a_peers_revoke_frame_revokes_here() {
+        let a = AbortState::new();
+        let obs = EpochLinkObserver::new(a.clone());
+        obs.enter(3, [("p".to_string(), 1)].into_iter().collect());
+        let mut h = crate::executor::close_header(3);
+        h.index = AbortCause::Revoked as u32;
+        obs.on_abort("p", &h, "rank 1: revoked on this rank: test");
+        match a.check(3) {
+            Some(Error::Revoked { epoch: 3, cause }) => {
+                assert!(cause.starts_with("rank 1 revoked"), "{cause}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]

@@ -9,6 +9,11 @@ pub enum Error {
     /// input is as it was before the call (G2); call `update_topology()` and retry.
     #[error("collective aborted in epoch {epoch}: {cause}")]
     Aborted { epoch: u64, cause: String },
+    /// The epoch was revoked (`revoke()`, here or on another rank): its calls fail as on
+    /// an abort, and the world waits for its members to form the next one themselves
+    /// (`update_topology()`; in torch, `dist._reconfigure` or a shrink).
+    #[error("collective revoked in epoch {epoch}: {cause}")]
+    Revoked { epoch: u64, cause: String },
     /// This peer was removed from the job. It may register again as a new peer.
     #[error("this peer was evicted: {reason}")]
     Evicted { reason: String },
@@ -79,12 +84,25 @@ macro_rules! error_kinds {
 
 error_kinds! {
     Aborted, retryable: true, hint: "call update_topology() and retry the collective";
+    Revoked, retryable: true, hint: "form the next world (update_topology(), or in torch a reconfigure or shrink) and retry";
     Evicted, retryable: false, hint: "create a new Communicator to register again";
     Mismatch, retryable: false, hint: "make every rank call the same collectives in the same order with the same count, dtype, op and root; then update_topology()";
     Timeout, retryable: true, hint: "call update_topology() and retry the collective";
     MasterUnavailable, retryable: false, hint: "check ECCL_MASTER / --master and that eccl-master is running and reachable";
     InvalidArgument, retryable: false, hint: "fix the arguments; then update_topology() before the next collective";
     TooFewPeers, retryable: false, hint: "wait for peers to join or lower the minimum";
+}
+
+impl ErrorKind {
+    /// The kind this one is a special case of, if any (a revoke is an abort): the
+    /// Python class of `Revoked` derives from that of `Aborted`. Parents come first in
+    /// [`ErrorKind::ALL`].
+    pub const fn parent(self) -> Option<ErrorKind> {
+        match self {
+            ErrorKind::Revoked => Some(ErrorKind::Aborted),
+            _ => None,
+        }
+    }
 }
 
 impl std::fmt::Display for ErrorKind {
@@ -97,6 +115,7 @@ impl Error {
     pub const fn kind(&self) -> ErrorKind {
         match self {
             Error::Aborted { .. } => ErrorKind::Aborted,
+            Error::Revoked { .. } => ErrorKind::Revoked,
             Error::Evicted { .. } => ErrorKind::Evicted,
             Error::Mismatch { .. } => ErrorKind::Mismatch,
             Error::Timeout { .. } => ErrorKind::Timeout,

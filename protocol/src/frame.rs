@@ -64,6 +64,9 @@ pub enum AbortCause {
     EpochAborted = 4,
     /// The sender's caller gave an argument the collective refuses.
     InvalidArgument = 5,
+    /// The sender revoked the epoch (`revoke()`): its calls fail, and nobody forms the
+    /// next world on its own.
+    Revoked = 6,
 }
 
 impl AbortCause {
@@ -74,6 +77,7 @@ impl AbortCause {
             3 => AbortCause::LinkFailure,
             4 => AbortCause::EpochAborted,
             5 => AbortCause::InvalidArgument,
+            6 => AbortCause::Revoked,
             _ => return None,
         })
     }

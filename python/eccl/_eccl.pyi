@@ -36,6 +36,9 @@ class AbortedError(EcclError):
     epoch: int
     cause: str
 
+class RevokedError(AbortedError):
+    """Revoked. Hint: form the next world (update_topology(), or in torch a reconfigure or shrink) and retry."""
+
 class EvictedError(EcclError):
     """Evicted. Hint: create a new Communicator to register again."""
 
@@ -246,6 +249,8 @@ class Communicator:
         """
     def abort(self, reason: str = "abort() was called") -> None:
         """Aborts this peer's calls at once (torch's `ProcessGroup.abort()`); returns without waiting."""
+    def revoke(self, reason: str = "revoke() was called") -> None:
+        """Revokes this peer's epoch at once (NCCL's `ncclCommRevoke`); returns without waiting."""
     def leave(self) -> None:
         """Leaves the job on purpose; the others see it at their next update_topology()."""
 

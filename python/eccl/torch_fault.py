@@ -1,6 +1,8 @@
 """torch's fault-tolerance API on eccl: `ProcessGroup.abort()` and abort hooks,
 `init_process_group(..., enable_reconfigure=True)`, `dist._get_reconfigure_handle()` and
-`dist._reconfigure(uuid, handles)`.
+`dist._reconfigure(uuid, handles)`, the Backend's `get_error()`, and `revoke()` (NCCL's
+`ncclCommRevoke`, torchcomms' revoke: not in torch's Backend API yet, so a method of
+eccl's backend and of its reconfigurable group).
 
 torch's ProcessGroup reads a group's rank and size from its backend's fixed values, so a
 group whose members change is a ProcessGroup of its own (`ReconfigurableGroup`) whose
@@ -20,6 +22,17 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 import eccl
+from eccl.torch_recovery import Fault
+
+try:  # torch's ErrorType (what Backend.get_error() returns) came with torch 2.8
+    from torch._C._distributed_c10d import ErrorType as _ErrorType
+except ImportError:  # pragma: no cover - older torch: the names as strings
+    _ErrorType = None
+
+
+def error_type(fault: Fault) -> Any:
+    """torch's `ErrorType` member for `fault` (its name where torch has no ErrorType)."""
+    return fault.value if _ErrorType is None else getattr(_ErrorType, fault.value)
 
 PREFIX = "eccl1"
 
@@ -95,6 +108,32 @@ class FaultTolerance:
         self._recovery.aborted()
         self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
 
+    def revoke(self) -> None:
+        """Revokes the group's epoch (NCCL's `ncclCommRevoke`): every call in flight or
+        queued here fails at once with `eccl.RevokedError` (an `AbortedError`), the
+        other ranks' calls of the epoch fail with it too, the abort hooks run once, and
+        from then on every call is refused with `RevokedError` until
+        `dist._reconfigure` forms the next world (or the group is shrunk). Unlike
+        `abort()`, no call forms the next epoch on its own: the members decide, through
+        a reconfigure, who goes on. The communicator, its registration with the master
+        and its handle stay, so the reconfigure that follows reuses them."""
+        if self._closed:
+            return
+        reason = f"revoke() on rank {self.rank()}"
+        self._recovery.revoked(reason)
+        self.comm.revoke(reason)
+
+    def get_error(self) -> Any:
+        """torch's `Backend.get_error()`: `ErrorType.SUCCESS` while the current world has
+        had no failure; `TIMEOUT` after a timeout; `REMOTE_ERROR` when another rank's
+        failure, abort or revoke (or a member's death) broke the epoch; `COMM_ERROR`
+        after this rank's own `revoke()` or a call the ranks disagreed on. This rank's
+        own `abort()` leaves it SUCCESS, as torch's fault-tolerance test asks of every
+        backend but NCCL's (whose abort is a revoke: eccl's is `revoke()`). The first
+        failure of a world is the answer until the group forms its next world (after
+        an abort, at the next call; after a revoke, at a reconfigure)."""
+        return error_type(self._recovery.fault)
+
     @property
     def supports_abort_hooks(self) -> bool:
         return True
@@ -149,6 +188,12 @@ class ReconfigurableGroup(ProcessGroup):
 
     def abort(self) -> None:
         self._backend.abort()
+
+    def revoke(self) -> None:
+        self._backend.revoke()
+
+    def get_error(self) -> Any:
+        return self._backend.get_error()
 
     def shutdown(self) -> None:
         self._backend.shutdown()

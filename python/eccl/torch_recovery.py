@@ -12,6 +12,16 @@ States of a backend's `Recovery`:
   call says so (a reconfigurable group is then reconfigured with the members' handles).
 - UNFORMED: a group made with `enable_reconfigure=True` before its first
   `dist._reconfigure`: calls are refused until one forms a world (`adopt`).
+- REVOKED: `revoke()` here, or a call failed with `eccl.RevokedError` (another rank
+  revoked the epoch): calls are refused with `RevokedError` until a reconfigure forms
+  the next world (`adopt`); nothing forms one on its own.
+
+`get_error()` answers torch's `ErrorType` from the first failure in the current world:
+SUCCESS while there is none, TIMEOUT for a timeout, REMOTE_ERROR when another rank's
+failure, abort or revoke broke the epoch here, COMM_ERROR for this rank's own revoke and
+for calls the ranks disagreed on; back to SUCCESS once the group has formed its next
+world. This rank's own `abort()` is not an error of the group (SUCCESS, as torch's
+fault-tolerance test asks of every backend but NCCL's, whose abort is a revoke).
 
 The abort hooks torch registers run once per aborted epoch, before the failure is
 reported. Which methods are calls is decided by construction (`recovering_calls`): every
@@ -33,6 +43,33 @@ class State(enum.Enum):
     FORMED = "formed"
     ABORTED = "aborted"
     UNFORMED = "unformed"
+    REVOKED = "revoked"
+
+
+class Fault(enum.Enum):
+    """What broke the current world, as torch's `ErrorType` names it."""
+    SUCCESS = "SUCCESS"
+    TIMEOUT = "TIMEOUT"
+    COMM_ERROR = "COMM_ERROR"
+    REMOTE_ERROR = "REMOTE_ERROR"
+
+
+def fault_of(error: BaseException) -> Fault:
+    """The kind of `error` for `get_error()`: a timeout; a failure another rank caused
+    (an abort, revoke or link failure there, a member that died, left or was evicted:
+    every `AbortedError` not raised by this rank's own abort or revoke); or this rank's
+    (a mismatch of the call's arguments, anything else). A call failed by this rank's
+    own `abort()` is no error of the group: SUCCESS."""
+    if isinstance(error, eccl.EcclTimeoutError):
+        return Fault.TIMEOUT
+    if isinstance(error, eccl.AbortedError):
+        cause = str(getattr(error, "cause", ""))
+        if cause.startswith("revoked on this rank"):
+            return Fault.COMM_ERROR
+        if cause.startswith("aborted on this rank"):
+            return Fault.SUCCESS
+        return Fault.REMOTE_ERROR
+    return Fault.COMM_ERROR
 
 
 # The failures that aborted the epoch on every rank, by kind of call. A collective's
@@ -62,6 +99,9 @@ class Recovery:
         self.reconfigurable = reconfigurable
         # The last call's failure (torchft's `errored()`).
         self.error: Optional[BaseException] = None
+        # The first failure in the current world (`get_error()`), and who revoked it.
+        self.fault = Fault.SUCCESS
+        self._revoked_by = ""
         # torch's abort hooks by id, and the epoch they last ran for (once per abort).
         self.hooks: Dict[int, Callable[[], None]] = {}
         self._hooked_epoch = -1
@@ -86,6 +126,11 @@ class Recovery:
                 raise eccl.InvalidArgumentError(
                     "the group has no world yet: with enable_reconfigure=True it forms one "
                     "at dist._reconfigure(uuid, handles)")
+            if state is State.REVOKED:
+                raise eccl.RevokedError(
+                    f"the group's epoch was revoked ({self._revoked_by}): form the next "
+                    "world with dist._reconfigure(uuid, handles) (or shrink the group) "
+                    "before the next call")
             if state is State.FORMED:
                 return
         # Raises if the next epoch cannot be formed now: the next call tries again.
@@ -93,6 +138,7 @@ class Recovery:
         with self._lock:
             self.state = State.FORMED
             self.generation += 1
+            self.fault = Fault.SUCCESS
         if w.rank != self.rank or w.world_size != self.size:
             fix = ("call dist._reconfigure with the members' handles" if self.reconfigurable
                    else "re-create it, or use eccl.torch.ElasticDDP")
@@ -110,18 +156,26 @@ class Recovery:
         other ranks are in the new world, and forming yet another here would wait for
         them in vain."""
         self.error = error
-        if not isinstance(error, ABORTING[kind]):
-            return
         with self._lock:
             if generation is not None and generation != self.generation:
                 return
+            if self.fault is Fault.SUCCESS:
+                self.fault = fault_of(error)
+        if not isinstance(error, ABORTING[kind]):
+            return
         # The epoch the call failed in (an AbortedError names it): a reconfigure that
         # abandoned the call may have moved the communicator on already, and the hooks
         # ran for that epoch when it did.
         epoch = getattr(error, "epoch", None)
         self.run_hooks(epoch if epoch else None)
         with self._lock:
-            if self.state is State.FORMED and generation in (None, self.generation):
+            if generation not in (None, self.generation):
+                return
+            if isinstance(error, eccl.RevokedError):
+                if self.state in (State.FORMED, State.ABORTED):
+                    self.state = State.REVOKED
+                    self._revoked_by = str(getattr(error, "cause", error))
+            elif self.state is State.FORMED:
                 self.state = State.ABORTED
 
     def aborted(self) -> None:
@@ -132,12 +186,23 @@ class Recovery:
             if self.state is State.FORMED:
                 self.state = State.ABORTED
 
+    def revoked(self, reason: str) -> None:
+        """`revoke()` here: the hooks run; calls are refused until a reconfigure."""
+        self.run_hooks()
+        with self._lock:
+            if self.fault is Fault.SUCCESS:
+                self.fault = Fault.COMM_ERROR
+            if self.state in (State.FORMED, State.ABORTED):
+                self.state = State.REVOKED
+                self._revoked_by = f"revoked on this rank: {reason}"
+
     def adopt(self) -> None:
         """A reconfigure committed a new world: its rank and size are the group's now."""
         with self._lock:
             self.rank, self.size = self.comm.rank, self.comm.world_size
             self.state = State.FORMED
             self.generation += 1
+            self.fault = Fault.SUCCESS
 
     def run_hooks(self, epoch: Optional[int] = None) -> None:
         """Runs the abort hooks, once per aborted epoch (`epoch`, default the
@@ -159,7 +224,8 @@ class Recovery:
 # and the calls that manage the world themselves (`shrink` forms its own, `split` makes
 # a new group, `reconfigure` forms the next one, `monitored_barrier` runs on the store).
 NOT_CALLS = frozenset({
-    "rank", "size", "getBackendName", "abort", "shutdown", "split", "shrink",
+    "rank", "size", "getBackendName", "abort", "revoke", "get_error", "shutdown", "split",
+    "shrink",
     "reconfigure", "get_reconfigure_handle", "registerAbortHook", "unregisterAbortHook",
     "monitored_barrier",
 })

@@ -349,6 +349,18 @@ impl Communicator {
         self.submit(py, Call::AnnounceAbort, true).map(|_| ())
     }
 
+    /// Revokes this peer's epoch at once (NCCL's `ncclCommRevoke`): as `abort`, every
+    /// call in flight or queued fails, now with `RevokedError` (an `AbortedError`), and
+    /// the other ranks are told, theirs failing with `RevokedError` too. The
+    /// communicator, its registration and its links' listeners stay; the next
+    /// `update_topology()` forms the next epoch, and the torch backend waits for a
+    /// reconfigure or a shrink instead of forming it on its own. Returns without waiting.
+    #[pyo3(signature = (reason="revoke() was called"))]
+    fn revoke(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        self.aborter.revoke(reason);
+        self.submit(py, Call::AnnounceAbort, true).map(|_| ())
+    }
+
     /// Leaves the job on purpose; the others see it at their next update_topology().
     fn leave(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.submit(py, Call::Leave, false)

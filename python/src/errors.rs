@@ -39,33 +39,58 @@ pub(crate) fn class_name(py: Python<'_>, kind: ErrorKind) -> PyResult<String> {
 /// The exception classes, in the order of [`ErrorKind::ALL`]. A class whose plain name
 /// is a builtin's also derives from that builtin (`EcclTimeoutError` is a
 /// `TimeoutError`), so `except TimeoutError` catches it as Python code expects.
+/// `RevokedError` derives from `AbortedError`: a revoked epoch is an aborted one, and
+/// code that retries after an abort retries after a revoke too.
 pub(crate) fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
     CLASSES.get_or_try_init(py, || {
-        let base = py.get_type::<EcclError>();
+        let eccl_error = py.get_type::<EcclError>();
         let builtins = py.import("builtins")?;
+        let mut made: Vec<(ErrorKind, Py<PyType>)> = Vec::new();
+        // Every parent comes before its children in ErrorKind::ALL.
         ErrorKind::ALL
             .iter()
             .map(|k| {
-                let name = class_name(py, *k)?;
-                let doc = format!("{}. Hint: {}.", k.name(), k.hint());
-                let plain = format!("{}Error", k.name());
-                if name != plain {
-                    // type(name, (EcclError, builtin), {...}): both bases.
-                    let builtin = builtins.getattr(plain.as_str())?;
-                    let dict = pyo3::types::PyDict::new(py);
-                    dict.set_item("__doc__", doc)?;
-                    dict.set_item("__module__", "eccl")?;
-                    let t = py
-                        .get_type::<PyType>()
-                        .call1((name, (base.clone(), builtin), dict))?;
-                    return Ok(t.cast_into::<PyType>()?.unbind());
-                }
-                let name = CString::new(format!("eccl.{name}"))?;
-                let doc = CString::new(doc)?;
-                PyErr::new_type(py, &name, Some(&doc), Some(&base), None)
+                let base = match k.parent() {
+                    Some(p) => made
+                        .iter()
+                        .find(|(m, _)| *m == p)
+                        .map(|(_, t)| t.bind(py).clone())
+                        .expect("a parent kind comes first"),
+                    None => eccl_error.clone(),
+                };
+                let t = make_class(py, *k, &base, &builtins)?;
+                made.push((*k, t.clone_ref(py)));
+                Ok(t)
             })
             .collect()
     })
+}
+
+/// The class of kind `k`, deriving from `base` (and from the builtin of its plain name,
+/// if there is one).
+fn make_class(
+    py: Python<'_>,
+    k: ErrorKind,
+    base: &Bound<'_, PyType>,
+    builtins: &Bound<'_, pyo3::types::PyModule>,
+) -> PyResult<Py<PyType>> {
+    let name = class_name(py, k)?;
+    let doc = format!("{}. Hint: {}.", k.name(), k.hint());
+    let plain = format!("{}Error", k.name());
+    if name != plain {
+        // type(name, (base, builtin), {...}): both bases.
+        let builtin = builtins.getattr(plain.as_str())?;
+        let dict = pyo3::types::PyDict::new(py);
+        dict.set_item("__doc__", doc)?;
+        dict.set_item("__module__", "eccl")?;
+        let t = py
+            .get_type::<PyType>()
+            .call1((name, (base.clone(), builtin), dict))?;
+        return Ok(t.cast_into::<PyType>()?.unbind());
+    }
+    let name = CString::new(format!("eccl.{name}"))?;
+    let doc = CString::new(doc)?;
+    PyErr::new_type(py, &name, Some(&doc), Some(base), None)
 }
 
 fn class(py: Python<'_>, kind: ErrorKind) -> PyResult<Bound<'_, PyType>> {
@@ -89,6 +114,10 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
     inst.setattr("hint", e.hint())?;
     match e {
         Error::Aborted { epoch, cause } => {
+            inst.setattr("epoch", epoch)?;
+            inst.setattr("cause", cause)?;
+        }
+        Error::Revoked { epoch, cause } => {
             inst.setattr("epoch", epoch)?;
             inst.setattr("cause", cause)?;
         }

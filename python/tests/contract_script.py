@@ -17,6 +17,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import eccl
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -187,15 +188,74 @@ def reused_uuid(s):
         raise AssertionError("a reused uuid was accepted")
 
 
+def revoke_and_get_error(s):
+    """eccl's own (not in torch's contract): get_error() after a remote and a local
+    revoke and abort, a revoked group refusing calls until a reconfigure."""
+    be, _ = s.formed("revoke", 1200)
+
+    def error():
+        return be.get_error().name
+
+    assert error() == "SUCCESS", error()
+    # Ranks 0 and 2 start an all_reduce that rank 1 never joins; it revokes instead.
+    if R != 1:
+        t = torch.ones(4)
+        w = dist.all_reduce(t, async_op=True)
+        s.store.set(f"revoke_started_{R}", "1")
+        t0 = time.monotonic()
+        try:
+            w.wait()
+            raise AssertionError("an all_reduce went through a revoke")
+        except eccl.RevokedError as e:
+            assert "rank 1 revoked" in str(e), str(e)
+        waited = time.monotonic() - t0
+        assert waited < TIMEOUT.total_seconds() / 3, f"the revoke took {waited:.1f} s to arrive"
+        assert error() == "REMOTE_ERROR", error()
+    else:
+        s.store.get("revoke_started_0")
+        s.store.get("revoke_started_2")
+        be.revoke()
+        assert error() == "COMM_ERROR", error()
+    s.barrier("revoke_seen")
+    # Refused until a reconfigure, on every rank; nothing forms a world on its own.
+    for _ in range(2):
+        try:
+            dist.all_reduce(torch.ones(4))
+            raise AssertionError("a revoked group took a call")
+        except eccl.RevokedError as e:
+            assert "reconfigure" in str(e), str(e)
+    s.reconfigure(1201, s.handles("revoke_again"))
+    assert error() == "SUCCESS", error()
+    s.sums_to(sum(range(1, N + 1)))
+    # An abort: SUCCESS where it was called (as torch's after_abort asks of every
+    # backend but NCCL's), REMOTE_ERROR where it broke a call; the next call forms the
+    # next epoch and get_error() is SUCCESS again.
+    if R == 0:
+        be.abort()
+        assert error() == "SUCCESS", error()
+    s.barrier("aborted")
+    if R != 0:
+        try:
+            dist.all_reduce(torch.ones(4))
+            raise AssertionError("an all_reduce went through an abort")
+        except eccl.AbortedError:
+            pass
+        assert error() == "REMOTE_ERROR", error()
+    s.sums_to(sum(range(1, N + 1)))
+    assert error() == "SUCCESS", error()
+
+
+# torch's scenarios, run when none is named; eccl's own only when named.
 SCENARIOS = [basic, all_reduce, send_recv, shrink_last, shrink_middle, scale_down_up,
              single_to_all, identity, late_join, merge_split, after_abort, reused_uuid]
+NOT_TORCHS = [revoke_and_get_error]
 
 
 def main():
     backend, folder = sys.argv[1], sys.argv[2]
     wanted = sys.argv[3:] or [f.__name__ for f in SCENARIOS]
     res = {}
-    for f in SCENARIOS:
+    for f in SCENARIOS + NOT_TORCHS:
         if f.__name__ not in wanted:
             continue
         # A scenario that hangs prints where every thread is and ends the process, so

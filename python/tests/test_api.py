@@ -227,8 +227,11 @@ def test_every_error_is_one_class_per_rust_kind_and_pickles_to_itself():
     (with their fields) to the same class in another process."""
     import pickle
     names = [c.__name__ for c in eccl.ERRORS]
-    assert names == ["AbortedError", "EvictedError", "MismatchError", "EcclTimeoutError",
-                     "MasterUnavailableError", "InvalidArgumentError", "TooFewPeersError"]
+    assert names == ["AbortedError", "RevokedError", "EvictedError", "MismatchError",
+                     "EcclTimeoutError", "MasterUnavailableError", "InvalidArgumentError",
+                     "TooFewPeersError"]
+    # A revoked epoch is an aborted one: what retries after an abort retries after it.
+    assert issubclass(eccl.RevokedError, eccl.AbortedError)
     assert all(issubclass(c, eccl.EcclError) and getattr(eccl, c.__name__) is c
                for c in eccl.ERRORS)
     # No class shadows a builtin: eccl's timeout is EcclTimeoutError, and it is a

@@ -200,3 +200,15 @@ def test_a_merge_completes_for_a_member_slow_to_connect_while_the_others_split_a
     res = run_world(3, ["eccl", str(tmp_path), "scale_down_up"], HERE / "contract_script.py")
     for r, got in enumerate(res):
         assert got["scale_down_up"]["ok"] == "ok", f"rank {r}: {got}"
+
+
+def test_revoke_refuses_calls_until_a_reconfigure_and_get_error_says_what_broke(tmp_path):
+    """NCCL's revoke on eccl: a rank revokes while the others wait in an all_reduce; theirs
+    fails at once with RevokedError (get_error() REMOTE_ERROR there, COMM_ERROR on the
+    revoking rank); every call is refused until a reconfigure forms the next world
+    (SUCCESS again). Then an abort: COMM_ERROR / REMOTE_ERROR, and the next call forms
+    the next epoch on its own."""
+    res = run_world(3, ["eccl", str(tmp_path), "revoke_and_get_error"],
+                    HERE / "contract_script.py")
+    for r, got in enumerate(res):
+        assert got["revoke_and_get_error"]["ok"] == "ok", f"rank {r}: {got}"

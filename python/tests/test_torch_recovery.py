@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from eccl.torch_recovery import NOT_CALLS, RECOVERING, Recovery, State  # noqa: E402
+from eccl.torch_recovery import NOT_CALLS, RECOVERING, Fault, Recovery, State  # noqa: E402
 
 
 class World:
@@ -131,6 +131,64 @@ def test_a_late_failure_of_a_call_the_reconfigure_abandoned_changes_nothing():
     assert comm.updates == 0
     r.failed(eccl.AbortedError("a call of the new world"), "collective", r.generation)
     assert r.state is State.ABORTED and ran == [4, 9]
+
+
+def aborted(cls, cause):
+    e = cls(cause)
+    e.cause = cause
+    return e
+
+
+def test_a_revoked_group_refuses_calls_until_a_reconfigure_and_get_error_follows():
+    """A revoke (here or arriving from another rank as RevokedError) runs the hooks once
+    and refuses every call, never forming the next epoch on its own; a reconfigure's
+    world ends it. get_error()'s answer is the first failure of the current world."""
+    comm = Comm()
+    r = Recovery(comm, 1, 3, reconfigurable=True)
+    ran = []
+    r.hooks[1] = lambda: ran.append(comm.epoch)
+    r.revoked("revoke() on rank 1")
+    assert (r.state, r.fault, ran) == (State.REVOKED, Fault.COMM_ERROR, [4])
+    # The call the revoke failed here changes nothing more.
+    r.failed(aborted(eccl.RevokedError, "revoked on this rank: revoke() on rank 1"),
+             "collective", r.generation)
+    for _ in range(2):
+        with pytest.raises(eccl.RevokedError, match="reconfigure"):
+            r.before_call()
+    assert comm.updates == 0 and ran == [4]
+    r.adopt()
+    assert (r.state, r.fault) == (State.FORMED, Fault.SUCCESS)
+    # Another rank's revoke, met by a call: REMOTE_ERROR, refused until a reconfigure.
+    r.failed(aborted(eccl.RevokedError, "rank 2 revoked the epoch: x"), "collective",
+             r.generation)
+    assert (r.state, r.fault) == (State.REVOKED, Fault.REMOTE_ERROR)
+    with pytest.raises(eccl.RevokedError, match="rank 2 revoked"):
+        r.before_call()
+
+
+@pytest.mark.parametrize("error,fault", [
+    (aborted(eccl.AbortedError, "rank 0 aborted: ProcessGroup.abort() on rank 0"),
+     Fault.REMOTE_ERROR),
+    (aborted(eccl.AbortedError, "peer 3 lease expired"), Fault.REMOTE_ERROR),
+    (aborted(eccl.AbortedError, "aborted on this rank: ProcessGroup.abort() on rank 1"),
+     Fault.SUCCESS),
+    (aborted(eccl.RevokedError, "revoked on this rank: x"), Fault.COMM_ERROR),
+    (eccl.EcclTimeoutError("x"), Fault.TIMEOUT),
+    (eccl.MismatchError("x"), Fault.COMM_ERROR),
+])
+def test_get_error_names_what_broke_the_world_until_the_next_one(error, fault):
+    comm = Comm()
+    r = Recovery(comm, 1, 3)
+    r.failed(error, "collective")
+    assert r.fault is fault
+    # The first failure of a world is the answer; the next world starts clean.
+    r.failed(eccl.EcclTimeoutError("later"), "collective")
+    assert r.fault is (Fault.TIMEOUT if fault is Fault.SUCCESS else fault)
+    if r.state is State.REVOKED:
+        r.adopt()  # a reconfigure's world
+    else:
+        r.before_call()  # the next epoch, formed at the next call
+    assert r.fault is Fault.SUCCESS
 
 
 def test_every_call_of_the_backend_goes_through_recovery():

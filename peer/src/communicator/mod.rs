@@ -149,18 +149,10 @@ impl Communicator {
             let Some(e) = self.abort.check(epoch) else {
                 return;
             };
-            if self.abort.take_local() {
+            if let Some(cause) = self.abort.take_local() {
                 let reason = format!("rank {}: {e}", c.rank);
                 let h = executor::close_header(epoch);
-                executor::broadcast_abort(
-                    epoch,
-                    0,
-                    h.desc,
-                    eccl_protocol::frame::AbortCause::EpochAborted,
-                    &reason,
-                    &mut c.links,
-                )
-                .await;
+                executor::broadcast_abort(epoch, 0, h.desc, cause, &reason, &mut c.links).await;
             }
         }
         .boxed()
