@@ -70,6 +70,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_SKIP_TORCH", "—", "tests", "bash .ci/test.sh without torch (and without the Python tests)"),
     v("ECCL_SOAK", "—", "tests", "bash .ci/test.sh also runs the long chaos runs and the soak"),
     v("ECCL_BENCH", "—", "tests", "bash .ci/test.sh also runs the benchmark tests (the goodput benchmark)"),
+    v("ECCL_TORCH_SUITE", "—", "tests", "bash .ci/test.sh also runs torch's whole backend suite under eccl and gloo (about 30 min)"),
     v("ECCL_TORCHFT", "—", "tests", "bash .ci/test.sh also runs torchft on eccl (installs torchft into .venv-torchft)"),
     v("ECCL_CHAOS_SEED", "random", "tests", "the seed of the test command's chaos runs"),
     v("ECCL_FUZZ_CASES", "2000", "tests", "cases per property of the decoders' property tests"),

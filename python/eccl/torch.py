@@ -629,6 +629,49 @@ def _install_anysource_irecv() -> None:
     dist.irecv = irecv
 
 
+def _install_work_completion() -> None:
+    """torch hands back a Python backend's Work inside a C++ holder that forwards
+    `wait()` and `get_future()` but not `is_completed()` or `is_success()`, which then
+    stay False for good: a loop polling `dist.all_reduce(t, async_op=True).is_completed()`
+    would never end. Where torch's own answer is False, these ask the Work's future
+    (which the holder does forward, and which torch's C++ backends complete at the same
+    moment as their Work), so every backend's Work answers as gloo's does."""
+    work_cls = dist.distributed_c10d.Work
+    if getattr(work_cls.is_completed, "_eccl_future", False):
+        return
+    torch_completed, torch_success = work_cls.is_completed, work_cls.is_success
+
+    def future_of(work: Any) -> Any:
+        try:
+            return work.get_future()
+        except RuntimeError:  # a backend whose Works have no future
+            return None
+
+    @functools.wraps(torch_completed)
+    def is_completed(self: Any) -> bool:
+        if torch_completed(self):
+            return True
+        fut = future_of(self)
+        return fut is not None and fut.done()
+
+    @functools.wraps(torch_success)
+    def is_success(self: Any) -> bool:
+        if torch_success(self):
+            return True
+        fut = future_of(self)
+        if fut is None or not fut.done():
+            return False
+        try:
+            fut.value()
+        except Exception:  # noqa: BLE001 - the call failed: not a success
+            return False
+        return True
+
+    is_completed._eccl_future = True  # type: ignore[attr-defined]
+    work_cls.is_completed = is_completed
+    work_cls.is_success = is_success
+
+
 def register() -> None:
     """Registers the backend "eccl" with torch.distributed (once). Importing this module
     does it; so does torch itself, through the package's `torch.distributed.backends`
@@ -638,6 +681,7 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True,
                                       devices=["cpu", "cuda"])
     _install_anysource_irecv()
+    _install_work_completion()
     from eccl import store
 
     store.register()  # init_method="eccl://..."

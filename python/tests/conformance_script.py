@@ -55,6 +55,16 @@ def calls(r, n):
     fut = dist.all_reduce(torch.ones(2) * r, async_op=True).get_future()
     out["future_then"] = fut.then(lambda f: f.value()[0] * 2).wait().tolist()
 
+    # A Work says it is complete once wait() returned (loops that poll rely on it).
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    w.wait()
+    sw = dist.isend(torch.ones(1), (r + 1) % n, tag=5)
+    rw = dist.irecv(torch.empty(1), (r - 1) % n, tag=5)
+    sw.wait()
+    rw.wait()
+    out["is_completed_after_wait"] = [w.is_completed(), w.is_success(), sw.is_completed(),
+                                      rw.is_completed()]
+
     # batch_isend_irecv with tags (torch asks the backend whether it coalesces first).
     send, recv = torch.full((3,), float(r)), torch.empty(3)
     send2, recv2 = torch.full((2,), 10.0 + r), torch.empty(2)
