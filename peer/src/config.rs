@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use eccl_protocol::auth::Secret;
 use eccl_protocol::Algo;
+pub use eccl_transport::mesh::TransportChoice;
 pub use eccl_transport::Transport;
 
 use crate::error::{Error, Result};
@@ -86,41 +87,6 @@ pub fn secret_from_env() -> Result<Option<Secret>> {
             .map_err(|e| Error::InvalidArgument(format!("ECCL_SECRET_FILE {e}")));
     }
     Ok(None)
-}
-
-/// How a peer picks the transport of each of its links.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum TransportChoice {
-    /// Shared memory between peers of one host, TCP (TLS with `ECCL_TLS=1`) otherwise.
-    #[default]
-    Auto,
-    Tcp,
-    /// Shared memory between peers of one host; links to other hosts use TCP.
-    Shm,
-    Quic,
-}
-
-impl TransportChoice {
-    pub const ALL: [TransportChoice; 4] = [
-        TransportChoice::Auto,
-        TransportChoice::Tcp,
-        TransportChoice::Shm,
-        TransportChoice::Quic,
-    ];
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            TransportChoice::Auto => "auto",
-            TransportChoice::Tcp => "tcp",
-            TransportChoice::Shm => "shm",
-            TransportChoice::Quic => "quic",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<TransportChoice> {
-        let s = s.trim().to_ascii_lowercase();
-        TransportChoice::ALL.into_iter().find(|t| t.name() == s)
-    }
 }
 
 fn hostname() -> String {

@@ -9,14 +9,14 @@ use std::sync::Arc;
 
 use eccl_protocol::auth::{LinkKeys, Secret};
 use eccl_protocol::{LinkHello, Member, PeerId, World};
-use eccl_transport::link::{Incoming, LinkObserver, LinkRx, LinkTx, Transport};
+use eccl_transport::link::{Incoming, LinkObserver, LinkRx, LinkTx};
 use eccl_transport::listen::{self, Accepted, ListenOptions, Listeners};
 use eccl_transport::mesh::{self, Addresses, Assembler, LinkSettings};
 use eccl_transport::shm;
 use futures::future::try_join_all;
 
 use crate::abort::{AbortState, EpochLinkObserver};
-use crate::config::{Config, TransportChoice};
+use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// Receive buffers larger than this are not kept for reuse.
@@ -74,32 +74,6 @@ fn interface_addr(name: &str) -> Result<IpAddr> {
                 names.join(", ")
             ))
         })
-}
-
-/// The transport of the link from `me` to `them`, which `me` dials.
-fn choose(cfg: &Config, me: &Member, them: &Member) -> Result<Transport> {
-    let same_host = me.host == them.host && me.shm.is_some() && them.shm.is_some();
-    let tcp = if cfg.tls {
-        Transport::Tls
-    } else {
-        Transport::Tcp
-    };
-    Ok(match cfg.transport {
-        TransportChoice::Auto if same_host => Transport::Shm,
-        TransportChoice::Auto | TransportChoice::Tcp => tcp,
-        TransportChoice::Shm if same_host => Transport::Shm,
-        TransportChoice::Shm => {
-            tracing::warn!(target: "eccl::net", "ECCL_TRANSPORT=shm, but peer {} is on another host ({}): that link uses {tcp}", them.peer_id, them.host);
-            tcp
-        }
-        TransportChoice::Quic if them.quic.is_some() => Transport::Quic,
-        TransportChoice::Quic => {
-            return Err(Error::InvalidArgument(format!(
-                "ECCL_TRANSPORT=quic, but peer {} has no QUIC endpoint",
-                them.peer_id
-            )))
-        }
-    })
 }
 
 impl LinkManager {
@@ -303,8 +277,9 @@ impl Hellos<'_> {
     }
 }
 
-/// Our link to member `m` over the transport [`choose`] picks; a failed shared-memory
-/// link falls back to TCP (or TLS) when the transport was left to `auto`.
+/// Our link to member `m`, over the transport the mesh's [`mesh::Policy`] picks for it
+/// from `ECCL_TRANSPORT` and `ECCL_TLS` (shared memory to a member on this host, TCP or
+/// TLS otherwise, QUIC when asked for).
 async fn dial_link(
     dialer: &mesh::Dialer<'_>,
     cfg: &Config,
@@ -319,26 +294,18 @@ async fn dial_link(
         quic: m.quic.as_deref(),
         shm: m.shm.as_deref(),
     };
-    let cannot = |t: Transport, e: eccl_transport::TransportError| Error::Aborted {
-        epoch,
-        cause: format!("cannot connect to rank {} over {t}: {e}", m.rank),
+    let same_host = mine.host == m.host && mine.shm.is_some();
+    let policy = mesh::Policy {
+        prefer: cfg.transport,
+        tls: cfg.tls,
     };
-    let t = choose(cfg, mine, m)?;
-    let link = match dialer.link(at, t, hellos.to(m.peer_id), peer.clone()).await {
-        Err(e) if t == Transport::Shm && cfg.transport == TransportChoice::Auto => {
-            let tcp = if cfg.tls {
-                Transport::Tls
-            } else {
-                Transport::Tcp
-            };
-            tracing::warn!(target: "eccl::net", "shm link to {peer} failed ({e}); using {tcp}");
-            dialer
-                .link(at, tcp, hellos.to(m.peer_id), peer.clone())
-                .await
-                .map_err(|e| cannot(tcp, e))?
-        }
-        other => other.map_err(|e| cannot(t, e))?,
-    };
+    let link = dialer
+        .link_to(at, same_host, policy, hellos.to(m.peer_id), peer.clone())
+        .await
+        .map_err(|(t, e)| Error::Aborted {
+            epoch,
+            cause: format!("cannot connect to rank {} over {t}: {e}", m.rank),
+        })?;
     tracing::info!(target: "eccl::net", "epoch {epoch}: link to rank {} ({peer}) over {}", m.rank, link.0.transport());
     Ok((m.rank.0, link))
 }

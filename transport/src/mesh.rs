@@ -56,6 +56,78 @@ impl LinkSettings {
     }
 }
 
+/// How a peer picks the transport of each of its links.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory between peers of one host, TCP (TLS with `ECCL_TLS=1`) otherwise.
+    #[default]
+    Auto,
+    Tcp,
+    /// Shared memory between peers of one host; links to other hosts use TCP.
+    Shm,
+    Quic,
+}
+
+impl TransportChoice {
+    pub const ALL: [TransportChoice; 4] = [
+        TransportChoice::Auto,
+        TransportChoice::Tcp,
+        TransportChoice::Shm,
+        TransportChoice::Quic,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Shm => "shm",
+            TransportChoice::Quic => "quic",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TransportChoice> {
+        let s = s.trim().to_ascii_lowercase();
+        TransportChoice::ALL.into_iter().find(|t| t.name() == s)
+    }
+}
+
+/// How links to a peer are chosen: the user's preference (`ECCL_TRANSPORT`) and
+/// whether stream links use TLS (`ECCL_TLS`).
+#[derive(Clone, Copy, Debug)]
+pub struct Policy {
+    pub prefer: TransportChoice,
+    pub tls: bool,
+}
+
+impl Policy {
+    /// TCP, or TLS where the policy asks for it.
+    fn stream(self) -> Transport {
+        if self.tls {
+            Transport::Tls
+        } else {
+            Transport::Tcp
+        }
+    }
+
+    /// The transport of a link to a peer at `to`; `same_host`: the peer runs on this
+    /// peer's host (shared memory reaches it if both have a segment socket).
+    pub fn choose(self, to: &Addresses<'_>, same_host: bool) -> Result<Transport, String> {
+        let shm = same_host && to.shm.is_some();
+        Ok(match self.prefer {
+            TransportChoice::Auto | TransportChoice::Shm if shm => Transport::Shm,
+            TransportChoice::Auto | TransportChoice::Tcp => self.stream(),
+            TransportChoice::Shm => {
+                tracing::warn!(target: "eccl::net", "ECCL_TRANSPORT=shm, but that peer is on another host: its link uses {}", self.stream());
+                self.stream()
+            }
+            TransportChoice::Quic if to.quic.is_some() => Transport::Quic,
+            TransportChoice::Quic => {
+                return Err("ECCL_TRANSPORT=quic, but that peer has no QUIC endpoint".into())
+            }
+        })
+    }
+}
+
 /// Where a peer accepts links: its TCP listener, and its QUIC endpoint and shm socket if
 /// it has them.
 #[derive(Clone, Copy, Debug)]
@@ -74,6 +146,39 @@ pub struct Dialer<'a> {
 }
 
 impl Dialer<'_> {
+    /// A link to the peer at `to` over the transport `policy` chooses for it
+    /// ([`Policy::choose`]); a shared-memory link that fails falls back to TCP (or TLS)
+    /// when the choice was left to `auto`. Errors name the transport tried last.
+    pub async fn link_to(
+        &self,
+        to: Addresses<'_>,
+        same_host: bool,
+        policy: Policy,
+        hello: impl Fn(u16) -> LinkHello,
+        peer: String,
+    ) -> Result<(LinkTx, LinkRx), (Transport, TransportError)> {
+        // The one refusal: QUIC asked for, and the peer has no QUIC endpoint.
+        let t = policy.choose(&to, same_host).map_err(|reason| {
+            (
+                Transport::Quic,
+                TransportError::Unavailable {
+                    peer: peer.clone(),
+                    reason,
+                },
+            )
+        })?;
+        match self.link(to, t, &hello, peer.clone()).await {
+            Err(e) if t == Transport::Shm && policy.prefer == TransportChoice::Auto => {
+                let fallback = policy.stream();
+                tracing::warn!(target: "eccl::net", "shm link to {peer} failed ({e}); using {fallback}");
+                self.link(to, fallback, &hello, peer)
+                    .await
+                    .map_err(|e| (fallback, e))
+            }
+            other => other.map_err(|e| (t, e)),
+        }
+    }
+
     /// A link to the peer at `to` over `transport`, introduced on each stream by
     /// `hello(stream)`; `peer` names it in errors and logs.
     pub async fn link(
@@ -213,5 +318,33 @@ impl Assembler {
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_policy_chooses_each_links_transport() {
+        let both = Addresses {
+            tcp: "h:1",
+            quic: Some("h:2"),
+            shm: Some("@s"),
+        };
+        let tcp_only = Addresses {
+            tcp: "h:1",
+            quic: None,
+            shm: None,
+        };
+        let p = |prefer, tls| Policy { prefer, tls };
+        use TransportChoice::*;
+        assert_eq!(p(Auto, false).choose(&both, true), Ok(Transport::Shm));
+        assert_eq!(p(Auto, false).choose(&both, false), Ok(Transport::Tcp));
+        assert_eq!(p(Auto, true).choose(&tcp_only, true), Ok(Transport::Tls));
+        assert_eq!(p(Shm, false).choose(&both, false), Ok(Transport::Tcp));
+        assert_eq!(p(Tcp, false).choose(&both, true), Ok(Transport::Tcp));
+        assert_eq!(p(Quic, false).choose(&both, true), Ok(Transport::Quic));
+        assert!(p(Quic, false).choose(&tcp_only, false).is_err());
     }
 }
