@@ -16,6 +16,7 @@ mod masters;
 mod measure;
 mod orchestrator;
 mod report;
+mod resources;
 mod schedule;
 mod timeline;
 mod worker;
@@ -64,6 +65,11 @@ pub struct RunArgs {
     /// A soak run: --duration 600.
     #[arg(long, conflicts_with = "duration")]
     pub soak: bool,
+    /// A soak of N minutes (--duration N*60), with a summary every minute. Every run
+    /// samples the masters' and workers' memory and file descriptors; a run of a minute
+    /// or more fails if a process that lived through it grew by more than 5 %.
+    #[arg(long, value_name = "N", conflicts_with_all = ["duration", "soak"], value_parser = clap::value_parser!(u64).range(1..))]
+    pub soak_minutes: Option<u64>,
     /// Faults to inject: a comma list of kill, hang, join, leave, master-kill,
     /// master-hang (these two need --masters 3), or `none`.
     // The full path keeps clap from reading the list as a repeated flag.
@@ -144,7 +150,9 @@ pub struct RunArgs {
 
 impl RunArgs {
     pub fn duration_ms(&self) -> f64 {
-        if self.soak {
+        if let Some(m) = self.soak_minutes {
+            m as f64 * 60_000.0
+        } else if self.soak {
             600_000.0
         } else {
             self.duration * 1e3

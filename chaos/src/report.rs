@@ -118,6 +118,8 @@ pub struct Report {
     pub transport: String,
     /// The run over time (`--plot` draws it).
     pub timeline: crate::timeline::Timeline,
+    /// Memory and descriptors of the processes that lived through the run.
+    pub resources: Vec<crate::resources::Usage>,
 }
 
 /// Nearest-rank percentile of sorted samples.
@@ -253,6 +255,7 @@ pub fn analyse(log: &RunLog) -> Report {
         peers: log.peers,
         transport: log.transport.clone(),
         timeline: crate::timeline::timeline(log),
+        resources: Vec::new(),
     }
 }
 
@@ -652,6 +655,22 @@ pub fn summary(r: &Report) -> String {
             "# steps {}; longest wait for a new step {ms:.0} ms
 ",
             r.steps
+        );
+    }
+    if let Some(most) = r.resources.iter().max_by_key(|u| u.rss_kib_end) {
+        let grew = r.resources.iter().filter(|u| u.grew).count();
+        let fds = r.resources.iter().map(|u| u.fds_end).max().unwrap_or(0);
+        out += &format!(
+            "# resources of {} long-lived processes (start -> end of the run): largest RSS {} ({} -> {} MiB), most fds {fds}{}\n",
+            r.resources.len(),
+            most.name,
+            most.rss_kib_start >> 10,
+            most.rss_kib_end >> 10,
+            if r.duration_s >= crate::resources::MIN_JUDGED_S {
+                format!("; {grew} grew past 5 %")
+            } else {
+                "; not judged (a run under a minute)".into()
+            }
         );
     }
     if r.violations.is_empty() {

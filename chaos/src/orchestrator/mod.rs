@@ -15,6 +15,7 @@ use crate::master_faults::{MasterFault, MasterOutcome, MasterView};
 mod masters;
 use crate::measure::{Fault, Measurement, Outcome};
 use crate::report::{self, Report, RunLog};
+use crate::resources::Sampler;
 use crate::schedule::{self, FaultKind, InjectTarget, Planned};
 use crate::RunArgs;
 
@@ -30,6 +31,10 @@ const HANG_MARGIN_MS: f64 = 1_000.0;
 const FORMATION_TIMEOUT_MS: f64 = 60_000.0;
 /// How long workers have to reach the stop revision and exit.
 const FINISH_TIMEOUT_MS: f64 = 30_000.0;
+/// How often the masters' and workers' memory and descriptors are sampled (at most).
+const SAMPLE_MS: f64 = 5_000.0;
+/// Runs at least this long print a summary line every minute.
+const MINUTE_LINES_FROM_MS: f64 = 120_000.0;
 
 pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     let seed = args.seed.unwrap_or_else(rand::random);
@@ -117,6 +122,10 @@ struct Run<'a> {
     master_faults: Vec<(FaultKind, MasterOutcome)>,
     /// When each master fault played out (from the strike to its close).
     master_windows: Vec<(f64, f64)>,
+    /// Memory and descriptors of the masters and workers.
+    sampler: Sampler,
+    /// The next minute line (runs of two minutes or more).
+    next_minute: f64,
 }
 
 impl<'a> Run<'a> {
@@ -147,7 +156,53 @@ impl<'a> Run<'a> {
             master_open: None,
             master_faults: Vec::new(),
             master_windows: Vec::new(),
+            // At least twenty samples a run, so that its start and end windows hold some.
+            sampler: Sampler::new(now_ms(), SAMPLE_MS.min(args.duration_ms() / 20.0)),
+            next_minute: if args.duration_ms() >= MINUTE_LINES_FROM_MS {
+                now_ms() + 60_000.0
+            } else {
+                f64::INFINITY
+            },
         }
+    }
+
+    /// Samples the masters' and live workers' memory and descriptors when due, and
+    /// prints the minute line of a long run.
+    fn sample(&mut self) {
+        let now = now_ms();
+        let masters = (0..self.fleet.masters.len())
+            .filter_map(|i| Some((format!("master {i}"), self.fleet.masters.pid(i)?)));
+        let workers = self.fleet.live().map(|s| {
+            let w = &self.fleet.workers[s];
+            (format!("worker {s}"), w.pid)
+        });
+        let procs: Vec<(String, u32)> = masters.chain(workers).collect();
+        self.sampler.tick(now, procs);
+        if now < self.next_minute {
+            return;
+        }
+        self.next_minute += 60_000.0;
+        let (mut master_rss, mut worker_rss, mut fds) = (0u64, 0u64, 0u64);
+        for (name, s) in self.sampler.latest() {
+            if name.starts_with("master") {
+                master_rss = master_rss.max(s.rss_kib);
+            } else {
+                worker_rss = worker_rss.max(s.rss_kib);
+            }
+            fds = fds.max(s.fds);
+        }
+        let minute = ((now - self.t0) / 60_000.0).round();
+        let line = format!(
+            "minute {minute:.0}: {} steps, {} faults, {} workers live, {} violations; largest RSS: master {} MiB, worker {} MiB; most fds {fds}",
+            self.max_revision,
+            self.faults.len() + self.master_faults.len(),
+            self.fleet.live().count(),
+            self.violations.len(),
+            master_rss >> 10,
+            worker_rss >> 10,
+        );
+        // Printed even with --quiet: a soak's only sign of life.
+        println!("[{:>7.2}s] {line}", (now - self.t0) / 1e3);
     }
 
     /// A fault is still playing out.
@@ -198,6 +253,7 @@ impl<'a> Run<'a> {
         self.resume_due()?;
         self.close_measurements();
         self.master_fault_due()?;
+        self.sample();
         Ok(())
     }
 
@@ -618,7 +674,10 @@ impl<'a> Run<'a> {
     fn report(self, finishers: BTreeSet<usize>, seed: u64) -> Report {
         let duration_s = (now_ms() - self.t0) / 1e3;
         drop(self.fleet);
-        report::analyse(&RunLog {
+        let usage = self
+            .sampler
+            .usage(self.t0, self.t0 + self.args.duration_ms());
+        let mut report = report::analyse(&RunLog {
             events: self.events,
             faults: self.faults,
             master_faults: self.master_faults,
@@ -637,7 +696,20 @@ impl<'a> Run<'a> {
             transport: self.args.transport.clone(),
             t0: self.t0,
             max_stall_ms: self.args.churn.then_some(self.args.max_stall_ms as f64),
-        })
+        });
+        for u in usage.iter().filter(|u| u.grew) {
+            report.violations.push(format!(
+                "resources: {} (pid {}) grew over the run: RSS {} -> {} MiB, {} -> {} file descriptors (allowed: 5 % and a little)",
+                u.name,
+                u.pid,
+                u.rss_kib_start >> 10,
+                u.rss_kib_end >> 10,
+                u.fds_start,
+                u.fds_end
+            ));
+        }
+        report.resources = usage;
+        report
     }
 }
 
