@@ -57,6 +57,9 @@ pub struct RunLog {
     pub hangs: u64,
     /// A call longer than this (ms) is a hang.
     pub hang_limit_ms: f64,
+    /// The shared state's size: a sync may take the hang limit plus the time to move it
+    /// at the slowest rate this run's syncs measured ([`sync_allowance_ms`]).
+    pub state_bytes: f64,
     /// `--churn`: the longest the job may go without a new step (ms).
     pub max_stall_ms: Option<f64>,
     pub seed: u64,
@@ -120,6 +123,8 @@ pub struct Report {
     pub timeline: crate::timeline::Timeline,
     /// Memory and descriptors of the processes that lived through the run.
     pub resources: Vec<crate::resources::Usage>,
+    /// What a sync may take beyond the hang limit in this run ([`sync_allowance_ms`]).
+    pub sync_allowance_ms: f64,
 }
 
 /// Nearest-rank percentile of sorted samples.
@@ -256,6 +261,7 @@ pub fn analyse(log: &RunLog) -> Report {
         transport: log.transport.clone(),
         timeline: crate::timeline::timeline(log),
         resources: Vec::new(),
+        sync_allowance_ms: sync_allowance_ms(log),
     }
 }
 
@@ -302,7 +308,40 @@ pub fn longest_stall(events: &[(usize, Event)], end: f64) -> Option<(f64, f64)> 
 /// peer's heartbeat timeout and search for the new leader.
 pub const MASTER_FAULT_ALLOWANCE_MS: f64 = 5_000.0;
 
+/// The rate a sync is assumed to move the state at when no sync of the run moved any
+/// (bytes per ms: 100 MB/s, a slow link).
+const DEFAULT_SYNC_RATE: f64 = 100e3;
+/// Syncs that moved less than this are not timed for the rate (their time is latency).
+const MIN_TIMED_SYNC_BYTES: u64 = 1 << 20;
+
+/// What a `sync_shared_state` may take beyond the hang limit (ms): twice the time to
+/// move the whole state at the slowest rate any sync of this run measured (bytes
+/// received over the call's time, for syncs that moved at least a MiB), or at 100 MB/s
+/// when none did. A large state is then not a hang, while a sync that moves nothing for
+/// that long still is; every other call keeps the plain limit.
+pub fn sync_allowance_ms(log: &RunLog) -> f64 {
+    let mut last_sync: std::collections::HashMap<usize, &Call> = Default::default();
+    let mut slowest: Option<f64> = None;
+    for (slot, e) in &log.events {
+        match e {
+            Event::Call(c) if c.op == Op::Sync && c.ok => {
+                last_sync.insert(*slot, c);
+            }
+            // The worker reports a sync's call, then what it moved.
+            Event::Sync { bytes_received, .. } if *bytes_received >= MIN_TIMED_SYNC_BYTES => {
+                if let Some(c) = last_sync.remove(slot) {
+                    let rate = *bytes_received as f64 / (c.end - c.start).max(1.0);
+                    slowest = Some(slowest.map_or(rate, |s: f64| s.min(rate)));
+                }
+            }
+            _ => {}
+        }
+    }
+    2.0 * log.state_bytes / slowest.unwrap_or(DEFAULT_SYNC_RATE)
+}
+
 fn hung_calls(log: &RunLog) -> Vec<String> {
+    let sync_allowance = sync_allowance_ms(log);
     let mut formed = BTreeSet::new();
     let mut hung = Vec::new();
     for (slot, e) in &log.events {
@@ -333,6 +372,11 @@ fn hung_calls(log: &RunLog) -> Vec<String> {
                 log.hang_limit_ms + MASTER_FAULT_ALLOWANCE_MS
             } else {
                 log.hang_limit_ms
+            }
+            + if c.op == Op::Sync {
+                sync_allowance
+            } else {
+                0.0
             };
         let ms = c.end - c.start;
         if ms > limit && !forming && !while_stopped {

@@ -51,6 +51,7 @@ pub(crate) fn log(events: Vec<(usize, Event)>) -> RunLog {
         violations: Vec::new(),
         hangs: 0,
         hang_limit_ms: 3000.0,
+        state_bytes: 16e6,
         max_stall_ms: None,
         seed: 1,
         peers: 2,
@@ -366,4 +367,46 @@ fn each_overlapping_stop_after_the_first_allows_one_more_lease() {
         hung[1].contains("took 3900 ms in epoch 5 (limit 3800 ms)"),
         "{hung:?}"
     );
+}
+
+fn sync_event(peer: PeerId, bytes_received: u64) -> Event {
+    Event::Sync {
+        peer,
+        t: 0.0,
+        epoch: 1,
+        revision: 1,
+        hash: "h".into(),
+        lib_hash: "h".into(),
+        bytes_received,
+        sources: vec![1],
+    }
+}
+
+#[test]
+fn a_sync_may_take_the_time_to_move_the_state_at_the_runs_slowest_rate() {
+    // A 1 GB state; a newcomer moved it in 2.5 s (400 MB/s, 400e3 bytes per ms).
+    let events = vec![
+        (1, call(2, Op::Sync, 0.0, 2_500.0, 1, &[1, 2])),
+        (1, sync_event(2, 1_000_000_000)),
+        // A member waited 7 s in its sync meanwhile: within 3 s + 2 x 2.5 s = 8 s.
+        (0, call(1, Op::Sync, 0.0, 7_000.0, 1, &[1, 2])),
+        // A sync stuck for 9 s is a hang all the same.
+        (0, call(1, Op::Sync, 10_000.0, 19_000.0, 2, &[1, 2])),
+        // Collectives keep the plain limit.
+        (0, call(1, Op::AllReduce, 20_000.0, 24_000.0, 2, &[1, 2])),
+    ];
+    let mut l = log(events);
+    l.state_bytes = 1e9;
+    assert_eq!(sync_allowance_ms(&l), 5_000.0);
+    let hung = hung_calls(&l);
+    assert_eq!(hung.len(), 2, "{hung:?}");
+    assert!(
+        hung[0].contains("sync_shared_state took 9000 ms"),
+        "{hung:?}"
+    );
+    assert!(hung[1].contains("all_reduce took 4000 ms"), "{hung:?}");
+    // With no sync that moved a MiB, the state is assumed to move at 100 MB/s.
+    let mut quiet = log(vec![(1, sync_event(2, 10))]);
+    quiet.state_bytes = 16e6;
+    assert_eq!(sync_allowance_ms(&quiet), 320.0);
 }

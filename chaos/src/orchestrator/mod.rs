@@ -690,6 +690,7 @@ impl<'a> Run<'a> {
             violations: self.violations,
             hangs: self.hangs,
             hang_limit_ms: self.args.lease_ms as f64 + HANG_MARGIN_MS,
+            state_bytes: self.args.state_mb as f64 * (1 << 20) as f64,
             seed,
             peers: self.args.peers,
             duration_s,
