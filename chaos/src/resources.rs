@@ -112,11 +112,15 @@ impl Sampler {
     }
 }
 
-/// The usage of `track` over a run from `from` to `to`, if it was sampled in both the
-/// start window (the second tenth of the run up to its first quarter, after warm-up) and
-/// the end window (its last tenth).
+/// The usage of `track` over a run from `from` to `to`, if it lived through it: sampled
+/// in its first tenth (a newcomer that starts later grows as it takes on the state), in
+/// the start window (the second tenth up to the first quarter, after warm-up) and in the
+/// end window (the last tenth).
 pub fn usage(track: &Track, from: f64, to: f64) -> Option<Usage> {
     let span = to - from;
+    if track.samples.first()?.t > from + 0.1 * span {
+        return None;
+    }
     let window = |a: f64, b: f64| -> Vec<Sample> {
         track
             .samples
@@ -188,15 +192,18 @@ mod tests {
             (200_000, 205_000, 31)
         );
         assert!(!u.grew, "warm-up before the start window does not count");
-        let leak = track(&[(15e3, 200_000, 30), (95e3, 260_000, 30)]);
+        let leak = track(&[(5e3, 9_000, 9), (15e3, 200_000, 30), (95e3, 260_000, 30)]);
         assert!(usage(&leak, 0.0, 100e3).unwrap().grew);
-        let fds = track(&[(15e3, 200_000, 30), (95e3, 200_000, 60)]);
+        let fds = track(&[(5e3, 9_000, 9), (15e3, 200_000, 30), (95e3, 200_000, 60)]);
         assert!(usage(&fds, 0.0, 100e3).unwrap().grew);
         // The same growth over 30 s is reported, not judged.
-        let short = track(&[(4e3, 200_000, 30), (29e3, 260_000, 60)]);
+        let short = track(&[(2e3, 200_000, 30), (4e3, 200_000, 30), (29e3, 260_000, 60)]);
         assert!(!usage(&short, 0.0, 30e3).unwrap().grew);
-        // A process not alive at both ends has no verdict.
+        // A process not alive at both ends has no verdict, nor one started late (a
+        // newcomer allocates the state it joins for).
         assert!(usage(&track(&[(15e3, 1, 1)]), 0.0, 100e3).is_none());
+        let late = track(&[(12e3, 8_000, 20), (20e3, 300_000, 30), (95e3, 300_000, 30)]);
+        assert!(usage(&late, 0.0, 100e3).is_none());
     }
 
     #[test]
