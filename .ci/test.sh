@@ -231,6 +231,9 @@ if [ -n "${ECCL_SOAK:-}" ]; then
     target/release/eccl-chaos --peers 6 --duration 300 --seed 42 --interval-ms 2500
     phase "soak: churn on 10 peers for 10 minutes (a fault every 0.5-2 s, whatever is playing out)"
     target/release/eccl-chaos --peers 10 --duration 600 --seed 12 --churn --quiet
+    phase "soak: churn with master faults, 6 peers and 3 masters for 5 minutes"
+    target/release/eccl-chaos --peers 6 --masters 3 --duration 300 --seed 21 --churn --quiet \
+        --faults kill,join,hang,leave,master-kill,master-hang
     phase "soak: 8 peers, 3 masters, 10 minutes, every fault"
     target/release/eccl-chaos --peers 8 --masters 3 --duration 600 --seed 10 --state-mb 4 \
         --faults kill,hang,join,leave,master-kill,master-hang

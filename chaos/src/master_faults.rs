@@ -66,8 +66,9 @@ pub struct MasterFault {
     pub back_at: Option<f64>,
     pub new_leader: Option<(u64, f64)>,
     pub rejoined_at: Option<f64>,
-    /// All_reduce calls that were aborted while the fault played out.
-    pub aborted: Vec<String>,
+    /// All_reduce calls that were aborted while the fault played out: (start, end,
+    /// what the call said).
+    pub aborted: Vec<(f64, f64, String)>,
     /// Membership calls (update_topology, sync) that failed and were retried.
     pub retried: u64,
 }
@@ -103,11 +104,15 @@ impl MasterFault {
             return;
         }
         if c.op == Op::AllReduce {
-            self.aborted.push(format!(
-                "peer {} (worker {slot}) all_reduce in epoch {}: {}",
-                c.peer,
-                c.epoch,
-                c.detail.as_deref().or(c.err.as_deref()).unwrap_or("failed")
+            self.aborted.push((
+                c.start,
+                c.end,
+                format!(
+                    "peer {} (worker {slot}) all_reduce in epoch {}: {}",
+                    c.peer,
+                    c.epoch,
+                    c.detail.as_deref().or(c.err.as_deref()).unwrap_or("failed")
+                ),
             ));
         } else {
             self.retried += 1;

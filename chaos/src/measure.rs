@@ -47,6 +47,8 @@ pub struct Recovered {
 struct Survivor {
     noticed: Option<f64>,
     recovered: Option<Recovered>,
+    /// The end of its last successful all_reduce.
+    last_ok: Option<f64>,
 }
 
 /// What is still to be seen of the victim.
@@ -73,6 +75,11 @@ enum Victim {
 
 pub struct Measurement {
     pub fault: Fault,
+    /// A hang during which a master fault struck: the new leader gives every peer a fresh
+    /// lease, the stopped victim's too, so it may resume before any master evicts it.
+    /// The fault has then played out once the victim is back and every survivor has
+    /// completed an all_reduce since, with or without it.
+    pub lease_renewed: bool,
     /// Wall-clock ms after which an unfinished measurement is a hang.
     pub deadline: f64,
     survivors: BTreeMap<usize, Survivor>,
@@ -135,6 +142,7 @@ impl Measurement {
         };
         Measurement {
             fault,
+            lease_renewed: false,
             deadline,
             survivors,
             victim,
@@ -148,6 +156,9 @@ impl Measurement {
                 let without_victim = !self.fault.peer.is_some_and(|p| c.members.contains(&p));
                 if !c.ok || without_victim {
                     s.noticed.get_or_insert(c.end);
+                }
+                if c.op == Op::AllReduce && c.ok {
+                    s.last_ok = Some(c.end);
                 }
                 if c.op == Op::AllReduce && c.ok && without_victim {
                     s.recovered.get_or_insert(Recovered {
@@ -217,7 +228,34 @@ impl Measurement {
         }
     }
 
+    /// Whether the stopped victim has been resumed.
+    pub fn resumed_yet(&self) -> bool {
+        self.resumed_at().is_some()
+    }
+
+    /// When the stopped victim was resumed, if it was.
+    fn resumed_at(&self) -> Option<f64> {
+        match self.victim {
+            Victim::Stopped { resumed, .. } => resumed,
+            _ => None,
+        }
+    }
+
+    /// A hang that a master fault's fresh leases may have excused from its eviction:
+    /// the victim is back and every survivor has completed an all_reduce since.
+    fn went_on_with_the_victim(&self) -> bool {
+        let Some(back) = self.resumed_at().filter(|_| self.lease_renewed) else {
+            return false;
+        };
+        self.survivors
+            .values()
+            .all(|s| s.last_ok.is_some_and(|t| t > back))
+    }
+
     pub fn is_done(&self) -> bool {
+        if self.went_on_with_the_victim() {
+            return true;
+        }
         let survivors = self
             .survivors
             .values()
@@ -412,6 +450,25 @@ mod tests {
         m.drop_survivor(0);
         assert!(m.is_done(), "nobody is left to wait for");
         assert_eq!(m.outcome().abort_ms, None);
+    }
+
+    #[test]
+    fn a_hang_a_new_leaders_fresh_lease_covered_ends_when_the_world_went_on_with_it() {
+        let mut m = Measurement::new(fault(FaultKind::Hang, 0, Some(10)), [0, 1], 20_000.0);
+        m.lease_renewed = true;
+        // The survivor waits on the stopped victim, which no master evicts.
+        m.observe(1, &call(Op::AllReduce, 900.0, 3300.0, true, 3, &[10, 11]));
+        assert!(!m.is_done(), "the victim has not resumed");
+        m.resumed(3290.0);
+        assert!(
+            m.is_done(),
+            "the survivor completed an all_reduce after the resume"
+        );
+        // Without the fresh lease, the same is no end: the victim must be evicted.
+        let mut plain = Measurement::new(fault(FaultKind::Hang, 0, Some(10)), [0, 1], 20_000.0);
+        plain.observe(1, &call(Op::AllReduce, 900.0, 3300.0, true, 3, &[10, 11]));
+        plain.resumed(3290.0);
+        assert!(!plain.is_done());
     }
 
     #[test]

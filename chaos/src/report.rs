@@ -352,11 +352,18 @@ fn hung_calls(log: &RunLog) -> Vec<String> {
             .iter()
             .any(|&(s, from, to)| s == *slot && c.start < to && c.end > from);
         let membership = matches!(c.op, Op::UpdateTopology | Op::Sync);
-        let master_fault = membership
-            && log
-                .master_windows
-                .iter()
-                .any(|&(from, to)| c.start < to && c.end > from);
+        let in_master_fault = log
+            .master_windows
+            .iter()
+            .any(|&(from, to)| c.start < to && c.end > from);
+        let others_stopped = log
+            .stopped
+            .iter()
+            .any(|&(s, from, to)| s != *slot && c.start < to && c.end > from);
+        // A new leader grants every peer a fresh lease, a stopped one's too: a call that
+        // waits on a stopped peer while a master fault plays out may wait that much longer
+        // before the peer is evicted or resumes.
+        let master_fault = in_master_fault && (membership || others_stopped);
         // Each stopped peer is noticed only when its lease runs out: a call that two or
         // more stops overlap (under --churn) may wait out one lease per stop after the
         // first before its world settles. One at a time, this adds nothing.

@@ -28,7 +28,37 @@ impl Run<'_> {
             return Ok(());
         };
         self.say(m.at, &m.describe());
-        for a in &m.aborted {
+        // Under --churn a worker fault may strike while the master fault plays out: a
+        // collective it aborted is not the master fault's doing. A fault explains a call
+        // that overlaps it, widened by a lease and the hang margin on both sides: from
+        // before the call began (its world still held the victim) to after a stopped
+        // victim resumed (its next call learns of its eviction).
+        let now = now_ms();
+        let windows: Vec<(f64, f64)> = self
+            .faults
+            .iter()
+            .filter(|(k, _)| *k != FaultKind::Join)
+            .map(|(_, o)| (o.at, o.at + o.stopped_ms.unwrap_or(0.0)))
+            .chain(
+                self.open
+                    .iter()
+                    .filter(|o| o.fault.kind != FaultKind::Join)
+                    .map(|o| (o.fault.at, now)),
+            )
+            .chain(self.stopped.iter().map(|&(_, from, to)| (from, to)))
+            .collect();
+        let reach = self.args.lease_ms as f64 + super::HANG_MARGIN_MS;
+        let unexplained: Vec<&String> = m
+            .aborted
+            .iter()
+            .filter(|(start, end, _)| {
+                !windows
+                    .iter()
+                    .any(|&(from, to)| from - reach <= *end && to + reach >= *start)
+            })
+            .map(|(_, _, a)| a)
+            .collect();
+        for a in unexplained {
             self.violation(
                 now,
                 format!(
@@ -65,6 +95,13 @@ impl Run<'_> {
         };
         let node = index as u64 + 1;
         let term_before = leader.map_or(0, |(_, t)| t);
+        // The next leader grants every peer a fresh lease, a stopped one's too: a hang
+        // that has not resumed yet may end without an eviction.
+        for m in &mut self.open {
+            if m.fault.kind == FaultKind::Hang && !m.resumed_yet() {
+                m.lease_renewed = true;
+            }
+        }
         let Some(pid) = self.fleet.masters.pid(index) else {
             return Ok(());
         };

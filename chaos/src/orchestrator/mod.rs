@@ -336,6 +336,12 @@ impl<'a> Run<'a> {
             m.drop_survivor(slot);
         }
         self.open_fault(FaultKind::Hang, slot, at, injected);
+        if self.master_open.is_some() {
+            // A leader elected from now on grants every peer a fresh lease.
+            if let Some(m) = self.open.last_mut() {
+                m.lease_renewed = true;
+            }
+        }
     }
 
     fn resume_due(&mut self) -> anyhow::Result<()> {
