@@ -134,6 +134,13 @@ def test_ddp_ends_with_gloos_parameters():
     for pe, pg in zip(e[0]["params"], g[0]["params"]):
         assert pe == pytest.approx(pg, rel=1e-5, abs=1e-6)
     assert e[0]["losses"][-1] < e[0]["losses"][0]
+    # DDP's communication hooks run on eccl as on gloo.
+    for res in (e, g):
+        assert res[0]["allreduce_hook"] == res[1]["allreduce_hook"]
+        for ph, p in zip(res[0]["allreduce_hook"], res[0]["params"]):
+            assert ph == pytest.approx(p, rel=1e-6, abs=1e-7)
+        for ph, p in zip(res[0]["fp16_hook"], res[0]["params"]):
+            assert ph == pytest.approx(p, rel=1e-2, abs=1e-3)
 
 
 BAD = textwrap.dedent("""

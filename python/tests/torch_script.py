@@ -82,10 +82,12 @@ def collectives(r, n):
     return out
 
 
-def ddp(r, n, steps):
+def ddp(r, n, steps, hook=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    if hook is not None:
+        ddp_model.register_comm_hook(None, hook)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
     g = torch.Generator(device="cpu").manual_seed(100 + r)
     losses = []
@@ -97,8 +99,15 @@ def ddp(r, n, steps):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"params": [p.detach().flatten().tolist() for p in model.parameters()],
-            "losses": losses}
+    res = {"params": [p.detach().flatten().tolist() for p in model.parameters()],
+           "losses": losses}
+    if hook is None and torch.get_default_device().type == "cpu":
+        # DDP's communication hooks (their futures, f16 all_reduces): torch's allreduce
+        # hook gives what DDP's own reduction gives; the f16-compressing one nearly so.
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
+        res["allreduce_hook"] = ddp(r, n, steps, hooks.allreduce_hook)["params"]
+        res["fp16_hook"] = ddp(r, n, steps, hooks.fp16_compress_hook)["params"]
+    return res
 
 
 def coverage(r, n):
