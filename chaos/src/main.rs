@@ -10,6 +10,7 @@
 
 mod event;
 mod fleet;
+mod load;
 mod master;
 mod master_faults;
 mod masters;
@@ -52,6 +53,9 @@ enum Role {
     Master(master::MasterArgs),
     #[command(hide = true)]
     Worker(worker::WorkerArgs),
+    /// How many peers a master holds: simulated peers (registration, heartbeats, epoch
+    /// changes; no links) in steps, against real masters.
+    Load(load::LoadArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -237,6 +241,7 @@ fn main() -> ExitCode {
     let result = match cli.role {
         Some(Role::Master(args)) => master::main(args).map(|()| ExitCode::SUCCESS),
         Some(Role::Worker(args)) => worker::main(args).map(|()| ExitCode::SUCCESS),
+        Some(Role::Load(args)) => load::main(args).map(|()| ExitCode::SUCCESS),
         None => run(&cli.run),
     };
     result.unwrap_or_else(|e| {

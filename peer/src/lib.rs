@@ -16,6 +16,7 @@ mod links;
 pub use eccl_transport::logging;
 mod master_client;
 pub mod shared_state;
+pub mod sim;
 pub mod store;
 pub mod variables;
 

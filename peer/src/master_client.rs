@@ -31,6 +31,11 @@ type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<MasterReply>>>>>;
 
 /// Longest pause between two rounds over the master list.
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
+/// Hang-ups after our proof tolerated before the secret is taken to differ: with the
+/// backoff between them, a wrong secret is reported within about 1.3 s, and a peer
+/// pushed out of a master's handshake queue by hundreds of others connecting at once
+/// gets back in (`eccl-chaos load` registered 175 of 200 peers at once before this).
+const MAX_HANG_UPS: u32 = 6;
 
 /// One authenticated connection to one master.
 struct Conn {
@@ -175,6 +180,7 @@ impl MasterClient {
     async fn find_leader(&self, until: Instant) -> Result<Conn> {
         let mut delay = Duration::from_millis(20);
         let mut last = String::from("no master tried");
+        let mut hung_up = 0;
         loop {
             let hinted = self.hint.lock().ok().and_then(|mut h| h.take());
             let order: Vec<String> = hinted
@@ -189,6 +195,13 @@ impl MasterClient {
                 match self.open(&addr, left).await {
                     Ok(c) => return Ok(c),
                     Err(Refused::Auth(e)) => return Err(self.unavailable(e)),
+                    Err(Refused::HungUp(e)) => {
+                        hung_up += 1;
+                        if hung_up >= MAX_HANG_UPS {
+                            return Err(self.unavailable(e));
+                        }
+                        last = e;
+                    }
                     Err(Refused::Evicted(reason)) => return Err(self.evicted(reason)),
                     Err(Refused::Redirect(leader)) => {
                         last = format!("{addr} is not the raft leader");
@@ -200,6 +213,10 @@ impl MasterClient {
                             {
                                 Ok(c) => return Ok(c),
                                 Err(Refused::Auth(e)) => return Err(self.unavailable(e)),
+                                Err(Refused::HungUp(e)) => {
+                                    hung_up += 1;
+                                    last = e;
+                                }
                                 Err(Refused::Evicted(reason)) => return Err(self.evicted(reason)),
                                 Err(Refused::Redirect(_)) => {
                                     last = format!("{l} is not the raft leader (yet)")
@@ -214,7 +231,8 @@ impl MasterClient {
             if Instant::now() + delay >= until {
                 return Err(self.unavailable(last));
             }
-            tokio::time::sleep(delay).await;
+            // Jittered, so that peers turned away together do not come back together.
+            tokio::time::sleep(delay.mul_f64(rand::random::<f64>() + 0.5)).await;
             delay = (delay * 2).min(MAX_BACKOFF);
         }
     }
@@ -227,6 +245,12 @@ impl MasterClient {
         let dial = wait.clamp(Duration::from_millis(10), Duration::from_secs(1));
         let conn = match control::connect(addr, &self.secret, Role::PeerToMaster, dial).await {
             Ok(c) => c,
+            Err(
+                e @ eccl_transport::TransportError::Auth {
+                    source: eccl_protocol::auth::AuthError::Rejected,
+                    ..
+                },
+            ) => return Err(Refused::HungUp(e.to_string())),
             // A wrong secret will not get better by retrying.
             Err(e @ eccl_transport::TransportError::Auth { .. }) => {
                 return Err(Refused::Auth(e.to_string()))
@@ -481,6 +505,10 @@ impl MasterClient {
 /// Why a master did not take this peer.
 enum Refused {
     Auth(String),
+    /// The master hung up after our proof: a wrong secret, or its admission making room
+    /// for newer handshakes in a connection storm (it cancels the oldest past
+    /// `admission::MAX_PENDING`); the two look alike, so a few are retried.
+    HungUp(String),
     Evicted(String),
     Redirect(Option<String>),
     Down(String),

@@ -14,6 +14,8 @@ import eccl
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "docs" / "configuration.md"
 BINARIES = ["eccl-master", "eccl-bench", "eccl-chaos"]
+# Subcommands whose flags have a table of their own.
+SUBCOMMANDS = [["eccl-chaos", "load"]]
 
 
 def _table(section: str):
@@ -57,11 +59,12 @@ def _flags_of(binary: str, *sub: str):
 
 
 def test_the_page_lists_every_flag_of_every_binary():
-    for binary in BINARIES:
+    for binary, *sub in [[b] for b in BINARIES] + SUBCOMMANDS:
+        heading = " ".join([binary, *sub])
         listed = {re.search(r"--[a-z][a-z0-9_-]*", r[0]).group(0)
-                  for r in _table(f"### `{binary}`")}
-        shown = _flags_of(binary)
-        assert listed == shown, (binary, listed ^ shown)
+                  for r in _table(f"### `{heading}`")}
+        shown = _flags_of(binary, *sub)
+        assert listed == shown, (heading, listed ^ shown)
 
 
 def test_no_page_names_an_issue_number():
@@ -156,7 +159,8 @@ def test_every_documented_command_uses_flags_its_program_has():
             known = set(re.findall(r"add_argument\(\s*(?:\"-\w\",\s*)?\"(--[a-z0-9-]+)\"", source))
         else:
             sub = []
-            if program == "eccl-master":   # `cluster status ...`: the words before a flag
+            # `eccl-master cluster status ...`, `eccl-chaos load ...`: the words before a flag
+            if program in ("eccl-master", "eccl-chaos"):
                 for a in args:
                     if a.startswith("-"):
                         break

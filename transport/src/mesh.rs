@@ -128,6 +128,9 @@ impl Policy {
     }
 }
 
+/// Attempts at a link whose connection was closed before its handshake was done.
+const DIAL_TRIES: u32 = 4;
+
 /// Where a peer accepts links: its TCP listener, and its QUIC endpoint and shm socket if
 /// it has them.
 #[derive(Clone, Copy, Debug)]
@@ -167,16 +170,40 @@ impl Dialer<'_> {
                 },
             )
         })?;
-        match self.link(to, t, &hello, peer.clone()).await {
+        match self.link_retrying(to, t, &hello, peer.clone()).await {
             Err(e) if t == Transport::Shm && policy.prefer == TransportChoice::Auto => {
                 let fallback = policy.stream();
                 tracing::warn!(target: "eccl::net", "shm link to {peer} failed ({e}); using {fallback}");
-                self.link(to, fallback, &hello, peer)
+                self.link_retrying(to, fallback, &hello, peer)
                     .await
                     .map_err(|e| (fallback, e))
             }
             other => other.map_err(|e| (t, e)),
         }
+    }
+
+    /// [`Dialer::link`], tried again after a short pause when the connection was closed
+    /// or reset before the handshake was done: a peer whose handshake queue is full (a
+    /// world of hundreds forming at once) closes newcomers unheard until it has room
+    /// (see [`crate::admission`]).
+    async fn link_retrying(
+        &self,
+        to: Addresses<'_>,
+        transport: Transport,
+        hello: &impl Fn(u16) -> LinkHello,
+        peer: String,
+    ) -> Result<(LinkTx, LinkRx), TransportError> {
+        let mut pause = Duration::from_millis(10);
+        for _ in 1..DIAL_TRIES {
+            match self.link(to, transport, hello, peer.clone()).await {
+                Err(TransportError::Io { .. } | TransportError::Closed { .. }) => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                other => return other,
+            }
+        }
+        self.link(to, transport, hello, peer).await
     }
 
     /// A link to the peer at `to` over `transport`, introduced on each stream by

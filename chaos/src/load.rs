@@ -1,0 +1,304 @@
+//! `eccl-chaos load`: how many peers one master (or a raft cluster of them) holds.
+//! Simulated peers ([`eccl::sim::SimPeer`]: registration, heartbeats at the master's
+//! interval, epoch changes; no links), thousands in this one process, are added in steps
+//! (`--peers 1000,2000,5000,10000`); at each step the tool measures, against real
+//! masters started as `eccl-chaos master` processes:
+//!
+//! - registration: how long the step's new peers took to register, all at once;
+//! - epoch commits: every peer reconfigures into worlds of at most `--world` members
+//!   (a world holds at most 4096), all at once; the time until each world's last member
+//!   has its answer (p50 and max over the worlds);
+//! - heartbeats: the leader's CPU time over `--steady-s` seconds of heartbeats alone,
+//!   per second and per heartbeat, and whether every peer kept its lease (the next
+//!   epoch change finds every one of them);
+//! - memory: the leader's resident memory, and its growth per peer since it started.
+//!
+//! The simulated peers share the machine's cores with the masters: on a small machine
+//! the latencies include that contention; the CPU figures are the master's own.
+
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use eccl::sim::SimPeer;
+use eccl::Secret;
+use serde::Serialize;
+use tokio::task::JoinSet;
+
+use crate::masters::MasterSet;
+
+#[derive(clap::Args, Debug)]
+pub struct LoadArgs {
+    /// Peer counts to step through (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1000,2000,5000,10000")]
+    peers: Vec<usize>,
+    /// Masters: 1 (a lone master) or a raft cluster of this many.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=7))]
+    masters: u32,
+    /// The master's lease on each peer, in milliseconds.
+    #[arg(long, default_value_t = 800)]
+    lease_ms: u64,
+    /// How often peers renew their lease, in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    heartbeat_ms: u64,
+    /// Members per world: the peers are split into worlds of at most this many.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    world: u64,
+    /// Seconds of heartbeats alone measured at each step.
+    #[arg(long, default_value_t = 10.0)]
+    steady_s: f64,
+    /// Registrations in flight at once.
+    #[arg(long, default_value_t = 256)]
+    concurrency: usize,
+    /// Also write the table as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One step's figures.
+#[derive(Debug, Serialize)]
+pub struct Step {
+    pub peers: usize,
+    pub worlds: usize,
+    pub register_s: f64,
+    pub commit_ms_p50: f64,
+    pub commit_ms_max: f64,
+    /// The leader's CPU time per second of heartbeats alone.
+    pub leader_cpu_pct: f64,
+    /// The leader's CPU time per heartbeat, in microseconds.
+    pub us_per_heartbeat: f64,
+    pub leader_rss_mib: f64,
+    /// The leader's resident memory growth per peer since it started.
+    pub kib_per_peer: f64,
+    /// Peers whose next epoch change failed (a lost lease, a refused vote).
+    pub lost: usize,
+}
+
+pub fn main(args: LoadArgs) -> anyhow::Result<()> {
+    let mut counts = args.peers.clone();
+    counts.sort_unstable();
+    counts.dedup();
+    anyhow::ensure!(
+        counts.first().is_some_and(|&n| n > 0),
+        "--peers needs counts above 0"
+    );
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let secret = eccl_master::secret::generate();
+    let (tx, rx) = mpsc::channel();
+    // The masters' reports (leader changes) are not needed here.
+    std::thread::spawn(move || while rx.recv().is_ok() {});
+    let mut masters = MasterSet::start(
+        args.masters as usize,
+        exe,
+        secret.clone(),
+        args.lease_ms,
+        args.heartbeat_ms,
+        false,
+        tx,
+    )?;
+    let list = masters.list();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let secret = Secret::new(secret.into_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!(
+        "# eccl-chaos load: {} master(s) at {list}, lease {} ms, heartbeat {} ms, worlds of {}",
+        args.masters, args.lease_ms, args.heartbeat_ms, args.world
+    );
+    println!(
+        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>8} {:>9} {:>8} {:>8} {:>5}",
+        "peers",
+        "worlds",
+        "register_s",
+        "commit_p50",
+        "commit_max",
+        "cpu_%",
+        "us/beat",
+        "rss_mib",
+        "kib/peer",
+        "lost"
+    );
+    let steps = rt.block_on(drive(&args, &counts, &list, &secret, &masters))?;
+    masters.stop_all();
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&steps)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+async fn drive(
+    args: &LoadArgs,
+    counts: &[usize],
+    list: &str,
+    secret: &Secret,
+    masters: &MasterSet,
+) -> anyhow::Result<Vec<Step>> {
+    let timeout = Duration::from_secs(120);
+    let pids: Vec<u32> = (0..masters.len()).filter_map(|i| masters.pid(i)).collect();
+    // The largest master's resident memory (the leader's, in a cluster).
+    let rss = || {
+        pids.iter()
+            .filter_map(|&p| crate::resources::read(p))
+            .map(|(r, _)| r)
+            .max()
+            .unwrap_or(0)
+    };
+    // The masters' CPU time together (a cluster's followers replicate every commit).
+    let cpu = || -> Option<u64> { pids.iter().map(|&p| cpu_ticks(p)).sum() };
+    // Idle, before any peer: what growth per peer is measured from.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss0 = rss();
+    let mut peers: Vec<SimPeer> = Vec::new();
+    let mut uuid = 1u64;
+    let mut steps = Vec::new();
+    for &n in counts {
+        // Registration of the step's new peers, `--concurrency` at a time.
+        let t = Instant::now();
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
+        let mut joining = JoinSet::new();
+        for i in peers.len()..n {
+            let (gate, list, secret) = (gate.clone(), list.to_string(), secret.clone());
+            joining.spawn(async move {
+                let _turn = gate.acquire_owned().await;
+                SimPeer::register(&list, &secret, &format!("sim-{}", i / 64), timeout)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("peer {i} could not register: {e}"))
+            });
+        }
+        while let Some(p) = joining.join_next().await {
+            peers.push(p??);
+        }
+        let register_s = t.elapsed().as_secs_f64();
+
+        // An epoch change for everyone: worlds of --world members, all at once.
+        let (commits, lost);
+        (peers, commits, lost) = epoch_change(peers, args.world as usize, &mut uuid, timeout).await;
+
+        // Heartbeats alone: the leader's CPU over --steady-s.
+        let cpu0 = cpu();
+        let t = Instant::now();
+        tokio::time::sleep(Duration::from_secs_f64(args.steady_s)).await;
+        let secs = t.elapsed().as_secs_f64();
+        let cpu_s = match (cpu0, cpu()) {
+            (Some(a), Some(b)) => b.saturating_sub(a) as f64 / ticks_per_second(),
+            _ => f64::NAN,
+        };
+        let beats = peers.len() as f64 * secs * 1e3 / args.heartbeat_ms as f64;
+        let rss_now = rss();
+        // The next epoch change finds every peer that kept its lease.
+        let lost_after;
+        (peers, _, lost_after) = epoch_change(peers, args.world as usize, &mut uuid, timeout).await;
+
+        let mut sorted = commits.clone();
+        sorted.sort_by(f64::total_cmp);
+        let step = Step {
+            peers: peers.len(),
+            worlds: commits.len(),
+            register_s,
+            commit_ms_p50: sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN),
+            commit_ms_max: sorted.last().copied().unwrap_or(f64::NAN),
+            leader_cpu_pct: 100.0 * cpu_s / secs,
+            us_per_heartbeat: cpu_s * 1e6 / beats,
+            leader_rss_mib: rss_now as f64 / 1024.0,
+            kib_per_peer: rss_now.saturating_sub(rss0) as f64 / peers.len() as f64,
+            lost: lost + lost_after,
+        };
+        println!(
+            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5}",
+            step.peers,
+            step.worlds,
+            step.register_s,
+            step.commit_ms_p50,
+            step.commit_ms_max,
+            step.leader_cpu_pct,
+            step.us_per_heartbeat,
+            step.leader_rss_mib,
+            step.kib_per_peer,
+            step.lost
+        );
+        steps.push(step);
+    }
+    for p in peers {
+        let _ = p.leave(Duration::from_secs(5)).await;
+    }
+    Ok(steps)
+}
+
+/// Every peer reconfigures into worlds of at most `world` members (a fresh uuid each),
+/// all at once. Returns the peers, each world's commit time (ms, from the start to its
+/// last member's answer) and how many peers' calls failed.
+async fn epoch_change(
+    mut peers: Vec<SimPeer>,
+    world: usize,
+    uuid: &mut u64,
+    timeout: Duration,
+) -> (Vec<SimPeer>, Vec<f64>, usize) {
+    let n = peers.len();
+    peers.sort_by_key(|p| p.peer_id);
+    let worlds: Vec<Vec<eccl::PeerId>> = peers
+        .chunks(world)
+        .map(|g| g.iter().map(|p| p.peer_id).collect())
+        .collect();
+    let first_uuid = *uuid + 1;
+    *uuid += worlds.len() as u64;
+    let t = Instant::now();
+    let mut calls = JoinSet::new();
+    for (i, mut p) in peers.into_iter().enumerate() {
+        let w = i / world;
+        let (id, members) = (first_uuid + w as u64, worlds[w].clone());
+        calls.spawn(async move {
+            let r = p.reconfigure(id, members, timeout).await;
+            (p, w, r.err(), t.elapsed().as_secs_f64() * 1e3)
+        });
+    }
+    let mut done = vec![0.0f64; worlds.len()];
+    let mut failed = 0;
+    let mut first: Option<String> = None;
+    let mut back = Vec::with_capacity(n);
+    while let Some(r) = calls.join_next().await {
+        let Ok((p, w, err, ms)) = r else {
+            failed += 1;
+            continue;
+        };
+        done[w] = done[w].max(ms);
+        if let Some(e) = err {
+            failed += 1;
+            first.get_or_insert_with(|| format!("peer {}: {e}", p.peer_id));
+        }
+        back.push(p);
+    }
+    if let Some(e) = first {
+        println!("#   {failed} of {n} epoch changes failed; the first: {e}");
+    }
+    (back, done, failed)
+}
+
+/// utime + stime of `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces) end at ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions; it reads a constant of the system.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn this_process_has_cpu_ticks() {
+        assert!(super::cpu_ticks(std::process::id()).is_some());
+    }
+}
