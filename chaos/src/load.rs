@@ -54,6 +54,9 @@ pub struct LoadArgs {
     /// Also write the table as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Let the masters log to stderr (ECCL_DEBUG sets the level).
+    #[arg(long)]
+    verbose: bool,
 }
 
 /// One step's figures.
@@ -94,7 +97,7 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         secret.clone(),
         args.lease_ms,
         args.heartbeat_ms,
-        false,
+        args.verbose,
         tx,
     )?;
     let list = masters.list();
