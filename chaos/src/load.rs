@@ -79,6 +79,8 @@ pub struct Step {
 }
 
 pub fn main(args: LoadArgs) -> anyhow::Result<()> {
+    // The simulated peers' own log (quiet unless ECCL_DEBUG says otherwise).
+    eccl::logging::init();
     let mut counts = args.peers.clone();
     counts.sort_unstable();
     counts.dedup();
