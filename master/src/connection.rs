@@ -148,7 +148,15 @@ impl Connection {
             return;
         }
         if !self.coord.raft.is_leader() {
-            let leader = self.coord.raft.leader().map(|(_, a)| a);
+            // Never itself: a master stopping (or stepping down) may still hold itself as
+            // the last leader it knew, and a peer asks again a master that names itself
+            // (a busy leader's answer, see `Coordinator::not_leader`).
+            let leader = self
+                .coord
+                .raft
+                .leader()
+                .filter(|(id, _)| *id != self.coord.raft.node_id)
+                .map(|(_, a)| a);
             reply.send(MasterReply::NotLeader { leader });
             return;
         }
