@@ -148,15 +148,7 @@ impl Connection {
             return;
         }
         if !self.coord.raft.is_leader() {
-            // Never itself: a master stopping (or stepping down) may still hold itself as
-            // the last leader it knew, and a peer asks again a master that names itself
-            // (a busy leader's answer, see `Coordinator::not_leader`).
-            let leader = self
-                .coord
-                .raft
-                .leader()
-                .filter(|(id, _)| *id != self.coord.raft.node_id)
-                .map(|(_, a)| a);
+            let leader = self.coord.raft.leader().map(|(_, a)| a);
             reply.send(MasterReply::NotLeader { leader });
             return;
         }

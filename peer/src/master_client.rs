@@ -469,7 +469,6 @@ impl MasterClient {
     pub async fn request(&self, body: PeerRequest, timeout: Duration) -> Result<MasterReply> {
         let is_vote = matches!(body, PeerRequest::UpdateTopology { .. });
         let until = Instant::now() + timeout;
-        let mut busy = 0;
         loop {
             // Looking for a leader is bounded by the deadline and by the call's timeout.
             let find_until = until.min(Instant::now() + self.deadline);
@@ -479,13 +478,10 @@ impl MasterClient {
             }
             let left = until.saturating_duration_since(Instant::now());
             match self.exchange(&c, body.clone(), left).await {
-                Ok(MasterReply::NotLeader { leader })
-                    if names_itself(&c, &leader) && busy < MAX_BUSY_ANSWERS =>
-                {
+                Ok(MasterReply::NotLeader { leader }) if names_itself(&c, &leader) => {
                     // A leader that could not confirm its leadership just now (busy): the
                     // same connection, again after a pause. Leaving would close it, and a
                     // leader evicts a peer whose connection closes.
-                    busy += 1;
                     tokio::time::sleep(busy_pause()).await;
                 }
                 Ok(MasterReply::NotLeader { leader }) => {
@@ -522,10 +518,6 @@ impl MasterClient {
 fn names_itself(c: &Conn, leader: &Option<String>) -> bool {
     leader.as_deref() == Some(c.addr.as_str())
 }
-
-/// Self-naming "not the leader" answers a request takes (about 2 s of asking) before
-/// it looks for another leader all the same.
-const MAX_BUSY_ANSWERS: u32 = 50;
 
 /// A pause before asking a busy leader again: 20-60 ms.
 fn busy_pause() -> Duration {
