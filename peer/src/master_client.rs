@@ -393,8 +393,6 @@ impl MasterClient {
     pub async fn keep_alive(&self, body: PeerRequest, within: Duration) -> Result<()> {
         let c = self.current(Instant::now() + self.deadline).await?;
         match self.exchange(&c, body, within).await {
-            // Busy rather than deposed (it names itself): the next renewal tries again.
-            Ok(MasterReply::NotLeader { leader }) if names_itself(&c, &leader) => Ok(()),
             Ok(MasterReply::NotLeader { leader }) => {
                 if let Ok(mut h) = self.hint.lock() {
                     *h = leader;
@@ -478,12 +476,6 @@ impl MasterClient {
             }
             let left = until.saturating_duration_since(Instant::now());
             match self.exchange(&c, body.clone(), left).await {
-                Ok(MasterReply::NotLeader { leader }) if names_itself(&c, &leader) => {
-                    // A leader that could not confirm its leadership just now (busy): the
-                    // same connection, again after a pause. Leaving would close it, and a
-                    // leader evicts a peer whose connection closes.
-                    tokio::time::sleep(busy_pause()).await;
-                }
                 Ok(MasterReply::NotLeader { leader }) => {
                     if let Ok(mut h) = self.hint.lock() {
                         *h = leader;
@@ -508,20 +500,6 @@ impl MasterClient {
             }
         }
     }
-}
-
-/// Whether a master's "not the leader" names that master itself as the leader: it could
-/// not confirm its leadership in time (a busy leader's quorum check), which is no reason
-/// to leave it (`eccl-chaos load`: three masters, 1,000 peers, an epoch change answered
-/// so about a hundred times, and every peer that left was evicted for its closed
-/// connection).
-fn names_itself(c: &Conn, leader: &Option<String>) -> bool {
-    leader.as_deref() == Some(c.addr.as_str())
-}
-
-/// A pause before asking a busy leader again: 20-60 ms.
-fn busy_pause() -> Duration {
-    Duration::from_millis(20).mul_f64(1.0 + 2.0 * rand::random::<f64>())
 }
 
 /// Why a master did not take this peer.
