@@ -28,8 +28,12 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// [`chaos`] for a caller that already holds its [`turn`].
-fn chaos_in_turn(name: &str, args: &str) -> Value {
+/// Runs eccl-chaos with `args` (split at spaces) and `--json FILE`: its exit status,
+/// what it printed, and the JSON it wrote (if it did).
+fn run_with_json(
+    name: &str,
+    args: &str,
+) -> (std::process::ExitStatus, String, std::io::Result<String>) {
     let path = std::env::temp_dir().join(format!("eccl-chaos-{}-{name}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))
         .args(args.split_whitespace())
@@ -42,12 +46,18 @@ fn chaos_in_turn(name: &str, args: &str) -> Value {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{name}: no report ({e}); {}\n{log}", out.status));
+    let text = std::fs::read_to_string(&path);
     let _ = std::fs::remove_file(&path);
+    (out.status, log, text)
+}
+
+/// [`chaos`] for a caller that already holds its [`turn`].
+fn chaos_in_turn(name: &str, args: &str) -> Value {
+    let (status, log, text) = run_with_json(name, args);
+    let text = text.unwrap_or_else(|e| panic!("{name}: no report ({e}); {status}\n{log}"));
     let report: Value = serde_json::from_str(&text).expect("the report is JSON");
     assert_eq!(report["violations"], json!([]), "{name}:\n{log}");
-    assert!(out.status.success(), "{name}: {}\n{log}", out.status);
+    assert!(status.success(), "{name}: {status}\n{log}");
     report
 }
 
@@ -334,30 +344,10 @@ fn a_soak_stays_exact() {
 #[test]
 fn a_master_takes_a_storm_of_registrations_and_keeps_every_lease() {
     let _turn = turn();
-    let path = std::env::temp_dir().join(format!("eccl-chaos-{}-load.json", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))
-        .args([
-            "load",
-            "--peers",
-            "300",
-            "--steady-s",
-            "1",
-            "--concurrency",
-            "300",
-            "--json",
-        ])
-        .arg(&path)
-        .output()
-        .expect("eccl-chaos starts");
-    let log = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{}\n{log}", out.status);
-    let text = std::fs::read_to_string(&path).expect("the table as JSON");
-    let _ = std::fs::remove_file(&path);
-    let steps: Value = serde_json::from_str(&text).expect("JSON");
+    let (status, log, text) =
+        run_with_json("load", "load --peers 300 --steady-s 1 --concurrency 300");
+    assert!(status.success(), "{status}\n{log}");
+    let steps: Value = serde_json::from_str(&text.expect("the table as JSON")).expect("JSON");
     assert_eq!(steps[0]["peers"], json!(300), "{log}");
     assert_eq!(steps[0]["worlds"], json!(1), "{log}");
     assert_eq!(steps[0]["lost"], json!(0), "{log}");

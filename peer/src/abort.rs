@@ -10,7 +10,7 @@
 //! its notice breaks #k and later only; a slower rank still finishing #k-1 finishes it
 //! (its data is on the way) instead of losing a call that succeeded everywhere else.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use eccl_protocol::frame::{AbortCause, FrameHeader};
@@ -45,11 +45,9 @@ pub(crate) struct AbortState {
     tx: watch::Sender<Option<AbortInfo>>,
     /// The epoch whose links this peer runs now (what `abort_here` breaks).
     current: AtomicU64,
-    /// Set by `abort_here` (or `revoke_here`) until the abort is announced to the peers
-    /// or a new epoch begins.
-    local: AtomicBool,
-    /// Whether that local abort is a revoke.
-    local_revoke: AtomicBool,
+    /// The cause (an [`AbortCause`] code) of an `abort_here` or `revoke_here` not yet
+    /// announced to the peers; 0 when there is none (or a new epoch began).
+    local: AtomicU32,
     /// Peers the master evicted, as its abort events named them; a shared-state sync
     /// stops using them as sources or waiting for them as receivers.
     gone: std::sync::Mutex<std::collections::HashSet<eccl_protocol::PeerId>>,
@@ -60,8 +58,7 @@ impl AbortState {
         Arc::new(AbortState {
             tx: watch::channel(None).0,
             current: AtomicU64::new(0),
-            local: AtomicBool::new(false),
-            local_revoke: AtomicBool::new(false),
+            local: AtomicU32::new(0),
             gone: Default::default(),
         })
     }
@@ -87,15 +84,10 @@ impl AbortState {
     /// `ProcessGroup.abort()`): every call in flight fails with `Aborted` at once, and
     /// so does every later one until the next epoch.
     pub fn abort_here(&self, reason: &str) {
-        let epoch = self.current.load(Ordering::Acquire);
-        self.local.store(true, Ordering::Release);
-        self.raise(
+        self.break_here(AbortCause::EpochAborted, |epoch| Error::Aborted {
             epoch,
-            Error::Aborted {
-                epoch,
-                cause: format!("aborted on this rank: {reason}"),
-            },
-        );
+            cause: format!("aborted on this rank: {reason}"),
+        });
     }
 
     /// Revokes the epoch this peer runs now (NCCL's `ncclCommRevoke`, torchcomms'
@@ -105,29 +97,26 @@ impl AbortState {
     /// members do next: nobody forms the next world on its own (the torch backend waits
     /// for a reconfigure or a shrink).
     pub fn revoke_here(&self, reason: &str) {
-        let epoch = self.current.load(Ordering::Acquire);
-        self.local_revoke.store(true, Ordering::Release);
-        self.local.store(true, Ordering::Release);
-        self.raise(
+        self.break_here(AbortCause::Revoked, |epoch| Error::Revoked {
             epoch,
-            Error::Revoked {
-                epoch,
-                cause: format!("revoked on this rank: {reason}"),
-            },
-        );
+            cause: format!("revoked on this rank: {reason}"),
+        });
+    }
+
+    /// Breaks the current epoch here with `error`, to be announced with `cause` (the
+    /// first cause not yet announced wins, as the first error does).
+    fn break_here(&self, cause: AbortCause, error: impl FnOnce(u64) -> Error) {
+        let epoch = self.current.load(Ordering::Acquire);
+        let _ = self
+            .local
+            .compare_exchange(0, cause as u32, Ordering::AcqRel, Ordering::Acquire);
+        self.raise(epoch, error(epoch));
     }
 
     /// The cause to announce to the peers for an `abort_here` or `revoke_here` not yet
     /// announced (once), or `None`.
     pub fn take_local(&self) -> Option<AbortCause> {
-        if !self.local.swap(false, Ordering::AcqRel) {
-            return None;
-        }
-        Some(if self.local_revoke.swap(false, Ordering::AcqRel) {
-            AbortCause::Revoked
-        } else {
-            AbortCause::EpochAborted
-        })
+        AbortCause::from_u32(self.local.swap(0, Ordering::AcqRel))
     }
 
     /// A receiver that wakes on every abort and eviction.
@@ -218,8 +207,7 @@ impl EpochLinkObserver {
             *n = names;
         }
         self.state.current.store(epoch, Ordering::Release);
-        self.state.local.store(false, Ordering::Release);
-        self.state.local_revoke.store(false, Ordering::Release);
+        self.state.local.store(0, Ordering::Release);
     }
 }
 

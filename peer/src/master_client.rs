@@ -381,6 +381,39 @@ impl MasterClient {
         sent.map_err(|e| self.unavailable(e))
     }
 
+    /// Renews this peer's lease every `heartbeat_ms`, on the runtime's worker threads,
+    /// apart from the caller, so a peer busy in a long collective stays alive; only a
+    /// peer that is really stuck (stopped, wedged) loses its lease. Ends when the peer
+    /// is evicted or refused for good.
+    pub fn spawn_heartbeats(
+        self: &Arc<Self>,
+        peer_id: PeerId,
+        heartbeat_ms: u64,
+        lease_ms: u64,
+    ) -> tokio::task::JoinHandle<()> {
+        let master = self.clone();
+        let every = Duration::from_millis(heartbeat_ms.max(10));
+        // A master that does not answer within half the lease is taken for dead or
+        // hung, so the peer is attached to the next leader well before the lease that
+        // leader grants runs out.
+        let within = Duration::from_millis((lease_ms / 2).max(50));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match master.heartbeat(peer_id, within).await {
+                    Ok(()) => {}
+                    // Evicted or refused for good: nothing left to renew.
+                    Err(Error::Evicted { .. } | Error::InvalidArgument(_)) => return,
+                    // No leader reachable now: keep trying, the lease of the next one
+                    // starts fresh.
+                    Err(_) => {}
+                }
+            }
+        })
+    }
+
     /// Renews the lease: an answer within `within`, or the master is taken for lost
     /// (dead or hung) and the next call looks for the leader.
     pub async fn heartbeat(&self, peer_id: PeerId, within: Duration) -> Result<()> {

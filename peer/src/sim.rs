@@ -11,7 +11,7 @@ use eccl_protocol::auth::Secret;
 use eccl_protocol::{MasterReply, PeerId, PeerRequest, RegisterRequest, PROTOCOL_VERSION};
 use tokio::sync::mpsc;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::master_client::{reply_error, MasterClient};
 
 /// One simulated peer.
@@ -60,23 +60,7 @@ impl SimPeer {
             other => return Err(reply_error(list, 0, other)),
         };
         let master = Arc::new(master);
-        let heartbeat = {
-            let master = master.clone();
-            let every = Duration::from_millis(heartbeat_ms.max(10));
-            let within = Duration::from_millis((lease_ms / 2).max(50));
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(every);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    if let Err(Error::Evicted { .. } | Error::InvalidArgument(_)) =
-                        master.heartbeat(peer_id, within).await
-                    {
-                        return;
-                    }
-                }
-            })
-        };
+        let heartbeat = master.spawn_heartbeats(peer_id, heartbeat_ms, lease_ms);
         Ok(SimPeer {
             master,
             list: list.to_string(),

@@ -76,32 +76,7 @@ impl Communicator {
             other => return Err(reply_error(&cfg.master, 0, other)),
         };
         let master = Arc::new(master);
-        // Heartbeats renew the master's lease on this peer. They run on the runtime's
-        // worker threads, apart from the caller, so a peer busy in a long collective
-        // stays alive; only a peer that is really stuck (stopped, wedged) loses its lease.
-        let heartbeat = {
-            let master = master.clone();
-            let every = Duration::from_millis(heartbeat_ms.max(10));
-            // A master that does not answer within half the lease is taken for dead or
-            // hung, so the peer is attached to the next leader well before the lease that
-            // leader grants runs out.
-            let within = Duration::from_millis((lease_ms / 2).max(50));
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(every);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    match master.heartbeat(peer_id, within).await {
-                        Ok(()) => {}
-                        // Evicted or refused for good: nothing left to renew.
-                        Err(Error::Evicted { .. } | Error::InvalidArgument(_)) => return,
-                        // No leader reachable now: keep trying, the lease of the next
-                        // one starts fresh.
-                        Err(_) => {}
-                    }
-                }
-            })
-        };
+        let heartbeat = master.spawn_heartbeats(peer_id, heartbeat_ms, lease_ms);
         tracing::info!(target: "eccl::init", "registered with master {} as peer {peer_id}", cfg.master);
         let evicted = Arc::new(std::sync::Mutex::new(None));
         let events = tokio::spawn(watch_master(erx, abort.clone(), evicted.clone()));
