@@ -353,3 +353,19 @@ fn a_master_takes_a_storm_of_registrations_and_keeps_every_lease() {
     assert_eq!(steps[0]["lost"], json!(0), "{log}");
     assert!(recorded(&steps[0], &["us_per_heartbeat"]) > 0.0, "{log}");
 }
+
+/// `eccl-chaos load --masters 3`: 1,000 simulated peers form a world through a raft
+/// cluster. The leader, busy building the world's answers, saw its followers'
+/// acknowledgements come after openraft's per-RPC limit, failed its leadership check and
+/// answered requests "not the leader" while naming itself; the peers that left it were
+/// evicted for their closed connections, and every epoch change of this test failed. A
+/// leader now checks again while it still leads (`Coordinator::caught_up`).
+#[test]
+fn a_busy_leader_of_three_masters_keeps_a_thousand_peers() {
+    let _turn = turn();
+    let (status, log, text) = run_with_json("load3", "load --masters 3 --peers 1000 --steady-s 1");
+    assert!(status.success(), "{status}\n{log}");
+    let steps: Value = serde_json::from_str(&text.expect("the table as JSON")).expect("JSON");
+    assert_eq!(steps[0]["peers"], json!(1000), "{log}");
+    assert_eq!(steps[0]["lost"], json!(0), "{log}");
+}

@@ -395,9 +395,7 @@ impl Connection {
     /// once, so its ephemeral keys say "alive" no longer.
     async fn gone(self) {
         if let Some(id) = self.me {
-            self.coord
-                .remove(id, "lost its master connection", false)
-                .await;
+            self.coord.connection_closed(id, &self.out).await;
         }
         if let Some(id) = self.store_session {
             self.coord.close_session(id, "lost its connection").await;

@@ -167,9 +167,23 @@ impl Coordinator {
             .clamp(Duration::from_millis(10), Duration::from_millis(100));
         tokio::spawn(async move {
             let mut was_leader = false;
+            let mut last_tick = Instant::now();
             loop {
                 tokio::time::sleep(period).await;
                 let Some(c) = me.upgrade() else { return };
+                let stalled = last_tick.elapsed();
+                last_tick = Instant::now();
+                if was_leader && stalled > c.timing.lease / 2 {
+                    // This master did not run for a while (SIGSTOP, a swapped-out
+                    // process, a frozen VM): its peers' silence is its own. Every lease
+                    // starts again rather than running out for the master's pause; if
+                    // it was deposed meanwhile, the next tick sees it.
+                    tracing::warn!(target: "eccl::master", "this master stalled for {} ms; every peer's lease starts again", stalled.as_millis());
+                    for t in c.leases().values_mut() {
+                        *t = Instant::now();
+                    }
+                    continue;
+                }
                 if !c.raft.is_leader() {
                     if was_leader {
                         c.step_down().await;

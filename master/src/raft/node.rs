@@ -249,6 +249,11 @@ impl RaftRegistry {
         m.state.is_leader() && m.current_leader == Some(self.node_id)
     }
 
+    /// The raft term this master is in.
+    pub fn term(&self) -> u64 {
+        self.raft.metrics().borrow().current_term
+    }
+
     /// The leader this master knows of, with its client address.
     pub fn leader(&self) -> Option<(MasterId, String)> {
         let id = self.raft.metrics().borrow().current_leader?;

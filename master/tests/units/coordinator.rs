@@ -141,3 +141,46 @@ async fn a_member_that_missed_a_decided_sync_round_gets_the_plan_the_others_got(
     );
     coord.raft.shutdown().await;
 }
+
+/// A peer evicted only when its current connection closes: a connection it replaced, or
+/// one from before this master last stepped down, closing later says nothing of the peer.
+#[tokio::test]
+async fn only_the_close_of_a_peers_current_connection_evicts_it() {
+    use eccl_master::registry::PeerState;
+    let (coord, _epoch, a, _b) = leader_with_two_members().await;
+    let gone = |p: PeerId| {
+        coord
+            .raft
+            .read(|r| r.peer(p).map(|p| matches!(p.state, PeerState::Gone { .. })))
+    };
+    let (old, _old_rx) = mpsc::channel(16);
+    let (new, _new_rx) = mpsc::channel(16);
+    coord.attach(a, &[0; 32], old.clone()).await.unwrap();
+    coord.attach(a, &[0; 32], new.clone()).await.unwrap();
+    coord.connection_closed(a, &old).await;
+    assert_eq!(gone(a), Some(false), "evicted for a connection it replaced");
+    coord.connection_closed(a, &new).await;
+    assert_eq!(gone(a), Some(true), "kept though its connection closed");
+}
+
+/// A leader that did not run for longer than a lease (SIGSTOP, a frozen VM) does not
+/// evict its peers for the silence its own pause made: every lease starts again.
+#[tokio::test]
+async fn a_leader_that_stalled_evicts_no_one_for_its_own_pause() {
+    use eccl_master::registry::PeerState;
+    let (coord, _epoch, a, _b) = leader_with_two_members().await;
+    let checker = coord.spawn_lease_checker();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (conn, _rx) = mpsc::channel(16);
+    coord.attach(a, &[0; 32], conn).await.unwrap();
+    // The test's runtime has one thread: blocking it stops the lease checker too, as a
+    // SIGSTOP stops the master's process.
+    std::thread::sleep(Timing::default().lease * 2);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let state = coord.raft.read(|r| r.peer(a).map(|p| p.state.clone()));
+    checker.abort();
+    assert!(
+        !matches!(state, Some(PeerState::Gone { .. })),
+        "evicted for the master's own pause: {state:?}"
+    );
+}
