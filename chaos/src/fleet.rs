@@ -14,6 +14,7 @@ use anyhow::Context;
 
 use crate::event::{now_ms, Event};
 use crate::masters::MasterSet;
+use crate::netns::Lab;
 
 /// What the reader threads send.
 pub enum Msg {
@@ -34,10 +35,14 @@ pub enum Msg {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Fate {
     Running,
-    /// SIGSTOPped (by us, or by itself through `ECCL_FAULT_INJECT`) until `resume_at`.
+    /// SIGSTOPped (by us, or by itself through `ECCL_FAULT_INJECT`), or cut off the
+    /// network, until `resume_at`.
     Stopped {
         since: f64,
         resume_at: f64,
+        /// Cut off the network (a partition) rather than SIGSTOPped: healed, not
+        /// continued, at `resume_at`.
+        cut: bool,
     },
     /// SIGSTOPped for less than half a lease (a slow peer) until `resume_at`.
     Slowed {
@@ -85,6 +90,9 @@ pub struct Fleet {
     secret: String,
     spec: WorkerSpec,
     tx: Sender<Msg>,
+    /// Where workers run with `--faults partition` (dropped after the workers are
+    /// stopped: fields drop after [`Fleet`]'s own `Drop`).
+    pub lab: Option<Lab>,
 }
 
 /// The line `eccl-chaos master` prints first; the address follows it.
@@ -92,17 +100,22 @@ pub const MASTER_READY: &str = "eccl-chaos master listening on ";
 
 impl Fleet {
     /// Starts `masters` masters with a fresh secret and waits for their addresses.
+    /// With a `lab`, every worker runs in a network namespace of its own and the masters
+    /// listen on the lab's bridge.
     pub fn start(
         masters: usize,
         lease_ms: u64,
         heartbeat_ms: u64,
         spec: WorkerSpec,
+        lab: Option<Lab>,
     ) -> anyhow::Result<(Fleet, Receiver<Msg>)> {
         let exe = std::env::current_exe().context("cannot find this executable")?;
         let secret = eccl_master::secret::generate();
         let (tx, rx) = mpsc::channel();
+        let host = lab.as_ref().map_or("127.0.0.1".into(), Lab::master_ip);
         let masters = MasterSet::start(
             masters,
+            &host,
             exe.clone(),
             secret.clone(),
             lease_ms,
@@ -118,6 +131,7 @@ impl Fleet {
             secret,
             spec,
             tx,
+            lab,
         };
         Ok((fleet, rx))
     }
@@ -125,7 +139,10 @@ impl Fleet {
     /// Starts a worker in the next slot and returns the slot.
     pub fn spawn(&mut self, min_world: u32, inject: Option<String>) -> anyhow::Result<usize> {
         let slot = self.workers.len();
-        let mut cmd = Command::new(&self.exe);
+        let mut cmd = match &mut self.lab {
+            Some(lab) => crate::netns::inside(&lab.host(slot)?, &self.exe),
+            None => Command::new(&self.exe),
+        };
         cmd.args(["worker", "--master", &self.master_addr])
             .args(["--state-mb", &self.spec.state_mb.to_string()])
             .args(["--elements", &self.spec.elements.to_string()])

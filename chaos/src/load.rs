@@ -95,6 +95,7 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
     std::thread::spawn(move || while rx.recv().is_ok() {});
     let mut masters = MasterSet::start(
         args.masters as usize,
+        "127.0.0.1",
         exe,
         secret.clone(),
         args.lease_ms,

@@ -15,6 +15,7 @@ mod master;
 mod master_faults;
 mod masters;
 mod measure;
+mod netns;
 mod orchestrator;
 mod report;
 mod resources;
@@ -74,8 +75,10 @@ pub struct RunArgs {
     /// or more fails if a process that lived through it grew by more than 5 %.
     #[arg(long, value_name = "N", conflicts_with_all = ["duration", "soak"], value_parser = clap::value_parser!(u64).range(1..))]
     pub soak_minutes: Option<u64>,
-    /// Faults to inject: a comma list of kill, hang, join, leave, master-kill,
-    /// master-hang (these two need --masters 3), or `none`.
+    /// Faults to inject: a comma list of kill, hang, join, leave, slow, master-kill,
+    /// master-hang (these two need --masters 3), partition (every peer then runs in a
+    /// network namespace of its own, which needs root; where none can be made the run
+    /// says so and leaves partitions out), or `none`.
     // The full path keeps clap from reading the list as a repeated flag.
     #[arg(long, default_value = "kill,hang,join,leave", value_parser = schedule::parse_faults)]
     pub faults: ::std::vec::Vec<FaultKind>,
@@ -106,7 +109,8 @@ pub struct RunArgs {
     /// milliseconds (PCCL's criterion is 5 minutes). Every run reports its longest stall.
     #[arg(long, default_value_t = 5000)]
     pub max_stall_ms: u64,
-    /// How long a hung peer stays stopped, in milliseconds (default: lease + 1500).
+    /// How long a hung peer stays stopped, and a partitioned one cut off, in milliseconds
+    /// (default: lease + 1500).
     #[arg(long)]
     pub hang_ms: Option<u64>,
     /// How long a slow peer (`--faults slow`) stays stopped, in milliseconds (default:
@@ -208,6 +212,12 @@ impl RunArgs {
                 "master-kill and master-hang need a cluster that survives them: --masters 3 or more (not {})",
                 self.masters
             ));
+        }
+        if self.transport == "shm" && self.faults.contains(&FaultKind::Partition) {
+            return Err(
+                "partition runs every peer in a network namespace of its own (a host of its own, so no shared memory): use --transport auto, tcp, tls or quic with it"
+                    .into(),
+            );
         }
         if let Some(p) = &self.plot {
             if p.extension().and_then(|e| e.to_str()) != Some("svg") {

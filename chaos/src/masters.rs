@@ -36,8 +36,8 @@ pub struct MasterSet {
     procs: Vec<MasterProc>,
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+fn free_port(host: &str) -> anyhow::Result<u16> {
+    Ok(TcpListener::bind((host, 0))?.local_addr()?.port())
 }
 
 impl MasterSet {
@@ -45,6 +45,7 @@ impl MasterSet {
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         n: usize,
+        host: &str,
         exe: PathBuf,
         secret: String,
         lease_ms: u64,
@@ -71,10 +72,12 @@ impl MasterSet {
         if n > 1 {
             let mut entries = Vec::new();
             for i in 0..n {
-                let (c, r) = (free_port()?, free_port()?);
-                entries.push(format!("{}=127.0.0.1:{c}/127.0.0.1:{r}", i + 1));
+                // Peers reach the client address (on a lab's bridge, with --faults
+                // partition); the raft listener stays on loopback.
+                let (c, r) = (free_port(host)?, free_port("127.0.0.1")?);
+                entries.push(format!("{}={host}:{c}/127.0.0.1:{r}", i + 1));
                 set.procs.push(MasterProc {
-                    client: format!("127.0.0.1:{c}"),
+                    client: format!("{host}:{c}"),
                     child: None,
                     stdin: None,
                     stopped: false,
@@ -83,7 +86,7 @@ impl MasterSet {
             set.spec = Some(entries.join(","));
         } else {
             set.procs.push(MasterProc {
-                client: "127.0.0.1:0".into(),
+                client: format!("{host}:0"),
                 child: None,
                 stdin: None,
                 stopped: false,

@@ -114,7 +114,8 @@ impl Measurement {
             FaultKind::Kill | FaultKind::MasterKill | FaultKind::MasterHang | FaultKind::Slow => {
                 Victim::Gone
             }
-            FaultKind::Hang => Victim::Stopped {
+            // A partitioned peer runs on, but is as silent to the others as a stopped one.
+            FaultKind::Hang | FaultKind::Partition => Victim::Stopped {
                 resumed: None,
                 evicted: false,
                 exited: false,
@@ -129,7 +130,7 @@ impl Measurement {
             FaultKind::Leave => Victim::Leaving { exited: false },
         };
         let survivors = match fault.kind {
-            FaultKind::Kill | FaultKind::Hang => survivors
+            FaultKind::Kill | FaultKind::Hang | FaultKind::Partition => survivors
                 .into_iter()
                 .filter(|&s| s != fault.victim)
                 .map(|s| (s, Survivor::default()))

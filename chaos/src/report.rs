@@ -87,12 +87,14 @@ pub struct FaultCounts {
     pub master_kill: u64,
     pub master_hang: u64,
     pub slow: u64,
+    pub partition: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
 pub struct ByFault {
     pub kill: Stats,
     pub hang: Stats,
+    pub partition: Stats,
 }
 
 #[derive(Debug, Serialize)]
@@ -206,6 +208,7 @@ pub fn analyse(log: &RunLog) -> Report {
             FaultKind::MasterKill => &mut faults.master_kill,
             FaultKind::MasterHang => &mut faults.master_hang,
             FaultKind::Slow => &mut faults.slow,
+            FaultKind::Partition => &mut faults.partition,
         } += 1;
     }
     faults.slow += log.slowed.len() as u64;
@@ -244,10 +247,12 @@ pub fn analyse(log: &RunLog) -> Report {
         abort_latency_ms: ByFault {
             kill: of(FaultKind::Kill, |o| o.abort_ms),
             hang: of(FaultKind::Hang, |o| o.abort_ms),
+            partition: of(FaultKind::Partition, |o| o.abort_ms),
         },
         recovery_ms: ByFault {
             kill: of(FaultKind::Kill, |o| o.recovery_ms),
             hang: of(FaultKind::Hang, |o| o.recovery_ms),
+            partition: of(FaultKind::Partition, |o| o.recovery_ms),
         },
         join_ms: of(FaultKind::Join, |o| o.join_ms),
         master_failover_ms: stats(log.master_faults.iter().filter_map(|(_, o)| o.failover_ms)),
@@ -668,9 +673,18 @@ pub fn summary(r: &Report) -> String {
             &r.abort_latency_ms.hang,
             &r.recovery_ms.hang,
         ),
+        (
+            "partition",
+            r.faults.partition,
+            &r.abort_latency_ms.partition,
+            &r.recovery_ms.partition,
+        ),
     ] {
+        if name == "partition" && n == 0 {
+            continue;
+        }
         out += &format!(
-            "  {name:<5}{n:>7}{}{}\n",
+            "  {name:<9}{n:>3}{}{}\n",
             fmt_stats(abort),
             fmt_stats(recovery)
         );

@@ -21,10 +21,15 @@ pub enum FaultKind {
     /// SIGSTOP a peer for less than half a lease (`--slow-ms`), then SIGCONT it: a slow
     /// peer, which must never be evicted nor cause an abort.
     Slow,
+    /// Cut a peer off the network for `--hang-ms` while its process runs: its links and
+    /// its master connection go silent (the peers run in network namespaces; the veth
+    /// is taken down and brought back up). The master evicts it when its lease runs
+    /// out, and the survivors recover as for a kill.
+    Partition,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::Kill,
         FaultKind::Hang,
         FaultKind::Join,
@@ -32,6 +37,7 @@ impl FaultKind {
         FaultKind::MasterKill,
         FaultKind::MasterHang,
         FaultKind::Slow,
+        FaultKind::Partition,
     ];
 
     pub fn name(self) -> &'static str {
@@ -43,6 +49,7 @@ impl FaultKind {
             FaultKind::MasterKill => "master-kill",
             FaultKind::MasterHang => "master-hang",
             FaultKind::Slow => "slow",
+            FaultKind::Partition => "partition",
         }
     }
 
@@ -53,7 +60,7 @@ impl FaultKind {
 }
 
 /// Parses `--faults`: a comma list of kill, hang, join, leave, master-kill, master-hang,
-/// slow, or `none`.
+/// slow, partition, or `none`.
 pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
     if s.trim() == "none" {
         return Ok(Vec::new());
@@ -63,7 +70,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
         let kind = FaultKind::ALL
             .into_iter()
             .find(|k| k.name() == word)
-            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, slow, or none)"))?;
+            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, slow, partition, or none)"))?;
         if !kinds.contains(&kind) {
             kinds.push(kind);
         }
@@ -163,7 +170,9 @@ pub fn adjust(
     min_live: usize,
 ) -> FaultKind {
     match kind {
-        FaultKind::Kill | FaultKind::Hang | FaultKind::Leave if running <= min_live => {
+        FaultKind::Kill | FaultKind::Hang | FaultKind::Leave | FaultKind::Partition
+            if running <= min_live =>
+        {
             FaultKind::Join
         }
         FaultKind::Join if live >= cap => FaultKind::Leave,

@@ -44,6 +44,28 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     } else {
         schedule::plan(seed, &args.faults, span, args.interval_ms as f64)
     };
+    // Partitions need every worker in a network namespace of its own; where none can be
+    // made, they are left out of this run and the run says so.
+    let mut kinds = args.faults.clone();
+    let lab = if kinds.contains(&FaultKind::Partition) {
+        match crate::netns::Lab::new() {
+            Ok(lab) => Some(lab),
+            Err(e) => {
+                println!("# partition: skipped: network namespaces cannot be made here ({e:#})");
+                kinds.retain(|k| *k != FaultKind::Partition);
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let plan = if kinds.len() == args.faults.len() {
+        plan
+    } else if args.churn {
+        schedule::plan_churn(seed, &kinds, span, args.churn_ms)
+    } else {
+        schedule::plan(seed, &kinds, span, args.interval_ms as f64)
+    };
     let (fleet, rx) = Fleet::start(
         args.masters as usize,
         args.lease_ms,
@@ -55,8 +77,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
             verbose: args.verbose,
             transport: args.transport.clone(),
         },
+        lab,
     )?;
-    let faults: Vec<&str> = args.faults.iter().map(|k| k.name()).collect();
+    let faults: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
     println!(
         "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements, transport {}, {} {}",
         args.peers,
@@ -326,16 +349,22 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// Records that `slot` stopped at `at` and opens its hang.
+    /// Records that `slot` stopped (or was cut off the network) at `at` and opens its
+    /// hang (partition).
     fn stop(&mut self, slot: usize, at: f64, injected: Option<String>) {
+        self.silence(FaultKind::Hang, slot, at, injected)
+    }
+
+    fn silence(&mut self, kind: FaultKind, slot: usize, at: f64, injected: Option<String>) {
         self.fleet.workers[slot].fate = Fate::Stopped {
             since: at,
             resume_at: at + self.hang_ms,
+            cut: kind == FaultKind::Partition,
         };
         for m in &mut self.open {
             m.drop_survivor(slot);
         }
-        self.open_fault(FaultKind::Hang, slot, at, injected);
+        self.open_fault(kind, slot, at, injected);
         if self.master_open.is_some() {
             // A leader elected from now on grants every peer a fresh lease.
             if let Some(m) = self.open.last_mut() {
@@ -365,14 +394,24 @@ impl<'a> Run<'a> {
                 }
                 continue;
             }
-            let Fate::Stopped { since, resume_at } = self.fleet.workers[slot].fate else {
+            let Fate::Stopped {
+                since,
+                resume_at,
+                cut,
+            } = self.fleet.workers[slot].fate
+            else {
                 continue;
             };
             if now < resume_at {
                 continue;
             }
-            // A victim that died while stopped is handled by its exit.
-            self.fleet.signal(slot, libc::SIGCONT)?;
+            if cut {
+                let lab = self.fleet.lab.as_ref().expect("a partition needs the lab");
+                lab.cut(slot, false)?;
+            } else {
+                // A victim that died while stopped is handled by its exit.
+                self.fleet.signal(slot, libc::SIGCONT)?;
+            }
             self.fleet.workers[slot].fate = Fate::Running;
             self.stopped.push((slot, since, now));
             for m in &mut self.open {
@@ -394,7 +433,7 @@ impl<'a> Run<'a> {
             at,
             injected,
         };
-        let resume = if kind == FaultKind::Hang {
+        let resume = if matches!(kind, FaultKind::Hang | FaultKind::Partition) {
             self.hang_ms
         } else {
             0.0
@@ -457,8 +496,13 @@ impl<'a> Run<'a> {
         };
         match f.kind {
             FaultKind::Kill => format!("{head}: {aborted}, {recovered}"),
-            FaultKind::Hang => format!(
-                "{head} stopped {}: {}, {aborted}, {recovered}",
+            FaultKind::Hang | FaultKind::Partition => format!(
+                "{head} {} {}: {}, {aborted}, {recovered}",
+                if f.kind == FaultKind::Hang {
+                    "stopped"
+                } else {
+                    "cut off the network"
+                },
                 o.stopped_ms
                     .map_or("until it exited".into(), |ms| format!("{:.1} s", ms / 1e3)),
                 if o.evicted { "evicted" } else { "not evicted" }
@@ -602,6 +646,16 @@ impl<'a> Run<'a> {
                 if self.fleet.signal(v, libc::SIGSTOP)? {
                     self.stop(v, now, None);
                 }
+            }
+            FaultKind::Partition => {
+                let v = victim();
+                let lab = self
+                    .fleet
+                    .lab
+                    .as_ref()
+                    .expect("partitions run with the lab");
+                lab.cut(v, true)?;
+                self.silence(kind, v, now, None);
             }
             FaultKind::Slow => {
                 let v = victim();
