@@ -29,7 +29,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl.torch_cuda import all_reduce_ipc, cuda_calls
-from eccl.torch_fault import FaultTolerance, ReconfigurableGroup
+from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
 from eccl.torch_recovery import Recovery, recovering_calls
 from eccl.torch_setup import (
     _check_no_conflict,
@@ -529,7 +529,8 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
                   default_group=not dist.is_initialized(), form=fixed)
     pg._named(opts.group_id, opts.global_ranks_in_group)
     if fixed:
-        return pg
+        # torch 2.11 and earlier take a Python backend as a whole ProcessGroup already.
+        return pg if _Base is dist.ProcessGroup else EcclGroup(opts.store, pg)
     return ReconfigurableGroup(opts.store, pg)
 
 

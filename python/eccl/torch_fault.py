@@ -4,10 +4,10 @@
 `ncclCommRevoke`, torchcomms' revoke: not in torch's Backend API yet, so a method of
 eccl's backend and of its reconfigurable group).
 
-torch's ProcessGroup reads a group's rank and size from its backend's fixed values, so a
-group whose members change is a ProcessGroup of its own (`ReconfigurableGroup`) whose
-rank and size follow eccl's current world, with eccl's backend registered beneath it for
-"cpu" (every collective goes there as usual).
+Every eccl group is a ProcessGroup of eccl's own (`EcclGroup`, which torch's C++ side
+names "eccl") with eccl's backend registered beneath it for "cpu" and "cuda". torch's
+ProcessGroup reads a group's rank and size from fixed values, so a group whose members
+change is a `ReconfigurableGroup`, whose rank and size follow eccl's current world.
 
 A handle is `eccl1:<job id>:<peer id>:<master addresses>`: the job id is a one-way hash
 of the job's secret, so a handle tells two jobs apart and is of no use to anyone without
@@ -155,36 +155,23 @@ class FaultTolerance:
         return reconfigure(self, opts)
 
 
-class ReconfigurableGroup(ProcessGroup):
-    """The process group of `init_process_group("eccl", enable_reconfigure=True)`: no
-    world until the first `dist._reconfigure`, then the rank and size of the newest one.
-    Collectives, abort and hooks go to the eccl backend registered beneath it."""
+class EcclGroup(ProcessGroup):
+    """The process group torch gets for every eccl group (torch 2.12 and later): a
+    ProcessGroup of eccl's own with eccl's backend registered beneath it for "cpu" and
+    "cuda", so that torch's C++ side names the backend "eccl" (DDP's logging data; a
+    ProcessGroup torch makes itself would say "custom", the name of every backend
+    registered from Python). Collectives, abort, revoke and hooks go to the backend."""
 
     def __init__(self, store: Any, backend: Any) -> None:
         super().__init__(store, backend.rank(), backend.size())
         self._backend = backend
-        cpu = torch.device("cpu")
-        self._register_backend(cpu, ProcessGroup.BackendType.CUSTOM, backend)
+        for device in ("cpu", "cuda"):
+            self._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM,
+                                   backend)
         self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
 
-    def getRank(self) -> int:  # noqa: N802 - torch's names
-        return self._backend.rank()
-
-    def getSize(self) -> int:  # noqa: N802
-        return self._backend.size()
-
-    def getBackendName(self) -> str:  # noqa: N802
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
         return "eccl"
-
-    @property
-    def supports_reconfigure(self) -> bool:
-        return True
-
-    def get_reconfigure_handle(self) -> str:
-        return handle_of(self._backend.comm)
-
-    def reconfigure(self, opts: Any) -> Any:
-        return reconfigure(self._backend, opts)
 
     def abort(self) -> None:
         self._backend.abort()
@@ -199,4 +186,25 @@ class ReconfigurableGroup(ProcessGroup):
         self._backend.shutdown()
 
     def __repr__(self) -> str:
-        return f"ReconfigurableGroup({self._backend!r})"
+        return f"{type(self).__name__}({self._backend!r})"
+
+
+class ReconfigurableGroup(EcclGroup):
+    """The process group of `init_process_group("eccl", enable_reconfigure=True)`: no
+    world until the first `dist._reconfigure`, then the rank and size of the newest one."""
+
+    def getRank(self) -> int:  # noqa: N802 - torch's names
+        return self._backend.rank()
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._backend.size()
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return True
+
+    def get_reconfigure_handle(self) -> str:
+        return handle_of(self._backend.comm)
+
+    def reconfigure(self, opts: Any) -> Any:
+        return reconfigure(self._backend, opts)

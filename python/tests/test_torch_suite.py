@@ -1,10 +1,11 @@
 """PyTorch's own backend suite (`torch.testing._internal.distributed.distributed_test`,
 run through its hook for third-party backends by `torch_suite.py`, 3 ranks) on eccl.
 
-The default run plays one of its tests (DDP on the CPU: broadcast, all_reduce, the
-reducer), so that the hook keeps working; `ECCL_TORCH_SUITE=1` plays all of it under
+The default run plays two of its tests (DDP on the CPU: broadcast, all_reduce, the
+reducer; and DDP's logging data, which names the backend), so that the hook keeps
+working; `ECCL_TORCH_SUITE=1` plays all of it under
 eccl and under gloo, in the same run, and fails if a test that passes under gloo fails
-under eccl, but for the one named in KNOWN (below)."""
+under eccl."""
 
 import os
 import re
@@ -19,14 +20,11 @@ pytest.importorskip("torch")
 
 HERE = Path(__file__).parent
 
-# The test that fails under eccl and passes under gloo, and why. DDP's logger reads the
-# C++ ProcessGroup's getBackendName(), the name of its BackendType: "custom" for every
-# backend registered from Python, unless the backend hands torch a ProcessGroup subclass
-# of its own (eccl does for groups made with enable_reconfigure=True only: doing it for
-# every group would take each call through one more pybind trampoline).
-KNOWN = {
-    "test_ddp_logging_data_cpu": "DDP's logging data names the backend 'custom'",
-}
+# Tests that fail under eccl and pass under gloo, and why: none. (DDP's logger reads the
+# C++ ProcessGroup's getBackendName(), "custom" for a backend registered from Python;
+# eccl hands torch a ProcessGroup of its own, `eccl.torch_fault.EcclGroup`, which says
+# "eccl": `test_ddp_logging_data_cpu` below.)
+KNOWN: dict = {}
 
 
 def run_suite(backend, tests=(), timeout=3000):
@@ -48,8 +46,8 @@ def run_suite(backend, tests=(), timeout=3000):
 
 
 @pytest.mark.timeout(300)
-def test_one_of_torchs_own_backend_tests_passes_under_eccl():
-    tests = ("test_DistributedDataParallelCPU",)
+def test_torchs_own_ddp_tests_pass_under_eccl():
+    tests = ("test_DistributedDataParallelCPU", "test_ddp_logging_data_cpu")
     ran, failed, out = run_suite("eccl", tests, timeout=280)
     assert ran == len(tests), out[-2000:]
     assert not failed, f"{sorted(failed)}\n{out[-4000:]}"
