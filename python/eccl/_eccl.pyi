@@ -395,7 +395,8 @@ class Communicator:
         async_op: bool = False,
     ) -> SyncInfo | Work:
         """Brings every member's `tensors` (name -> array or tensor) to the content most members hold at the highest
-        revision.
+        revision. A failed call leaves the tensors as they were, except a newcomer's (revision 0), which take each
+        chunk as it arrives.
         """
 
 # -- Master (master.rs) ------------------------------------------------------------------

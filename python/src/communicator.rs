@@ -743,7 +743,8 @@ impl Communicator {
     /// `strategy`: "enforce_popular" (default), "receive_only" or "send_only".
     /// `unchanged`: names of tensors the caller promises hold what the last sync left in
     /// them (same memory): they are not hashed again. Returns a `SyncInfo` whose
-    /// `revision` every member now holds.
+    /// `revision` every member now holds. A failed call leaves the tensors as they were,
+    /// except a newcomer's (revision 0), which take each chunk as it arrives.
     #[pyo3(signature = (revision, tensors, strategy="enforce_popular", *, unchanged=None, async_op=false))]
     fn sync_shared_state(
         &self,

@@ -497,3 +497,52 @@ def test_quantized_all_reduce_and_diloco_int8_give_every_rank_the_same_bits():
     assert 0 < res[0]["fp8_err"] <= 1 / 16, res[0]["fp8_err"]
     assert all("f32, f16 or bf16, not i32" in r["refused"] for r in res), res[0]["refused"]
     assert len({r["params"] for r in res}) == 1 and res[0]["outer"] == 2, res
+
+
+def test_a_failed_sync_leaves_a_members_state_and_a_newcomer_catches_up_next_time():
+    """The only source dies while serving (killed at its first chunk): the member with
+    a state of its own (revision 1) keeps it whole (G2: chunks wait until all have come);
+    the newcomer (revision 0, whose chunks land in its tensors as they arrive) may be
+    partly written, and the next sync brings it to the content chosen then."""
+    master = eccl.Master()
+    script = textwrap.dedent(f"""
+        import json, os, sys, numpy as np, eccl
+        rank = int(sys.argv[1])
+        if rank == 0:
+            os.environ["ECCL_FAULT_INJECT"] = "sync-serve:kill"
+        comm = eccl.Communicator({master.addr!r}, {master.secret!r}, rank_hint=rank, min_world=3)
+        comm.update_topology()
+        w = [np.arange(1 << 20, dtype=np.float32), np.full(1 << 20, 7.0, np.float32),
+             np.zeros(1 << 20, np.float32)][rank]
+        try:
+            comm.sync_shared_state([2, 1, 0][rank], {{"w": w}})
+            first = "ok"
+        except eccl.EcclError as e:
+            first = type(e).__name__
+        kept = bool((w == 7.0).all())
+        comm.update_topology()
+        info = comm.sync_shared_state([2, 1, 0][rank], {{"w": w}})
+        print("RESULT", json.dumps({{"first": first, "kept": kept, "rev": info.revision,
+                                    "after": bool((w == 7.0).all())}}))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        master.shutdown()
+    assert procs[0].returncode != 0, "the source was to die while serving"
+    res = {}
+    for r in (1, 2):
+        out, err = outs[r]
+        assert procs[r].returncode == 0, f"rank {r} failed:\n{out}\n{err}"
+        import json
+        res[r] = json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res[1]["first"] != "ok" and res[2]["first"] != "ok", res
+    assert res[1]["kept"], "a failed sync changed the state of a member that had one"
+    for r in (1, 2):
+        assert res[r]["rev"] == 1 and res[r]["after"], res

@@ -34,7 +34,8 @@ COVERED = {
     "ddp_cuda.py": "test_cuda.py's machine: the GPU check (.ci/gpu_check.sh) runs it on a GPU",
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "netlab.sh", "compare_transports.py", "kill_latency.py",
-            "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py"}
+            "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py",
+            "catch_up.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -99,6 +100,15 @@ def test_sync_cost():
     rows = dict(re.findall(r"^(hash|unchanged)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)$", out, re.M))
     # Everything hashed without the promise, nothing with it.
     assert rows == {"hash": str(8 << 20), "unchanged": "0"}, out
+
+
+def test_catch_up():
+    out = run([sys.executable, str(EXAMPLES / "catch_up.py"), "--members", "2", "--state-mb",
+               "8", "--rounds", "2"], timeout=120)
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([\d.]+)", out, re.M)
+    # Two newcomers, each fetched the whole state (the example checks its content).
+    assert [r for r, _ in rows] == ["0", "1"] and all(float(g) > 0 for _, g in rows), out
+    assert re.search(r"^# median: [\d.]+ ms to the first synced all_reduce", out, re.M), out
 
 
 def test_store_bench():

@@ -1,8 +1,16 @@
 //! A receiver of the chosen state: fetches the chunks it lacks from every source at
 //! once, checks each against its hash, and replaces a source that dies, stalls or lies.
+//!
+//! Each arrived chunk is checked (and, unless it goes straight into a newcomer's tensor,
+//! copied out of the link's buffer) on a blocking thread while the loop goes on asking
+//! and receiving: on a host with a core to spare (the sources mostly wait on requests)
+//! hashing and copying no longer hold up the transfer.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::task::JoinHandle;
 
 use eccl_protocol::frame::FrameKind;
 use eccl_protocol::{PeerId, TensorDigest};
@@ -12,9 +20,37 @@ use super::{chunk_range, state_header, SharedTensor};
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::fault;
+use eccl_transport::link::Payload;
 
 /// Requests a receiver keeps outstanding at each source.
 const INFLIGHT_PER_SOURCE: usize = 4;
+
+/// A chunk that arrived, after its check: its bytes if they matched the promised hash.
+struct Checked {
+    key: (u32, u64),
+    rank: u32,
+    bytes: Option<Arrived>,
+}
+
+/// A checked chunk's bytes: copied out already (to be written into the caller's tensor
+/// once every chunk has arrived), or still in the link's buffer (written straight into
+/// the tensor).
+enum Arrived {
+    Staged(Vec<u8>),
+    Lent(Payload),
+}
+
+impl Arrived {
+    fn len(&self) -> usize {
+        match self {
+            Arrived::Staged(b) => b.len(),
+            Arrived::Lent(p) => p.len(),
+        }
+    }
+}
+
+/// Chunks fetched, by (target tensor index, chunk index), each checked.
+pub(super) type Fetched = HashMap<(u32, u64), Vec<u8>>;
 
 struct Source {
     peer: PeerId,
@@ -26,29 +62,32 @@ struct Source {
 }
 
 impl Communicator {
-    /// Fetches the chunks in `need` from `sources`, several at once, each checked
-    /// against the target's chunk hash. Returns the replaced tensors (index, bytes), the
-    /// bytes received and the sources used.
-    #[allow(clippy::type_complexity)]
+    /// Fetches the chunks in `need` (local tensor, target tensor, chunks) from
+    /// `sources`, several at once, each checked against the target's chunk hash.
+    /// `in_place`: each chunk is written into the caller's tensor as it arrives (a
+    /// newcomer's, which holds nothing yet); otherwise nothing is written here and the
+    /// chunks come back, for the caller's tensors to change only once every chunk has
+    /// arrived. Returns those chunks, the bytes received and the sources used.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     pub(super) async fn fetch_state(
         &mut self,
         epoch: u64,
         round: u64,
-        tensors: &[SharedTensor<'_>],
+        tensors: &mut [SharedTensor<'_>],
         target: &[TensorDigest],
         sources: &[PeerId],
         need: Vec<(usize, usize, Vec<u64>)>,
-    ) -> Result<(Vec<(usize, Vec<u8>)>, u64, Vec<PeerId>)> {
+        in_place: bool,
+    ) -> Result<(Fetched, u64, Vec<PeerId>)> {
         let abort = self.abort.clone();
         let mut watch = abort.subscribe();
         let (stall, tick) = (self.cfg.timeout, Duration::from_millis(50));
         let c = self.cur.as_mut().expect("world checked by the caller");
-        // Staging copies: a chunk lands in the caller's tensor only once all have arrived.
-        let mut staged: HashMap<usize, Vec<u8>> = HashMap::new();
-        let mut to_local: HashMap<u32, usize> = HashMap::new();
+        let mut fetched: Fetched = HashMap::new();
+        let mut checks: FuturesUnordered<JoinHandle<Checked>> = FuturesUnordered::new();
         let mut queue: VecDeque<(u32, u64)> = VecDeque::new();
+        let mut to_local: HashMap<u32, usize> = HashMap::new();
         for (local, t, chunks) in need {
-            staged.insert(t, tensors[local].data.to_vec());
             to_local.insert(t as u32, local);
             queue.extend(chunks.into_iter().map(|ch| (t as u32, ch)));
         }
@@ -86,7 +125,7 @@ impl Communicator {
             for p in lost {
                 tracing::info!(target: "eccl::coll", "shared-state source {p} is gone; its chunks go to the others");
             }
-            if queue.is_empty() && srcs.iter().all(|s| s.inflight.is_empty()) {
+            if queue.is_empty() && checks.is_empty() && srcs.iter().all(|s| s.inflight.is_empty()) {
                 break;
             }
             if srcs.is_empty() {
@@ -129,7 +168,48 @@ impl Communicator {
                 }
             }
             let ranks: HashSet<u32> = srcs.iter().map(|s| s.rank).collect();
-            match next_event(c, &ranks, &mut watch, epoch, round, tick).await {
+            let wake = tokio::select! {
+                biased;
+                Some(done) = checks.next(), if !checks.is_empty() => {
+                    let done = done.map_err(|e| Error::Aborted {
+                        epoch,
+                        cause: format!("checking a shared-state chunk failed: {e}"),
+                    })?;
+                    let si = srcs.iter().position(|s| s.rank == done.rank);
+                    match done.bytes {
+                        Some(b) => {
+                            received += b.len() as u64;
+                            if let Some(si) = si {
+                                srcs[si].used = true;
+                            }
+                            match b {
+                                Arrived::Staged(b) => {
+                                    fetched.insert(done.key, b);
+                                }
+                                Arrived::Lent(p) => {
+                                    let data = &mut tensors[to_local[&done.key.0]].data;
+                                    let rg = chunk_range(data.len() as u64, done.key.1)
+                                        .expect("checked against the target's length");
+                                    data[rg].copy_from_slice(p.as_bytes());
+                                }
+                            }
+                        }
+                        None => {
+                            let t = &target[done.key.0 as usize];
+                            queue.push_back(done.key);
+                            if let Some(si) = si {
+                                // A source that sends what it did not promise is not asked again.
+                                let s = srcs.remove(si);
+                                tracing::warn!(target: "eccl::coll", "shared-state chunk {} of {:?} from peer {} does not match its hash; dropping that source", done.key.1, t.name, s.peer);
+                                queue.extend(s.inflight);
+                            }
+                        }
+                    }
+                    continue;
+                }
+                w = next_event(c, &ranks, &mut watch, epoch, round, tick) => w,
+            };
+            match wake {
                 Wake::Abort | Wake::Tick => {}
                 Wake::LinkDown(r, why) => {
                     if let Some(i) = srcs.iter().position(|s| s.rank == r) {
@@ -150,29 +230,30 @@ impl Communicator {
                     let Some(pos) = srcs[si].inflight.iter().position(|k| *k == key) else {
                         continue;
                     };
-                    let t = &target[h.index as usize];
-                    let range = chunk_range(t.len, h.offset);
-                    let good = range.as_ref().is_some_and(|rg| rg.len() == f.payload.len())
-                        && t.chunks.get(h.offset as usize)
-                            == Some(blake3::hash(f.payload.as_bytes()).as_bytes());
                     let s = &mut srcs[si];
                     s.inflight.swap_remove(pos);
-                    if !good {
-                        // A source that sends what it did not promise is not asked again.
-                        tracing::warn!(target: "eccl::coll", "shared-state chunk {} of {:?} from peer {} does not match its hash; dropping that source", h.offset, t.name, s.peer);
-                        let s = srcs.remove(si);
-                        queue.push_back(key);
-                        queue.extend(s.inflight);
-                        continue;
-                    }
                     s.last_progress = Instant::now();
-                    s.used = true;
-                    let rg = range.expect("checked above");
-                    received += rg.len() as u64;
-                    staged
-                        .get_mut(&(h.index as usize))
-                        .expect("requested tensors are staged")[rg]
-                        .copy_from_slice(f.payload.as_bytes());
+                    let t = &target[h.index as usize];
+                    let want_len = chunk_range(t.len, h.offset).map(|rg| rg.len());
+                    let want_hash = t.chunks.get(h.offset as usize).copied();
+                    let payload = f.payload;
+                    // Checked and copied out of the link's buffer beside this loop; the
+                    // buffer goes back to the link when the copy is done.
+                    checks.push(tokio::task::spawn_blocking(move || {
+                        let bytes = payload.as_bytes();
+                        let good = want_len == Some(bytes.len())
+                            && want_hash.as_ref() == Some(blake3::hash(bytes).as_bytes());
+                        let bytes = match (good, in_place) {
+                            (false, _) => None,
+                            (true, true) => Some(Arrived::Lent(payload)),
+                            (true, false) => Some(Arrived::Staged(bytes.to_vec())),
+                        };
+                        Checked {
+                            key,
+                            rank: r,
+                            bytes,
+                        }
+                    }));
                     if first {
                         first = false;
                         fault::hit(fault::Point::SyncFetch);
@@ -182,10 +263,6 @@ impl Communicator {
         }
         let mut used: Vec<PeerId> = srcs.iter().filter(|s| s.used).map(|s| s.peer).collect();
         used.sort_unstable();
-        let staged = staged
-            .into_iter()
-            .map(|(t, data)| (to_local[&(t as u32)], data))
-            .collect();
-        Ok((staged, received, used))
+        Ok((fetched, received, used))
     }
 }

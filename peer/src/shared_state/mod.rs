@@ -168,7 +168,10 @@ impl Communicator {
     ///
     /// Collective: every member of the epoch calls it with tensors of the same names and
     /// sizes. The caller's tensors change only when every chunk has arrived and matched,
-    /// so a failed sync leaves them as they were.
+    /// so a failed sync leaves them as they were, except a newcomer's: called with
+    /// revision 0 (it holds nothing yet), each chunk lands in its tensors as it arrives
+    /// and matches, and a failed sync leaves them partly written (its next sync fetches
+    /// what differs).
     pub fn sync_shared_state<'a, 't: 'a>(
         &'a mut self,
         revision: u64,
@@ -227,7 +230,7 @@ impl Communicator {
             let reply = self.master.request(req, self.cfg.join_timeout).await?;
             let plan_ms = planned.elapsed().as_secs_f64() * 1e3;
             let moved = std::time::Instant::now();
-            let (revision, target, sources, receivers) = match reply {
+            let (plan_revision, target, sources, receivers) = match reply {
                 MasterReply::SyncPlan {
                     revision,
                     target,
@@ -238,7 +241,16 @@ impl Communicator {
             };
             match self
                 .carry_out_sync(
-                    epoch, round, tensors, strategy, &local, revision, target, sources, receivers,
+                    epoch,
+                    round,
+                    tensors,
+                    strategy,
+                    &local,
+                    revision,
+                    plan_revision,
+                    target,
+                    sources,
+                    receivers,
                 )
                 .await
             {
@@ -277,6 +289,7 @@ impl Communicator {
         tensors: &mut [SharedTensor<'_>],
         strategy: SyncStrategy,
         local: &[TensorDigest],
+        own_revision: u64,
         revision: u64,
         target: Vec<TensorDigest>,
         sources: Vec<PeerId>,
@@ -303,21 +316,39 @@ impl Communicator {
                 .await?;
         } else if receivers.contains(&peer_id) {
             let plan = match_target(tensors, local, &target, strategy);
-            let fetched = match plan {
+            // A newcomer (revision 0: it holds nothing yet) takes each chunk straight into
+            // its tensors; a member with a state of its own keeps it until every chunk
+            // has arrived (G2).
+            let in_place = own_revision == 0;
+            let (fetched, to_local) = match plan {
                 Ok(need) => {
-                    self.fetch_state(epoch, round, tensors, &target, &sources, need)
-                        .await
+                    let to_local: HashMap<u32, usize> =
+                        need.iter().map(|(l, t, _)| (*t as u32, *l)).collect();
+                    let f = self
+                        .fetch_state(epoch, round, tensors, &target, &sources, need, in_place)
+                        .await;
+                    (f, to_local)
                 }
-                Err(e) => Err(e),
+                Err(e) => (Err(e), HashMap::new()),
             };
             // Sources serve until every receiver is done, also one that failed.
             self.send_done(epoch, round, &sources).await;
-            let (mut staged, bytes, used) = fetched?;
-            staged.sort_by_key(|(i, _)| *i);
-            for (i, data) in staged {
-                tensors[i].data.copy_from_slice(&data);
-                info.updated.push(tensors[i].name.clone());
+            let (chunks, bytes, used) = fetched?;
+            // Every chunk arrived and matched: only now do the caller's tensors change
+            // (those a newcomer took in place have already).
+            let mut updated: Vec<usize> = to_local.values().copied().collect();
+            for ((t, ch), data) in chunks {
+                let local = to_local[&t];
+                let range = chunk_range(tensors[local].data.len() as u64, ch)
+                    .expect("a fetched chunk lies within its tensor");
+                tensors[local].data[range].copy_from_slice(&data);
             }
+            updated.sort_unstable();
+            updated.dedup();
+            info.updated = updated
+                .into_iter()
+                .map(|i| tensors[i].name.clone())
+                .collect();
             info.bytes_received = bytes;
             info.sources = used;
             info.hash = state_hash(&target);
