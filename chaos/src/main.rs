@@ -151,6 +151,15 @@ pub struct RunArgs {
     /// Let the master and the workers log to stderr (ECCL_DEBUG sets the level).
     #[arg(long)]
     pub verbose: bool,
+    /// Run every worker in a network namespace of its own (a host of its own to eccl:
+    /// no shared memory between workers), joined to the masters by a bridge; needs root.
+    /// `--faults partition` implies it.
+    #[arg(long)]
+    pub netns: bool,
+    /// With --netns, shape every worker's link to the bridge to this rate, both ways
+    /// (`tc ... tbf`), e.g. `1gbit` or `200mbit`.
+    #[arg(long, requires = "netns", value_parser = netns::parse_rate)]
+    pub link_rate: Option<String>,
     /// Transport of the workers' links: auto, tcp, tls (TCP with TLS), shm or quic.
     #[arg(long, env = "ECCL_TRANSPORT", default_value = "auto", value_parser = ["auto", "tcp", "tls", "shm", "quic"])]
     pub transport: String,
@@ -213,7 +222,7 @@ impl RunArgs {
                 self.masters
             ));
         }
-        if self.transport == "shm" && self.faults.contains(&FaultKind::Partition) {
+        if self.transport == "shm" && (self.netns || self.faults.contains(&FaultKind::Partition)) {
             return Err(
                 "partition runs every peer in a network namespace of its own (a host of its own, so no shared memory): use --transport auto, tcp, tls or quic with it"
                     .into(),

@@ -20,28 +20,52 @@ pub struct Lab {
     net: u8,
     /// The namespace of each worker slot that has one.
     hosts: Vec<Option<String>>,
+    /// `--link-rate`: what each worker's link is shaped to, both ways.
+    rate: Option<String>,
 }
 
-/// Runs `ip` with `args`; the error names the command and what `ip` said.
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip")
+/// Runs `program` (iproute2's `ip` or `tc`) with `args`; the error names the command
+/// and what it said.
+fn run(program: &str, args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .context("cannot run `ip` (iproute2)")?;
+        .with_context(|| format!("cannot run `{program}` (iproute2)"))?;
     anyhow::ensure!(
         out.status.success(),
-        "`ip {}` failed: {}",
+        "`{program} {}` failed: {}",
         args.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     );
     Ok(())
 }
 
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    run("ip", args)
+}
+
+/// Parses `--link-rate`: a `tc` rate such as `1gbit`, `200mbit` or `500kbit`.
+pub fn parse_rate(s: &str) -> Result<String, String> {
+    let digits = s.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit = &s[digits.len()..];
+    let ok = !digits.is_empty()
+        && digits.parse::<u64>().is_ok_and(|n| n > 0)
+        && ["kbit", "mbit", "gbit"].contains(&unit);
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?}: give a rate as tc takes it: a positive number and kbit, mbit or gbit (200mbit)"
+        ))
+    }
+}
+
 impl Lab {
     /// Makes the bridge, or says why namespaces cannot be made here (not root, no
-    /// iproute2, a kernel without them).
-    pub fn new() -> anyhow::Result<Lab> {
+    /// iproute2, a kernel without them). With `rate`, every worker's link is shaped to it
+    /// both ways.
+    pub fn new(rate: Option<String>) -> anyhow::Result<Lab> {
         let tag = std::process::id();
         let lab = Lab {
             tag,
@@ -49,6 +73,7 @@ impl Lab {
             // 10.100.0.0/16 .. 10.227.0.0/16: runs with different pids rarely share one.
             net: 100 + (tag % 128) as u8,
             hosts: Vec::new(),
+            rate,
         };
         ip(&["link", "add", &lab.bridge, "type", "bridge"])?;
         // From here on, Drop removes the bridge.
@@ -99,6 +124,18 @@ impl Lab {
         ip(&["-n", &ns, "addr", "add", &addr, "dev", "eth0"])?;
         ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
         ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        if let Some(rate) = &self.rate {
+            // What the worker sends (its eth0) and what it is sent (the bridge's side).
+            let tbf = [
+                "root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms",
+            ];
+            let mut inside = vec!["netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0"];
+            inside.extend(tbf);
+            ip(&inside)?;
+            let mut outside = vec!["qdisc", "add", "dev", &veth];
+            outside.extend(tbf);
+            run("tc", &outside)?;
+        }
         Ok(ns)
     }
 

@@ -347,6 +347,8 @@ fn bad_flags_exit_with_status_2_and_a_reason() {
         ("--churn --churn-ms fast", "MIN-MAX"),
         ("--peers 4 --min-live 5", "--min-live 5"),
         ("--faults partition --transport shm", "no shared memory"),
+        ("--netns --link-rate fast", "kbit, mbit or gbit"),
+        ("--link-rate 1gbit", "--netns"),
         ("--bogus", "--bogus"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))

@@ -3,6 +3,7 @@
 //! notice the faults workers inflict on themselves through `ECCL_FAULT_INJECT`, and at the
 //! end stop every worker at one revision and hand the event log to the report.
 
+use anyhow::Context;
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -47,8 +48,11 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     // Partitions need every worker in a network namespace of its own; where none can be
     // made, they are left out of this run and the run says so.
     let mut kinds = args.faults.clone();
-    let lab = if kinds.contains(&FaultKind::Partition) {
-        match crate::netns::Lab::new() {
+    let lab = if args.netns {
+        // Asked for: no namespaces, no run.
+        Some(crate::netns::Lab::new(args.link_rate.clone()).context("--netns")?)
+    } else if kinds.contains(&FaultKind::Partition) {
+        match crate::netns::Lab::new(None) {
             Ok(lab) => Some(lab),
             Err(e) => {
                 println!("# partition: skipped: network namespaces cannot be made here ({e:#})");
