@@ -3,6 +3,7 @@
 //! the smaller peer id dials and picks the link's transport; the other accepts whatever
 //! arrives from the member it expects.
 
+use futures::future::try_join_all;
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -13,7 +14,6 @@ use eccl_transport::link::{Incoming, LinkObserver, LinkRx, LinkTx};
 use eccl_transport::listen::{self, Accepted, ListenOptions, Listeners};
 use eccl_transport::mesh::{self, Addresses, Assembler, LinkSettings};
 use eccl_transport::shm;
-use futures::future::try_join_all;
 
 use crate::abort::{AbortState, EpochLinkObserver};
 use crate::config::Config;
@@ -186,12 +186,23 @@ impl LinkManager {
             quic: self.listeners.quic.as_ref(),
             settings: &settings,
         };
+        // A few dials at a time: a world of hundreds forming at once on one host had every
+        // member dial every other at the same moment, and the handshakes timed out or
+        // were turned away faster than they completed (`eccl-chaos --peers 256`).
+        let gate = tokio::sync::Semaphore::new(DIALS_AT_ONCE);
         let dials = try_join_all(
             world
                 .members
                 .iter()
                 .filter(|m| m.peer_id > me && !keep.contains_key(&m.peer_id))
-                .map(|m| dial_link(&dialer, cfg, world, mine, m, &hellos)),
+                .map(|m| {
+                    let (gate, dialer, hellos) = (&gate, &dialer, &hellos);
+                    async move {
+                        // Never closed, so acquiring cannot fail.
+                        let _turn = gate.acquire().await;
+                        dial_link(dialer, cfg, world, mine, m, hellos).await
+                    }
+                }),
         );
         let expect = Expect {
             world,
@@ -243,6 +254,9 @@ impl LinkManager {
         Ok(links)
     }
 }
+
+/// Links one member dials at once while a world forms.
+const DIALS_AT_ONCE: usize = 16;
 
 /// How a member of `world` is named in errors and logs.
 fn peer_name(world: &World, rank: u32) -> String {

@@ -135,17 +135,21 @@ pub async fn dial_shm(
     observer: Arc<dyn LinkObserver>,
     timeout: Duration,
 ) -> Result<(LinkTx, LinkRx), TransportError> {
-    let addr = abstract_addr(name).map_err(|e| TransportError::io(&peer, e))?;
     let std = tokio::time::timeout(timeout, async {
-        tokio::task::spawn_blocking(move || std::os::unix::net::UnixStream::connect_addr(&addr))
-            .await
-            .map_err(std::io::Error::other)?
+        loop {
+            match connect_abstract(name) {
+                // The listener's queue is full (a world of hundreds forming on one host):
+                // again shortly, until the timeout.
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    tokio::time::sleep(Duration::from_millis(5)).await
+                }
+                other => return other,
+            }
+        }
     })
     .await
     .map_err(|_| TransportError::Timeout(peer.clone()))?
     .map_err(|e| TransportError::io(&peer, e))?;
-    std.set_nonblocking(true)
-        .map_err(|e| TransportError::io(&peer, e))?;
     let mut s = UnixStream::from_std(std).map_err(|e| TransportError::io(&peer, e))?;
     crate::shm::check_same_user(&s, &peer)?;
     s.write_all(&[MODE_PLAIN])
@@ -171,6 +175,23 @@ pub async fn dial_quic(
 }
 
 /// The address of an abstract unix socket (Linux: no file, gone with its process).
+/// A non-blocking connection to the abstract unix socket `name`. A unix-domain connect
+/// completes at once or fails with `WouldBlock` when the listener's queue is full: no
+/// thread waits on it (one blocking connect per dial on a thread of its own ran a host
+/// of 256 processes out of threads, and tokio panics when it cannot start one).
+fn connect_abstract(name: &str) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut path = vec![0u8];
+    path.extend_from_slice(name.as_bytes());
+    let addr = socket2::SockAddr::unix(std::ffi::OsStr::from_bytes(&path))?;
+    let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+    s.set_nonblocking(true)?;
+    s.connect(&addr)?;
+    Ok(std::os::unix::net::UnixStream::from(
+        std::os::fd::OwnedFd::from(s),
+    ))
+}
+
 pub(crate) fn abstract_addr(name: &str) -> std::io::Result<std::os::unix::net::SocketAddr> {
     use std::os::linux::net::SocketAddrExt;
     std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())

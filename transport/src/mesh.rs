@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use eccl_protocol::auth::Secret;
+use eccl_protocol::auth::{AuthError, Secret};
 use eccl_protocol::LinkHello;
 
 use crate::connect;
@@ -196,7 +196,18 @@ impl Dialer<'_> {
         let mut pause = Duration::from_millis(10);
         for _ in 1..DIAL_TRIES {
             match self.link(to, transport, hello, peer.clone()).await {
-                Err(TransportError::Io { .. } | TransportError::Closed { .. }) => {
+                // A hang-up right after our proof reads as a refused proof, but an
+                // acceptor short of time (its handshake's limit passed while a host of
+                // hundreds of processes ran others) hangs up the same way: asked again,
+                // a wrong secret is refused again.
+                Err(
+                    TransportError::Io { .. }
+                    | TransportError::Closed { .. }
+                    | TransportError::Auth {
+                        source: AuthError::Rejected,
+                        ..
+                    },
+                ) => {
                     tokio::time::sleep(pause).await;
                     pause *= 2;
                 }
