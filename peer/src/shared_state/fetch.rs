@@ -85,6 +85,10 @@ impl Communicator {
         let c = self.cur.as_mut().expect("world checked by the caller");
         let mut fetched: Fetched = HashMap::new();
         let mut checks: FuturesUnordered<JoinHandle<Checked>> = FuturesUnordered::new();
+        // Checks on blocking threads at once: a newcomer to a world of hundreds has
+        // hundreds of chunks arriving, and a thread each could exhaust the host's.
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(threads));
         let mut queue: VecDeque<(u32, u64)> = VecDeque::new();
         let mut to_local: HashMap<u32, usize> = HashMap::new();
         for (local, t, chunks) in need {
@@ -237,9 +241,12 @@ impl Communicator {
                     let want_len = chunk_range(t.len, h.offset).map(|rg| rg.len());
                     let want_hash = t.chunks.get(h.offset as usize).copied();
                     let payload = f.payload;
+                    // Never closed, so acquiring cannot fail.
+                    let permit = gate.clone().acquire_owned().await;
                     // Checked and copied out of the link's buffer beside this loop; the
                     // buffer goes back to the link when the copy is done.
                     checks.push(tokio::task::spawn_blocking(move || {
+                        let _permit = permit;
                         let bytes = payload.as_bytes();
                         let good = want_len == Some(bytes.len())
                             && want_hash.as_ref() == Some(blake3::hash(bytes).as_bytes());
