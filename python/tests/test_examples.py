@@ -35,7 +35,7 @@ COVERED = {
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "netlab.sh", "compare_transports.py", "kill_latency.py",
             "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py",
-            "catch_up.py"}
+            "catch_up.py", "compare_fsdp.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -109,6 +109,14 @@ def test_catch_up():
     # Two newcomers, each fetched the whole state (the example checks its content).
     assert [r for r, _ in rows] == ["0", "1"] and all(float(g) > 0 for _, g in rows), out
     assert re.search(r"^# median: [\d.]+ ms to the first synced all_reduce", out, re.M), out
+
+
+def test_compare_fsdp():
+    out = run([sys.executable, str(EXAMPLES / "compare_fsdp.py"), "--nproc", "2", "--width", "64",
+               "--layers", "2", "--steps", "2", "--rounds", "1"], timeout=180)
+    assert re.search(r"^eccl\s+[\d.]+$", out, re.M) and re.search(r"^gloo\s+[\d.]+$", out, re.M), out
+    # FSDP2 over eccl ends with gloo's loss, bit for bit.
+    assert re.search(r"^# last loss: .*\(equal\)$", out, re.M), out
 
 
 def test_store_bench():
