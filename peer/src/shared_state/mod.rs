@@ -333,7 +333,17 @@ impl Communicator {
             };
             // Sources serve until every receiver is done, also one that failed.
             self.send_done(epoch, round, &sources).await;
-            let (chunks, bytes, used) = fetched?;
+            let (chunks, bytes, used) = match fetched {
+                Ok(f) => f,
+                Err(e) => {
+                    if in_place {
+                        // Partly written: no digest of an earlier sync describes these
+                        // tensors now, whatever the next call promises.
+                        self.state_digests.clear();
+                    }
+                    return Err(e);
+                }
+            };
             // Every chunk arrived and matched: only now do the caller's tensors change
             // (those a newcomer took in place have already).
             let mut updated: Vec<usize> = to_local.values().copied().collect();
