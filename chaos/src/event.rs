@@ -106,6 +106,12 @@ pub enum Event {
         t: f64,
         reason: String,
     },
+    /// The worker, told `leave-in-sync`, dropped a shared-state sync still running after
+    /// a few milliseconds and leaves from there.
+    LeavingInSync {
+        peer: PeerId,
+        t: f64,
+    },
     /// The worker left the job on request and exits.
     Left {
         peer: PeerId,

@@ -78,7 +78,8 @@ pub struct RunArgs {
     /// Faults to inject: a comma list of kill, hang, join, leave, slow, master-kill,
     /// master-hang (these two need --masters 3), partition (every peer then runs in a
     /// network namespace of its own, which needs root; where none can be made the run
-    /// says so and leaves partitions out), or `none`.
+    /// says so and leaves partitions out), leave-during-sync (a newcomer starts and a
+    /// member leaves from the middle of a shared-state sync), or `none`.
     // The full path keeps clap from reading the list as a repeated flag.
     #[arg(long, default_value = "kill,hang,join,leave", value_parser = schedule::parse_faults)]
     pub faults: ::std::vec::Vec<FaultKind>,

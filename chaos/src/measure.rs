@@ -127,7 +127,7 @@ impl Measurement {
                 joined: None,
                 died: false,
             },
-            FaultKind::Leave => Victim::Leaving { exited: false },
+            FaultKind::Leave | FaultKind::LeaveDuringSync => Victim::Leaving { exited: false },
         };
         let survivors = match fault.kind {
             FaultKind::Kill | FaultKind::Hang | FaultKind::Partition => survivors
@@ -137,6 +137,7 @@ impl Measurement {
                 .collect(),
             FaultKind::Join
             | FaultKind::Leave
+            | FaultKind::LeaveDuringSync
             | FaultKind::MasterKill
             | FaultKind::MasterHang
             | FaultKind::Slow => BTreeMap::new(),

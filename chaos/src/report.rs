@@ -88,6 +88,7 @@ pub struct FaultCounts {
     pub master_hang: u64,
     pub slow: u64,
     pub partition: u64,
+    pub leave_during_sync: u64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -209,6 +210,7 @@ pub fn analyse(log: &RunLog) -> Report {
             FaultKind::MasterHang => &mut faults.master_hang,
             FaultKind::Slow => &mut faults.slow,
             FaultKind::Partition => &mut faults.partition,
+            FaultKind::LeaveDuringSync => &mut faults.leave_during_sync,
         } += 1;
     }
     faults.slow += log.slowed.len() as u64;
@@ -695,6 +697,12 @@ pub fn summary(r: &Report) -> String {
         fmt_stats(&r.join_ms),
         r.faults.leave
     );
+    if r.faults.leave_during_sync > 0 {
+        out += &format!(
+            "  leave-during-sync {}   (a member left from the middle of a sync; each with a newcomer, counted under join)\n",
+            r.faults.leave_during_sync
+        );
+    }
     if r.faults.slow > 0 {
         out += &format!(
             "  slow {:>7}   (stopped under half a lease: no abort, no eviction may follow)\n",

@@ -26,10 +26,14 @@ pub enum FaultKind {
     /// is taken down and brought back up). The master evicts it when its lease runs
     /// out, and the survivors recover as for a kill.
     Partition,
+    /// Start a newcomer and have a member leave from the middle of a shared-state sync
+    /// (the worker drops the call a millisecond in, whether it is planning or serving
+    /// the newcomer, and leaves): the newcomer's fetch goes on from the others.
+    LeaveDuringSync,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 9] = [
         FaultKind::Kill,
         FaultKind::Hang,
         FaultKind::Join,
@@ -38,6 +42,7 @@ impl FaultKind {
         FaultKind::MasterHang,
         FaultKind::Slow,
         FaultKind::Partition,
+        FaultKind::LeaveDuringSync,
     ];
 
     pub fn name(self) -> &'static str {
@@ -50,6 +55,7 @@ impl FaultKind {
             FaultKind::MasterHang => "master-hang",
             FaultKind::Slow => "slow",
             FaultKind::Partition => "partition",
+            FaultKind::LeaveDuringSync => "leave-during-sync",
         }
     }
 
@@ -60,7 +66,7 @@ impl FaultKind {
 }
 
 /// Parses `--faults`: a comma list of kill, hang, join, leave, master-kill, master-hang,
-/// slow, partition, or `none`.
+/// slow, partition, leave-during-sync, or `none`.
 pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
     if s.trim() == "none" {
         return Ok(Vec::new());
@@ -70,7 +76,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<FaultKind>, String> {
         let kind = FaultKind::ALL
             .into_iter()
             .find(|k| k.name() == word)
-            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, slow, partition, or none)"))?;
+            .ok_or_else(|| format!("unknown fault {word:?} (kill, hang, join, leave, master-kill, master-hang, slow, partition, leave-during-sync, or none)"))?;
         if !kinds.contains(&kind) {
             kinds.push(kind);
         }
@@ -170,7 +176,11 @@ pub fn adjust(
     min_live: usize,
 ) -> FaultKind {
     match kind {
-        FaultKind::Kill | FaultKind::Hang | FaultKind::Leave | FaultKind::Partition
+        FaultKind::Kill
+        | FaultKind::Hang
+        | FaultKind::Leave
+        | FaultKind::Partition
+        | FaultKind::LeaveDuringSync
             if running <= min_live =>
         {
             FaultKind::Join

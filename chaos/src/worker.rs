@@ -15,7 +15,8 @@
 //!
 //! A retryable error goes back to 1; `Evicted` registers again under a new peer id,
 //! keeping state and revision (the next sync brings them up to date). Every call is
-//! reported as an [`Event`] on stdout. Commands arrive on stdin: `leave`, and
+//! reported as an [`Event`] on stdout. Commands arrive on stdin: `leave`,
+//! `leave-in-sync` (leave from the middle of the next sync), and
 //! `stop-at R` (run until revision R, sync once more, report the final state). The worker
 //! exits when stdin closes, so it never outlives its orchestrator.
 
@@ -108,6 +109,10 @@ fn emit(ev: &Event) {
 /// Commands from the orchestrator, read between steps.
 struct Control {
     leave: AtomicBool,
+    /// `leave-in-sync`: leave from the middle of the next shared-state sync, dropping
+    /// the call [`IN_SYNC_MS`] in (while the master plans it, or while serving a
+    /// newcomer's catch-up).
+    leave_in_sync: AtomicBool,
     /// Revision to stop at; `u64::MAX` until `stop-at` arrives.
     stop_at: AtomicU64,
 }
@@ -118,6 +123,7 @@ impl Control {
     fn listen() -> std::io::Result<Arc<Control>> {
         let control = Arc::new(Control {
             leave: AtomicBool::new(false),
+            leave_in_sync: AtomicBool::new(false),
             stop_at: AtomicU64::new(u64::MAX),
         });
         let c = control.clone();
@@ -129,6 +135,9 @@ impl Control {
                     let mut words = line.split_whitespace();
                     match (words.next(), words.next().map(str::parse::<u64>)) {
                         (Some("leave"), None) => c.leave.store(true, Ordering::SeqCst),
+                        (Some("leave-in-sync"), None) => {
+                            c.leave_in_sync.store(true, Ordering::SeqCst)
+                        }
                         (Some("stop-at"), Some(Ok(r))) => c.stop_at.store(r, Ordering::SeqCst),
                         _ => eprintln!("eccl-chaos worker: ignoring command {line:?}"),
                     }
@@ -143,7 +152,14 @@ impl Control {
 enum Step {
     Continue,
     Finished,
+    /// Left in the middle of a sync (`leave-in-sync`).
+    LeftInSync,
 }
+
+/// How long a sync runs before a worker told `leave-in-sync` leaves from its middle (a
+/// sync takes a few milliseconds even with nothing to move: the master's plan waits for
+/// every member).
+const IN_SYNC_MS: u64 = 1;
 
 struct Worker {
     args: WorkerArgs,
@@ -191,7 +207,7 @@ impl Worker {
             };
             match self.step(c).await {
                 Ok(Step::Continue) => {}
-                Ok(Step::Finished) => {
+                Ok(Step::Finished) | Ok(Step::LeftInSync) => {
                     self.leave(comm).await;
                     return Ok(());
                 }
@@ -258,8 +274,25 @@ impl Worker {
                 "state",
                 bytemuck::cast_slice_mut(&mut self.state),
             )];
-            comm.sync_shared_state(self.revision, &mut tensors, SyncStrategy::EnforcePopular)
-                .await
+            let sync =
+                comm.sync_shared_state(self.revision, &mut tensors, SyncStrategy::EnforcePopular);
+            if self.control.leave_in_sync.load(Ordering::SeqCst) {
+                tokio::select! {
+                    r = sync => r,
+                    _ = tokio::time::sleep(Duration::from_millis(IN_SYNC_MS)) => {
+                        // The call is dropped halfway (a newcomer may be fetching from
+                        // us): the leave that follows closes our links, and the
+                        // newcomer's fetch goes on from the other sources.
+                        emit(&Event::LeavingInSync {
+                            peer: self.peer,
+                            t: now_ms(),
+                        });
+                        return Ok(Step::LeftInSync);
+                    }
+                }
+            } else {
+                sync.await
+            }
         };
         if let Ok(info) = &r {
             self.revision = info.revision;

@@ -169,6 +169,23 @@ fn a_partitioned_peer_is_evicted_within_the_lease_and_the_others_go_on() {
     );
 }
 
+/// Members leave from the middle of a shared-state sync (dropping the call while the
+/// master plans it or while they serve a newcomer's catch-up), each beside a newcomer:
+/// the newcomer's fetch goes on from the other sources, and every result stays exact.
+#[test]
+fn members_leave_in_the_middle_of_a_sync_and_newcomers_still_catch_up() {
+    let r = chaos(
+        "leave-in-sync",
+        "--peers 4 --duration 10 --faults leave-during-sync --seed 2 --interval-ms 1500 --state-mb 16",
+    );
+    assert!(
+        r["faults"]["leave_during_sync"].as_u64() >= Some(1),
+        "{r:#}"
+    );
+    assert!(r["faults"]["join"].as_u64() >= Some(1), "{r:#}");
+    recorded(&r, &["join_ms", "max"]);
+}
+
 /// The same kill and stop in the middle of a ring, with links over TCP and over QUIC
 /// (the default run above uses shared memory).
 #[test]

@@ -521,9 +521,11 @@ impl<'a> Run<'a> {
                 None => format!("{head}: did not join"),
             },
             // Described by `MasterFault::describe`, and a slow peer when it wakes.
-            FaultKind::Leave | FaultKind::MasterKill | FaultKind::MasterHang | FaultKind::Slow => {
-                head
-            }
+            FaultKind::Leave
+            | FaultKind::LeaveDuringSync
+            | FaultKind::MasterKill
+            | FaultKind::MasterHang
+            | FaultKind::Slow => head,
         }
     }
 
@@ -673,6 +675,17 @@ impl<'a> Run<'a> {
             FaultKind::Leave => {
                 let v = victim();
                 if self.fleet.tell(v, "leave") {
+                    self.fleet.workers[v].fate = Fate::Leaving;
+                    self.open_fault(kind, v, now, None);
+                }
+            }
+            FaultKind::LeaveDuringSync => {
+                // A newcomer, whose catch-up is the sync the member is to leave from.
+                let v = victim();
+                let slot = self.fleet.spawn(1, None)?;
+                let spawned = self.fleet.workers[slot].spawned;
+                self.open_fault(FaultKind::Join, slot, spawned, None);
+                if self.fleet.tell(v, "leave-in-sync") {
                     self.fleet.workers[v].fate = Fate::Leaving;
                     self.open_fault(kind, v, now, None);
                 }
