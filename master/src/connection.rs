@@ -315,13 +315,24 @@ impl Connection {
                     eccl_protocol::MAX_WORLD_SIZE
                 )));
             }
+            PeerRequest::UpdateTopology { fresh, .. }
+                if fresh.len() > eccl_protocol::MAX_WORLD_SIZE =>
+            {
+                reply.send(invalid(format!(
+                    "a vote names {} links to connect again, more than any world has",
+                    fresh.len()
+                )));
+            }
             PeerRequest::UpdateTopology {
                 epoch,
                 min_world,
                 aborted,
+                fresh,
                 ..
             } => self.spawn(reply.clone(), async move {
-                coord.vote(claimed, epoch, min_world, aborted, reply).await
+                coord
+                    .vote(claimed, epoch, min_world, aborted, fresh, reply)
+                    .await
             }),
             PeerRequest::Reconfigure {
                 uuid,

@@ -78,6 +78,7 @@ impl SimPeer {
             epoch: self.epoch,
             min_world,
             aborted: false,
+            fresh: vec![],
         };
         self.world(req, timeout).await
     }

@@ -39,9 +39,14 @@ pub enum PeerRequest {
         epoch: u64,
         /// Do not form a world smaller than this (torchrun's WORLD_SIZE on start-up).
         min_world: u32,
-        /// The peer's current epoch was aborted: commit a new epoch (with fresh links)
-        /// even if nobody joined or left.
+        /// The peer's current epoch was aborted: commit a new epoch even if nobody
+        /// joined or left.
         aborted: bool,
+        /// Members whose link from this peer cannot carry on into the next epoch (it
+        /// failed, or a send stopped halfway through a frame): both ends connect it
+        /// again. Every other link between members of both epochs carries on, also after
+        /// an abort (frames of the old epoch are dropped by their epoch number).
+        fresh: Vec<PeerId>,
     },
     /// Are peers waiting to be admitted? Answered with the same value to every member of
     /// `epoch` once all of them have asked.
@@ -299,9 +304,12 @@ pub enum MasterReply {
         /// This member's link keys for the epoch (see [`LinkKeys`]).
         keys: crate::auth::LinkKeys,
         changed: bool,
-        /// The previous epoch ended cleanly (nobody aborted or was evicted): members of
-        /// both epochs keep the links between them and connect only to newcomers.
+        /// Members of both epochs keep the links between them and connect only to
+        /// newcomers, and to the members in `renew`.
         reuse_links: bool,
+        /// Members whose link to this one must be connected again: either end reported
+        /// it unfit in its vote (`UpdateTopology::fresh`).
+        renew: Vec<PeerId>,
     },
     PeersPending(bool),
     /// The outcome of a `SyncState` round: the content everyone must end with, and the

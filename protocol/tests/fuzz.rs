@@ -79,6 +79,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             epoch: 3,
             min_world: 2,
             aborted: true,
+            fresh: vec![PeerId(2)],
         },
         PeerRequest::ArePeersPending {
             peer_id: p,
@@ -170,6 +171,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             keys,
             changed: true,
             reuse_links: false,
+            renew: vec![PeerId(3)],
         },
         MasterReply::PeersPending(true),
         MasterReply::SyncPlan {

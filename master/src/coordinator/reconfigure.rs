@@ -183,6 +183,7 @@ impl Coordinator {
                             world: w.clone(),
                             changed: true,
                             reuse_links: false,
+                            renew: vec![],
                         });
                     }
                 }

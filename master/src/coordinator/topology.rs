@@ -105,6 +105,7 @@ impl Coordinator {
                             world: w.clone(),
                             changed: true,
                             reuse_links: true,
+                            renew: vec![],
                         });
                     }
                 }

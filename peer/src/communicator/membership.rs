@@ -116,20 +116,22 @@ impl Communicator {
                 epoch,
                 min_world: self.cfg.min_world,
                 aborted,
+                fresh: self.unfit_links(),
             };
             let reply = self.master.request(req, self.cfg.join_timeout).await?;
-            let (world, keys, changed, reuse) = match reply {
+            let (world, keys, changed, reuse, renew) = match reply {
                 MasterReply::World {
                     world,
                     keys,
                     changed,
                     reuse_links,
-                } => (world, keys, changed, reuse_links),
+                    renew,
+                } => (world, keys, changed, reuse_links, renew),
                 other => return Err(reply_error(&self.cfg.master, epoch, other)),
             };
             let mut links_kept = 0;
             if changed || world.epoch != epoch {
-                links_kept = self.install(world, keys, reuse).await?;
+                links_kept = self.install(world, keys, reuse, &renew).await?;
             } else if let Some(c) = &self.cur {
                 links_kept = c.links.iter().flatten().count() as u32;
             }
@@ -183,7 +185,7 @@ impl Communicator {
         };
         // Always fresh links: the old epoch may have lost a member mid-collective.
         let new_epoch = world.epoch;
-        match self.install(world, keys, false).await {
+        match self.install(world, keys, false, &[]).await {
             Ok(_) => {}
             // The world is committed and this peer is in it: if the master aborted it
             // while the links connected (a member went on at once to a reconfigure of its
@@ -234,6 +236,7 @@ impl Communicator {
         world: World,
         keys: LinkKeys,
         reuse: bool,
+        renew: &[PeerId],
     ) -> Result<u32> {
         // The master's word is checked like any other input from the network before
         // anything is indexed by rank.
@@ -244,14 +247,18 @@ impl Communicator {
         let rank = world.rank_of(self.peer_id).ok_or_else(|| Error::Evicted {
             reason: format!("not a member of epoch {}", world.epoch),
         })?;
-        // After a clean epoch the links between members of both worlds carry on; frames
-        // of the old epoch that are still queued are dropped by their epoch number.
-        // Other old links close: their peers' observers no longer watch that epoch.
+        // The links between members of both worlds carry on, also after an abort, but
+        // for those either end reported unfit (`renew`, from the master, so that both
+        // ends decide alike); frames of the old epoch that are still queued are dropped
+        // by their epoch number. Other old links close: their peers' observers no longer
+        // watch that epoch.
         let mut keep = HashMap::new();
         if let Some(old) = self.cur.take() {
             if reuse && old.world.epoch + 1 == world.epoch {
                 for (m, link) in old.world.members.iter().zip(old.links) {
-                    if let Some(mut link) = link.filter(|_| world.rank_of(m.peer_id).is_some()) {
+                    let carries_on =
+                        world.rank_of(m.peer_id).is_some() && !renew.contains(&m.peer_id);
+                    if let Some(mut link) = link.filter(|_| carries_on) {
                         link.rx.stash.retain(|f| f.header.epoch >= world.epoch);
                         keep.insert(m.peer_id, link);
                     }
@@ -285,6 +292,25 @@ impl Communicator {
         };
         self.cur = Some(Current::new(world, rank, links));
         Ok(kept)
+    }
+
+    /// The members of this epoch whose link from here cannot carry on into the next one:
+    /// missing, ended, or with a send stopped halfway through a frame.
+    fn unfit_links(&self) -> Vec<PeerId> {
+        let Some(c) = &self.cur else {
+            return Vec::new();
+        };
+        c.world
+            .members
+            .iter()
+            .zip(&c.links)
+            .filter(|(m, _)| m.peer_id != self.peer_id)
+            .filter(|(_, l)| {
+                l.as_ref()
+                    .is_none_or(|l| l.tx.is_poisoned() || l.rx.link.has_ended())
+            })
+            .map(|(m, _)| m.peer_id)
+            .collect()
     }
 
     /// Are peers waiting to be admitted? Every member of the epoch gets the same answer,

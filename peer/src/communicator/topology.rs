@@ -102,7 +102,7 @@ impl Communicator {
                 MasterReply::World { world, keys, .. } => (world, keys),
                 other => return Err(reply_error(&self.cfg.master, epoch, other)),
             };
-            self.install(world, keys, true).await?;
+            self.install(world, keys, true, &[]).await?;
             let c = self.cur.as_ref().ok_or_else(|| Error::Aborted {
                 epoch,
                 cause: "no world".into(),

@@ -404,3 +404,55 @@ async fn tensors_promised_unchanged_are_not_hashed_again() {
         "{third:?}"
     );
 }
+
+/// After an aborted epoch (a mismatch breaks it) the links between the members carry on
+/// into the next: every member keeps its two links over TCP and over shared memory, and
+/// the next all_reduce is exact over them (frames of the broken epoch are dropped by
+/// their epoch number).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_carry_on_after_an_aborted_epoch() {
+    for transport in [eccl::TransportChoice::Tcp, eccl::TransportChoice::Shm] {
+        let m = start_master(&[]);
+        let cfgs: Vec<_> = (0..3u32)
+            .map(|r| {
+                let mut c = peer_cfg(&m.addr);
+                c.rank_hint = Some(r);
+                c.min_world = 3;
+                c.transport = transport;
+                c
+            })
+            .collect();
+        let mut comms = join_all(cfgs.into_iter().map(|c| async move {
+            let mut comm = Communicator::connect(c).await.unwrap();
+            comm.update_topology().await.unwrap();
+            comm
+        }))
+        .await;
+        let res = join_all(comms.iter_mut().enumerate().map(|(i, c)| async move {
+            let mut b = vec![1.0f32; 100_000 + i];
+            c.all_reduce(&mut b, ReduceOp::Sum).await
+        }))
+        .await;
+        assert!(res.iter().all(|r| r.is_err()), "{res:?}");
+        let next = join_all(comms.iter_mut().map(|c| c.update_topology())).await;
+        for t in &next {
+            let t = t.as_ref().expect("the next epoch");
+            assert!(t.changed, "{t:?}");
+            assert_eq!(t.links_kept, 2, "{transport:?}: {t:?}");
+        }
+        let res = join_all(comms.iter_mut().map(|c| async move {
+            let mut b = vec![2.0f32; 300_000];
+            c.all_reduce(&mut b, ReduceOp::Sum)
+                .await
+                .map(|_| (b[0], b[299_999]))
+        }))
+        .await;
+        for r in res {
+            assert_eq!(
+                r.expect("exact over the kept links"),
+                (6.0, 6.0),
+                "{transport:?}"
+            );
+        }
+    }
+}

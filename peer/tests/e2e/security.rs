@@ -148,6 +148,7 @@ async fn absurd_fields_are_refused_and_the_first_world_still_forms() {
         epoch: 0,
         min_world: u32::MAX,
         aborted: false,
+        fresh: vec![],
     };
     c.send(&Request { id: 2, body: vote }).await.unwrap();
     let reply = loop {
@@ -226,7 +227,8 @@ async fn a_link_impostor_racing_a_real_rank_is_refused() {
         .unwrap()
         .addr
         .clone();
-    // Break epoch 1 (different counts) so that the next epoch makes every link afresh.
+    // Break epoch 1 (different counts). The link between the two carries on into epoch
+    // 2; an impostor claiming the dialer's identity for it must be closed, never used.
     let res = join_all(comms.iter_mut().enumerate().map(|(i, c)| async move {
         let mut b = vec![1.0f32; 10 + i];
         c.all_reduce(&mut b, ReduceOp::Sum).await

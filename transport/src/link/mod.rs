@@ -303,6 +303,8 @@ impl LinkTx {
 pub struct LinkRx {
     half: Box<dyn RecvHalf>,
     pace: Pace,
+    /// The link reported its end (failed or closed).
+    ended: bool,
 }
 
 impl LinkRx {
@@ -311,6 +313,7 @@ impl LinkRx {
         LinkRx {
             half: Box::new(half),
             pace: Pace::default(),
+            ended: false,
         }
     }
 
@@ -325,17 +328,32 @@ impl LinkRx {
         self.pace.turn_if_due().await;
         // A frame that is there already costs no boxed future.
         if let Some(ev) = self.half.try_next() {
-            if let LinkEvent::Frame(f) = &ev {
-                self.pace.passed(f.header.len as usize);
+            match &ev {
+                LinkEvent::Frame(f) => self.pace.passed(f.header.len as usize),
+                LinkEvent::Failed(_) => self.ended = true,
             }
             return Some(ev);
         }
         self.pace.waited();
-        self.half.next().await
+        let ev = self.half.next().await;
+        if !matches!(ev, Some(LinkEvent::Frame(_))) {
+            self.ended = true;
+        }
+        ev
     }
 
     /// A ready event, without waiting.
     pub fn try_next(&mut self) -> Option<LinkEvent> {
-        self.half.try_next()
+        let ev = self.half.try_next();
+        if matches!(ev, Some(LinkEvent::Failed(_))) {
+            self.ended = true;
+        }
+        ev
+    }
+
+    /// Whether the link has reported its end (it failed or closed): it cannot carry on
+    /// into another epoch.
+    pub fn has_ended(&self) -> bool {
+        self.ended
     }
 }
