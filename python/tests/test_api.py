@@ -546,3 +546,18 @@ def test_a_failed_sync_leaves_a_members_state_and_a_newcomer_catches_up_next_tim
     assert res[1]["kept"], "a failed sync changed the state of a member that had one"
     for r in (1, 2):
         assert res[r]["rev"] == 1 and res[r]["after"], res
+
+
+def test_a_receive_only_newcomer_hashes_nothing_and_fetches_everything():
+    body = """
+    def main(comm, rank, n):
+        w = np.arange(600_000, dtype=np.float32) if rank == 0 else np.full(600_000, 5.0, np.float32)
+        if rank == 0:
+            info = comm.sync_shared_state(1, {"w": w})
+        else:
+            info = comm.sync_shared_state(0, {"w": w}, strategy="receive_only")
+        return {"hashed": info.hashed_bytes, "recv": info.bytes_received, "ok": bool((w == np.arange(600_000, dtype=np.float32)).all())}
+    """
+    res = _run_ranks(2, body)
+    assert res[0]["hashed"] == 600_000 * 4 and res[0]["recv"] == 0, res
+    assert res[1] == {"hashed": 0, "recv": 600_000 * 4, "ok": True}, res

@@ -202,9 +202,20 @@ impl Communicator {
             }
             let started = std::time::Instant::now();
             let mut hashed_bytes = 0u64;
+            // A receive-only newcomer (revision 0: it holds nothing yet) hashes nothing:
+            // its content never counts, and it fetches every chunk whatever it holds.
+            let holds_nothing = strategy == SyncStrategy::ReceiveOnly && revision == 0;
             let local: Vec<TensorDigest> = tensors
                 .iter()
                 .map(|t| {
+                    if holds_nothing {
+                        return TensorDigest {
+                            name: t.name.clone(),
+                            len: t.data.len() as u64,
+                            hash: [0; 32],
+                            chunks: Vec::new(),
+                        };
+                    }
                     let known = self.state_digests.get(&t.name).filter(|k| {
                         t.unchanged && k.addr == t.data.as_ptr() as usize && k.len == t.data.len()
                     });
