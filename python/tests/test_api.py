@@ -556,7 +556,8 @@ def test_a_receive_only_newcomer_hashes_nothing_and_fetches_everything():
             info = comm.sync_shared_state(1, {"w": w})
         else:
             info = comm.sync_shared_state(0, {"w": w}, strategy="receive_only")
-        return {"hashed": info.hashed_bytes, "recv": info.bytes_received, "ok": bool((w == np.arange(600_000, dtype=np.float32)).all())}
+        ok = bool((w == np.arange(600_000, dtype=np.float32)).all())
+        return {"hashed": info.hashed_bytes, "recv": info.bytes_received, "ok": ok}
     """
     res = _run_ranks(2, body)
     assert res[0]["hashed"] == 600_000 * 4 and res[0]["recv"] == 0, res
