@@ -128,6 +128,28 @@ impl MasterClient {
         Error::Evicted { reason }
     }
 
+    /// Registers this peer (`req`) and remembers who it is; returns its id, heartbeat
+    /// period and lease (ms). `masters` names the master list in errors.
+    pub async fn register(
+        &self,
+        req: eccl_protocol::RegisterRequest,
+        masters: &str,
+        timeout: Duration,
+    ) -> Result<(PeerId, u64, u64)> {
+        match self.request(PeerRequest::Register(req), timeout).await? {
+            MasterReply::Registered {
+                peer_id,
+                heartbeat_ms,
+                lease_ms,
+                token,
+            } => {
+                self.registered(peer_id, token);
+                Ok((peer_id, heartbeat_ms, lease_ms))
+            }
+            other => Err(reply_error(masters, 0, other)),
+        }
+    }
+
     /// Remembers who this peer is, so that a new connection attaches as it.
     pub fn registered(&self, peer: PeerId, token: [u8; 32]) {
         if let Ok(mut m) = self.me.lock() {

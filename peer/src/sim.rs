@@ -37,7 +37,7 @@ impl SimPeer {
         // Master events (aborts, evictions) are not acted on; they are drained.
         tokio::spawn(async move { while erx.recv().await.is_some() {} });
         let master = MasterClient::connect(list, secret, timeout, etx).await?;
-        let req = PeerRequest::Register(RegisterRequest {
+        let req = RegisterRequest {
             // Never dialed: a simulated peer opens no links.
             listen_port: 9,
             quic_port: None,
@@ -46,19 +46,8 @@ impl SimPeer {
             host: host.to_string(),
             rank_hint: None,
             protocol_version: PROTOCOL_VERSION,
-        });
-        let (peer_id, heartbeat_ms, lease_ms) = match master.request(req, timeout).await? {
-            MasterReply::Registered {
-                peer_id,
-                heartbeat_ms,
-                lease_ms,
-                token,
-            } => {
-                master.registered(peer_id, token);
-                (peer_id, heartbeat_ms, lease_ms)
-            }
-            other => return Err(reply_error(list, 0, other)),
         };
+        let (peer_id, heartbeat_ms, lease_ms) = master.register(req, list, timeout).await?;
         let master = Arc::new(master);
         let heartbeat = master.spawn_heartbeats(peer_id, heartbeat_ms, lease_ms);
         Ok(SimPeer {

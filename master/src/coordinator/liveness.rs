@@ -1,6 +1,7 @@
-//! Liveness on the leader: heartbeats and leases, fault reports, and what changes hands
-//! in a fail-over (a peer attaching to the new leader, a leader stepping down, the fresh
-//! leases a new leader grants).
+//! Liveness on the leader: heartbeats and leases, fault reports, removing peers (on
+//! leaving, a closed connection, a lapsed lease), and what changes hands in a fail-over
+//! (a peer attaching to the new leader, a leader stepping down, the fresh leases a new
+//! leader grants).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,8 +10,10 @@ use std::time::{Duration, Instant};
 use eccl_protocol::{ErrorCode, MasterEvent, MasterReply, PeerId};
 use tokio::task::JoinHandle;
 
-use super::{Coordinator, Outbox};
+use super::{Coordinator, Outbox, Outgoing, State};
+use crate::raft::ProposeError;
 use crate::registry::PeerState;
+use crate::registry::{Command, Outcome};
 
 /// What a new leader adds to every peer's first lease: the time a peer needs to notice
 /// that its leader is gone (a heartbeat left unanswered for half a lease) and to find the
@@ -228,5 +231,123 @@ impl Coordinator {
                 }
             }
         })
+    }
+}
+
+/// Removing peers: on leaving, on a closed connection, on a lapsed lease.
+impl Coordinator {
+    /// Removes a peer for good (it left, its connection closed, its lease lapsed). If it
+    /// was a member, the epoch is aborted on every other member.
+    pub async fn remove(&self, peer: PeerId, reason: &str, leave: bool) {
+        let term = self.raft.term();
+        let st = self.state.lock().await;
+        self.remove_locked(st, peer, reason, leave, term).await
+    }
+
+    /// A peer's connection to this master closed. The peer is evicted only if that was
+    /// its current connection here: one it replaced (it attached again on a new one), or
+    /// one from before this master last stepped down, says nothing of whether the peer
+    /// lives. (A master hung while leading, then leading again, read the close of its
+    /// peers' connections from before its hang and evicted them all, though they were
+    /// attached on new ones: `eccl-chaos --masters 3 --seed 19261`.)
+    pub async fn connection_closed(&self, peer: PeerId, conn: &Outbox) {
+        let term = self.raft.term();
+        let st = self.state.lock().await;
+        if !st.conns.get(&peer).is_some_and(|c| c.same_channel(conn)) {
+            tracing::debug!(target: "eccl::master", "a connection of peer {peer} that is not its current one closed");
+            return;
+        }
+        self.remove_locked(st, peer, "lost its master connection", false, term)
+            .await
+    }
+
+    async fn remove_locked(
+        &self,
+        mut st: tokio::sync::MutexGuard<'_, State>,
+        peer: PeerId,
+        reason: &str,
+        leave: bool,
+        decided_in: u64,
+    ) {
+        // An eviction decided in an earlier term is not this term's to make: the lock
+        // can be held for seconds by a proposal that cannot commit (a leader resumed
+        // after a SIGSTOP, deposed without knowing it yet), and by the time it is free
+        // this master may lead again, with peers attached afresh whose old connection's
+        // close or lapsed lease it had noticed before (seed 19261 of the three-master
+        // chaos run: every member evicted so).
+        if !leave && (self.raft.term() != decided_in || !self.raft.is_leader()) {
+            tracing::info!(target: "eccl::master", "not removing peer {peer} ({reason}): decided in term {decided_in}, which is over");
+            return;
+        }
+        if matches!(self.known(peer), Some(PeerState::Gone { .. }) | None) {
+            st.conns.remove(&peer);
+            self.forget(peer);
+            return;
+        }
+        let cmd = if leave {
+            Command::Leave { peer }
+        } else {
+            Command::Evict {
+                peer,
+                reason: reason.to_string(),
+            }
+        };
+        match self.raft.propose(cmd).await {
+            Ok(Outcome::Removed {
+                was_member, epoch, ..
+            }) => {
+                tracing::info!(target: "eccl::master", "peer {peer} removed ({reason}); member of epoch {epoch}: {was_member}");
+                if let Some(c) = st.conns.remove(&peer) {
+                    if !leave {
+                        let _ = c.try_send(Outgoing::event(MasterEvent::Evicted {
+                            reason: reason.to_string(),
+                        }));
+                    }
+                }
+                self.forget(peer);
+                st.queries.remove(&peer);
+                if let Some(e) = st.syncs.remove(&peer) {
+                    e.reply.send(MasterReply::Error {
+                        code: ErrorCode::Evicted,
+                        message: reason.to_string(),
+                    });
+                }
+                if let Some(v) = st.votes.remove(&peer) {
+                    v.reply.send(MasterReply::Error {
+                        code: ErrorCode::Evicted,
+                        message: reason.to_string(),
+                    });
+                }
+                self.reconfigure_lost(&mut st, peer, reason);
+                self.topology_lost(&mut st, peer, epoch, reason);
+                // A member that leaves on purpose has finished its part of every collective
+                // it returned from; the others learn of the new world at their next
+                // update_topology(). An evicted member may be holding a collective up,
+                // so its epoch is aborted everywhere at once.
+                if was_member && !leave {
+                    st.evicted.insert(epoch);
+                    let ev = MasterEvent::AbortEpoch {
+                        epoch,
+                        cause: format!("peer {peer} {reason}"),
+                        evicted: Some(peer),
+                    };
+                    // The members of its world; the job's other worlds go on.
+                    for m in self.raft.read(|r| r.live_members_of(epoch)) {
+                        if let Some(c) = st.conns.get(&m) {
+                            let _ = c.try_send(Outgoing::event(ev.clone()));
+                        }
+                    }
+                }
+                self.try_commit(&mut st).await;
+                self.try_sync(&mut st).await;
+                self.answer_queries(&mut st);
+            }
+            Ok(other) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {other:?}"),
+            // The master is shutting down; nobody is left to tell.
+            Err(ProposeError::Fatal(m)) if m.contains("stopped") => {
+                tracing::debug!(target: "eccl::master", "removing peer {peer}: {m}")
+            }
+            Err(e) => tracing::warn!(target: "eccl::master", "removing peer {peer}: {e}"),
+        }
     }
 }

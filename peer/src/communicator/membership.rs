@@ -49,9 +49,7 @@ impl Communicator {
         let links = LinkManager::bind(&cfg, &abort).await?;
         let (etx, erx) = mpsc::unbounded_channel();
         let master = MasterClient::connect(&cfg.master, &secret, cfg.connect_timeout, etx).await?;
-        let reply = master
-            .request(
-                PeerRequest::Register(RegisterRequest {
+        let req = RegisterRequest {
                     listen_port: links.local_addr.port(),
                     quic_port: links.quic_port(),
                     shm_name: links.shm_name(),
@@ -59,22 +57,10 @@ impl Communicator {
                     host: cfg.host.clone(),
                     rank_hint: cfg.rank_hint,
                     protocol_version: PROTOCOL_VERSION,
-                }),
-                cfg.connect_timeout,
-            )
-            .await?;
-        let (peer_id, heartbeat_ms, lease_ms) = match reply {
-            MasterReply::Registered {
-                peer_id,
-                heartbeat_ms,
-                lease_ms,
-                token,
-            } => {
-                master.registered(peer_id, token);
-                (peer_id, heartbeat_ms, lease_ms)
-            }
-            other => return Err(reply_error(&cfg.master, 0, other)),
         };
+        let (peer_id, heartbeat_ms, lease_ms) = master
+            .register(req, &cfg.master, cfg.connect_timeout)
+            .await?;
         let master = Arc::new(master);
         let heartbeat = master.spawn_heartbeats(peer_id, heartbeat_ms, lease_ms);
         tracing::info!(target: "eccl::init", "registered with master {} as peer {peer_id}", cfg.master);
