@@ -59,7 +59,8 @@ pub(crate) fn track(task: tokio::task::JoinHandle<()>, stop: Arc<Notify>) {
 /// which the ones still closing are cancelled. Returns only once every task has
 /// stopped, so that nothing writes into memory the interpreter frees after this. A
 /// cancelled task stops at its next await, which is never far: the library does no
-/// blocking work between awaits beyond one frame's copy or reduce.
+/// blocking work between awaits beyond one frame's copy or reduce. Then the done-callbacks
+/// already handed over run, and later ones are dropped ([`crate::work::close_callbacks`]).
 #[pyfunction]
 pub(crate) fn _shutdown(py: Python<'_>) {
     let pid = std::process::id();
@@ -77,6 +78,7 @@ pub(crate) fn _shutdown(py: Python<'_>) {
         .unwrap_or_default();
     if tasks.is_empty() {
         // Nothing ran here: do not start a runtime just to stop nothing.
+        crate::work::close_callbacks(py);
         return;
     }
     py.detach(|| {
@@ -92,4 +94,7 @@ pub(crate) fn _shutdown(py: Python<'_>) {
             }
         })
     });
+    // Stopped calls completed their Works with errors: their callbacks run now, while
+    // the interpreter can still run them.
+    crate::work::close_callbacks(py);
 }

@@ -104,38 +104,89 @@ impl Completion {
 
 type Callbacks = Vec<(Py<PyAny>, bool)>;
 
+/// The process's callback thread: open (with the pid that started it, its queue and its
+/// handle), or closed at interpreter exit (by [`close_callbacks`]).
+enum CallbackThread {
+    Open(
+        u32,
+        std::sync::mpsc::Sender<Callbacks>,
+        std::thread::JoinHandle<()>,
+    ),
+    Closed(u32),
+}
+
+static THREAD: Mutex<Option<CallbackThread>> = Mutex::new(None);
+
+/// How long interpreter exit waits for callbacks already handed over to run.
+const CALLBACKS_AT_EXIT: Duration = Duration::from_secs(10);
+
 /// Hands a finished call's callbacks to the process's callback thread, which runs them
 /// in the order calls finish. Never on the communicator's task: a callback waits for the
 /// GIL and may run for a while (torch's future chains), and a runtime worker held there
 /// stops timers and I/O for every task of the process (four DDP ranks on two cores lost
-/// their leases so: the heartbeat's timer did not fire for a second).
+/// their leases so: the heartbeat's timer did not fire for a second). Once the
+/// interpreter is exiting ([`close_callbacks`] ran) callbacks are dropped unrun: a thread
+/// that takes the GIL while the interpreter finalizes is ended under it, and the process
+/// aborts ("PyGILState_Release: thread state must be current").
 fn run_callbacks(callbacks: Callbacks) {
-    static THREAD: Mutex<Option<(u32, std::sync::mpsc::Sender<Callbacks>)>> = Mutex::new(None);
     let pid = std::process::id();
     let mut slot = THREAD.lock().unwrap_or_else(|e| e.into_inner());
-    let fresh = !matches!(&*slot, Some((p, _)) if *p == pid);
-    if fresh {
-        // (Again in a forked child: the parent's thread is not there.)
-        let (tx, rx) = std::sync::mpsc::channel::<Callbacks>();
-        let spawned = std::thread::Builder::new()
-            .name("eccl-callbacks".into())
-            .spawn(move || {
-                while let Ok(cbs) = rx.recv() {
-                    call_now(cbs);
+    match &*slot {
+        Some(CallbackThread::Closed(p)) if *p == pid => return,
+        Some(CallbackThread::Open(p, _, _)) if *p == pid => {}
+        _ => {
+            // (Again in a forked child: the parent's thread is not there.)
+            let (tx, rx) = std::sync::mpsc::channel::<Callbacks>();
+            let spawned = std::thread::Builder::new()
+                .name("eccl-callbacks".into())
+                .spawn(move || {
+                    while let Ok(cbs) = rx.recv() {
+                        call_now(cbs);
+                    }
+                });
+            match spawned {
+                Ok(handle) => *slot = Some(CallbackThread::Open(pid, tx, handle)),
+                Err(_) => {
+                    drop(slot);
+                    call_now(callbacks);
+                    return;
                 }
-            });
-        if spawned.is_err() {
-            drop(slot);
-            call_now(callbacks);
-            return;
+            }
         }
-        *slot = Some((pid, tx));
     }
-    let tx = &slot.as_ref().expect("set above").1;
+    let Some(CallbackThread::Open(_, tx, _)) = &*slot else {
+        unreachable!("opened above")
+    };
     if let Err(std::sync::mpsc::SendError(cbs)) = tx.send(callbacks) {
         drop(slot);
         call_now(cbs);
     }
+}
+
+/// At interpreter exit (from `_shutdown`, before the interpreter finalizes): closes the
+/// callback thread's queue and waits, with the GIL released, for the callbacks already
+/// handed over to run (at most [`CALLBACKS_AT_EXIT`]); later ones are dropped unrun.
+pub(crate) fn close_callbacks(py: Python<'_>) {
+    let pid = std::process::id();
+    let open = {
+        let mut slot = THREAD.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.replace(CallbackThread::Closed(pid)) {
+            Some(CallbackThread::Open(p, tx, handle)) if p == pid => Some((tx, handle)),
+            _ => None,
+        }
+    };
+    let Some((tx, handle)) = open else { return };
+    // The thread ends once it has run what is queued.
+    drop(tx);
+    py.detach(|| {
+        let deadline = Instant::now() + CALLBACKS_AT_EXIT;
+        while !handle.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if handle.is_finished() {
+            let _ = handle.join();
+        }
+    });
 }
 
 /// Runs callbacks with the GIL on this thread. An interpreter that is shutting down runs

@@ -327,10 +327,12 @@ def test_done_callbacks_run_once_where_the_call_finishes():
     with InvalidArgumentError instead of waiting on the thread that runs it; one that
     raises is reported as unraisable and the others still run. Rank 1 sends its first
     message only once rank 0 said its callbacks are in place, and its second only once
-    rank 0's callback has run (so the second call is unfinished while it runs)."""
+    rank 0's callback has run (so the second call is unfinished while it runs). The
+    callback then sleeps (GIL released) while rank 0 exits: interpreter exit waits for it
+    to finish instead of aborting the process when it takes the GIL back."""
     master = eccl.Master()
     script = textwrap.dedent(f"""
-        import json, sys, threading, numpy as np, eccl
+        import json, sys, threading, time, numpy as np, eccl
         rank = int(sys.argv[1])
         comm = eccl.Communicator({master.addr!r}, {master.secret!r}, rank_hint=rank,
                                  min_world=2)
@@ -357,6 +359,8 @@ def test_done_callbacks_run_once_where_the_call_finishes():
             except eccl.InvalidArgumentError as e:
                 seen.append(["refused", "wait on itself" in str(e)])
             print("callback done", flush=True)
+            time.sleep(0.3)
+            print("callback finished", file=sys.stderr, flush=True)
 
         def raises():
             raise RuntimeError("a failing callback")
@@ -383,6 +387,7 @@ def test_done_callbacks_run_once_where_the_call_finishes():
         assert procs[1].returncode == 0, err1
         out0, err0 = procs[0].communicate(timeout=TIMEOUT)
         assert procs[0].returncode == 0, err0
+        assert "callback finished" in err0, err0
     finally:
         for p in procs:
             if p.poll() is None:
