@@ -229,8 +229,8 @@ grep -E "^(== |test |test result|[a-z_]+: Done|verbs)" target/background.log
 if [ -n "${ECCL_SOAK:-}" ]; then
     phase "soak: 6 peers for 5 minutes"
     target/release/eccl-chaos --peers 6 --duration 300 --seed 42 --interval-ms 2500
-    phase "soak: churn on 10 peers for 10 minutes (a fault every 0.5-2 s, whatever is playing out)"
-    target/release/eccl-chaos --peers 10 --duration 600 --seed 12 --churn --quiet
+    phase "soak: churn on 10 peers for 10 minutes (a fault every 0.5-2 s, whatever is playing out; 4 all_reduces in flight)"
+    target/release/eccl-chaos --peers 10 --duration 600 --seed 12 --churn --in-flight 4 --quiet
     phase "soak: churn with master faults, 6 peers and 3 masters for 5 minutes"
     target/release/eccl-chaos --peers 6 --masters 3 --duration 300 --seed 21 --churn --quiet \
         --faults kill,join,hang,leave,master-kill,master-hang

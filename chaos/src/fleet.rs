@@ -74,6 +74,8 @@ pub struct Worker {
 pub struct WorkerSpec {
     pub state_mb: u32,
     pub elements: usize,
+    /// All-reduces in flight per step.
+    pub in_flight: u32,
     pub step_ms: u64,
     /// Let children write their logs to our stderr.
     pub verbose: bool,
@@ -146,6 +148,7 @@ impl Fleet {
         cmd.args(["worker", "--master", &self.master_addr])
             .args(["--state-mb", &self.spec.state_mb.to_string()])
             .args(["--elements", &self.spec.elements.to_string()])
+            .args(["--in-flight", &self.spec.in_flight.to_string()])
             .args(["--step-ms", &self.spec.step_ms.to_string()])
             .args(["--min-world", &min_world.to_string()])
             .env("ECCL_SECRET", &self.secret)

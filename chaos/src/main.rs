@@ -127,9 +127,13 @@ pub struct RunArgs {
     /// Size of the shared state each worker keeps in sync, in MiB.
     #[arg(long, default_value_t = 16)]
     pub state_mb: u32,
-    /// i64 elements all-reduced per step.
+    /// i64 elements all-reduced per step (per call with --in-flight).
     #[arg(long, default_value_t = 4096)]
     pub elements: usize,
+    /// All-reduces in flight per step: each worker submits K calls of --elements before
+    /// the first finishes (a fault must end every one of them, none may hang).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub in_flight: u32,
     /// Pause after each step, in milliseconds.
     #[arg(long, default_value_t = 0)]
     pub step_ms: u64,

@@ -67,6 +67,8 @@ pub struct RunLog {
     pub duration_s: f64,
     /// The workers' `--transport`.
     pub transport: String,
+    /// All-reduces in flight per step (`--in-flight`).
+    pub in_flight: u32,
     /// Wall-clock ms of the run's start (the timeline's zero).
     pub t0: f64,
 }
@@ -103,6 +105,9 @@ pub struct Report {
     pub faults: FaultCounts,
     pub collectives_ok: u64,
     pub collectives_aborted: u64,
+    /// Successful all_reduces per committed step and member: `--in-flight` or a little
+    /// more (the calls of a step that failed after some of them succeeded).
+    pub all_reduces_per_commit: Option<f64>,
     pub wrong_results: u64,
     pub hangs: u64,
     pub divergences: u64,
@@ -122,6 +127,8 @@ pub struct Report {
     pub seed: u64,
     pub peers: u32,
     pub transport: String,
+    /// All-reduces in flight per step (`--in-flight`).
+    pub in_flight: u32,
     /// The run over time (`--plot` draws it).
     pub timeline: crate::timeline::Timeline,
     /// Memory and descriptors of the processes that lived through the run.
@@ -238,8 +245,17 @@ pub fn analyse(log: &RunLog) -> Report {
         })
         .max()
         .unwrap_or(0);
+    let commits = log
+        .events
+        .iter()
+        .filter(|(_, e)| matches!(e, Event::Commit { .. }))
+        .count();
+    let all_reduces_ok = calls()
+        .filter(|(_, c)| c.op == Op::AllReduce && c.ok)
+        .count();
     Report {
         faults,
+        all_reduces_per_commit: (commits > 0).then(|| all_reduces_ok as f64 / commits as f64),
         collectives_ok: counted().filter(|(_, c)| c.ok).count() as u64,
         collectives_aborted: counted().filter(|(_, c)| !c.ok).count() as u64,
         wrong_results: wrong.len() as u64,
@@ -266,6 +282,7 @@ pub fn analyse(log: &RunLog) -> Report {
         seed: log.seed,
         peers: log.peers,
         transport: log.transport.clone(),
+        in_flight: log.in_flight,
         timeline: crate::timeline::timeline(log),
         resources: Vec::new(),
         sync_allowance_ms: sync_allowance_ms(log),

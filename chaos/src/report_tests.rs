@@ -56,6 +56,7 @@ pub(crate) fn log(events: Vec<(usize, Event)>) -> RunLog {
         seed: 1,
         peers: 2,
         transport: "auto".into(),
+        in_flight: 1,
         duration_s: 1.0,
         t0: 0.0,
     }

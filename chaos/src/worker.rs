@@ -9,7 +9,9 @@
 //!    holds the same revision;
 //! 3. all_reduce (sum) of `--elements` i64 to which each member contributes
 //!    [`contribution`]`(its peer id, revision + 1, k)`; the sum is compared element by
-//!    element with the closed form over the members the call reports;
+//!    element with the closed form over the members the call reports (with
+//!    `--in-flight K`, K such calls over consecutive ranges of k, all submitted before
+//!    the first finishes);
 //! 4. folds the sum into the state ([`fold`]) and reports the commit with the state's
 //!    blake3 before and after, so the orchestrator can walk the history back.
 //!
@@ -48,6 +50,10 @@ pub struct WorkerArgs {
     /// Pause after each committed step, in milliseconds.
     #[arg(long, default_value_t = 0)]
     step_ms: u64,
+    /// All-reduces in flight per step: the step's elements (K times `--elements`) go
+    /// as K calls submitted before the first finishes (`Communicator::in_flight`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    in_flight: u32,
 }
 
 pub fn main(args: WorkerArgs) -> anyhow::Result<()> {
@@ -330,17 +336,7 @@ impl Worker {
         }
 
         let step = self.revision + 1;
-        let mut reduced: Vec<i64> = (0..self.args.elements)
-            .map(|k| contribution(self.peer, step, k))
-            .collect();
-        let start = now_ms();
-        let r = comm.all_reduce(&mut reduced, ReduceOp::Sum).await;
-        let (epoch, world) = world_of(comm);
-        let members = r
-            .as_ref()
-            .map_or(world, |info| info.members.iter().map(|p| p.0).collect());
-        self.report(Op::AllReduce, start, r.as_ref().err(), epoch, members);
-        let info = r?;
+        let (reduced, info) = self.all_reduce(comm, step).await?;
         let members: Vec<PeerId> = info.members.iter().map(|p| p.0).collect();
         let wrong = count_wrong(&reduced, &members, step);
         if wrong > 0 {
@@ -370,6 +366,57 @@ impl Worker {
         Ok(Step::Continue)
     }
 
+    /// The step's all_reduce (sum) of `in_flight × elements` contributions: one call, or
+    /// `in_flight` calls of `elements` each, all submitted before the first finishes. Each
+    /// call is reported with its own start and end; the step fails with the first error.
+    async fn all_reduce(
+        &self,
+        comm: &mut Communicator,
+        step: u64,
+    ) -> eccl::Result<(Vec<i64>, eccl::OpInfo)> {
+        use futures::FutureExt;
+        let (n, peer) = (self.args.elements, self.peer);
+        let calls = comm
+            .in_flight(|q| {
+                let queued: Vec<_> = (0..self.args.in_flight as usize)
+                    .map(|j| {
+                        q.submit(move |c| {
+                            async move {
+                                let mut part: Vec<i64> = (j * n..(j + 1) * n)
+                                    .map(|k| contribution(peer, step, k))
+                                    .collect();
+                                let start = now_ms();
+                                let r = c.all_reduce(&mut part, ReduceOp::Sum).await;
+                                let (epoch, world) = world_of(c);
+                                (part, r, start, now_ms(), epoch, world)
+                            }
+                            .boxed()
+                        })
+                    })
+                    .collect();
+                futures::future::join_all(queued)
+            })
+            .await;
+        let mut reduced = Vec::with_capacity(n * calls.len());
+        let mut outcome = None;
+        for call in calls {
+            let (part, r, start, end, epoch, world) = call?;
+            let members = r
+                .as_ref()
+                .map_or(world, |info| info.members.iter().map(|p| p.0).collect());
+            self.report_at(Op::AllReduce, start, end, r.as_ref().err(), epoch, members);
+            match (r, &outcome) {
+                (Ok(info), None) => outcome = Some(Ok(info)),
+                (Ok(_), Some(_)) => {}
+                (Err(e), None | Some(Ok(_))) => outcome = Some(Err(e)),
+                (Err(_), Some(Err(_))) => {}
+            }
+            reduced.extend(part);
+        }
+        let info = outcome.expect("at least one call")?;
+        Ok((reduced, info))
+    }
+
     fn report_world(&self, comm: &Communicator, op: Op, start: f64, err: Option<&eccl::Error>) {
         let (epoch, members) = world_of(comm);
         self.report(op, start, err, epoch, members);
@@ -383,11 +430,23 @@ impl Worker {
         epoch: u64,
         members: Vec<PeerId>,
     ) {
+        self.report_at(op, start, now_ms(), err, epoch, members)
+    }
+
+    fn report_at(
+        &self,
+        op: Op,
+        start: f64,
+        end: f64,
+        err: Option<&eccl::Error>,
+        epoch: u64,
+        members: Vec<PeerId>,
+    ) {
         emit(&Event::Call(Call {
             peer: self.peer,
             op,
             start,
-            end: now_ms(),
+            end,
             ok: err.is_none(),
             err: err.map(|e| e.kind().to_string()),
             detail: err.map(|e| e.to_string()),

@@ -332,11 +332,17 @@ fn a_member_stopped_while_the_links_of_its_epoch_connect_is_left_behind_at_its_l
 fn churn_strikes_on_a_clock_and_every_result_stays_exact() {
     // PCCL's churn, CI-sized: a fault every 0.3-0.9 s whatever is playing out, so kills
     // land during recoveries and joins during syncs. One at a time (each after the last
-    // played out, ~1 s apart here) would fit about half as many into the run.
+    // played out, ~1 s apart here) would fit about half as many into the run. Each step
+    // has three all_reduces in flight, as PCCL's test keeps several: a fault must end
+    // every one of them.
     let r = chaos(
         "churn",
-        "--peers 6 --duration 10 --churn --churn-ms 300-900 --faults kill,hang,join,leave --seed 3 --quiet",
+        "--peers 6 --duration 10 --churn --churn-ms 300-900 --faults kill,hang,join,leave --seed 3 --quiet \
+         --in-flight 3",
     );
+    assert_eq!(r["in_flight"], 3, "{r:#}");
+    let per_commit = recorded(&r, &["all_reduces_per_commit"]);
+    assert!((3.0..3.5).contains(&per_commit), "{r:#}");
     let faults: u64 = ["kill", "hang", "join", "leave"]
         .iter()
         .filter_map(|k| r["faults"][k].as_u64())

@@ -22,8 +22,8 @@ pub mod variables;
 
 pub use abort::AbortHandle;
 pub use communicator::{
-    CollArgs, Communicator, OnAbort, OpInfo, Quantize, RetryPolicy, TopologyUpdate, WorldUpdate,
-    PROBE_TAG,
+    CallQueue, CollArgs, Communicator, OnAbort, OpInfo, Quantize, Queued, RetryPolicy,
+    TopologyUpdate, WorldUpdate, PROBE_TAG,
 };
 pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};

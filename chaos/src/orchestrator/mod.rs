@@ -77,6 +77,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
         WorkerSpec {
             state_mb: args.state_mb,
             elements: args.elements,
+            in_flight: args.in_flight,
             step_ms: args.step_ms,
             verbose: args.verbose,
             transport: args.transport.clone(),
@@ -85,13 +86,18 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     )?;
     let faults: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
     println!(
-        "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements, transport {}, {} {}",
+        "# eccl-chaos: seed {seed}, {} peers, {:.0} s, faults {}, lease {} ms, state {} MiB, {} elements{}, transport {}, {} {}",
         args.peers,
         args.duration_ms() / 1e3,
         if faults.is_empty() { "none".into() } else { faults.join(",") },
         args.lease_ms,
         args.state_mb,
         args.elements,
+        if args.in_flight > 1 {
+            format!(" × {} in flight", args.in_flight)
+        } else {
+            String::new()
+        },
         args.transport,
         if args.masters > 1 { "masters" } else { "master" },
         fleet.master_addr
@@ -772,6 +778,7 @@ impl<'a> Run<'a> {
             peers: self.args.peers,
             duration_s,
             transport: self.args.transport.clone(),
+            in_flight: self.args.in_flight,
             t0: self.t0,
             max_stall_ms: self.args.churn.then_some(self.args.max_stall_ms as f64),
         });

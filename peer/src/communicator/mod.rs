@@ -6,6 +6,7 @@
 //! | `membership.rs` | connect, `update_topology`, `are_peers_pending`, `leave`, leases |
 //! | `collective.rs` | running a schedule over the links, in place and out of place |
 //! | `p2p.rs` | tagged `send` / `recv` |
+//! | `queue.rs` | `in_flight`: several calls submitted before the first finishes |
 //! | `retry.rs` | [`RetryPolicy`], `recover` and the `*_with_retry` helpers |
 //! | `topology.rs` | `optimize_topology`: link measurements, the master's ring |
 //! | `typed.rs` | the typed API (`all_reduce(&mut [f32], op)`, ...) over [`Element`](crate::Element) |
@@ -24,6 +25,7 @@ mod collective;
 mod membership;
 mod p2p;
 mod quantized;
+mod queue;
 mod retry;
 mod topology;
 mod typed;
@@ -46,6 +48,7 @@ use crate::master_client::MasterClient;
 pub use collective::{CollArgs, OnAbort, OpInfo};
 pub use membership::WorldUpdate;
 pub use quantized::Quantize;
+pub use queue::{CallQueue, Queued};
 pub use retry::RetryPolicy;
 pub use topology::{TopologyUpdate, PROBE_TAG};
 

@@ -456,3 +456,66 @@ async fn links_carry_on_after_an_aborted_epoch() {
         }
     }
 }
+
+/// Several calls in flight (`Communicator::in_flight`): four all_reduces submitted before
+/// the first finishes come back exact and in order; then rank 2's second call disagrees
+/// in size, and every call from there on fails on every rank (none waits), the first
+/// still succeeds, and after `update_topology` the same four succeed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_run_in_order_and_a_fault_ends_every_one() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+    for odd in [false, true, false] {
+        let res = four_in_flight(&mut comms, odd).await;
+        for (rank, calls) in res.iter().enumerate() {
+            for (j, call) in calls.iter().enumerate() {
+                let call = call.as_ref().expect("the call ran");
+                if odd && j >= 1 {
+                    assert!(
+                        call.is_err(),
+                        "rank {rank} call {j} after the fault: {call:?}"
+                    );
+                    continue;
+                }
+                let v = call.as_ref().expect("exact");
+                assert_eq!(v.len(), 1000 * (j + 1));
+                let want = (0..3).map(|r| (r * 10 + j) as f32).sum::<f32>();
+                assert!(v.iter().all(|&x| x == want), "rank {rank} call {j}");
+            }
+        }
+        if odd {
+            for t in join_all(comms.iter_mut().map(|c| c.update_topology())).await {
+                t.expect("the next epoch");
+            }
+        }
+    }
+}
+
+/// Each rank submits four all_reduces (of 1000, 2000, 3000 and 4000 elements; with `odd`,
+/// rank 2's second is one longer) before waiting for any.
+async fn four_in_flight(
+    comms: &mut [Communicator],
+    odd: bool,
+) -> Vec<Vec<eccl::Result<eccl::Result<Vec<f32>>>>> {
+    use futures::FutureExt;
+    join_all(comms.iter_mut().enumerate().map(|(rank, c)| {
+        c.in_flight(move |q| async move {
+            let calls: Vec<_> = (0..4usize)
+                .map(|j| {
+                    let len = 1000 * (j + 1) + usize::from(odd && rank == 2 && j == 1);
+                    q.submit(move |c| {
+                        async move {
+                            let mut v = vec![(rank * 10 + j) as f32; len];
+                            c.all_reduce(&mut v, ReduceOp::Sum).await.map(|_| v)
+                        }
+                        .boxed()
+                    })
+                })
+                .collect();
+            tokio::time::timeout(Duration::from_secs(20), join_all(calls))
+                .await
+                .expect("no call in flight waits past a fault")
+        })
+    }))
+    .await
+}
