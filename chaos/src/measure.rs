@@ -91,6 +91,8 @@ pub struct Measurement {
 pub struct Outcome {
     /// Wall-clock ms of the fault (of the spawn, for a join).
     pub at: f64,
+    /// The victim's slot (the newcomer's, for a join).
+    pub victim: usize,
     pub abort_ms: Option<f64>,
     pub recovery: Option<Recovered>,
     pub recovery_ms: Option<f64>,
@@ -333,6 +335,7 @@ impl Measurement {
             .and_then(|r| r.into_iter().reduce(|a, b| if b.at > a.at { b } else { a }));
         let mut out = Outcome {
             at,
+            victim: self.fault.victim,
             abort_ms,
             recovery,
             recovery_ms: recovery.map(|r| r.at - at),

@@ -411,3 +411,52 @@ fn a_sync_may_take_the_time_to_move_the_state_at_the_runs_slowest_rate() {
     quiet.state_bytes = 16e6;
     assert_eq!(sync_allowance_ms(&quiet), 320.0);
 }
+
+#[test]
+fn members_calls_and_steps_are_split_by_whether_a_newcomer_was_catching_up() {
+    let at = |peer, t| Event::Commit {
+        peer,
+        t,
+        epoch: 1,
+        revision: 0,
+        prev: String::new(),
+        hash: String::new(),
+    };
+    let events = vec![
+        // Before the join: quiet.
+        (0, call(1, Op::AllReduce, 0.0, 10.0, 1, &[1, 2])),
+        (0, at(1, 10.0)),
+        (0, call(1, Op::AllReduce, 20.0, 30.0, 1, &[1, 2])),
+        (0, at(1, 30.0)),
+        // The newcomer (slot 2) catches up from 1000 to 1500: the member's call that
+        // overlaps it and its step count as during, the newcomer's own call not at all.
+        (0, call(1, Op::AllReduce, 1400.0, 1480.0, 2, &[1, 2])),
+        (0, at(1, 1480.0)),
+        (2, call(3, Op::AllReduce, 1490.0, 1500.0, 2, &[1, 2, 3])),
+        // After the join has played out (its lease-long window too): quiet again.
+        (0, call(1, Op::AllReduce, 2600.0, 2612.0, 3, &[1, 2, 3])),
+        (0, at(1, 2612.0)),
+        (0, call(1, Op::AllReduce, 2620.0, 2634.0, 3, &[1, 2, 3])),
+        (0, at(1, 2634.0)),
+    ];
+    let mut l = log(events);
+    l.faults.push((
+        FaultKind::Join,
+        Outcome {
+            at: 1000.0,
+            victim: 2,
+            join_ms: Some(500.0),
+            ..Outcome::default()
+        },
+    ));
+    let m = member_cost(&l);
+    assert_eq!(m.all_reduce_during_joins_ms.max, Some(80.0), "{m:?}");
+    assert_eq!(m.all_reduce_during_joins_ms.p50, Some(80.0), "{m:?}");
+    assert_eq!(m.all_reduce_otherwise_ms.max, Some(14.0), "{m:?}");
+    assert_eq!(m.all_reduce_otherwise_ms.p50, Some(10.0), "{m:?}");
+    // 30 -> 1480 overlaps the catch-up; 1480 -> 2612 too (it starts in the window);
+    // 10 -> 30 and 2612 -> 2634 are quiet.
+    assert_eq!(m.step_during_joins_ms.max, Some(1450.0), "{m:?}");
+    assert_eq!(m.step_otherwise_ms.max, Some(22.0), "{m:?}");
+    assert_eq!(m.step_otherwise_ms.p50, Some(20.0), "{m:?}");
+}
