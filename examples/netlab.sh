@@ -15,27 +15,35 @@
 #   slow-ring  5 peers; every link between neighbours in rank order (i <-> i+1) is
 #              slow, so rank order's ring is slow throughout and 0 2 4 1 3 is not.
 #   wan        4 peers; one long slow hop, 3<->0 (rank order's closing link).
+#   long-fat   2 peers joined by a long fat path: their links go over a TUN device pair
+#              that eccl-bench delay-link relays with a --delay-ms round trip (netem's
+#              part), shaped to --fast by tbf; the master on the bridge. Runs with one
+#              connection per link (ECCL_NSTREAMS=1), then with ECCL_NSTREAMS=auto after
+#              optimize_topology(), which stripes a link whose one connection the TCP
+#              window held back; reports both as fractions of the rate.
 #
 # Options: --size (all_reduce bytes, default 1M), --iters (default 3), --fast (default
-# 1gbit), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps",
-# "optimized_busbw_gbps", "speedup", "ring", "striped_rate_fraction",
-# "quantized_speedup", "quantized_max_rel_error"}: striped links are not built yet
-# (null), and the quantized run's error is not measured here (null; its bound is
+# 1gbit; long-fat: 400mbit), --delay-ms (long-fat's round trip, default 100), --json
+# FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
+# "speedup", "ring", "striped_rate_fraction", "one_connection_rate_fraction",
+# "quantized_speedup", "quantized_max_rel_error"}: the rate fractions are long-fat's
+# (null elsewhere); the quantized run's error is not measured here (null; its bound is
 # checked in peer/tests/e2e/quantized.rs). quantized_speedup is rank order's time over
-# the int8 run's.
+# the int8 run's (not run for long-fat).
 #
 # Needs root, iproute2 (ip, tc) and a release build. Every namespace, link and process
 # it makes is removed on exit, also on failure; where namespaces cannot be made it says
 # so and exits 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SCENARIO=slow-pair SIZE=1M ITERS=3 FAST=1gbit JSON=
+SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON=
 while [ $# -gt 0 ]; do
     case $1 in
         --scenario) SCENARIO=$2; shift 2 ;;
         --size) SIZE=$2; shift 2 ;;
         --iters) ITERS=$2; shift 2 ;;
         --fast) FAST=$2; shift 2 ;;
+        --delay-ms) DELAY_MS=$2; shift 2 ;;
         --json) JSON=$2; shift 2 ;;
         -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "netlab: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -45,8 +53,12 @@ case $SCENARIO in
     slow-pair) N=4; SLOW_PAIRS="0-1 2-3" ;;
     slow-ring) N=5; SLOW_PAIRS="0-1 1-2 2-3 3-4 4-0" ;;
     wan) N=4; SLOW_PAIRS="3-0" ;;
-    *) echo "netlab: unknown scenario $SCENARIO (slow-pair, slow-ring, wan)" >&2; exit 2 ;;
+    long-fat) N=2; SLOW_PAIRS="" ;;
+    *) echo "netlab: unknown scenario $SCENARIO (slow-pair, slow-ring, wan, long-fat)" >&2; exit 2 ;;
 esac
+if [ -z "$FAST" ]; then
+    if [ "$SCENARIO" = long-fat ]; then FAST=400mbit; else FAST=1gbit; fi
+fi
 rate_bits() { # 1gbit -> bits per second
     local v=${1%bit} m=1
     case $v in *g) m=1000000000; v=${v%g} ;; *m) m=1000000; v=${v%m} ;; *k) m=1000; v=${v%k} ;; esac
@@ -89,9 +101,12 @@ attach() { # name ip
 }
 ip_of() { echo "10.77.0.$((10 + $1))"; }
 attach m 10.77.0.2
+LINK_ENV=()
 for i in $(seq 0 $((N - 1))); do
     attach "$i" "$(ip_of "$i")"
     ns=eccl-$i-$TAG
+    # long-fat's links go over tun0 (below); eth0 carries the master's traffic only.
+    [ "$SCENARIO" = long-fat ] && continue
     ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: htb default 10 r2q 1000
     ip netns exec "$ns" tc class add dev eth0 parent 1: classid 1:10 htb rate "$FAST"
     ip netns exec "$ns" tc class add dev eth0 parent 1: classid 1:20 htb rate "$SLOW"
@@ -105,6 +120,21 @@ for i in $(seq 0 $((N - 1))); do
     done
 done
 
+if [ "$SCENARIO" = long-fat ]; then
+    # The peers' links over tun0 (ECCL_SOCKET_IFNAME), each side's sending shaped by tbf,
+    # the relay adding the round trip; the master stays on the bridge.
+    for i in 0 1; do
+        ns=eccl-$i-$TAG
+        ip -n "$ns" tuntap add dev tun0 mode tun
+        ip -n "$ns" addr add "10.78.0.$((10 + i))" peer "10.78.0.$((11 - i))" dev tun0
+        ip -n "$ns" link set tun0 mtu 65000 up
+        ip netns exec "$ns" tc qdisc add dev tun0 root tbf rate "$FAST" burst 512k latency 400ms
+    done
+    "$BENCH" delay-link "eccl-0-$TAG" tun0 "eccl-1-$TAG" tun0 --delay-ms "$DELAY_MS" >/dev/null &
+    PIDS+=($!)
+    LINK_ENV=(ECCL_SOCKET_IFNAME=tun0)
+fi
+
 export ECCL_SECRET
 ECCL_SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 out=$(mktemp)
@@ -114,19 +144,24 @@ for _ in $(seq 200); do grep -q "listening on" "$out" && break; sleep 0.05; done
 ADDR=$(sed -n 's/^eccl-master listening on \([^ ]*\).*/\1/p' "$out" | head -1)
 rm -f "$out"
 [ -n "$ADDR" ] || { echo "netlab: the master did not start" >&2; exit 1; }
-echo "# netlab $SCENARIO: $N peers, $FAST links, $SLOW between $SLOW_PAIRS; master $ADDR"
+if [ "$SCENARIO" = long-fat ]; then
+    echo "# netlab $SCENARIO: $N peers over one $FAST path with a $DELAY_MS ms round trip; master $ADDR"
+else
+    echo "# netlab $SCENARIO: $N peers, $FAST links, $SLOW between $SLOW_PAIRS; master $ADDR"
+fi
 
 run() { # eccl-bench flags beyond the size and iterations; prints rank 0's output
     local first=() log
+    local envs=(ECCL_TRANSPORT=tcp "${LINK_ENV[@]}" "${RUN_ENV[@]}")
     log=$(mktemp)
     for i in $(seq 1 $((N - 1))); do
-        ip netns exec "eccl-$i-$TAG" env ECCL_TRANSPORT=tcp "$BENCH" all_reduce --master "$ADDR" \
+        ip netns exec "eccl-$i-$TAG" env "${envs[@]}" "$BENCH" all_reduce --master "$ADDR" \
             --world-size "$N" --rank-hint "$i" -b "$SIZE" -e "$SIZE" -n "$ITERS" -w 1 "$@" \
             >/dev/null 2>&1 &
         first+=($!)
         PIDS+=($!)
     done
-    ip netns exec "eccl-0-$TAG" env ECCL_TRANSPORT=tcp "$BENCH" all_reduce --master "$ADDR" \
+    ip netns exec "eccl-0-$TAG" env "${envs[@]}" "$BENCH" all_reduce --master "$ADDR" \
         --world-size "$N" --rank-hint 0 -b "$SIZE" -e "$SIZE" -n "$ITERS" -w 1 "$@" >"$log" 2>&1 || {
         cat "$log" >&2
         echo "netlab: rank 0 failed" >&2
@@ -140,7 +175,10 @@ busbw() { sed -n 's/^# Avg bus bandwidth *: *\([0-9.]*\).*/\1/p' | head -1; }
 usec() { awk '/^ +[0-9]/ { print $6; exit }'; }  # the size row's time column
 wrong() { grep -q "Out of bounds values : 0 OK" || { echo "netlab: wrong results" >&2; exit 1; }; }
 
+RUN_ENV=()
+[ "$SCENARIO" = long-fat ] && RUN_ENV=(ECCL_NSTREAMS=1)
 plain=$(run -c)
+RUN_ENV=()
 echo "$plain" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/rank order: /"
 echo "$plain" | wrong
 optimized=$(run -c --show-topology)
@@ -154,15 +192,26 @@ t0=$(echo "$plain" | usec)
 t1=$(echo "$optimized" | usec)
 speedup=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
 echo "# $SCENARIO: bus bandwidth rank order $b0 GB/s, optimized $b1 GB/s ($speedup x), ring [$ring]"
-# int8 on the wire (all_to_all and all_gather of 8-bit codes, rank order): its results
-# are within a bound, not exact, so eccl-bench does not check them (-c); the bound is
-# checked element by element in peer/tests/e2e/quantized.rs.
-quantized=$(run --quantize int8)
-echo "$quantized" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/int8:       /"
-tq=$(echo "$quantized" | usec)
-qspeedup=$(awk -v a="$t0" -v b="$tq" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
-echo "# $SCENARIO: int8 on the wire ${qspeedup} x rank order's time"
+fractions="null null" qspeedup=null
+if [ "$SCENARIO" = long-fat ]; then
+    # Rank order and the solved ring are one ring of two: the second run differs in its
+    # links, striped where optimize_topology() found one connection window-bound.
+    echo "$optimized" | grep -E "^# striped" || true
+    # Two ranks: each sends the whole buffer once per all_reduce (its bus bandwidth).
+    rate() { awk -v bps="$FAST_BPS" '/^ +[0-9]/ { printf "%.3f", $1 * 8 / ($6 * 1e-6) / bps; exit }'; }
+    fractions="$(echo "$optimized" | rate) $(echo "$plain" | rate)"
+    echo "# $SCENARIO: one connection ${fractions#* } of the $FAST rate, striped ${fractions% *}"
+else
+    # int8 on the wire (all_to_all and all_gather of 8-bit codes, rank order): its results
+    # are within a bound, not exact, so eccl-bench does not check them (-c); the bound is
+    # checked element by element in peer/tests/e2e/quantized.rs.
+    quantized=$(run --quantize int8)
+    echo "$quantized" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/int8:       /"
+    tq=$(echo "$quantized" | usec)
+    qspeedup=$(awk -v a="$t0" -v b="$tq" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
+    echo "# $SCENARIO: int8 on the wire ${qspeedup} x rank order's time"
+fi
 if [ -n "$JSON" ]; then
-    printf '{"scenario": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": null, "quantized_speedup": %s, "quantized_max_rel_error": null}\n' \
-        "$SCENARIO" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "$qspeedup" >"$JSON"
+    printf '{"scenario": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_max_rel_error": null}\n' \
+        "$SCENARIO" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" >"$JSON"
 fi

@@ -34,8 +34,18 @@ fn run_with_json(
     name: &str,
     args: &str,
 ) -> (std::process::ExitStatus, String, std::io::Result<String>) {
+    run_with_json_env(name, args, &[])
+}
+
+/// [`run_with_json`] with `envs` set for eccl-chaos and its workers.
+fn run_with_json_env(
+    name: &str,
+    args: &str,
+    envs: &[(&str, &str)],
+) -> (std::process::ExitStatus, String, std::io::Result<String>) {
     let path = std::env::temp_dir().join(format!("eccl-chaos-{}-{name}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))
+        .envs(envs.iter().copied())
         .args(args.split_whitespace())
         .arg("--json")
         .arg(&path)
@@ -53,7 +63,12 @@ fn run_with_json(
 
 /// [`chaos`] for a caller that already holds its [`turn`].
 fn chaos_in_turn(name: &str, args: &str) -> Value {
-    let (status, log, text) = run_with_json(name, args);
+    chaos_in_turn_env(name, args, &[])
+}
+
+/// [`chaos_in_turn`] with `envs` set for eccl-chaos and its workers.
+fn chaos_in_turn_env(name: &str, args: &str, envs: &[(&str, &str)]) -> Value {
+    let (status, log, text) = run_with_json_env(name, args, envs);
     let text = text.unwrap_or_else(|e| panic!("{name}: no report ({e}); {status}\n{log}"));
     let report: Value = serde_json::from_str(&text).expect("the report is JSON");
     assert_eq!(report["violations"], json!([]), "{name}:\n{log}");
@@ -204,6 +219,33 @@ fn kill_and_stop_mid_ring_over_tcp_and_quic() {
             "{t}: survivors waited {abort} ms under a 1000 ms lease"
         );
     }
+}
+
+/// Striped links (four TCP connections each, `ECCL_NSTREAMS=4`: frames dealt across
+/// them and put back in order) under a kill and a stop in the middle of a ring: exact
+/// results, no divergence, and the survivors go on as over one connection.
+#[test]
+fn striped_links_keep_every_guarantee_under_a_kill_and_a_stop() {
+    let _turn = turn();
+    let striped = [("ECCL_NSTREAMS", "4")];
+    let r = chaos_in_turn_env(
+        "striped-kill",
+        "--peers 4 --duration 4 --faults none --seed 1 --elements 65536 --state-mb 1 --step-ms 20 --transport tcp --inject 1=mid-ring:kill@5",
+        &striped,
+    );
+    assert_eq!(r["faults"]["kill"], 1, "{r:#}");
+    recorded(&r, &["recovery_ms", "kill", "max"]);
+    let r = chaos_in_turn_env(
+        "striped-stop",
+        "--peers 3 --duration 4 --faults none --seed 1 --lease-ms 1000 --elements 65536 --state-mb 1 --step-ms 20 --transport tcp --inject 1=mid-ring:stop@5",
+        &striped,
+    );
+    assert_eq!(r["faults"]["hang"], 1, "{r:#}");
+    let abort = recorded(&r, &["abort_latency_ms", "hang", "max"]);
+    assert!(
+        abort <= 1500.0,
+        "survivors waited {abort} ms under a 1000 ms lease"
+    );
 }
 
 /// The report's timeline holds the run (epochs with their members, steps per second,

@@ -156,6 +156,9 @@ pub struct Registry {
     /// latency in ns): what the ring is solved from at every epoch. Links of departed
     /// peers are dropped (so a job holds at most its live peers' pairs).
     links: BTreeMap<(PeerId, PeerId), (u64, u64)>,
+    /// Connections each measuring end asked its link to have, (from, to) -> count (only
+    /// counts above one): what links are striped over at every epoch.
+    stripes: BTreeMap<(PeerId, PeerId), u16>,
 }
 
 /// The step a ring's cost is reckoned for: one chunk of a 64 MiB all_reduce. Large
@@ -206,6 +209,7 @@ impl Registry {
         let peers = &self.peers;
         let live = |p: &PeerId| matches!(peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }));
         self.links.retain(|(a, b), _| live(a) && live(b));
+        self.stripes.retain(|(a, b), _| live(a) && live(b));
     }
 
     fn apply_one(&mut self, cmd: &Command) -> Outcome {
@@ -300,6 +304,16 @@ impl Registry {
                 if m.to != *from && world.rank_of(m.to).is_some() {
                     self.links
                         .insert((*from, m.to), (m.bytes_per_s, m.latency_ns));
+                    // No opinion (0) keeps what the link has; a count is capped.
+                    match m.streams.min(eccl_protocol::MAX_STRIPES) {
+                        0 => {}
+                        1 => {
+                            self.stripes.remove(&(*from, m.to));
+                        }
+                        n => {
+                            self.stripes.insert((*from, m.to), n);
+                        }
+                    }
                 }
             }
         }
@@ -350,6 +364,19 @@ impl Registry {
         });
         let ring = solve_ring(&m);
         ring.order.iter().map(|&k| k as u32).collect()
+    }
+
+    /// The links among `members` striped over more than one connection: for each pair,
+    /// the larger count either end asked for.
+    fn stripes_among(&self, members: &[PeerId]) -> Vec<(PeerId, PeerId, u16)> {
+        let mut pairs: BTreeMap<(PeerId, PeerId), u16> = BTreeMap::new();
+        for (&(a, b), &n) in &self.stripes {
+            if members.contains(&a) && members.contains(&b) {
+                let e = pairs.entry((a.min(b), a.max(b))).or_insert(0);
+                *e = (*e).max(n);
+            }
+        }
+        pairs.into_iter().map(|((a, b), n)| (a, b, n)).collect()
     }
 
     /// What was measured of the links among `members`: `(from, to, bytes per second,
@@ -536,6 +563,7 @@ impl Registry {
                 })
                 .collect(),
             ring: self.solve_ring(members),
+            stripes: self.stripes_among(members),
         };
         if !world.ring.is_empty() {
             tracing::info!(target: "eccl::master", "epoch {}: ring {:?} solved from measured links", world.epoch, world.ring);

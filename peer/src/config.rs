@@ -31,8 +31,13 @@ pub struct Config {
     /// Bytes per frame (`ECCL_BUFFSIZE`, default 1 MiB): a smaller frame pipelines
     /// chains sooner, a larger one costs fewer headers and wake-ups.
     pub frame_bytes: usize,
-    /// TCP connections per link (`ECCL_NSTREAMS`, default 1).
+    /// TCP connections per link (`ECCL_NSTREAMS=N`), or with `stripe_from_measure`
+    /// (`ECCL_NSTREAMS=auto`, the default) per link where unmeasured.
     pub nstreams: usize,
+    /// `ECCL_NSTREAMS=auto` (the default): a TCP or TLS link has the connections the
+    /// master striped it over from its measurement (`optimize_topology()`: more than one
+    /// where one connection's window, not the path, bounded the probe), else `nstreams`.
+    pub stripe_from_measure: bool,
     /// Force an algorithm (`ECCL_ALGO`: ring, direct, tree).
     pub algo: Option<Algo>,
     /// `ECCL_TOPOLOGY=optimize`: whenever the world changes (it forms, someone joins or
@@ -142,6 +147,7 @@ impl Default for Config {
             join_timeout: Duration::from_secs(300),
             frame_bytes: 1 << 20,
             nstreams: 1,
+            stripe_from_measure: true,
             algo: None,
             optimize_topology: false,
             transport: TransportChoice::Auto,
@@ -185,8 +191,15 @@ impl Config {
             }
             c.reduce_threads = Some(n);
         }
-        if let Some(n) = env_parse::<usize>("ECCL_NSTREAMS")? {
-            c.nstreams = n;
+        match env("ECCL_NSTREAMS") {
+            Some(v) if v.trim().eq_ignore_ascii_case("auto") => c.stripe_from_measure = true,
+            Some(_) => {
+                if let Some(n) = env_parse::<usize>("ECCL_NSTREAMS")? {
+                    c.nstreams = n;
+                    c.stripe_from_measure = false;
+                }
+            }
+            None => {}
         }
         if let Some(a) = env("ECCL_ALGO") {
             c.algo = Some(Algo::parse(&a).ok_or_else(|| {
@@ -237,7 +250,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         if self.nstreams == 0 || self.nstreams > 64 {
             return Err(Error::InvalidArgument(format!(
-                "ECCL_NSTREAMS={} must be between 1 and 64",
+                "ECCL_NSTREAMS={} must be auto or between 1 and 64",
                 self.nstreams
             )));
         }

@@ -148,7 +148,6 @@ impl LinkManager {
         abort: &AbortState,
     ) -> Result<Vec<Option<PeerLink>>> {
         let epoch = world.epoch;
-        let nstreams = cfg.nstreams as u16;
         let mine = world
             .rank_of(me)
             .and_then(|r| world.member(r))
@@ -169,7 +168,6 @@ impl LinkManager {
         let observer: Arc<dyn LinkObserver> = self.observer.clone();
         let kept = keep.len();
         let settings = LinkSettings {
-            nstreams,
             shm_frame_bytes: cfg.frame_bytes,
             connect_timeout: cfg.connect_timeout,
             keep_buf_max: KEEP_BUF_MAX,
@@ -178,7 +176,8 @@ impl LinkManager {
         let hellos = Hellos {
             me,
             epoch,
-            nstreams,
+            world,
+            cfg,
             keys,
         };
         let dialer = mesh::Dialer {
@@ -250,7 +249,7 @@ impl LinkManager {
         for (rank, link) in dialed.into_iter().chain(accepted) {
             links[rank as usize] = Some(PeerLink::new(link));
         }
-        tracing::info!(target: "eccl::net", "epoch {epoch}: kept {kept} links, connected {} ({} stream(s) per stream link)", world.size().saturating_sub(1 + kept), nstreams);
+        tracing::info!(target: "eccl::net", "epoch {epoch}: kept {kept} links, connected {} ({} stream(s) per stream link{})", world.size().saturating_sub(1 + kept), cfg.nstreams, if world.stripes.is_empty() || !cfg.stripe_from_measure { String::new() } else { format!(", striped from measurements: {:?}", world.stripes) });
         Ok(links)
     }
 }
@@ -269,16 +268,35 @@ fn peer_name(world: &World, rank: u32) -> String {
 struct Hellos<'a> {
     me: PeerId,
     epoch: u64,
-    nstreams: u16,
+    world: &'a World,
+    cfg: &'a Config,
     keys: &'a LinkKeys,
 }
 
+/// The connections (streams) of the link between `a` and `b` in `world`: what the master
+/// striped it over from measurements where `ECCL_NSTREAMS=auto`, else `ECCL_NSTREAMS`.
+/// Both ends read the same world and, by the job's rule, the same setting.
+pub(crate) fn streams_between(world: &World, cfg: &Config, a: PeerId, b: PeerId) -> u16 {
+    let fixed = cfg.nstreams as u16;
+    if cfg.stripe_from_measure {
+        world.stripes_between(a, b).unwrap_or(fixed)
+    } else {
+        fixed
+    }
+}
+
 impl Hellos<'_> {
+    /// The streams of our link to `to` this epoch.
+    fn nstreams(&self, to: PeerId) -> u16 {
+        streams_between(self.world, self.cfg, self.me, to)
+    }
+
     /// The hello of each stream of our link to `to`. The master's proof is missing only
     /// if its world and keys disagree; the acceptor then refuses the link and the epoch's
     /// connection deadline reports it.
     fn to(&self, to: PeerId) -> impl Fn(u16) -> LinkHello {
-        let (from, epoch, nstreams) = (self.me, self.epoch, self.nstreams);
+        let (from, epoch) = (self.me, self.epoch);
+        let nstreams = self.nstreams(to);
         let proof = self.keys.proof_for(to).unwrap_or_default();
         move |stream| LinkHello {
             from,
@@ -338,7 +356,7 @@ impl Expect<'_> {
     /// whose proof is not the master's (an impostor: logged, rate-limited).
     fn rank_of(&self, a: &Accepted) -> Option<u32> {
         let (h, epoch, me) = (&a.hello, self.hellos.epoch, self.hellos.me);
-        let nstreams = self.hellos.nstreams;
+        let nstreams = self.hellos.nstreams(h.from);
         let rank = match self.from.get(&h.from) {
             Some(r)
                 if h.epoch == epoch
@@ -399,9 +417,9 @@ async fn accept_links(
             continue;
         }
         let peer = peer_name(expect.world, rank);
-        let stream = a.hello.stream;
+        let (stream, nstreams) = (a.hello.stream, a.hello.nstreams);
         let link = assembler
-            .add(rank, stream, a.conn, peer.clone())
+            .add(rank, stream, nstreams, a.conn, peer.clone())
             .await
             .map_err(|e| Error::Aborted {
                 epoch,

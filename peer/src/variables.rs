@@ -47,7 +47,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_SHM_SPIN_US", "100, or 2 when local peers outnumber cores", "peer", "how long a shared-memory wait spins before it sleeps"),
     v("ECCL_SOCKET_IFNAME", "all interfaces", "peer", "interface whose address peers listen on and advertise"),
     v("ECCL_BUFFSIZE", "1M", "peer", "bytes per frame (4 KiB to 64 MiB); a shared-memory slot is this, at least 1 MiB"),
-    v("ECCL_NSTREAMS", "1", "peer", "streams per TCP, TLS or QUIC link; frames are dealt across them"),
+    v("ECCL_NSTREAMS", "auto", "peer", "streams per TCP, TLS or QUIC link, frames dealt across them: N, or auto (one, and more on a TCP link that optimize_topology() found held back by its window)"),
     v("ECCL_REDUCE_THREADS", "the host's cores over the ranks on it, 1–4", "peer", "threads one reduction of 256 KiB or more may use (the same bits with any count); ECCL_DEBUG=INFO logs the choice"),
     v("ECCL_TIMEOUT_MS", "30000", "peer", "a collective with no progress for this long fails with Timeout"),
     v("ECCL_CONNECT_TIMEOUT_MS", "10000", "peer", "how long to try to reach a master before MasterUnavailable"),

@@ -438,15 +438,25 @@ pub struct World {
     /// The ring order the master solved from measured links (`optimize_topology()`):
     /// the ranks around the ring, each sending to the next. Empty: rank order.
     pub ring: Vec<u32>,
+    /// Links striped over more than one connection, solved from measured links
+    /// (`optimize_topology()`): `(smaller peer id, larger, connections)`, sorted; a pair
+    /// not named has one. Both ends of a link read the same count here.
+    pub stripes: Vec<(PeerId, PeerId, u16)>,
 }
 
+/// Most connections the master stripes one link over.
+pub const MAX_STRIPES: u16 = 16;
+
 /// What one member measured of its link to another (`optimize_topology()`): bytes per
-/// second one way, and the one-way latency.
+/// second one way, the one-way latency, and the connections it asks the link to have
+/// (more than it has when its connections spent most of the probe waiting for the TCP
+/// window, not the path; 0: no opinion, a transport without connections to count).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkMeasure {
     pub to: PeerId,
     pub bytes_per_s: u64,
     pub latency_ns: u64,
+    pub streams: u16,
 }
 
 impl World {
@@ -499,7 +509,28 @@ impl World {
                 return Err(format!("peer {} appears twice", m.peer_id));
             }
         }
+        for w in self.stripes.windows(2) {
+            if (w[0].0, w[0].1) >= (w[1].0, w[1].1) {
+                return Err("stripes are not sorted by pair".into());
+            }
+        }
+        for &(a, b, n) in &self.stripes {
+            if a >= b || !seen.contains(&a) || !seen.contains(&b) || !(2..=MAX_STRIPES).contains(&n)
+            {
+                return Err(format!("stripes ({a}, {b}, {n}): not a pair of members with 2 to {MAX_STRIPES} connections"));
+            }
+        }
         Ok(())
+    }
+
+    /// Connections the master striped the link between `a` and `b` over; `None`: not
+    /// striped.
+    pub fn stripes_between(&self, a: PeerId, b: PeerId) -> Option<u16> {
+        let key = (a.min(b), a.max(b));
+        self.stripes
+            .binary_search_by(|&(x, y, _)| (x, y).cmp(&key))
+            .ok()
+            .map(|i| self.stripes[i].2)
     }
 
     pub fn peer_ids(&self) -> Vec<PeerId> {
@@ -510,6 +541,38 @@ impl World {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stripes_name_sorted_pairs_of_members_with_two_to_the_cap_connections() {
+        let member = |r: u32| Member {
+            peer_id: PeerId(10 + r as u64),
+            rank: Rank(r),
+            addr: String::new(),
+            host: String::new(),
+            quic: None,
+            shm: None,
+        };
+        let world = |stripes| World {
+            epoch: 1,
+            members: (0..3).map(member).collect(),
+            ring: vec![],
+            stripes,
+        };
+        let (a, b, c) = (PeerId(10), PeerId(11), PeerId(12));
+        let w = world(vec![(a, b, 4), (a, c, 2)]);
+        assert_eq!(w.validate(), Ok(()));
+        assert_eq!(w.stripes_between(c, a), Some(2));
+        assert_eq!(w.stripes_between(b, c), None);
+        for bad in [
+            vec![(a, c, 2), (a, b, 4)],
+            vec![(b, a, 4)],
+            vec![(a, PeerId(99), 4)],
+            vec![(a, b, 1)],
+            vec![(a, b, MAX_STRIPES + 1)],
+        ] {
+            assert!(world(bad.clone()).validate().is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn buffer_formats_map_through_the_dtype_table() {

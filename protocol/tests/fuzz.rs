@@ -56,6 +56,11 @@ fn world(n: u32) -> World {
             })
             .collect(),
         ring: (0..n).rev().collect(),
+        stripes: if n >= 2 {
+            vec![(PeerId(100), PeerId(101), 4)]
+        } else {
+            vec![]
+        },
     }
 }
 
@@ -152,6 +157,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
                 to: PeerId(9),
                 bytes_per_s: 1 << 30,
                 latency_ns: 50_000,
+                streams: 4,
             }],
         },
     ];

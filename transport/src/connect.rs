@@ -107,7 +107,22 @@ pub async fn dial_tcp(
     tls: bool,
     timeout: Duration,
 ) -> Result<(BoxRead, BoxWrite), TransportError> {
+    dial_tcp_stream(addr, secret, hello, tls, timeout)
+        .await
+        .map(|(r, w, _)| (r, w))
+}
+
+/// [`dial_tcp`], with the connection's socket (held open by the two halves), whose
+/// counters tell whether its window bounds it ([`crate::link::tcp_info`]).
+pub async fn dial_tcp_stream(
+    addr: &str,
+    secret: &Secret,
+    hello: &LinkHello,
+    tls: bool,
+    timeout: Duration,
+) -> Result<(BoxRead, BoxWrite, std::os::fd::RawFd), TransportError> {
     let mut tcp = tcp_connect(addr, addr, timeout).await?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&tcp);
     let mode = if tls { MODE_TLS } else { MODE_PLAIN };
     tcp.write_all(&[mode])
         .await
@@ -116,12 +131,12 @@ pub async fn dial_tcp(
         let mut s = tls::connect(tcp, secret, Role::PeerLink, addr).await?;
         write_hello(&mut s, hello, addr).await?;
         let (r, w) = tokio::io::split(s);
-        Ok((Box::new(r), Box::new(w)))
+        Ok((Box::new(r), Box::new(w), fd))
     } else {
         handshake::dial(&mut tcp, secret, Role::PeerLink, addr).await?;
         write_hello(&mut tcp, hello, addr).await?;
         let (r, w) = tcp.into_split();
-        Ok((Box::new(r), Box::new(w)))
+        Ok((Box::new(r), Box::new(w), fd))
     }
 }
 
@@ -206,5 +221,13 @@ pub fn stream_link(
     keep_buf_max: usize,
     guard: Option<Arc<dyn crate::link::stream::LinkGuard>>,
 ) -> (LinkTx, LinkRx) {
-    crate::link::stream::link_from_streams(peer, transport, streams, observer, keep_buf_max, guard)
+    crate::link::stream::link_from_streams(
+        peer,
+        transport,
+        streams,
+        vec![],
+        observer,
+        keep_buf_max,
+        guard,
+    )
 }

@@ -37,6 +37,8 @@ pub enum Conn {
         transport: Transport,
         read: BoxRead,
         write: BoxWrite,
+        /// The connection's socket, held open by `read` and `write`.
+        fd: std::os::fd::RawFd,
     },
     /// A whole shm link, whose segment is passed next ([`crate::shm::accept_link`]).
     Shm(UnixStream),
@@ -205,6 +207,7 @@ async fn tcp_one(
     opts: &ListenOptions,
 ) -> Result<Accepted, TransportError> {
     let name = remote.to_string();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
     stream
         .set_nodelay(true)
         .map_err(|e| TransportError::io(&name, e))?;
@@ -249,6 +252,7 @@ async fn tcp_one(
             transport,
             read,
             write,
+            fd,
         },
     })
 }

@@ -23,8 +23,6 @@ use crate::{quic, shm, TransportError};
 /// What every link of a mesh is made with.
 #[derive(Clone)]
 pub struct LinkSettings {
-    /// Streams (connections) per TCP or TLS link, streams per QUIC link.
-    pub nstreams: u16,
     /// The frame size of a shm link's rings.
     pub shm_frame_bytes: usize,
     /// How long one link may take to connect.
@@ -36,19 +34,21 @@ pub struct LinkSettings {
 }
 
 impl LinkSettings {
-    /// A link over `streams` (a TCP or TLS link's connections, a QUIC connection's
-    /// streams, whose `guard` keeps the connection open).
+    /// A link over `streams` (a TCP or TLS link's connections, with their sockets
+    /// `tcp_fds`; a QUIC connection's streams, whose `guard` keeps the connection open).
     fn stream_link(
         &self,
         peer: String,
         transport: Transport,
         streams: Vec<(BoxRead, BoxWrite)>,
+        tcp_fds: Vec<std::os::fd::RawFd>,
         guard: Option<Arc<dyn crate::link::stream::LinkGuard>>,
     ) -> (LinkTx, LinkRx) {
         link_from_streams(
             peer,
             transport,
             streams,
+            tcp_fds,
             self.observer.clone(),
             self.keep_buf_max,
             guard,
@@ -218,7 +218,8 @@ impl Dialer<'_> {
     }
 
     /// A link to the peer at `to` over `transport`, introduced on each stream by
-    /// `hello(stream)`; `peer` names it in errors and logs.
+    /// `hello(stream)` (a TCP or TLS link has the hello's `nstreams` connections);
+    /// `peer` names it in errors and logs.
     pub async fn link(
         &self,
         to: Addresses<'_>,
@@ -233,20 +234,22 @@ impl Dialer<'_> {
         };
         match transport {
             Transport::Tcp | Transport::Tls => {
-                let mut streams = Vec::with_capacity(s.nstreams as usize);
-                for i in 0..s.nstreams {
-                    streams.push(
-                        connect::dial_tcp(
-                            to.tcp,
-                            self.secret,
-                            &hello(i),
-                            transport == Transport::Tls,
-                            s.connect_timeout,
-                        )
-                        .await?,
-                    );
+                let n = hello(0).nstreams.max(1);
+                let mut streams = Vec::with_capacity(n as usize);
+                let mut fds = Vec::with_capacity(n as usize);
+                for i in 0..n {
+                    let (r, w, fd) = connect::dial_tcp_stream(
+                        to.tcp,
+                        self.secret,
+                        &hello(i),
+                        transport == Transport::Tls,
+                        s.connect_timeout,
+                    )
+                    .await?;
+                    streams.push((r, w));
+                    fds.push(fd);
                 }
-                Ok(s.stream_link(peer, transport, streams, None))
+                Ok(s.stream_link(peer, transport, streams, fds, None))
             }
             Transport::Shm => {
                 let name = to
@@ -278,7 +281,7 @@ impl Dialer<'_> {
                 let link =
                     connect::dial_quic(ep, at, self.secret, &hello(0), s.connect_timeout).await?;
                 let (streams, guard) = link.into_parts();
-                Ok(s.stream_link(peer, Transport::Quic, streams, Some(guard)))
+                Ok(s.stream_link(peer, Transport::Quic, streams, vec![], Some(guard)))
             }
             // The verbs link (crate::verbs) is built and tested on its own; a mesh does
             // not make verbs links yet.
@@ -294,7 +297,13 @@ impl Dialer<'_> {
 /// arrived over one transport.
 pub struct Assembler {
     settings: LinkSettings,
-    partial: HashMap<u32, (Transport, Vec<Option<(BoxRead, BoxWrite)>>)>,
+    partial: HashMap<
+        u32,
+        (
+            Transport,
+            Vec<Option<(BoxRead, BoxWrite, std::os::fd::RawFd)>>,
+        ),
+    >,
 }
 
 impl Assembler {
@@ -305,13 +314,15 @@ impl Assembler {
         }
     }
 
-    /// Adds connection `conn`, stream `stream` of the link from `key` (the caller has
-    /// checked who sent it); returns the link once it is complete. A stream of another
-    /// transport than the link's first, or one already there, is dropped.
+    /// Adds connection `conn`, stream `stream` of the `nstreams` of the link from `key`
+    /// (the caller has checked who sent it and that the count is the link's); returns
+    /// the link once it is complete. A stream of another transport than the link's
+    /// first, or one already there, is dropped.
     pub async fn add(
         &mut self,
         key: u32,
         stream: u16,
+        nstreams: u16,
         conn: Conn,
         peer: String,
     ) -> Result<Option<(LinkTx, LinkRx)>, TransportError> {
@@ -321,8 +332,9 @@ impl Assembler {
                 transport,
                 read,
                 write,
+                fd,
             } => {
-                let n = s.nstreams as usize;
+                let n = nstreams.max(1) as usize;
                 let (kind, slots) = self
                     .partial
                     .entry(key)
@@ -331,17 +343,17 @@ impl Assembler {
                 if *kind != transport || i >= slots.len() || slots[i].is_some() {
                     return Ok(None);
                 }
-                slots[i] = Some((read, write));
+                slots[i] = Some((read, write, fd));
                 if !slots.iter().all(Option::is_some) {
                     return Ok(None);
                 }
                 let (kind, slots) = self.partial.remove(&key).expect("present above");
-                Ok(Some(s.stream_link(
-                    peer,
-                    kind,
-                    slots.into_iter().flatten().collect(),
-                    None,
-                )))
+                let (streams, fds) = slots
+                    .into_iter()
+                    .flatten()
+                    .map(|(r, w, fd)| ((r, w), fd))
+                    .unzip();
+                Ok(Some(s.stream_link(peer, kind, streams, fds, None)))
             }
             Conn::Shm(sock) => shm::accept_link(sock, peer, s.observer.clone(), s.connect_timeout)
                 .await
@@ -352,6 +364,7 @@ impl Assembler {
                     peer,
                     Transport::Quic,
                     streams,
+                    vec![],
                     Some(guard),
                 )))
             }

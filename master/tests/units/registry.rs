@@ -212,6 +212,7 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
                         100_000_000
                     },
                     latency_ns: 20_000,
+                    streams: 0,
                 })
                 .collect();
             (p[i], row)
@@ -268,4 +269,79 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
         }),
         Outcome::Rejected(_)
     ));
+}
+
+/// A link one end measured window-bound is striped at the next epoch over the larger
+/// count either end asked for (capped), for both ends alike; a later measurement that
+/// asks for one connection takes it back, and a departed peer's stripes go with it.
+#[test]
+fn window_bound_links_are_striped_for_both_ends() {
+    use eccl_protocol::{LinkMeasure, MAX_STRIPES};
+    let mut r = Registry::default();
+    let p: Vec<PeerId> = (0..3).map(|i| reg(&mut r, Some(i))).collect();
+    let Outcome::Epoch(w) = r.apply(&Command::CommitEpoch {
+        expected_epoch: 0,
+        admit: p.clone(),
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert!(w.stripes.is_empty());
+    let measure = |to: PeerId, streams: u16| LinkMeasure {
+        to,
+        bytes_per_s: 30_000_000,
+        latency_ns: 50_000_000,
+        streams,
+    };
+    // 0 -> 2 asks for 4, 2 -> 0 for 100 (capped); 0 <-> 1 no opinion (0) and one.
+    let rows = vec![
+        (p[0], vec![measure(p[1], 0), measure(p[2], 4)]),
+        (p[1], vec![measure(p[0], 1), measure(p[2], 1)]),
+        (p[2], vec![measure(p[0], 100), measure(p[1], 1)]),
+    ];
+    let Outcome::Epoch(w2) = r.apply(&Command::Topology {
+        epoch: w.epoch,
+        rows,
+    }) else {
+        panic!()
+    };
+    w2.validate().unwrap();
+    assert_eq!(w2.stripes, vec![(p[0], p[2], MAX_STRIPES)]);
+    assert_eq!(w2.stripes_between(p[2], p[0]), Some(MAX_STRIPES));
+    assert_eq!(w2.stripes_between(p[0], p[1]), None);
+    // Measured again with one connection wanted each way: no longer striped.
+    let rows = vec![
+        (p[0], vec![measure(p[2], 1)]),
+        (p[2], vec![measure(p[0], 1)]),
+        (p[1], vec![]),
+    ];
+    let Outcome::Epoch(w3) = r.apply(&Command::Topology {
+        epoch: w2.epoch,
+        rows,
+    }) else {
+        panic!()
+    };
+    assert!(w3.stripes.is_empty(), "{:?}", w3.stripes);
+    // Striped again, then one end leaves: the next world has no stripes of it.
+    let rows = vec![
+        (p[1], vec![measure(p[2], 4)]),
+        (p[0], vec![]),
+        (p[2], vec![]),
+    ];
+    let Outcome::Epoch(w4) = r.apply(&Command::Topology {
+        epoch: w3.epoch,
+        rows,
+    }) else {
+        panic!()
+    };
+    assert_eq!(w4.stripes, vec![(p[1], p[2], 4)]);
+    r.apply(&Command::Leave { peer: p[1] });
+    let Outcome::Epoch(w5) = r.apply(&Command::CommitEpoch {
+        expected_epoch: w4.epoch,
+        admit: vec![],
+        remove: vec![],
+    }) else {
+        panic!()
+    };
+    assert!(w5.stripes.is_empty(), "{:?}", w5.stripes);
 }

@@ -241,9 +241,14 @@ impl Communicator {
         let mut keep = HashMap::new();
         if let Some(old) = self.cur.take() {
             if reuse && old.world.epoch + 1 == world.epoch {
+                let me = self.peer_id;
+                let streams = |w: &World, p| crate::links::streams_between(w, &self.cfg, me, p);
                 for (m, link) in old.world.members.iter().zip(old.links) {
-                    let carries_on =
-                        world.rank_of(m.peer_id).is_some() && !renew.contains(&m.peer_id);
+                    // A link the master striped anew (or no longer) is connected again
+                    // with its new count; both ends see the change in the same worlds.
+                    let carries_on = world.rank_of(m.peer_id).is_some()
+                        && !renew.contains(&m.peer_id)
+                        && streams(&old.world, m.peer_id) == streams(&world, m.peer_id);
                     if let Some(mut link) = link.filter(|_| carries_on) {
                         link.rx.stash.retain(|f| f.header.epoch >= world.epoch);
                         keep.insert(m.peer_id, link);

@@ -29,6 +29,31 @@ const SMALL_PROBE: usize = 256 << 10;
 const LARGE_PROBE: usize = 4 << 20;
 const LARGE_IF_UNDER: Duration = Duration::from_millis(20);
 const PINGS: usize = 3;
+/// A path with at least this round trip is probed for [`LONG_PATH_TRIPS`] round trips
+/// (doubling the probe, up to [`MAX_PROBE`]): long enough for a TCP connection to leave
+/// slow start, so that what bounds it (its window or the path) shows.
+const LONG_PATH_RTT: Duration = Duration::from_millis(1);
+const LONG_PATH_TRIPS: u32 = 8;
+const MAX_PROBE: usize = 64 << 20;
+/// A link whose connections spent more than this share of the probe held back by the
+/// TCP window (not the path) asks for [`STRIPE_STEP`] times its connections.
+const WINDOW_BOUND: f64 = 0.5;
+const STRIPE_STEP: u16 = 4;
+
+/// The connections a link asks for after a probe: `share` of its `connections`' busy
+/// time was window-limited, over a path with round trip `rtt`. More where the window
+/// bound it on a long path (up to the master's cap), as many as it has otherwise: on a
+/// short one a full window means a receiver slower than the path, which more
+/// connections do not cure.
+pub(crate) fn stripes_wanted(connections: u16, share: f64, rtt: Duration) -> u16 {
+    if share > WINDOW_BOUND && rtt >= LONG_PATH_RTT {
+        connections
+            .saturating_mul(STRIPE_STEP)
+            .min(eccl_protocol::MAX_STRIPES)
+    } else {
+        connections
+    }
+}
 
 /// What `optimize_topology()` measured and the world it led to.
 #[derive(Clone, Debug)]
@@ -146,7 +171,8 @@ impl Communicator {
             rtt = rtt.min(t.elapsed());
         }
         let mut size = SMALL_PROBE;
-        let bytes_per_s = loop {
+        let (bytes_per_s, window) = loop {
+            let before = self.window_stats(peer);
             let payload = vec![0x5au8; size];
             let t = Instant::now();
             self.send_bytes(DType::U8, &(size as u64).to_le_bytes(), peer, PROBE_TAG)
@@ -160,16 +186,39 @@ impl Communicator {
                 size = LARGE_PROBE;
                 continue;
             }
+            let window = before.zip(self.window_stats(peer));
+            if window.is_some()
+                && rtt >= LONG_PATH_RTT
+                && took < rtt * LONG_PATH_TRIPS
+                && size < MAX_PROBE
+            {
+                size *= 2;
+                continue;
+            }
             let wire = took.saturating_sub(rtt).max(Duration::from_micros(1));
-            break (size as f64 / wire.as_secs_f64()) as u64;
+            break ((size as f64 / wire.as_secs_f64()) as u64, window);
         };
         self.send_bytes(DType::U8, &0u64.to_le_bytes(), peer, PROBE_TAG)
             .await?;
+        // TCP links only: how much of the last probe the window held back.
+        let streams = window.map_or(0, |(b, a)| {
+            let share = b.limited_share(&a).unwrap_or(0.0);
+            let want = stripes_wanted(a.connections, share, rtt);
+            tracing::info!(target: "eccl::topology", "link to rank {peer}: {} connection(s) spent {:.0} % of the probe held back by the TCP window (round trip {:.1} ms): asks for {want}", a.connections, share * 100.0, rtt.as_secs_f64() * 1e3);
+            want
+        });
         Ok(LinkMeasure {
             to: eccl_protocol::PeerId(0),
             bytes_per_s: bytes_per_s.max(1),
             latency_ns: (rtt.as_nanos() / 2) as u64,
+            streams,
         })
+    }
+
+    /// The TCP counters of our link to `peer`, if it is a TCP or TLS link.
+    fn window_stats(&self, peer: Rank) -> Option<eccl_transport::link::tcp_info::WindowStats> {
+        let c = self.cur.as_ref()?;
+        c.links.get(peer.idx())?.as_ref()?.tx.window_stats()
     }
 
     /// The receiving side of one direction: answers the round trips, takes each probe
@@ -188,9 +237,9 @@ impl Communicator {
             if size == 0 {
                 return Ok(());
             }
-            if size > LARGE_PROBE {
+            if size > MAX_PROBE {
                 return Err(Error::InvalidArgument(format!(
-                    "rank {peer} announced a probe of {size} bytes (at most {LARGE_PROBE})"
+                    "rank {peer} announced a probe of {size} bytes (at most {MAX_PROBE})"
                 )));
             }
             let mut payload = vec![0u8; size];
@@ -204,6 +253,26 @@ impl Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_bound_long_path_asks_for_more_connections_and_nothing_else_does() {
+        let long = Duration::from_millis(100);
+        let short = Duration::from_micros(50);
+        assert_eq!(stripes_wanted(1, 0.9, long), 4);
+        assert_eq!(stripes_wanted(4, 0.9, long), 16);
+        assert_eq!(stripes_wanted(16, 0.9, long), eccl_protocol::MAX_STRIPES);
+        assert_eq!(stripes_wanted(1, 0.2, long), 1);
+        assert_eq!(
+            stripes_wanted(4, 0.2, long),
+            4,
+            "a striped link keeps its count"
+        );
+        assert_eq!(
+            stripes_wanted(1, 0.9, short),
+            1,
+            "a slow receiver on a short path"
+        );
+    }
 
     #[test]
     fn every_pair_meets_once_and_nobody_twice_in_a_round() {

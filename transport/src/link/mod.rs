@@ -22,6 +22,7 @@
 //! transport is chosen and its links are made.
 
 pub mod stream;
+pub mod tcp_info;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -184,6 +185,11 @@ pub trait SendHalf: Send + 'static {
 
     /// See [`LinkTx::close`].
     fn close(self: Box<Self>, header: FrameHeader) -> BoxFuture<'static, ()>;
+
+    /// See [`LinkTx::window_stats`].
+    fn window_stats(&self) -> Option<tcp_info::WindowStats> {
+        None
+    }
 }
 
 /// A transport's receiving half (see [`SendHalf`]).
@@ -291,6 +297,13 @@ impl LinkTx {
         timeout: Duration,
     ) -> Result<(), TransportError> {
         self.half.send_frame(header, payload, timeout).await
+    }
+
+    /// How long the link's TCP connections had data in flight and how much of it the
+    /// TCP window held them back; `None` for a link without TCP connections (shared
+    /// memory, QUIC, verbs).
+    pub fn window_stats(&self) -> Option<tcp_info::WindowStats> {
+        self.half.window_stats()
     }
 
     /// Tells the peer we close the link on purpose, then shuts it down.

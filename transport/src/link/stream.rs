@@ -51,6 +51,9 @@ pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
 /// Sending half of a stream link.
 pub(crate) struct StreamTx {
     streams: Vec<BoxWrite>,
+    /// The TCP sockets under the streams, when they are TCP connections (their
+    /// counters: [`super::tcp_info`]); held open by `streams`.
+    tcp_fds: Vec<std::os::fd::RawFd>,
     peer: String,
     guard: Option<Arc<dyn LinkGuard>>,
     /// Set while a frame is being written; still set afterwards means the write was
@@ -261,6 +264,10 @@ impl SendHalf for StreamTx {
     fn close(self: Box<Self>, header: FrameHeader) -> BoxFuture<'static, ()> {
         Box::pin(self.shut(header))
     }
+
+    fn window_stats(&self) -> Option<super::tcp_info::WindowStats> {
+        super::tcp_info::read_all(&self.tcp_fds)
+    }
 }
 
 impl RecvHalf for StreamRx {
@@ -288,10 +295,13 @@ impl Drop for StreamRx {
 /// Builds a link from already authenticated byte streams (one or more, same order on
 /// both sides). Spawns one reader task per stream on the current tokio runtime. `guard`
 /// is what carries the streams, if their end must be orderly (see [`LinkGuard`]).
+/// `tcp_fds`: the streams' TCP sockets, if they are TCP connections (held open by the
+/// streams), for [`LinkTx::window_stats`]; empty otherwise.
 pub fn link_from_streams<R, W>(
     peer: String,
     transport: Transport,
     streams: Vec<(R, W)>,
+    tcp_fds: Vec<std::os::fd::RawFd>,
     observer: Arc<dyn LinkObserver>,
     keep_buf_max: usize,
     guard: Option<Arc<dyn LinkGuard>>,
@@ -318,6 +328,7 @@ where
     }
     let tx = StreamTx {
         streams: writers,
+        tcp_fds,
         peer: peer.clone(),
         guard: guard.clone(),
         poisoned: false,
@@ -449,6 +460,7 @@ mod tests {
             "peer".into(),
             Transport::Tcp,
             vec![(ar, aw)],
+            vec![],
             seen.clone(),
             1 << 20,
             None,
@@ -466,6 +478,7 @@ mod tests {
             "b".into(),
             Transport::Tcp,
             vec![(ar, aw)],
+            vec![],
             seen.clone(),
             1 << 20,
             None,
@@ -474,6 +487,7 @@ mod tests {
             "a".into(),
             Transport::Tcp,
             vec![(br, bw)],
+            vec![],
             seen,
             1 << 20,
             None,

@@ -6,6 +6,7 @@
 
 mod check;
 mod cuda_probe;
+mod delay;
 mod device;
 mod local;
 mod plot;
@@ -197,6 +198,9 @@ fn main() -> ExitCode {
         eccl::logging::init();
         return probe::main(&argv[2..]);
     }
+    if argv.get(1).map(String::as_str) == Some("delay-link") {
+        return delay::main(&argv[2..]);
+    }
     if argv.get(1).map(String::as_str) == Some("plot") {
         return plot::main(&argv[2..]);
     }
@@ -375,6 +379,13 @@ async fn show_topology(
         bw(c, d) / 1e9,
         bw(a, b) / bw(c, d).max(1.0)
     );
+    if let Some(w) = comm.world() {
+        for &(x, y, k) in &w.stripes {
+            if let (Some(rx), Some(ry)) = (w.rank_of(x), w.rank_of(y)) {
+                println!("# striped: rank {rx} <-> rank {ry} over {k} connections (one was window-bound)");
+            }
+        }
+    }
     Ok(())
 }
 
