@@ -15,6 +15,8 @@
 #   slow-ring  5 peers; every link between neighbours in rank order (i <-> i+1) is
 #              slow, so rank order's ring is slow throughout and 0 2 4 1 3 is not.
 #   wan        4 peers; one long slow hop, 3<->0 (rank order's closing link).
+#   uniform    4 peers, every link at --fast: where int8 on the wire is measured against
+#              the exact all_reduce on equal links.
 #   long-fat   2 peers joined by a long fat path: their links go over a TUN device pair
 #              that eccl-bench delay-link relays with a --delay-ms round trip (netem's
 #              part), shaped to --fast by tbf; the master on the bridge. Runs with one
@@ -54,7 +56,8 @@ case $SCENARIO in
     slow-ring) N=5; SLOW_PAIRS="0-1 1-2 2-3 3-4 4-0" ;;
     wan) N=4; SLOW_PAIRS="3-0" ;;
     long-fat) N=2; SLOW_PAIRS="" ;;
-    *) echo "netlab: unknown scenario $SCENARIO (slow-pair, slow-ring, wan, long-fat)" >&2; exit 2 ;;
+    uniform) N=4; SLOW_PAIRS="" ;;
+    *) echo "netlab: unknown scenario $SCENARIO (slow-pair, slow-ring, wan, long-fat, uniform)" >&2; exit 2 ;;
 esac
 if [ -z "$FAST" ]; then
     if [ "$SCENARIO" = long-fat ]; then FAST=400mbit; else FAST=1gbit; fi

@@ -82,6 +82,7 @@ impl Communicator {
             schedules: HashMap::new(),
             last_algo: HashMap::new(),
             state_digests: HashMap::new(),
+            quant_scratch: Default::default(),
         })
     }
         .boxed()

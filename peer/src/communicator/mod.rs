@@ -107,6 +107,8 @@ pub struct Communicator {
     last_algo: HashMap<CollectiveKind, Algo>,
     /// Shared-state tensors' digests as the last sync left them (by name).
     pub(crate) state_digests: HashMap<String, crate::shared_state::KnownDigest>,
+    /// The quantized all_reduce's buffers, kept between calls.
+    quant_scratch: quantized::Scratch,
 }
 
 impl Drop for Communicator {
