@@ -382,7 +382,8 @@ async fn show_topology(
     if let Some(w) = comm.world() {
         for &(x, y, k) in &w.stripes {
             if let (Some(rx), Some(ry)) = (w.rank_of(x), w.rank_of(y)) {
-                println!("# striped: rank {rx} <-> rank {ry} over {k} connections (one was window-bound)");
+                let (a, b) = (rx.min(ry), rx.max(ry));
+                println!("# striped: rank {a} <-> rank {b} over {k} connections (one was window-bound)");
             }
         }
     }
