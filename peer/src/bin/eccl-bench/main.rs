@@ -383,7 +383,9 @@ async fn show_topology(
         for &(x, y, k) in &w.stripes {
             if let (Some(rx), Some(ry)) = (w.rank_of(x), w.rank_of(y)) {
                 let (a, b) = (rx.min(ry), rx.max(ry));
-                println!("# striped: rank {a} <-> rank {b} over {k} connections (one was window-bound)");
+                println!(
+                    "# striped: rank {a} <-> rank {b} over {k} connections (one was window-bound)"
+                );
             }
         }
     }
