@@ -697,11 +697,34 @@ fn ghosts(events: &[(usize, Event)]) -> Vec<String> {
 /// it woke: a slow peer must cost the others time, never an abort. Faults play one at a
 /// time, so nothing else can have caused them.
 pub(crate) fn slow_aborts(log: &RunLog) -> Vec<String> {
+    // Under --churn another fault may strike while a slow peer is stopped: a call it
+    // failed is not the slow peer's doing. As for master faults, a fault explains a call
+    // that overlaps it widened by the hang limit (a lease and the margin) on both sides;
+    // a join fails no call, and one slow peer does not excuse another.
+    let reach = log.hang_limit_ms;
+    let explained: Vec<(f64, f64)> = log
+        .faults
+        .iter()
+        .filter(|(k, _)| !matches!(k, FaultKind::Join | FaultKind::Slow))
+        .map(|(_, o)| (o.at, o.at + o.stopped_ms.unwrap_or(0.0)))
+        .chain(log.stopped.iter().map(|&(_, from, to)| (from, to)))
+        .chain(log.master_windows.iter().copied())
+        .collect();
+    let other_fault = |start: f64, end: f64| {
+        explained
+            .iter()
+            .any(|&(from, to)| from - reach <= end && to + reach >= start)
+    };
     let mut found = Vec::new();
     for &(victim, from, to) in &log.slowed {
         for (slot, e) in &log.events {
             let Some(c) = e.call() else { continue };
-            if !c.ok && c.op.is_counted() && c.end > from && c.start < to + log.lease_ms {
+            if !c.ok
+                && c.op.is_counted()
+                && c.end > from
+                && c.start < to + log.lease_ms
+                && !other_fault(c.start, c.end)
+            {
                 found.push(format!(
                     "slow peer caused an abort: worker {victim} was stopped {:.0} ms (under \
                      half a lease) and peer {} (worker {slot}) failed a {} in epoch {}",

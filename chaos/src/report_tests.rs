@@ -258,6 +258,43 @@ fn a_slow_peer_may_cost_time_but_no_abort_or_eviction() {
     assert_eq!(r.false_evictions, 1, "{:?}", r.violations);
 }
 
+/// Under --churn another fault (here a member leaving from the middle of a sync) may
+/// strike while a slow peer is stopped: the calls it failed are its doing, not the slow
+/// peer's; a failure no other fault comes near is still the slow peer's.
+#[test]
+fn a_call_that_another_fault_failed_is_not_the_slow_peers_doing() {
+    let failed = |peer, start, end| match call(peer, Op::AllReduce, start, end, 1, &[1, 2]) {
+        Event::Call(c) => Event::Call(Call { ok: false, ..c }),
+        e => e,
+    };
+    let mut l = log(vec![
+        (0, failed(1, 1500.0, 1700.0)),
+        (0, failed(1, 20_000.0, 20_100.0)),
+    ]);
+    l.slowed = vec![(1, 1000.0, 1300.0), (1, 19_800.0, 20_100.0)];
+    l.faults.push((
+        FaultKind::LeaveDuringSync,
+        crate::measure::Outcome {
+            at: 2000.0,
+            victim: 3,
+            ..Default::default()
+        },
+    ));
+    let r = analyse(&l);
+    let slow: Vec<_> = r
+        .violations
+        .iter()
+        .filter(|v| v.contains("slow peer"))
+        .collect();
+    assert_eq!(slow.len(), 1, "{:?}", r.violations);
+    assert!(slow[0].contains("stopped 300 ms"), "{slow:?}");
+    assert!(
+        !r.violations.iter().any(|v| v.contains("1500")),
+        "{:?}",
+        r.violations
+    );
+}
+
 #[test]
 fn membership_calls_may_wait_out_a_master_fault_but_collectives_may_not() {
     let mut l = log(vec![
