@@ -15,6 +15,7 @@ mod master;
 mod master_faults;
 mod masters;
 mod measure;
+mod members;
 mod netns;
 mod orchestrator;
 mod report;

@@ -80,20 +80,6 @@ pub struct Stats {
     pub max: Option<f64>,
 }
 
-/// What members' calls took while newcomers caught up, beside the same at other times.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct MemberCost {
-    /// Members' successful all_reduces that overlap a newcomer's catch-up (its spawn to
-    /// its first synced all_reduce), in ms.
-    pub all_reduce_during_joins_ms: Stats,
-    /// The same while no fault plays out.
-    pub all_reduce_otherwise_ms: Stats,
-    /// Members' steps (one commit to the next) that overlap a catch-up, in ms.
-    pub step_during_joins_ms: Stats,
-    /// The same while no fault plays out.
-    pub step_otherwise_ms: Stats,
-}
-
 #[derive(Debug, Default, Serialize)]
 pub struct FaultCounts {
     pub kill: u64,
@@ -131,7 +117,7 @@ pub struct Report {
     pub join_ms: Stats,
     /// What the members' all_reduces and steps took while newcomers caught up, and
     /// otherwise.
-    pub members: MemberCost,
+    pub members: crate::members::MemberCost,
     /// From a master fault to another master leading (its first act: fresh leases).
     pub master_failover_ms: Stats,
     pub false_evictions: u64,
@@ -161,75 +147,6 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
     }
     let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
     Some(sorted[rank.clamp(1, sorted.len()) - 1])
-}
-
-/// The members' all_reduces and steps during newcomers' catch-ups, and while no fault
-/// plays out. A fault plays out from its time to the end of the longest of what was
-/// measured of it (its join, recovery or stop); a fault with none of those counts from
-/// its time for a lease.
-pub fn member_cost(log: &RunLog) -> MemberCost {
-    let played = |o: &Outcome| {
-        let d = [o.join_ms, o.recovery_ms, o.stopped_ms, o.abort_ms]
-            .into_iter()
-            .flatten()
-            .fold(log.lease_ms, f64::max);
-        (o.at, o.at + d)
-    };
-    let joins: Vec<(usize, f64, f64)> = log
-        .faults
-        .iter()
-        .filter(|(k, o)| *k == FaultKind::Join && o.join_ms.is_some())
-        .map(|(_, o)| (o.victim, o.at, o.at + o.join_ms.unwrap_or(0.0)))
-        .collect();
-    let windows: Vec<(f64, f64)> = log
-        .faults
-        .iter()
-        .map(|(_, o)| played(o))
-        .chain(log.master_windows.iter().copied())
-        .collect();
-    let overlaps = |(a, b): (f64, f64), (c, d): (f64, f64)| a < d && c < b;
-    // A member of a join: any slot but the newcomer's.
-    let during_join = |slot: usize, span: (f64, f64)| {
-        joins
-            .iter()
-            .any(|&(v, c, d)| v != slot && overlaps(span, (c, d)))
-    };
-    let quiet = |span: (f64, f64)| !windows.iter().any(|&w| overlaps(span, w));
-    let (mut ar_join, mut ar_quiet, mut step_join, mut step_quiet) =
-        (vec![], vec![], vec![], vec![]);
-    let mut last_commit: BTreeMap<usize, f64> = BTreeMap::new();
-    for (slot, e) in &log.events {
-        match e {
-            Event::Call(c) if c.op == Op::AllReduce && c.ok => {
-                let span = (c.start, c.end);
-                if during_join(*slot, span) {
-                    ar_join.push(c.end - c.start);
-                } else if quiet(span) {
-                    ar_quiet.push(c.end - c.start);
-                }
-            }
-            Event::Commit { t, .. } => {
-                if let Some(prev) = last_commit.insert(*slot, *t) {
-                    let span = (prev, *t);
-                    if during_join(*slot, span) {
-                        step_join.push(t - prev);
-                    } else if quiet(span) {
-                        step_quiet.push(t - prev);
-                    }
-                }
-            }
-            Event::Evicted { .. } | Event::Registered { .. } => {
-                last_commit.remove(slot);
-            }
-            _ => {}
-        }
-    }
-    MemberCost {
-        all_reduce_during_joins_ms: stats(ar_join),
-        all_reduce_otherwise_ms: stats(ar_quiet),
-        step_during_joins_ms: stats(step_join),
-        step_otherwise_ms: stats(step_quiet),
-    }
 }
 
 pub fn stats(samples: impl IntoIterator<Item = f64>) -> Stats {
@@ -359,7 +276,7 @@ pub fn analyse(log: &RunLog) -> Report {
             partition: of(FaultKind::Partition, |o| o.recovery_ms),
         },
         join_ms: of(FaultKind::Join, |o| o.join_ms),
-        members: member_cost(log),
+        members: crate::members::member_cost(log),
         master_failover_ms: stats(log.master_faults.iter().filter_map(|(_, o)| o.failover_ms)),
         false_evictions: falsely.len() as u64,
         longest_stall_ms: stall.map(|(ms, _)| ms),

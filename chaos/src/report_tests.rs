@@ -17,6 +17,14 @@ fn call(peer: PeerId, op: Op, start: f64, end: f64, epoch: u64, members: &[PeerI
     })
 }
 
+/// An all_reduce of epoch 1 by members 1 and 2 that failed.
+fn failed(peer: PeerId, start: f64, end: f64) -> Event {
+    match call(peer, Op::AllReduce, start, end, 1, &[1, 2]) {
+        Event::Call(c) => Event::Call(Call { ok: false, ..c }),
+        e => e,
+    }
+}
+
 fn commit(peer: PeerId, epoch: u64, revision: u64, prev: &str, hash: &str) -> Event {
     Event::Commit {
         peer,
@@ -225,10 +233,6 @@ fn only_a_stopped_peer_may_be_evicted() {
 
 #[test]
 fn a_slow_peer_may_cost_time_but_no_abort_or_eviction() {
-    let failed = |peer, start, end| match call(peer, Op::AllReduce, start, end, 1, &[1, 2]) {
-        Event::Call(c) => Event::Call(Call { ok: false, ..c }),
-        e => e,
-    };
     // Worker 1 was slow from 1,000 to 1,300 ms. A call that succeeded late is fine; one
     // that failed within a lease of its waking is a violation, one long after is not this
     // check's; and its eviction is a false one (it was never stopped as a hang).
@@ -263,10 +267,6 @@ fn a_slow_peer_may_cost_time_but_no_abort_or_eviction() {
 /// peer's; a failure no other fault comes near is still the slow peer's.
 #[test]
 fn a_call_that_another_fault_failed_is_not_the_slow_peers_doing() {
-    let failed = |peer, start, end| match call(peer, Op::AllReduce, start, end, 1, &[1, 2]) {
-        Event::Call(c) => Event::Call(Call { ok: false, ..c }),
-        e => e,
-    };
     let mut l = log(vec![
         (0, failed(1, 1500.0, 1700.0)),
         (0, failed(1, 20_000.0, 20_100.0)),
@@ -486,7 +486,7 @@ fn members_calls_and_steps_are_split_by_whether_a_newcomer_was_catching_up() {
             ..Outcome::default()
         },
     ));
-    let m = member_cost(&l);
+    let m = crate::members::member_cost(&l);
     assert_eq!(m.all_reduce_during_joins_ms.max, Some(80.0), "{m:?}");
     assert_eq!(m.all_reduce_during_joins_ms.p50, Some(80.0), "{m:?}");
     assert_eq!(m.all_reduce_otherwise_ms.max, Some(14.0), "{m:?}");

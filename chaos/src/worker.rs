@@ -398,23 +398,27 @@ impl Worker {
             })
             .await;
         let mut reduced = Vec::with_capacity(n * calls.len());
-        let mut outcome = None;
+        let (mut info, mut failed) = (None, None);
         for call in calls {
             let (part, r, start, end, epoch, world) = call?;
             let members = r
                 .as_ref()
                 .map_or(world, |info| info.members.iter().map(|p| p.0).collect());
             self.report_at(Op::AllReduce, start, end, r.as_ref().err(), epoch, members);
-            match (r, &outcome) {
-                (Ok(info), None) => outcome = Some(Ok(info)),
-                (Ok(_), Some(_)) => {}
-                (Err(e), None | Some(Ok(_))) => outcome = Some(Err(e)),
-                (Err(_), Some(Err(_))) => {}
+            match r {
+                Ok(i) => {
+                    info.get_or_insert(i);
+                }
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
             }
             reduced.extend(part);
         }
-        let info = outcome.expect("at least one call")?;
-        Ok((reduced, info))
+        match failed {
+            Some(e) => Err(e),
+            None => Ok((reduced, info.expect("at least one call"))),
+        }
     }
 
     fn report_world(&self, comm: &Communicator, op: Op, start: f64, err: Option<&eccl::Error>) {

@@ -153,12 +153,10 @@ pub struct Registry {
     /// [`MAX_USED_UUIDS`]).
     used_uuids: VecDeque<u64>,
     /// Measured links between live peers, (from, to) -> (bytes per second, one-way
-    /// latency in ns): what the ring is solved from at every epoch. Links of departed
-    /// peers are dropped (so a job holds at most its live peers' pairs).
-    links: BTreeMap<(PeerId, PeerId), (u64, u64)>,
-    /// Connections each measuring end asked its link to have, (from, to) -> count (only
-    /// counts above one): what links are striped over at every epoch.
-    stripes: BTreeMap<(PeerId, PeerId), u16>,
+    /// latency in ns, connections the measuring end asked for): what the ring is solved
+    /// from, and the links striped over, at every epoch. Links of departed peers are
+    /// dropped (so a job holds at most its live peers' pairs).
+    links: BTreeMap<(PeerId, PeerId), (u64, u64, u16)>,
 }
 
 /// The step a ring's cost is reckoned for: one chunk of a 64 MiB all_reduce. Large
@@ -209,7 +207,6 @@ impl Registry {
         let peers = &self.peers;
         let live = |p: &PeerId| matches!(peers.get(p), Some(r) if !matches!(r.state, PeerState::Gone { .. }));
         self.links.retain(|(a, b), _| live(a) && live(b));
-        self.stripes.retain(|(a, b), _| live(a) && live(b));
     }
 
     fn apply_one(&mut self, cmd: &Command) -> Outcome {
@@ -302,18 +299,13 @@ impl Registry {
             }
             for m in row {
                 if m.to != *from && world.rank_of(m.to).is_some() {
-                    self.links
-                        .insert((*from, m.to), (m.bytes_per_s, m.latency_ns));
-                    // No opinion (0) keeps what the link has; a count is capped.
-                    match m.streams.min(eccl_protocol::MAX_STRIPES) {
-                        0 => {}
-                        1 => {
-                            self.stripes.remove(&(*from, m.to));
-                        }
-                        n => {
-                            self.stripes.insert((*from, m.to), n);
-                        }
-                    }
+                    let link = self.links.entry((*from, m.to)).or_insert((0, 0, 1));
+                    // No opinion (0) keeps the connections the link has; a count is capped.
+                    let streams = match m.streams {
+                        0 => link.2,
+                        n => n.min(eccl_protocol::MAX_STRIPES),
+                    };
+                    *link = (m.bytes_per_s, m.latency_ns, streams);
                 }
             }
         }
@@ -342,7 +334,7 @@ impl Registry {
         let measured = |i: usize, j: usize| {
             self.links
                 .get(&(members[i], members[j]))
-                .map(|&(bw, ns)| link_cost(bw as f64, ns as f64 * 1e-9, chunk))
+                .map(|&(bw, ns, _)| link_cost(bw as f64, ns as f64 * 1e-9, chunk))
         };
         let known: Vec<f64> = (0..n)
             .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
@@ -370,8 +362,8 @@ impl Registry {
     /// the larger count either end asked for.
     fn stripes_among(&self, members: &[PeerId]) -> Vec<(PeerId, PeerId, u16)> {
         let mut pairs: BTreeMap<(PeerId, PeerId), u16> = BTreeMap::new();
-        for (&(a, b), &n) in &self.stripes {
-            if members.contains(&a) && members.contains(&b) {
+        for (&(a, b), &(_, _, n)) in &self.links {
+            if n > 1 && members.contains(&a) && members.contains(&b) {
                 let e = pairs.entry((a.min(b), a.max(b))).or_insert(0);
                 *e = (*e).max(n);
             }
@@ -385,7 +377,7 @@ impl Registry {
         self.links
             .iter()
             .filter(|((a, b), _)| members.contains(a) && members.contains(b))
-            .map(|((a, b), &(bw, ns))| (*a, *b, bw, ns))
+            .map(|((a, b), &(bw, ns, _))| (*a, *b, bw, ns))
             .collect()
     }
 

@@ -148,14 +148,19 @@ def _netns_possible():
     return made
 
 
+def _need_netns():
+    """Skips the test, saying why, where network namespaces cannot be made."""
+    if not _netns_possible():
+        from conftest import not_possible_here
+        not_possible_here("network namespaces cannot be made (needs root, ip and tc)")
+
+
 def test_netlab_slow_pair(tmp_path):
     """The network lab's slow-pair scenario, short: four peers in namespaces of their
     own, two links 100x slower than the rest. The solved ring avoids them (the issue's
     target: at least 2x rank order's bus bandwidth), results exact both times; int8 on
     the wire beats rank order too; and the lab removes what it made."""
-    if not _netns_possible():
-        from conftest import not_possible_here
-        not_possible_here("network namespaces cannot be made (needs root, ip and tc)")
+    _need_netns()
     out_json = tmp_path / "lab.json"
     out = run(["bash", str(EXAMPLES / "netlab.sh"), "--scenario", "slow-pair", "--size", "256K",
                "--iters", "2", "--json", str(out_json)], timeout=180)
@@ -179,9 +184,7 @@ def test_netlab_long_fat(tmp_path):
     of the rate (the issue's target: 80 %, 81-89 % measured; asserted at 70 %, a margin for the
     test run, where miri and fuzzing run beside it),
     results exact both times; and the lab removes what it made."""
-    if not _netns_possible():
-        from conftest import not_possible_here
-        not_possible_here("network namespaces cannot be made (needs root, ip and tc)")
+    _need_netns()
     out_json = tmp_path / "lab.json"
     out = run(["bash", str(EXAMPLES / "netlab.sh"), "--scenario", "long-fat", "--size", "16M",
                "--iters", "2", "--json", str(out_json)], timeout=240)
@@ -194,9 +197,7 @@ def test_netlab_long_fat(tmp_path):
 
 
 def test_netns_transports():
-    if not _netns_possible():
-        from conftest import not_possible_here
-        not_possible_here("network namespaces cannot be made (needs root, ip and tc)")
+    _need_netns()
     out = run(["bash", str(EXAMPLES / "netns_transports.sh"), "100mbit", "1M"], timeout=180)
     for t in ("tcp", "tls", "quic"):
         assert re.search(rf"transport {t}\b", out), out

@@ -17,6 +17,25 @@ fn reg(r: &mut Registry, hint: Option<u32>) -> PeerId {
     }
 }
 
+/// The world `o` committed.
+fn epoch(o: Outcome) -> World {
+    match o {
+        Outcome::Epoch(w) => w,
+        o => panic!("{o:?}"),
+    }
+}
+
+/// `n` peers registered with rank hints 0..n, and their first world.
+fn first_world(r: &mut Registry, n: u32) -> (Vec<PeerId>, World) {
+    let p: Vec<PeerId> = (0..n).map(|i| reg(r, Some(i))).collect();
+    let w = epoch(r.apply(&Command::CommitEpoch {
+        expected_epoch: 0,
+        admit: p.clone(),
+        remove: vec![],
+    }));
+    (p, w)
+}
+
 #[test]
 fn first_world_follows_rank_hints_and_epochs_grow() {
     let mut r = Registry::default();
@@ -122,14 +141,7 @@ fn reconfigure_makes_exactly_the_named_world_once_per_uuid() {
 #[test]
 fn disjoint_worlds_live_side_by_side_and_nobody_is_evicted_by_anothers_reconfigure() {
     let mut r = Registry::default();
-    let p: Vec<PeerId> = (0..4).map(|i| reg(&mut r, Some(i))).collect();
-    let Outcome::Epoch(all) = r.apply(&Command::CommitEpoch {
-        expected_epoch: 0,
-        admit: p.clone(),
-        remove: vec![],
-    }) else {
-        panic!()
-    };
+    let (p, all) = first_world(&mut r, 4);
     let (left, rest) = reconfigured(r.apply(&rc(100, vec![p[0], p[1]], true)));
     assert_eq!(rest.len(), 1);
     let right = &rest[0].1;
@@ -188,14 +200,7 @@ fn unknown_peers_are_rejected() {
 fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
     use eccl_protocol::LinkMeasure;
     let mut r = Registry::default();
-    let p: Vec<PeerId> = (0..5).map(|i| reg(&mut r, Some(i))).collect();
-    let Outcome::Epoch(w) = r.apply(&Command::CommitEpoch {
-        expected_epoch: 0,
-        admit: p.clone(),
-        remove: vec![],
-    }) else {
-        panic!()
-    };
+    let (p, w) = first_world(&mut r, 5);
     assert!(w.ring.is_empty(), "rank order until something is measured");
     // Fast (10 GB/s) only between ranks two apart (0-2-4-1-3-0); every other link is
     // 100 times slower, including all of rank order's.
@@ -278,14 +283,7 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
 fn window_bound_links_are_striped_for_both_ends() {
     use eccl_protocol::{LinkMeasure, MAX_STRIPES};
     let mut r = Registry::default();
-    let p: Vec<PeerId> = (0..3).map(|i| reg(&mut r, Some(i))).collect();
-    let Outcome::Epoch(w) = r.apply(&Command::CommitEpoch {
-        expected_epoch: 0,
-        admit: p.clone(),
-        remove: vec![],
-    }) else {
-        panic!()
-    };
+    let (p, w) = first_world(&mut r, 3);
     assert!(w.stripes.is_empty());
     let measure = |to: PeerId, streams: u16| LinkMeasure {
         to,
@@ -293,55 +291,45 @@ fn window_bound_links_are_striped_for_both_ends() {
         latency_ns: 50_000_000,
         streams,
     };
+    let topology = |epoch, rows| Command::Topology { epoch, rows };
     // 0 -> 2 asks for 4, 2 -> 0 for 100 (capped); 0 <-> 1 no opinion (0) and one.
-    let rows = vec![
-        (p[0], vec![measure(p[1], 0), measure(p[2], 4)]),
-        (p[1], vec![measure(p[0], 1), measure(p[2], 1)]),
-        (p[2], vec![measure(p[0], 100), measure(p[1], 1)]),
-    ];
-    let Outcome::Epoch(w2) = r.apply(&Command::Topology {
-        epoch: w.epoch,
-        rows,
-    }) else {
-        panic!()
-    };
+    let w2 = epoch(r.apply(&topology(
+        w.epoch,
+        vec![
+            (p[0], vec![measure(p[1], 0), measure(p[2], 4)]),
+            (p[1], vec![measure(p[0], 1), measure(p[2], 1)]),
+            (p[2], vec![measure(p[0], 100), measure(p[1], 1)]),
+        ],
+    )));
     w2.validate().unwrap();
     assert_eq!(w2.stripes, vec![(p[0], p[2], MAX_STRIPES)]);
     assert_eq!(w2.stripes_between(p[2], p[0]), Some(MAX_STRIPES));
     assert_eq!(w2.stripes_between(p[0], p[1]), None);
     // Measured again with one connection wanted each way: no longer striped.
-    let rows = vec![
-        (p[0], vec![measure(p[2], 1)]),
-        (p[2], vec![measure(p[0], 1)]),
-        (p[1], vec![]),
-    ];
-    let Outcome::Epoch(w3) = r.apply(&Command::Topology {
-        epoch: w2.epoch,
-        rows,
-    }) else {
-        panic!()
-    };
+    let w3 = epoch(r.apply(&topology(
+        w2.epoch,
+        vec![
+            (p[0], vec![measure(p[2], 1)]),
+            (p[2], vec![measure(p[0], 1)]),
+            (p[1], vec![]),
+        ],
+    )));
     assert!(w3.stripes.is_empty(), "{:?}", w3.stripes);
     // Striped again, then one end leaves: the next world has no stripes of it.
-    let rows = vec![
-        (p[1], vec![measure(p[2], 4)]),
-        (p[0], vec![]),
-        (p[2], vec![]),
-    ];
-    let Outcome::Epoch(w4) = r.apply(&Command::Topology {
-        epoch: w3.epoch,
-        rows,
-    }) else {
-        panic!()
-    };
+    let w4 = epoch(r.apply(&topology(
+        w3.epoch,
+        vec![
+            (p[1], vec![measure(p[2], 4)]),
+            (p[0], vec![]),
+            (p[2], vec![]),
+        ],
+    )));
     assert_eq!(w4.stripes, vec![(p[1], p[2], 4)]);
     r.apply(&Command::Leave { peer: p[1] });
-    let Outcome::Epoch(w5) = r.apply(&Command::CommitEpoch {
+    let w5 = epoch(r.apply(&Command::CommitEpoch {
         expected_epoch: w4.epoch,
         admit: vec![],
         remove: vec![],
-    }) else {
-        panic!()
-    };
+    }));
     assert!(w5.stripes.is_empty(), "{:?}", w5.stripes);
 }
