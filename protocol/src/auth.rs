@@ -282,26 +282,71 @@ impl LinkKeys {
             .is_ok()
     }
 
-    /// The keys the masters give member `me` of `world`.
+    /// The keys the masters give member `me` of `world` (for one member; a master that
+    /// answers every member of a world makes [`WorldKeys`] once).
     pub fn for_member(master_key: &[u8; 32], world: &crate::World, me: crate::PeerId) -> LinkKeys {
-        let epoch = world.epoch;
-        LinkKeys {
-            accept: Self::accept_key(master_key, epoch, me),
-            dial: world
-                .members
-                .iter()
-                .filter(|m| m.peer_id > me)
-                .map(|m| {
-                    let theirs = Self::accept_key(master_key, epoch, m.peer_id);
-                    (m.peer_id, Self::dial_proof(&theirs, me, m.peer_id, epoch))
-                })
-                .collect(),
-        }
+        WorldKeys::new(master_key, world).for_member(me)
     }
 
     /// This member's proof for dialing `to`.
     pub fn proof_for(&self, to: crate::PeerId) -> Option<[u8; 32]> {
         self.dial.iter().find(|(p, _)| *p == to).map(|(_, t)| *t)
+    }
+}
+
+/// Every member's acceptor key of one world, keyed once: the link keys of all its members
+/// cost one HMAC per pair that dials (a proof), not three (two acceptor keys and the
+/// proof, each keyed afresh), which at a thousand members is most of what an epoch change
+/// costs the master.
+pub struct WorldKeys {
+    master_key: [u8; 32],
+    epoch: u64,
+    /// (member, its acceptor key, an HMAC already keyed with it), by peer id.
+    members: Vec<(crate::PeerId, [u8; 32], Hmac<Sha256>)>,
+}
+
+impl WorldKeys {
+    pub fn new(master_key: &[u8; 32], world: &crate::World) -> WorldKeys {
+        let epoch = world.epoch;
+        let mut members: Vec<_> = world
+            .members
+            .iter()
+            .map(|m| {
+                let accept = LinkKeys::accept_key(master_key, epoch, m.peer_id);
+                let mac = <Hmac<Sha256> as Mac>::new_from_slice(&accept).expect("any key length");
+                (m.peer_id, accept, mac)
+            })
+            .collect();
+        members.sort_unstable_by_key(|(p, _, _)| *p);
+        WorldKeys {
+            master_key: *master_key,
+            epoch,
+            members,
+        }
+    }
+
+    /// Member `me`'s keys: its acceptor key and its proof for each member with a larger
+    /// peer id, which it dials.
+    pub fn for_member(&self, me: crate::PeerId) -> LinkKeys {
+        let start = self.members.partition_point(|(p, _, _)| *p <= me);
+        let accept = match start.checked_sub(1).map(|i| &self.members[i]) {
+            Some((p, key, _)) if *p == me => *key,
+            _ => LinkKeys::accept_key(&self.master_key, self.epoch, me),
+        };
+        LinkKeys {
+            accept,
+            dial: self.members[start..]
+                .iter()
+                .map(|(to, _, mac)| {
+                    let mut m = mac.clone();
+                    m.update(b"eccl-link-dial-v1");
+                    m.update(&me.0.to_le_bytes());
+                    m.update(&to.0.to_le_bytes());
+                    m.update(&self.epoch.to_le_bytes());
+                    (*to, m.finalize().into_bytes().into())
+                })
+                .collect(),
+        }
     }
 }
 
@@ -410,6 +455,54 @@ mod tests {
         assert!(!s.verify_acceptor(Role::PeerLink, &na, &nd, &p));
         let q = s.acceptor_proof(Role::PeerLink, &nd, &na);
         assert!(s.verify_acceptor(Role::PeerLink, &nd, &na, &q));
+    }
+
+    #[test]
+    fn world_keys_are_the_per_member_keys() {
+        let master = [7u8; 32];
+        // Peer ids out of rank order, as after joins and leaves.
+        let ids = [40u64, 3, 17, 99, 8];
+        let world = crate::World {
+            epoch: 12,
+            members: ids
+                .iter()
+                .enumerate()
+                .map(|(r, id)| crate::Member {
+                    peer_id: crate::PeerId(*id),
+                    rank: crate::Rank(r as u32),
+                    addr: String::new(),
+                    host: String::new(),
+                    quic: None,
+                    shm: None,
+                })
+                .collect(),
+            ring: vec![],
+            stripes: vec![],
+        };
+        let all = WorldKeys::new(&master, &world);
+        for me in ids.iter().copied().chain([1, 50]).map(crate::PeerId) {
+            let k = all.for_member(me);
+            assert_eq!(k.accept, LinkKeys::accept_key(&master, 12, me));
+            let mut want: Vec<_> = ids
+                .iter()
+                .copied()
+                .map(crate::PeerId)
+                .filter(|p| *p > me)
+                .collect();
+            want.sort();
+            assert_eq!(k.dial.iter().map(|(p, _)| *p).collect::<Vec<_>>(), want);
+            for (to, proof) in &k.dial {
+                assert_eq!(
+                    *proof,
+                    LinkKeys::dial_proof(&LinkKeys::accept_key(&master, 12, *to), me, *to, 12)
+                );
+                // The member it dials accepts the proof, and only from `me`, in epoch 12.
+                let theirs = all.for_member(*to);
+                assert!(theirs.verify(me, *to, 12, proof));
+                assert!(!theirs.verify(crate::PeerId(me.0 + 1000), *to, 12, proof));
+                assert!(!theirs.verify(me, *to, 13, proof));
+            }
+        }
     }
 
     #[test]

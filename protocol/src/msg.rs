@@ -300,7 +300,8 @@ pub enum MasterReply {
     /// The world after an `UpdateTopology` vote; `changed` is false when the master kept
     /// the current epoch because nobody joined or left.
     World {
-        world: World,
+        /// Shared among the answers of one epoch (a master answers every member with it).
+        world: std::sync::Arc<World>,
         /// This member's link keys for the epoch (see [`LinkKeys`]).
         keys: crate::auth::LinkKeys,
         changed: bool,

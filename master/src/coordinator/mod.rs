@@ -536,6 +536,8 @@ impl Coordinator {
         elastic: bool,
     ) {
         let epoch = world.epoch;
+        // One world for every answer (each member gets the same).
+        let world = std::sync::Arc::new(world);
         // A member still in an older epoch catches up at once; it missed a commit (or
         // its world went on without the members a reconfigure took).
         let behind: Vec<PeerId> = members
@@ -543,11 +545,14 @@ impl Coordinator {
             .copied()
             .filter(|m| st.votes.get(m).is_some_and(|v| v.epoch != epoch))
             .collect();
+        let keys = std::cell::OnceCell::new();
         for m in behind {
             if let Some(v) = st.votes.remove(&m) {
                 // Its links are older than the others' idea of "previous epoch".
                 v.reply.send(MasterReply::World {
-                    keys: self.raft.link_keys(&world, m),
+                    keys: keys
+                        .get_or_init(|| self.raft.world_keys(&world))
+                        .for_member(m),
                     world: world.clone(),
                     changed: true,
                     reuse_links: false,
@@ -568,10 +573,11 @@ impl Coordinator {
             .iter()
             .any(|m| st.votes.get(m).is_some_and(|v| v.aborted));
         if pending.is_empty() && !lost_members && !aborted {
+            let keys = keys.get_or_init(|| self.raft.world_keys(&world));
             for m in &members {
                 if let Some(v) = st.votes.remove(m) {
                     v.reply.send(MasterReply::World {
-                        keys: self.raft.link_keys(&world, *m),
+                        keys: keys.for_member(*m),
                         world: world.clone(),
                         changed: false,
                         reuse_links: true,
@@ -644,10 +650,12 @@ impl Coordinator {
                     if lost_members { ", after losing members" } else { "" },
                     if aborted { ", after an abort" } else { "" }
                 );
+                let w = std::sync::Arc::new(w);
+                let keys = self.raft.world_keys(&w);
                 for m in w.peer_ids() {
                     if let Some(v) = st.votes.remove(&m) {
                         v.reply.send(MasterReply::World {
-                            keys: self.raft.link_keys(&w, m),
+                            keys: keys.for_member(m),
                             world: w.clone(),
                             changed: true,
                             reuse_links,

@@ -49,18 +49,21 @@ impl Coordinator {
         // Members that named different worlds under one uuid all hear so. A peer that is
         // not among the members of the request it clashes with cannot fail theirs: only
         // its own is refused.
-        let clashing: Vec<&Request> = st
+        // Requests waiting under one uuid all name the same world (a clash fails them
+        // all), so one of them stands for the rest: comparing with each would cost the
+        // world's size squared per request.
+        let clashing = st
             .reconfigs
             .values()
-            .filter(|r| r.uuid == uuid && (r.members != req.members || r.ordered != req.ordered))
-            .collect();
-        if !clashing.is_empty() && clashing.iter().all(|r| !r.members.contains(&peer)) {
+            .find(|r| r.uuid == uuid)
+            .filter(|r| r.members != req.members || r.ordered != req.ordered);
+        if clashing.is_some_and(|r| !r.members.contains(&peer)) {
             return req.reply.send(refused(
                 ErrorCode::InvalidArgument,
                 format!("reconfigure {uuid} is in progress for other members"),
             ));
         }
-        let clash = !clashing.is_empty();
+        let clash = clashing.is_some();
         if let Some(old) = st.reconfigs.insert(peer, req) {
             if old.uuid != uuid {
                 old.reply.send(refused(
@@ -113,30 +116,35 @@ impl Coordinator {
                 format!("reconfigure uuid {uuid} was already used in this job: pass a fresh one"),
             ));
         }
-        for (i, p) in members.iter().enumerate() {
-            if members[..i].contains(p) {
-                return Some(refused(
-                    ErrorCode::InvalidArgument,
-                    format!("peer {p} is named twice in reconfigure {uuid}"),
-                ));
-            }
-            match state(*p) {
-                None => {
+        // One read of the registry and a set for every member named: a world of a
+        // thousand asks this of each of its members.
+        self.raft.read(|r| {
+            let mut seen = std::collections::HashSet::with_capacity(members.len());
+            for p in members {
+                if !seen.insert(*p) {
                     return Some(refused(
                         ErrorCode::InvalidArgument,
-                        format!("peer {p} named in reconfigure {uuid} is not registered"),
-                    ))
+                        format!("peer {p} is named twice in reconfigure {uuid}"),
+                    ));
                 }
-                Some(PeerState::Gone { reason }) => {
-                    return Some(refused(
-                        ErrorCode::Aborted,
-                        format!("peer {p} named in reconfigure {uuid} is gone ({reason})"),
-                    ))
+                match r.peer(*p).map(|x| &x.state) {
+                    None => {
+                        return Some(refused(
+                            ErrorCode::InvalidArgument,
+                            format!("peer {p} named in reconfigure {uuid} is not registered"),
+                        ))
+                    }
+                    Some(PeerState::Gone { reason }) => {
+                        return Some(refused(
+                            ErrorCode::Aborted,
+                            format!("peer {p} named in reconfigure {uuid} is gone ({reason})"),
+                        ))
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
-        }
-        None
+            None
+        })
     }
 
     /// Commits reconfigure `uuid` if every member it names has asked for it.
@@ -176,10 +184,12 @@ impl Coordinator {
                         .map(|(was, r)| format!("; world of epoch {was} goes on as epoch {} with {:?}", r.epoch, r.peer_ids()))
                         .collect::<String>()
                 );
+                let w = std::sync::Arc::new(w);
+                let keys = self.raft.world_keys(&w);
                 for m in w.peer_ids() {
                     if let Some(r) = st.reconfigs.remove(&m) {
                         r.reply.send(MasterReply::World {
-                            keys: self.raft.link_keys(&w, m),
+                            keys: keys.for_member(m),
                             world: w.clone(),
                             changed: true,
                             reuse_links: false,

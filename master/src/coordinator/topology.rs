@@ -98,10 +98,12 @@ impl Coordinator {
                     w.epoch,
                     w.ring
                 );
+                let w = std::sync::Arc::new(w);
+                let keys = self.raft.world_keys(&w);
                 for m in w.peer_ids() {
                     if let Some(r) = st.topologies.remove(&m) {
                         r.reply.send(MasterReply::World {
-                            keys: self.raft.link_keys(&w, m),
+                            keys: keys.for_member(m),
                             world: w.clone(),
                             changed: true,
                             reuse_links: true,

@@ -276,13 +276,10 @@ impl RaftRegistry {
         tokio::time::timeout(timeout, wait).await.ok().flatten()
     }
 
-    /// The link keys of member `peer` of `world` (see [`eccl_protocol::auth::LinkKeys`]).
-    pub fn link_keys(
-        &self,
-        world: &eccl_protocol::World,
-        peer: eccl_protocol::PeerId,
-    ) -> eccl_protocol::auth::LinkKeys {
-        eccl_protocol::auth::LinkKeys::for_member(&self.link_key, world, peer)
+    /// The link keys of every member of `world` (see [`eccl_protocol::auth::LinkKeys`]),
+    /// keyed once for all its members' answers.
+    pub fn world_keys(&self, world: &eccl_protocol::World) -> eccl_protocol::auth::WorldKeys {
+        eccl_protocol::auth::WorldKeys::new(&self.link_key, world)
     }
 
     pub fn node(&self) -> &MasterNode {

@@ -126,6 +126,40 @@ async fn reconfigure_forms_exactly_the_named_world_and_refuses_used_uuids() {
         "{ups:?}"
     );
     assert_eq!(sum_of_ranks(&mut comms).await, vec![6.0; 3]);
+
+    // While a reconfigure waits for its members, a peer it does not name that asks for
+    // another world under the same uuid is refused alone, and the members' goes on (the
+    // master compares each request with one waiting under its uuid, not with all); a
+    // list that names a peer twice is refused.
+    let [c0, c1, c2] = &mut comms[..] else {
+        unreachable!()
+    };
+    let pair = vec![ids[2], ids[1]];
+    let outsider = c2.peer_id();
+    let (r0, r2, r1) = tokio::join!(
+        c0.reconfigure(15, pair.clone(), true, T),
+        async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            c2.reconfigure(15, vec![outsider], true, T).await
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            c1.reconfigure(15, pair.clone(), true, T).await
+        }
+    );
+    assert!(
+        matches!(&r2, Err(Error::InvalidArgument(m)) if m.contains("in progress for other members")),
+        "{r2:?}"
+    );
+    for r in [r0, r1] {
+        assert!(r.as_ref().is_ok_and(|u| u.world_size == 2), "{r:?}");
+    }
+    let e = c2.reconfigure(16, vec![outsider, outsider], true, T).await;
+    assert!(
+        matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("named twice")),
+        "{e:?}"
+    );
+    assert_eq!(sum_of_ranks(&mut comms[..2]).await, vec![3.0; 2]);
 }
 
 /// torch's split-brain shape and the finding that one member could evict the world:
