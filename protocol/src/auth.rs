@@ -233,7 +233,10 @@ impl Secret {
 pub struct LinkKeys {
     /// Checks the proofs of members that dial this one.
     pub accept: [u8; 32],
-    /// This member's proof for each member it dials (those with a larger peer id).
+    /// This member's proof for each member it dials (those with a larger peer id). On
+    /// the wire one byte string (peer id and proof, 40 bytes each), not 32 elements per
+    /// proof: a member of a thousand gets about 500.
+    #[serde(with = "dial_wire")]
     pub dial: Vec<(crate::PeerId, [u8; 32])>,
 }
 
@@ -291,6 +294,72 @@ impl LinkKeys {
     /// This member's proof for dialing `to`.
     pub fn proof_for(&self, to: crate::PeerId) -> Option<[u8; 32]> {
         self.dial.iter().find(|(p, _)| *p == to).map(|(_, t)| *t)
+    }
+}
+
+/// [`LinkKeys::dial`] as one byte string.
+mod dial_wire {
+    use serde::de::{Error, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    use crate::PeerId;
+
+    const ENTRY: usize = 8 + 32;
+
+    pub fn serialize<S: Serializer>(v: &[(PeerId, [u8; 32])], s: S) -> Result<S::Ok, S::Error> {
+        let mut b = Vec::with_capacity(v.len() * ENTRY);
+        for (p, proof) in v {
+            b.extend_from_slice(&p.0.to_le_bytes());
+            b.extend_from_slice(proof);
+        }
+        s.serialize_bytes(&b)
+    }
+
+    fn parse<E: Error>(b: &[u8]) -> Result<Vec<(PeerId, [u8; 32])>, E> {
+        if !b.len().is_multiple_of(ENTRY) {
+            return Err(E::custom(format!(
+                "link proofs of {} bytes (not a multiple of {ENTRY})",
+                b.len()
+            )));
+        }
+        Ok(b.chunks_exact(ENTRY)
+            .map(|e| {
+                let (id, proof) = e.split_at(8);
+                (
+                    PeerId(u64::from_le_bytes(id.try_into().expect("8 bytes"))),
+                    proof.try_into().expect("32 bytes"),
+                )
+            })
+            .collect())
+    }
+
+    struct Bytes;
+
+    impl<'de> Visitor<'de> for Bytes {
+        type Value = Vec<(PeerId, [u8; 32])>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("link proofs as bytes")
+        }
+
+        fn visit_bytes<E: Error>(self, b: &[u8]) -> Result<Self::Value, E> {
+            parse(b)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            // Self-describing formats (JSON) write bytes as a list of numbers.
+            let mut b = Vec::new();
+            while let Some(x) = seq.next_element::<u8>()? {
+                b.push(x);
+            }
+            parse(&b)
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<(PeerId, [u8; 32])>, D::Error> {
+        d.deserialize_bytes(Bytes)
     }
 }
 
@@ -501,6 +570,16 @@ mod tests {
                 assert!(theirs.verify(me, *to, 12, proof));
                 assert!(!theirs.verify(crate::PeerId(me.0 + 1000), *to, 12, proof));
                 assert!(!theirs.verify(me, *to, 13, proof));
+            }
+            // Through the wire codec and JSON: the same keys; proofs cut short are an
+            // error.
+            let bytes = crate::codec::encode(&k).unwrap();
+            assert_eq!(crate::codec::decode::<LinkKeys>(&bytes[4..]).unwrap(), k);
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(serde_json::from_str::<LinkKeys>(&json).unwrap(), k);
+            if !k.dial.is_empty() {
+                let cut = &bytes[4..bytes.len() - 1];
+                assert!(crate::codec::decode::<LinkKeys>(cut).is_err());
             }
         }
     }

@@ -33,7 +33,8 @@ pub const STATE_CHUNK: usize = 1 << 20;
 /// Version of the wire protocol. Peers and masters with a different version refuse each
 /// other during the handshake instead of misreading each other's bytes.
 /// 2: typed point-to-point tags in the frame header.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: a member's link proofs as one byte string.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Largest payload of one data frame. A header announcing more closes the link.
 pub const MAX_FRAME_PAYLOAD: usize = 64 << 20;

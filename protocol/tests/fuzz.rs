@@ -173,7 +173,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             token: [6; 32],
         },
         MasterReply::World {
-            world: world(4),
+            world: world(4).into(),
             keys,
             changed: true,
             reuse_links: false,
