@@ -16,6 +16,8 @@ pub mod msg;
 #[cfg(feature = "wire")]
 pub mod seal;
 #[cfg(feature = "wire")]
+pub mod shared_world;
+#[cfg(feature = "wire")]
 pub mod store;
 pub mod types;
 
@@ -33,7 +35,8 @@ pub const STATE_CHUNK: usize = 1 << 20;
 /// Version of the wire protocol. Peers and masters with a different version refuse each
 /// other during the handshake instead of misreading each other's bytes.
 /// 2: typed point-to-point tags in the frame header.
-/// 3: a member's link proofs as one byte string.
+/// 3: a member's link proofs as one byte string; the world in a master's answer as one
+/// byte string holding its encoding.
 pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Largest payload of one data frame. A header announcing more closes the link.

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::{PeerId, World};
+use crate::types::PeerId;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterRequest {
@@ -300,8 +300,8 @@ pub enum MasterReply {
     /// The world after an `UpdateTopology` vote; `changed` is false when the master kept
     /// the current epoch because nobody joined or left.
     World {
-        /// Shared among the answers of one epoch (a master answers every member with it).
-        world: std::sync::Arc<World>,
+        /// Shared among the answers of one epoch, and encoded once for all of them.
+        world: crate::shared_world::SharedWorld,
         /// This member's link keys for the epoch (see [`LinkKeys`]).
         keys: crate::auth::LinkKeys,
         changed: bool,

@@ -537,7 +537,7 @@ impl Coordinator {
     ) {
         let epoch = world.epoch;
         // One world for every answer (each member gets the same).
-        let world = std::sync::Arc::new(world);
+        let world = eccl_protocol::shared_world::SharedWorld::new(world);
         // A member still in an older epoch catches up at once; it missed a commit (or
         // its world went on without the members a reconfigure took).
         let behind: Vec<PeerId> = members
@@ -650,7 +650,7 @@ impl Coordinator {
                     if lost_members { ", after losing members" } else { "" },
                     if aborted { ", after an abort" } else { "" }
                 );
-                let w = std::sync::Arc::new(w);
+                let w = eccl_protocol::shared_world::SharedWorld::new(w);
                 let keys = self.raft.world_keys(&w);
                 for m in w.peer_ids() {
                     if let Some(v) = st.votes.remove(&m) {

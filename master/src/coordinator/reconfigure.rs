@@ -184,7 +184,7 @@ impl Coordinator {
                         .map(|(was, r)| format!("; world of epoch {was} goes on as epoch {} with {:?}", r.epoch, r.peer_ids()))
                         .collect::<String>()
                 );
-                let w = std::sync::Arc::new(w);
+                let w = eccl_protocol::shared_world::SharedWorld::new(w);
                 let keys = self.raft.world_keys(&w);
                 for m in w.peer_ids() {
                     if let Some(r) = st.reconfigs.remove(&m) {

@@ -98,7 +98,7 @@ impl Coordinator {
                     w.epoch,
                     w.ring
                 );
-                let w = std::sync::Arc::new(w);
+                let w = eccl_protocol::shared_world::SharedWorld::new(w);
                 let keys = self.raft.world_keys(&w);
                 for m in w.peer_ids() {
                     if let Some(r) = st.topologies.remove(&m) {

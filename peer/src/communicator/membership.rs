@@ -113,13 +113,7 @@ impl Communicator {
                     changed,
                     reuse_links,
                     renew,
-                } => (
-                    std::sync::Arc::unwrap_or_clone(world),
-                    keys,
-                    changed,
-                    reuse_links,
-                    renew,
-                ),
+                } => (world.into_world(), keys, changed, reuse_links, renew),
                 other => return Err(reply_error(&self.cfg.master, epoch, other)),
             };
             let mut links_kept = 0;
@@ -173,7 +167,7 @@ impl Communicator {
             ordered,
         };
         let (world, keys) = match self.master.request(req, timeout).await? {
-            MasterReply::World { world, keys, .. } => (std::sync::Arc::unwrap_or_clone(world), keys),
+            MasterReply::World { world, keys, .. } => (world.into_world(), keys),
             other => return Err(reply_error(&self.cfg.master, epoch, other)),
         };
         // Always fresh links: the old epoch may have lost a member mid-collective.

@@ -124,7 +124,7 @@ impl Communicator {
                 links: links.iter().map(|(_, m)| *m).collect(),
             };
             let (world, keys) = match self.master.request(req, self.cfg.join_timeout).await? {
-                MasterReply::World { world, keys, .. } => (std::sync::Arc::unwrap_or_clone(world), keys),
+                MasterReply::World { world, keys, .. } => (world.into_world(), keys),
                 other => return Err(reply_error(&self.cfg.master, epoch, other)),
             };
             self.install(world, keys, true, &[]).await?;
