@@ -100,32 +100,37 @@ pub fn build(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, Build
 
 /// [`build`] with the world's ring order: `ring` lists the ranks around the ring (each
 /// sends to the next, the last to the first), as the master solves it from measured
-/// links (`eccl_master::topology`). It applies to all_reduce, whose output is the whole buffer on
-/// every rank: the schedule is built for this rank's place in the ring and its peers
-/// are the ranks at the neighbouring places, so every rank still ends with the same
-/// bits (each chunk is reduced by one rank in one order and copied to the others). The
-/// collectives whose blocks belong to ranks (all_gather, reduce_scatter, ...) keep rank
-/// order. `None`, or a ring that is not a permutation of the world's ranks, is rank
-/// order.
+/// links (`eccl_master::topology`). The schedule is built for this rank's place in the
+/// ring, and its peers are the ranks at the neighbouring places; a root is translated
+/// to its place. It applies to the collectives whose buffers are not cut into one block
+/// per rank: all_reduce (every rank still ends with the same bits: each chunk is reduced
+/// by one rank in one order and copied to the others), broadcast and reduce (the chain
+/// runs from the root along the solved ring, the tree is built over places), and
+/// barrier. The collectives whose blocks belong to ranks (all_gather, reduce_scatter,
+/// all_to_all, scatter, gather) keep rank order. `None`, or a ring that is not a
+/// permutation of the world's ranks, is rank order.
 pub fn build_in_ring(
     desc: &Descriptor,
     rank: u32,
     world: u32,
     ring: Option<&[u32]>,
 ) -> Result<Schedule, BuildError> {
-    let ring = ring.filter(|r| {
-        desc.kind == CollectiveKind::AllReduce && world > 2 && is_permutation(r, world)
-    });
+    use CollectiveKind::*;
+    let follows = matches!(desc.kind, AllReduce | Broadcast | Reduce | Barrier);
+    let ring = ring.filter(|r| follows && world > 2 && is_permutation(r, world));
     let Some(ring) = ring else {
         return build_rank_order(desc, rank, world);
     };
-    if rank >= world {
+    let place_of = |r: u32| ring.iter().position(|&x| x == r).map(|p| p as u32);
+    let Some(place) = place_of(rank) else {
         return Err(BuildError::InvalidArgument(format!(
             "rank {rank} is not in a world of {world}"
         )));
-    }
-    let place = ring.iter().position(|&r| r == rank).expect("a permutation") as u32;
-    let mut s = build_rank_order(desc, place, world)?;
+    };
+    // A root outside the world keeps its number, so that the builder refuses it as in
+    // rank order.
+    let root = place_of(desc.root).unwrap_or(desc.root);
+    let mut s = build_rank_order(&Descriptor { root, ..*desc }, place, world)?;
     let at = |p: &mut u32| *p = ring[*p as usize];
     for step in &mut s.steps {
         for prim in &mut step.prims {

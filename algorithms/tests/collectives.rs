@@ -241,10 +241,12 @@ fn all_reduce_results_are_bitwise_identical_across_ranks() {
 }
 
 /// A solved ring order (the master's, from measured links): rank `ring[k]` sends to
-/// `ring[k+1]`. Every algorithm of all_reduce still gives the reference (exact inputs)
-/// and, with fractions, the same bits on every rank; the ring's schedules talk only to
-/// the ranks beside them in the order; and any other collective, or a list that is not
-/// a permutation, keeps rank order.
+/// `ring[k+1]`. Every algorithm of all_reduce, broadcast and reduce (from every root)
+/// still gives the reference (exact inputs) and, with fractions, the same bits on every
+/// rank that has the result; the ring's schedules talk only to the ranks beside them in
+/// the order (all_reduce: right and left; a chain from a root: either neighbour); and
+/// the collectives whose blocks belong to ranks, or a list that is not a permutation,
+/// keep rank order.
 #[test]
 fn all_reduce_in_a_solved_ring_order_is_exact_and_identical_on_every_rank() {
     let mut rng = StdRng::seed_from_u64(5);
@@ -257,14 +259,25 @@ fn all_reduce_in_a_solved_ring_order_is_exact_and_identical_on_every_rank() {
         let reversed: Vec<u32> = (0..world).rev().collect();
         let interleaved: Vec<u32> = (0..world).step_by(2).chain((1..world).step_by(2)).collect();
         for ring in [reversed, interleaved, shuffled] {
-            for algo in available_algos(CollectiveKind::AllReduce).iter().copied() {
+            let kinds = [
+                CollectiveKind::AllReduce,
+                CollectiveKind::Broadcast,
+                CollectiveKind::Reduce,
+            ];
+            let runs = kinds.into_iter().flat_map(|kind| {
+                let roots = if kind.is_rooted() { 0..world } else { 0..1 };
+                roots.flat_map(move |root| {
+                    available_algos(kind).iter().map(move |a| (kind, root, *a))
+                })
+            });
+            for (kind, root, algo) in runs {
                 for (count, fractions) in [(257usize, false), (1000, true), (3, true)] {
                     let desc = Descriptor {
-                        kind: CollectiveKind::AllReduce,
+                        kind,
                         dtype: DType::F32,
                         op: ReduceOp::Sum,
                         algo,
-                        root: 0,
+                        root,
                         count: count as u64,
                     };
                     let schedules: Vec<_> = (0..world)
@@ -275,22 +288,32 @@ fn all_reduce_in_a_solved_ring_order_is_exact_and_identical_on_every_rank() {
                             let k = ring.iter().position(|&x| x == r as u32).unwrap();
                             let right = ring[(k + 1) % ring.len()];
                             let left = ring[(k + ring.len() - 1) % ring.len()];
+                            let beside = |x: u32| x == right || x == left;
                             for p in s.steps.iter().flat_map(|st| &st.prims) {
-                                assert!(
-                                    p.sends_to().is_none_or(|to| to == right),
-                                    "{ring:?} rank {r}: {p:?}"
-                                );
-                                assert!(
-                                    p.recvs_from().is_none_or(|f| f == left),
-                                    "{ring:?} rank {r}: {p:?}"
-                                );
+                                if kind == CollectiveKind::AllReduce {
+                                    assert!(
+                                        p.sends_to().is_none_or(|to| to == right),
+                                        "{ring:?} rank {r}: {p:?}"
+                                    );
+                                    assert!(
+                                        p.recvs_from().is_none_or(|f| f == left),
+                                        "{ring:?} rank {r}: {p:?}"
+                                    );
+                                } else {
+                                    assert!(
+                                        p.sends_to().is_none_or(beside)
+                                            && p.recvs_from().is_none_or(beside),
+                                        "{desc} {ring:?} rank {r}: {p:?}"
+                                    );
+                                }
                             }
                         }
                     }
                     let ins: Vec<Vec<u8>> = if fractions {
                         (0..world)
-                            .map(|_| {
-                                (0..count)
+                            .map(|r| {
+                                let (len, _) = buffer_lens(kind, count, world, r, root);
+                                (0..len)
                                     .flat_map(|_| (rng.gen::<f32>() * 2.0 - 1.0).to_le_bytes())
                                     .collect()
                             })
@@ -300,8 +323,10 @@ fn all_reduce_in_a_solved_ring_order_is_exact_and_identical_on_every_rank() {
                     };
                     let out = mem::run_schedules(desc.dtype, desc.op, &schedules, &ins)
                         .unwrap_or_else(|e| panic!("{desc} ring {ring:?}: {e}"));
-                    for r in 1..world as usize {
-                        assert_eq!(out[r], out[0], "{desc} ring {ring:?}: rank {r} differs");
+                    if kind != CollectiveKind::Reduce {
+                        for r in 1..world as usize {
+                            assert_eq!(out[r], out[0], "{desc} ring {ring:?}: rank {r} differs");
+                        }
                     }
                     if !fractions {
                         assert_eq!(

@@ -200,7 +200,8 @@ impl Communicator {
             let built = match self.schedules.get(&key) {
                 Some(s) => s.clone(),
                 None => {
-                    // The master's ring order, if it solved one (all_reduce follows it).
+                    // The master's ring order, if it solved one (all_reduce, broadcast,
+                    // reduce and barrier follow it).
                     let ring = self.cur.as_ref().map(|c| c.world.ring.clone()).unwrap_or_default();
                     let ring = (!ring.is_empty()).then_some(&ring[..]);
                     let s = build_in_ring(&desc, rank.0, world, ring).map_err(|e| Error::InvalidArgument(e.to_string()))?;
