@@ -1,6 +1,6 @@
 //! optimize_topology() against a real master: the members measure their links, the
 //! master solves the ring, and the world goes on at a new epoch (same members, same
-//! ranks) whose all_reduce follows the ring with exact results; a member lost while the
+//! ranks) whose all_reduce, broadcast and reduce follow the ring with exact results; a member lost while the
 //! others probe fails their call instead of hanging it; ECCL_TOPOLOGY=optimize does the
 //! same whenever the world changes.
 
@@ -28,6 +28,39 @@ async fn exact_all_reduce(comms: &mut [eccl::Communicator], tag: i64) {
         .collect();
     for (r, v) in got.iter().enumerate() {
         assert_eq!(v, &want, "rank {r}");
+    }
+}
+
+/// Broadcast and reduce from every root (they follow the ring too): exact.
+async fn exact_rooted(comms: &mut [eccl::Communicator]) {
+    let n = comms.len() as u32;
+    for root in 0..n {
+        let got = join_all(comms.iter_mut().map(|c| async move {
+            let r = c.rank().unwrap().0 as i64;
+            let mut b: Vec<i64> = (0..777).map(|k| k * 10 + r).collect();
+            c.broadcast(&mut b, eccl::Rank(root))
+                .await
+                .expect("broadcast");
+            let mut v: Vec<i64> = (0..777).map(|k| k * 1000 + r).collect();
+            c.reduce(&mut v, ReduceOp::Sum, eccl::Rank(root))
+                .await
+                .expect("reduce");
+            (r as u32, b, v)
+        }))
+        .await;
+        for (r, b, v) in got {
+            assert_eq!(
+                b,
+                (0..777).map(|k| k * 10 + root as i64).collect::<Vec<_>>(),
+                "root {root} rank {r}"
+            );
+            if r == root {
+                let want: Vec<i64> = (0..777)
+                    .map(|k| (0..n as i64).map(|q| k * 1000 + q).sum())
+                    .collect();
+                assert_eq!(v, want, "reduce at root {root}");
+            }
+        }
     }
 }
 
@@ -95,6 +128,7 @@ async fn the_solved_ring_takes_effect_at_the_next_epoch_with_exact_results_befor
     }
     exact_all_reduce(&mut comms, 2).await;
     identical_all_reduce(&mut comms).await;
+    exact_rooted(&mut comms).await;
 
     // Measured again (the matrix is kept and replaced), and a world that changes keeps
     // a ring solved from what was measured: a member leaves, the others go on.
