@@ -101,23 +101,25 @@ pub fn build(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, Build
 /// [`build`] with the world's ring order: `ring` lists the ranks around the ring (each
 /// sends to the next, the last to the first), as the master solves it from measured
 /// links (`eccl_master::topology`). The schedule is built for this rank's place in the
-/// ring, and its peers are the ranks at the neighbouring places; a root is translated
-/// to its place. It applies to the collectives whose buffers are not cut into one block
-/// per rank: all_reduce (every rank still ends with the same bits: each chunk is reduced
-/// by one rank in one order and copied to the others), broadcast and reduce (the chain
-/// runs from the root along the solved ring, the tree is built over places), and
-/// barrier. The collectives whose blocks belong to ranks (all_gather, reduce_scatter,
-/// all_to_all, scatter, gather) keep rank order. `None`, or a ring that is not a
-/// permutation of the world's ranks, is rank order.
+/// ring, and its peers are the ranks at the neighbouring places:
+/// - a root is translated to its place, so broadcast's and reduce's chains run from the
+///   root along the ring (trees are built over places);
+/// - a buffer cut into one block per rank (all_gather's output, reduce_scatter's input,
+///   both of all_to_all's, the root's of scatter and gather) has its blocks renumbered:
+///   the block the schedule built for place `p` is rank `ring[p]`'s;
+/// - every chunk of an all_reduce is still reduced by one rank in one order and copied
+///   to the others, so every rank ends with the same bits (G3); a block of
+///   reduce_scatter is computed by its one owner.
+///
+/// `None`, a ring that is not a permutation of the world's ranks, or a schedule with a
+/// region across two blocks (no builder makes one today) is rank order.
 pub fn build_in_ring(
     desc: &Descriptor,
     rank: u32,
     world: u32,
     ring: Option<&[u32]>,
 ) -> Result<Schedule, BuildError> {
-    use CollectiveKind::*;
-    let follows = matches!(desc.kind, AllReduce | Broadcast | Reduce | Barrier);
-    let ring = ring.filter(|r| follows && world > 2 && is_permutation(r, world));
+    let ring = ring.filter(|r| world > 2 && is_permutation(r, world));
     let Some(ring) = ring else {
         return build_rank_order(desc, rank, world);
     };
@@ -128,23 +130,78 @@ pub fn build_in_ring(
         )));
     };
     // A root outside the world keeps its number, so that the builder refuses it as in
-    // rank order.
-    let root = place_of(desc.root).unwrap_or(desc.root);
+    // rank order; collectives without a root keep the field as it came.
+    let root = match desc.kind.is_rooted() {
+        true => place_of(desc.root).unwrap_or(desc.root),
+        false => desc.root,
+    };
     let mut s = build_rank_order(&Descriptor { root, ..*desc }, place, world)?;
     let at = |p: &mut u32| *p = ring[*p as usize];
+    // Buffers of one block per rank: renumber their blocks from places to ranks.
+    let count = desc.count as usize;
+    let blocked = |len: usize| count > 0 && len == count * world as usize;
+    let (input_blocked, output_blocked) = (blocked(s.input_len), blocked(s.output_len));
+    let mut across = false;
+    let mut renumber = |r: &mut Region| {
+        let is_blocked = match r.buf {
+            Buf::Input => input_blocked,
+            Buf::Output => output_blocked,
+            Buf::Scratch => false,
+        };
+        if !is_blocked || r.len == 0 {
+            return;
+        }
+        let block = r.offset / count;
+        if r.end() > (block + 1) * count {
+            across = true;
+            return;
+        }
+        r.offset = ring[block] as usize * count + (r.offset - block * count);
+    };
     for step in &mut s.steps {
         for prim in &mut step.prims {
             match prim {
-                Prim::Send { peer, .. }
-                | Prim::Recv { peer, .. }
-                | Prim::RecvReduce { peer, .. } => at(peer),
-                Prim::RecvCopySend { from, to, .. } | Prim::RecvReduceSend { from, to, .. } => {
+                Prim::Send { peer, src } => {
+                    at(peer);
+                    renumber(src);
+                }
+                Prim::Recv { peer, dst } => {
+                    at(peer);
+                    renumber(dst);
+                }
+                Prim::RecvReduce { peer, local, dst } => {
+                    at(peer);
+                    renumber(local);
+                    renumber(dst);
+                }
+                Prim::RecvCopySend { from, to, dst } => {
                     at(from);
                     at(to);
+                    renumber(dst);
                 }
-                Prim::Copy { .. } | Prim::Reduce { .. } | Prim::Finalize { .. } => {}
+                Prim::RecvReduceSend {
+                    from,
+                    to,
+                    local,
+                    dst,
+                } => {
+                    at(from);
+                    at(to);
+                    renumber(local);
+                    if let Some(d) = dst {
+                        renumber(d);
+                    }
+                }
+                Prim::Copy { src, dst } | Prim::Reduce { src, dst } => {
+                    renumber(src);
+                    renumber(dst);
+                }
+                Prim::Finalize { region } => renumber(region),
             }
         }
+    }
+    if across {
+        return build_rank_order(desc, rank, world);
     }
     Ok(s)
 }

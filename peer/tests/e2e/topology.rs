@@ -1,6 +1,6 @@
 //! optimize_topology() against a real master: the members measure their links, the
 //! master solves the ring, and the world goes on at a new epoch (same members, same
-//! ranks) whose all_reduce, broadcast and reduce follow the ring with exact results; a member lost while the
+//! ranks) whose collectives follow the ring with exact results; a member lost while the
 //! others probe fails their call instead of hanging it; ECCL_TOPOLOGY=optimize does the
 //! same whenever the world changes.
 
@@ -61,6 +61,40 @@ async fn exact_rooted(comms: &mut [eccl::Communicator]) {
                 assert_eq!(v, want, "reduce at root {root}");
             }
         }
+    }
+}
+
+/// all_gather and reduce_scatter, whose blocks belong to ranks (their schedules follow
+/// the ring with the blocks renumbered): every block where it belongs.
+async fn exact_blocks(comms: &mut [eccl::Communicator]) {
+    let n = comms.len();
+    let got = join_all(comms.iter_mut().map(|c| async move {
+        let r = c.rank().unwrap().0 as i64;
+        let mine: Vec<i64> = (0..333).map(|k| r * 10_000 + k).collect();
+        let mut all = vec![0i64; 333 * n];
+        c.all_gather_into(&mine, &mut all)
+            .await
+            .expect("all_gather");
+        let contrib: Vec<i64> = (0..333 * n as i64).map(|k| k * 100 + r).collect();
+        let mut block = vec![0i64; 333];
+        c.reduce_scatter_into(&contrib, &mut block, ReduceOp::Sum)
+            .await
+            .expect("reduce_scatter");
+        (r, all, block)
+    }))
+    .await;
+    let gathered: Vec<i64> = (0..n as i64)
+        .flat_map(|q| (0..333).map(move |k| q * 10_000 + k))
+        .collect();
+    for (r, all, block) in got {
+        assert_eq!(all, gathered, "all_gather at rank {r}");
+        let want: Vec<i64> = (0..333)
+            .map(|k| {
+                let e = r * 333 + k;
+                (0..n as i64).map(|q| e * 100 + q).sum()
+            })
+            .collect();
+        assert_eq!(block, want, "reduce_scatter at rank {r}");
     }
 }
 
@@ -129,6 +163,7 @@ async fn the_solved_ring_takes_effect_at_the_next_epoch_with_exact_results_befor
     exact_all_reduce(&mut comms, 2).await;
     identical_all_reduce(&mut comms).await;
     exact_rooted(&mut comms).await;
+    exact_blocks(&mut comms).await;
 
     // Measured again (the matrix is kept and replaced), and a world that changes keeps
     // a ring solved from what was measured: a member leaves, the others go on.
