@@ -24,9 +24,10 @@
 #              optimize_topology(), which stripes a link whose one connection the TCP
 #              window held back; reports both as fractions of the rate.
 #
-# Options: --size (all_reduce bytes, default 1M), --iters (default 3), --fast (default
-# 1gbit; long-fat: 400mbit), --delay-ms (long-fat's round trip, default 100), --json
-# FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
+# Options: --size (bytes, default 1M), --iters (default 3), --fast (default 1gbit;
+# long-fat: 400mbit), --delay-ms (long-fat's round trip, default 100), --collective
+# (eccl-bench's: all_reduce by default; all_gather, reduce_scatter, broadcast, ... follow
+# the solved ring too; the int8 run is all_reduce's only), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
 # "speedup", "ring", "striped_rate_fraction", "one_connection_rate_fraction",
 # "quantized_speedup", "quantized_max_rel_error"}: the rate fractions are long-fat's
 # (null elsewhere); the quantized run's error is not measured here (null; its bound is
@@ -38,7 +39,7 @@
 # so and exits 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON=
+SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON= COLL=all_reduce
 while [ $# -gt 0 ]; do
     case $1 in
         --scenario) SCENARIO=$2; shift 2 ;;
@@ -47,6 +48,7 @@ while [ $# -gt 0 ]; do
         --fast) FAST=$2; shift 2 ;;
         --delay-ms) DELAY_MS=$2; shift 2 ;;
         --json) JSON=$2; shift 2 ;;
+        --collective) COLL=$2; shift 2 ;;
         -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "netlab: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -158,13 +160,13 @@ run() { # eccl-bench flags beyond the size and iterations; prints rank 0's outpu
     local envs=(ECCL_TRANSPORT=tcp "${LINK_ENV[@]}" "${RUN_ENV[@]}")
     log=$(mktemp)
     for i in $(seq 1 $((N - 1))); do
-        ip netns exec "eccl-$i-$TAG" env "${envs[@]}" "$BENCH" all_reduce --master "$ADDR" \
+        ip netns exec "eccl-$i-$TAG" env "${envs[@]}" "$BENCH" "$COLL" --master "$ADDR" \
             --world-size "$N" --rank-hint "$i" -b "$SIZE" -e "$SIZE" -n "$ITERS" -w 1 "$@" \
             >/dev/null 2>&1 &
         first+=($!)
         PIDS+=($!)
     done
-    ip netns exec "eccl-0-$TAG" env "${envs[@]}" "$BENCH" all_reduce --master "$ADDR" \
+    ip netns exec "eccl-0-$TAG" env "${envs[@]}" "$BENCH" "$COLL" --master "$ADDR" \
         --world-size "$N" --rank-hint 0 -b "$SIZE" -e "$SIZE" -n "$ITERS" -w 1 "$@" >"$log" 2>&1 || {
         cat "$log" >&2
         echo "netlab: rank 0 failed" >&2
@@ -204,7 +206,7 @@ if [ "$SCENARIO" = long-fat ]; then
     rate() { awk -v bps="$FAST_BPS" '/^ +[0-9]/ { printf "%.3f", $1 * 8 / ($6 * 1e-6) / bps; exit }'; }
     fractions="$(echo "$optimized" | rate) $(echo "$plain" | rate)"
     echo "# $SCENARIO: one connection ${fractions#* } of the $FAST rate, striped ${fractions% *}"
-else
+elif [ "$COLL" = all_reduce ]; then
     # int8 on the wire (all_to_all and all_gather of 8-bit codes, rank order): its results
     # are within a bound, not exact, so eccl-bench does not check them (-c); the bound is
     # checked element by element in peer/tests/e2e/quantized.rs.
@@ -215,6 +217,6 @@ else
     echo "# $SCENARIO: int8 on the wire ${qspeedup} x rank order's time"
 fi
 if [ -n "$JSON" ]; then
-    printf '{"scenario": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_max_rel_error": null}\n' \
-        "$SCENARIO" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" >"$JSON"
+    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_max_rel_error": null}\n' \
+        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" >"$JSON"
 fi
