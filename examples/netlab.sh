@@ -27,7 +27,8 @@
 # Options: --size (bytes, default 1M), --iters (default 3), --fast (default 1gbit;
 # long-fat: 400mbit), --delay-ms (long-fat's round trip, default 100), --collective
 # (eccl-bench's: all_reduce by default; all_gather, reduce_scatter, broadcast, ... follow
-# the solved ring too; the int8 run is all_reduce's only), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
+# the solved ring too; the int8 run is all_reduce's only), --transport (tcp by default;
+# tls or quic), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
 # "speedup", "ring", "striped_rate_fraction", "one_connection_rate_fraction",
 # "quantized_speedup", "quantized_max_rel_error"}: the rate fractions are long-fat's
 # (null elsewhere); the quantized run's error is not measured here (null; its bound is
@@ -39,7 +40,7 @@
 # so and exits 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON= COLL=all_reduce
+SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON= COLL=all_reduce TRANSPORT=tcp
 while [ $# -gt 0 ]; do
     case $1 in
         --scenario) SCENARIO=$2; shift 2 ;;
@@ -49,6 +50,7 @@ while [ $# -gt 0 ]; do
         --delay-ms) DELAY_MS=$2; shift 2 ;;
         --json) JSON=$2; shift 2 ;;
         --collective) COLL=$2; shift 2 ;;
+        --transport) TRANSPORT=$2; shift 2 ;;
         -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "netlab: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -157,7 +159,7 @@ fi
 
 run() { # eccl-bench flags beyond the size and iterations; prints rank 0's output
     local first=() log
-    local envs=(ECCL_TRANSPORT=tcp "${LINK_ENV[@]}" "${RUN_ENV[@]}")
+    local envs=(ECCL_TRANSPORT="$TRANSPORT" "${LINK_ENV[@]}" "${RUN_ENV[@]}")
     log=$(mktemp)
     for i in $(seq 1 $((N - 1))); do
         ip netns exec "eccl-$i-$TAG" env "${envs[@]}" "$BENCH" "$COLL" --master "$ADDR" \
