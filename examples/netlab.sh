@@ -30,10 +30,11 @@
 # the solved ring too; the int8 run is all_reduce's only), --transport (tcp by default;
 # tls or quic), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
 # "speedup", "ring", "striped_rate_fraction", "one_connection_rate_fraction",
-# "quantized_speedup", "quantized_max_rel_error"}: the rate fractions are long-fat's
+# "quantized_speedup", "quantized_ring_speedup", "quantized_max_rel_error"}: the rate fractions are long-fat's
 # (null elsewhere); the quantized run's error is not measured here (null; its bound is
 # checked in peer/tests/e2e/quantized.rs). quantized_speedup is rank order's time over
-# the int8 run's (not run for long-fat).
+# the int8 run's, quantized_ring_speedup the same for int8 after optimize_topology() with
+# ECCL_ALGO=ring (its all_to_all relayed around the solved ring); not run for long-fat.
 #
 # Needs root, iproute2 (ip, tc) and a release build. Every namespace, link and process
 # it makes is removed on exit, also on failure; where namespaces cannot be made it says
@@ -199,7 +200,7 @@ t0=$(echo "$plain" | usec)
 t1=$(echo "$optimized" | usec)
 speedup=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
 echo "# $SCENARIO: bus bandwidth rank order $b0 GB/s, optimized $b1 GB/s ($speedup x), ring [$ring]"
-fractions="null null" qspeedup=null
+fractions="null null" qspeedup=null qrspeedup=null
 if [ "$SCENARIO" = long-fat ]; then
     # Rank order and the solved ring are one ring of two: the second run differs in its
     # links, striped where optimize_topology() found one connection window-bound.
@@ -217,8 +218,17 @@ elif [ "$COLL" = all_reduce ]; then
     tq=$(echo "$quantized" | usec)
     qspeedup=$(awk -v a="$t0" -v b="$tq" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
     echo "# $SCENARIO: int8 on the wire ${qspeedup} x rank order's time"
+    # The same over the solved ring: ECCL_ALGO=ring makes the all_to_all relay its codes
+    # around the ring (its all_gather follows the ring anyway).
+    RUN_ENV=(ECCL_ALGO=ring)
+    qring=$(run --quantize int8 --show-topology)
+    RUN_ENV=()
+    echo "$qring" | grep -E "^# ring|^# eccl-bench|^ +[0-9]" | sed "s/^/int8 ring:  /"
+    tqr=$(echo "$qring" | usec)
+    qrspeedup=$(awk -v a="$t0" -v b="$tqr" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
+    echo "# $SCENARIO: int8 on the wire over the solved ring ${qrspeedup} x rank order's time"
 fi
 if [ -n "$JSON" ]; then
-    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_max_rel_error": null}\n' \
-        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" >"$JSON"
+    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_ring_speedup": %s, "quantized_max_rel_error": null}\n' \
+        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" "$qrspeedup" >"$JSON"
 fi

@@ -111,8 +111,10 @@ pub fn build(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, Build
 ///   to the others, so every rank ends with the same bits (G3); a block of
 ///   reduce_scatter is computed by its one owner.
 ///
-/// `None`, a ring that is not a permutation of the world's ranks, or a schedule with a
-/// region across two blocks (no builder makes one today) is rank order.
+/// A local copy or reduction across blocks is cut at their boundaries; a message across
+/// two blocks would have to be cut on both ends alike, and is refused as an internal
+/// error (no builder sends one: `algorithms/tests/collectives.rs` runs them all). `None`,
+/// or a ring that is not a permutation of the world's ranks, is rank order.
 pub fn build_in_ring(
     desc: &Descriptor,
     rank: u32,
@@ -136,72 +138,118 @@ pub fn build_in_ring(
         false => desc.root,
     };
     let mut s = build_rank_order(&Descriptor { root, ..*desc }, place, world)?;
-    let at = |p: &mut u32| *p = ring[*p as usize];
     // Buffers of one block per rank: renumber their blocks from places to ranks.
     let count = desc.count as usize;
     let blocked = |len: usize| count > 0 && len == count * world as usize;
     let (input_blocked, output_blocked) = (blocked(s.input_len), blocked(s.output_len));
-    let mut across = false;
-    let mut renumber = |r: &mut Region| {
-        let is_blocked = match r.buf {
-            Buf::Input => input_blocked,
-            Buf::Output => output_blocked,
-            Buf::Scratch => false,
-        };
-        if !is_blocked || r.len == 0 {
-            return;
+    let is_blocked = |r: &Region| {
+        r.len > 0
+            && match r.buf {
+                Buf::Input => input_blocked,
+                Buf::Output => output_blocked,
+                Buf::Scratch => false,
+            }
+    };
+    // A region inside one block, renumbered; `None` if it crosses into the next.
+    let renumber = |r: Region| -> Option<Region> {
+        if !is_blocked(&r) {
+            return Some(r);
         }
         let block = r.offset / count;
-        if r.end() > (block + 1) * count {
-            across = true;
-            return;
+        (r.end() <= (block + 1) * count).then(|| Region {
+            offset: ring[block] as usize * count + (r.offset - block * count),
+            ..r
+        })
+    };
+    // Where a local primitive's regions cross a block boundary: each piece is renumbered
+    // on its own (a local copy or reduction may be cut anywhere).
+    let cuts = |r: &Region, v: &mut Vec<usize>| {
+        if is_blocked(r) {
+            let first = r.offset / count + 1;
+            v.extend(
+                (first..)
+                    .map(|b| b * count - r.offset)
+                    .take_while(|&at| at < r.len),
+            );
         }
-        r.offset = ring[block] as usize * count + (r.offset - block * count);
+    };
+    let piece = |r: &Region, from: usize, to: usize| Region {
+        offset: r.offset + from,
+        len: to - from,
+        ..*r
+    };
+    let across = |p: &Prim| {
+        BuildError::InvalidArgument(format!(
+            "internal: {p:?} crosses a block boundary of a buffer the solved ring renumbers"
+        ))
     };
     for step in &mut s.steps {
-        for prim in &mut step.prims {
-            match prim {
-                Prim::Send { peer, src } => {
-                    at(peer);
-                    renumber(src);
+        let mut prims = Vec::with_capacity(step.prims.len());
+        for p in step.prims.drain(..) {
+            let q = match p {
+                Prim::Copy { src, dst } | Prim::Reduce { src, dst } => {
+                    let mut at_cuts = vec![0, src.len];
+                    cuts(&src, &mut at_cuts);
+                    cuts(&dst, &mut at_cuts);
+                    at_cuts.sort_unstable();
+                    at_cuts.dedup();
+                    for w in at_cuts.windows(2) {
+                        let (s2, d2) = (piece(&src, w[0], w[1]), piece(&dst, w[0], w[1]));
+                        let (src, dst) = (renumber(s2).expect("cut"), renumber(d2).expect("cut"));
+                        prims.push(match p {
+                            Prim::Copy { .. } => Prim::Copy { src, dst },
+                            _ => Prim::Reduce { src, dst },
+                        });
+                    }
+                    continue;
                 }
-                Prim::Recv { peer, dst } => {
-                    at(peer);
-                    renumber(dst);
+                Prim::Finalize { region } => {
+                    let mut at_cuts = vec![0, region.len];
+                    cuts(&region, &mut at_cuts);
+                    at_cuts.sort_unstable();
+                    at_cuts.dedup();
+                    for w in at_cuts.windows(2) {
+                        let region = renumber(piece(&region, w[0], w[1])).expect("cut");
+                        prims.push(Prim::Finalize { region });
+                    }
+                    continue;
                 }
-                Prim::RecvReduce { peer, local, dst } => {
-                    at(peer);
-                    renumber(local);
-                    renumber(dst);
-                }
-                Prim::RecvCopySend { from, to, dst } => {
-                    at(from);
-                    at(to);
-                    renumber(dst);
-                }
+                Prim::Send { peer, src } => Prim::Send {
+                    peer: ring[peer as usize],
+                    src: renumber(src).ok_or_else(|| across(&p))?,
+                },
+                Prim::Recv { peer, dst } => Prim::Recv {
+                    peer: ring[peer as usize],
+                    dst: renumber(dst).ok_or_else(|| across(&p))?,
+                },
+                Prim::RecvReduce { peer, local, dst } => Prim::RecvReduce {
+                    peer: ring[peer as usize],
+                    local: renumber(local).ok_or_else(|| across(&p))?,
+                    dst: renumber(dst).ok_or_else(|| across(&p))?,
+                },
+                Prim::RecvCopySend { from, to, dst } => Prim::RecvCopySend {
+                    from: ring[from as usize],
+                    to: ring[to as usize],
+                    dst: renumber(dst).ok_or_else(|| across(&p))?,
+                },
                 Prim::RecvReduceSend {
                     from,
                     to,
                     local,
                     dst,
-                } => {
-                    at(from);
-                    at(to);
-                    renumber(local);
-                    if let Some(d) = dst {
-                        renumber(d);
-                    }
-                }
-                Prim::Copy { src, dst } | Prim::Reduce { src, dst } => {
-                    renumber(src);
-                    renumber(dst);
-                }
-                Prim::Finalize { region } => renumber(region),
-            }
+                } => Prim::RecvReduceSend {
+                    from: ring[from as usize],
+                    to: ring[to as usize],
+                    local: renumber(local).ok_or_else(|| across(&p))?,
+                    dst: match dst {
+                        Some(d) => Some(renumber(d).ok_or_else(|| across(&p))?),
+                        None => None,
+                    },
+                },
+            };
+            prims.push(q);
         }
-    }
-    if across {
-        return build_rank_order(desc, rank, world);
+        step.prims = prims;
     }
     Ok(s)
 }
@@ -243,10 +291,11 @@ fn build_rank_order(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule
             algo: desc.algo,
         });
     }
-    // Every buffer and scratch area of every algorithm is at most `count * world`
-    // elements, so bounding that bounds them all.
+    // Every buffer and scratch area of every algorithm is at most `2 * count * world`
+    // elements (all_to_all's ring: two areas of `world - 1` blocks), so bounding that
+    // bounds them all.
     let count = usize::try_from(desc.count).ok().filter(|c| {
-        c.checked_mul(world as usize)
+        c.checked_mul(2 * world as usize)
             .and_then(|e| e.checked_mul(desc.dtype.size()))
             .is_some_and(|b| b <= isize::MAX as usize)
     });
@@ -285,6 +334,7 @@ fn build_rank_order(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule
             (Scatter, Algo::Direct) => scatter::direct(&cx),
             (Gather, Algo::Direct) => gather::direct(&cx),
             (AllToAll, Algo::Direct) => all_to_all::direct(&cx),
+            (AllToAll, Algo::Ring) => all_to_all::ring(&cx),
             (Barrier, Algo::Direct) => barrier::direct(&cx),
             (Barrier, Algo::Tree) => barrier::tree(&cx),
             // Checked against `available_algos` above; kept as an error, not a panic, in

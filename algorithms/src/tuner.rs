@@ -37,7 +37,9 @@ pub fn available_algos(kind: CollectiveKind) -> &'static [Algo] {
     match kind {
         AllReduce | Broadcast | Reduce => &[Algo::Ring, Algo::Direct, Algo::Tree],
         AllGather | ReduceScatter => &[Algo::Ring, Algo::Direct],
-        Scatter | Gather | AllToAll => &[Algo::Direct],
+        // all_to_all's ring is chosen, never picked: it relays (see its builder).
+        AllToAll => &[Algo::Direct, Algo::Ring],
+        Scatter | Gather => &[Algo::Direct],
         Barrier => &[Algo::Direct, Algo::Tree],
         SendRecv => &[],
     }
@@ -116,7 +118,11 @@ fn default_algo(kind: CollectiveKind, bytes: usize, world: u32) -> Choice {
                 )
             }
         }
-        Scatter | Gather | AllToAll => pick(Algo::Direct, "the only algorithm".into()),
+        Scatter | Gather => pick(Algo::Direct, "the only algorithm".into()),
+        AllToAll => pick(
+            Algo::Direct,
+            "every block straight to its rank (ECCL_ALGO=ring relays around the ring)".into(),
+        ),
         Barrier if small_world => {
             pick(Algo::Direct, format!("world {world} <= {DIRECT_MAX_WORLD}"))
         }

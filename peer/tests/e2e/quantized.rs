@@ -207,3 +207,69 @@ async fn quantized_all_reduce_is_identical_everywhere_and_within_its_bound() {
     assert_eq!(Quantize::parse("fp8"), Some(Quantize::Fp8));
     assert_eq!(Quantize::parse("fp4"), None);
 }
+
+/// `ECCL_ALGO=ring` over a solved ring: all_to_all relays every block around the ring
+/// (exact), and the quantized all_reduce, whose all_to_all it is, gives the same bits on
+/// every rank within the same bound (the owner receives the same codes either way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_to_all_relayed_around_the_solved_ring_and_int8_over_it() {
+    let m = start_master(&[]);
+    let mut comms = world_with(&m.addr, 4, |c| c.algo = Some(eccl::Algo::Ring)).await;
+    let ups = join_all(comms.iter_mut().map(|c| c.optimize_topology())).await;
+    assert!(
+        ups.iter()
+            .all(|u| u.as_ref().is_ok_and(|u| u.ring.len() == 4)),
+        "{ups:?}"
+    );
+    let n = comms.len();
+    let c = 777usize;
+    let got = join_all(comms.iter_mut().map(|comm| async move {
+        let r = comm.rank().unwrap().0 as i64;
+        let input: Vec<i64> = (0..(c * n) as i64).map(|k| r * 1_000_000 + k).collect();
+        let mut out = vec![0i64; c * n];
+        let info = comm
+            .all_to_all_into(&input, &mut out)
+            .await
+            .expect("all_to_all");
+        assert_eq!(info.algo, eccl::Algo::Ring);
+        (r as usize, out)
+    }))
+    .await;
+    for (r, out) in got {
+        // Block j is rank j's input block r.
+        let want: Vec<i64> = (0..n)
+            .flat_map(|j| (0..c).map(move |k| j as i64 * 1_000_000 + (r * c + k) as i64))
+            .collect();
+        assert_eq!(out, want, "rank {r}");
+    }
+    let count = 10_001;
+    let exact: Vec<f32> = (0..count)
+        .map(|k| (0..n).map(|r| value(r, k)).sum())
+        .collect();
+    let got = join_all(comms.iter_mut().map(|comm| async move {
+        let r = comm.rank().unwrap().0 as usize;
+        let mut v: Vec<f32> = (0..count).map(|k| value(r, k)).collect();
+        comm.all_reduce_quantized(&mut v, ReduceOp::Sum, Quantize::Int8)
+            .await
+            .expect("quantized all_reduce");
+        v
+    }))
+    .await;
+    for (r, v) in got.iter().enumerate() {
+        assert!(
+            v.iter()
+                .zip(&got[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "rank {r} differs from rank 0"
+        );
+    }
+    for k in 0..count {
+        let b = bound(Quantize::Int8, n, count, k, &exact, false);
+        assert!(
+            (got[0][k] - exact[k]).abs() <= b,
+            "element {k}: {} vs {}",
+            got[0][k],
+            exact[k]
+        );
+    }
+}
