@@ -22,7 +22,7 @@ mod collectives;
 pub use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
 pub use element::Element;
 pub use schedule::*;
-pub use tuner::{available_algos, choose_algo, Choice};
+pub use tuner::{available_algos, choose_algo, choose_algo_in, Choice};
 
 use collectives::{Body, Ctx};
 

@@ -51,7 +51,29 @@ pub fn available_algos(kind: CollectiveKind) -> &'static [Algo] {
 /// convention: the buffer for all_reduce, broadcast and reduce; one rank's block for
 /// all_gather and reduce_scatter (their whole buffer is `bytes * world`).
 pub fn choose_algo(kind: CollectiveKind, bytes: usize, world: u32, forced: Option<Algo>) -> Choice {
-    let default = default_algo(kind, bytes, world);
+    choose_algo_in(kind, bytes, world, forced, false)
+}
+
+/// [`choose_algo`] in a world whose links off the solved ring are much slower than the
+/// ring's own (`keep_to_ring`, the master's finding from measured links): every
+/// collective that has a ring algorithm takes it, whatever its size (a direct or tree
+/// algorithm would cross the slow links; all_to_all's ring relays around the ring).
+pub fn choose_algo_in(
+    kind: CollectiveKind,
+    bytes: usize,
+    world: u32,
+    forced: Option<Algo>,
+    keep_to_ring: bool,
+) -> Choice {
+    let default = match keep_to_ring && world > 2 && available_algos(kind).contains(&Algo::Ring) {
+        true => Choice {
+            algo: Algo::Ring,
+            reason: format!(
+                "{kind}: ring (links off the solved ring are slower than a quarter of its slowest)"
+            ),
+        },
+        false => default_algo(kind, bytes, world),
+    };
     match forced {
         Some(algo) if available_algos(kind).contains(&algo) => Choice {
             algo,
@@ -138,6 +160,35 @@ fn default_algo(kind: CollectiveKind, bytes: usize, world: u32) -> Choice {
 mod tests {
     use super::*;
     use CollectiveKind::*;
+
+    #[test]
+    fn keeping_to_the_ring_takes_the_ring_where_there_is_one() {
+        use CollectiveKind::*;
+        let c = |k, b, w, f| choose_algo_in(k, b, w, f, true).algo;
+        for k in [
+            AllReduce,
+            Broadcast,
+            Reduce,
+            AllGather,
+            ReduceScatter,
+            AllToAll,
+        ] {
+            for b in [8, 64 << 10, 1 << 30] {
+                assert_eq!(c(k, b, 4, None), Algo::Ring, "{k} {b}");
+            }
+        }
+        for k in [Scatter, Gather] {
+            assert_eq!(c(k, 1 << 20, 4, None), Algo::Direct);
+        }
+        assert_eq!(c(Barrier, 0, 4, None), Algo::Direct);
+        // Forced still wins; two ranks have no links off the ring.
+        assert_eq!(c(AllReduce, 1 << 30, 4, Some(Algo::Tree)), Algo::Tree);
+        assert_eq!(
+            c(AllReduce, 8, 2, None),
+            choose_algo(AllReduce, 8, 2, None).algo
+        );
+        assert_eq!(c(AllToAll, 1 << 20, 2, None), Algo::Direct);
+    }
 
     #[test]
     fn defaults_follow_size_and_world() {

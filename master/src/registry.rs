@@ -325,10 +325,12 @@ impl Registry {
     /// large to solve. A link not measured costs what the worst measured one does; two
     /// members on one host without a measurement cost what the best one does (shared
     /// memory).
-    fn solve_ring(&self, members: &[PeerId]) -> Vec<u32> {
+    /// Also whether some measured link costs more than [`eccl_protocol::KEEP_TO_RING`]
+    /// times the ring's slowest ([`eccl_protocol::World::keep_to_ring`]).
+    fn solve_ring(&self, members: &[PeerId]) -> (Vec<u32>, bool) {
         let n = members.len();
         if !(3..=SOLVE_MAX).contains(&n) {
-            return Vec::new();
+            return (Vec::new(), false);
         }
         let chunk = RING_REFERENCE_BYTES / n as f64;
         let measured = |i: usize, j: usize| {
@@ -342,7 +344,7 @@ impl Registry {
             .filter(|c| c.is_finite())
             .collect();
         if known.is_empty() {
-            return Vec::new();
+            return (Vec::new(), false);
         }
         let worst = known.iter().copied().fold(0.0, f64::max);
         let best = known.iter().copied().fold(f64::INFINITY, f64::min);
@@ -355,7 +357,8 @@ impl Registry {
             })
         });
         let ring = solve_ring(&m);
-        ring.order.iter().map(|&k| k as u32).collect()
+        let keep = worst > eccl_protocol::KEEP_TO_RING * ring.bottleneck;
+        (ring.order.iter().map(|&k| k as u32).collect(), keep)
     }
 
     /// The links among `members` striped over more than one connection: for each pair,
@@ -536,6 +539,7 @@ impl Registry {
     /// member of it.
     fn new_world(&mut self, members: &[PeerId], by_reconfigure: bool) -> World {
         self.epoch += 1;
+        let (ring, keep_to_ring) = self.solve_ring(members);
         let world = World {
             epoch: self.epoch,
             members: members
@@ -554,11 +558,13 @@ impl Registry {
                     }
                 })
                 .collect(),
-            ring: self.solve_ring(members),
+            ring,
             stripes: self.stripes_among(members),
+            keep_to_ring,
         };
         if !world.ring.is_empty() {
-            tracing::info!(target: "eccl::master", "epoch {}: ring {:?} solved from measured links", world.epoch, world.ring);
+            tracing::info!(target: "eccl::master", "epoch {}: ring {:?} solved from measured links{}", world.epoch, world.ring,
+                if world.keep_to_ring { "; links off it are slower than a quarter of its slowest: collectives keep to it" } else { "" });
         }
         self.worlds.insert(
             self.epoch,

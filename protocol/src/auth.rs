@@ -547,6 +547,7 @@ mod tests {
                 .collect(),
             ring: vec![],
             stripes: vec![],
+            keep_to_ring: false,
         };
         let all = WorldKeys::new(&master, &world);
         for me in ids.iter().copied().chain([1, 50]).map(crate::PeerId) {

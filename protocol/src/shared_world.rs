@@ -136,6 +136,7 @@ mod tests {
                 .collect(),
             ring: (0..n).rev().collect(),
             stripes: vec![(PeerId(100), PeerId(101), 4)],
+            keep_to_ring: true,
         }
     }
 

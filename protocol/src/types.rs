@@ -442,7 +442,16 @@ pub struct World {
     /// (`optimize_topology()`): `(smaller peer id, larger, connections)`, sorted; a pair
     /// not named has one. Both ends of a link read the same count here.
     pub stripes: Vec<(PeerId, PeerId, u16)>,
+    /// Some measured link off the solved ring costs more than [`KEEP_TO_RING`] times the
+    /// ring's slowest: collectives then keep to the ring (ring algorithms where the
+    /// collective has one, all_to_all relayed) rather than send straight across such
+    /// links. False without a solved ring.
+    pub keep_to_ring: bool,
 }
+
+/// How much slower than the solved ring's slowest link a link must be for collectives
+/// to keep to the ring ([`World::keep_to_ring`]).
+pub const KEEP_TO_RING: f64 = 4.0;
 
 /// Most connections the master stripes one link over.
 pub const MAX_STRIPES: u16 = 16;
@@ -499,6 +508,8 @@ impl World {
                     &self.ring[..self.ring.len().min(16)]
                 ));
             }
+        } else if self.keep_to_ring {
+            return Err("keep_to_ring without a solved ring".into());
         }
         let mut seen = std::collections::HashSet::new();
         for (i, m) in self.members.iter().enumerate() {
@@ -557,10 +568,17 @@ mod tests {
             members: (0..3).map(member).collect(),
             ring: vec![],
             stripes,
+            keep_to_ring: false,
         };
         let (a, b, c) = (PeerId(10), PeerId(11), PeerId(12));
         let w = world(vec![(a, b, 4), (a, c, 2)]);
         assert_eq!(w.validate(), Ok(()));
+        // Keeping to the ring needs a ring.
+        let mut k = world(vec![]);
+        k.keep_to_ring = true;
+        assert!(k.validate().is_err());
+        k.ring = vec![2, 0, 1];
+        assert_eq!(k.validate(), Ok(()));
         assert_eq!(w.stripes_between(c, a), Some(2));
         assert_eq!(w.stripes_between(b, c), None);
         for bad in [

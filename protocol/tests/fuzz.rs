@@ -61,6 +61,7 @@ fn world(n: u32) -> World {
         } else {
             vec![]
         },
+        keep_to_ring: n >= 3,
     }
 }
 

@@ -202,6 +202,7 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
     let mut r = Registry::default();
     let (p, w) = first_world(&mut r, 5);
     assert!(w.ring.is_empty(), "rank order until something is measured");
+    assert!(!w.keep_to_ring);
     // Fast (10 GB/s) only between ranks two apart (0-2-4-1-3-0); every other link is
     // 100 times slower, including all of rank order's.
     let fast = |i: usize, j: usize| (i + 2) % 5 == j || (j + 2) % 5 == i;
@@ -246,6 +247,8 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
         let (a, b) = (ring[k] as usize, ring[(k + 1) % 5] as usize);
         assert!(fast(a, b), "ring {ring:?} uses the slow link {a}->{b}");
     }
+    // Links off the ring are 100 times slower than its slowest: collectives keep to it.
+    assert!(w2.keep_to_ring);
     assert_eq!(r.links_among(&p).len(), 20);
     // Rank 2 leaves: the four left are solved again from what was measured (the
     // departed peer's links are forgotten).
@@ -259,6 +262,9 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
     };
     assert_eq!(w3.size(), 4);
     assert_eq!(w3.ring.len(), 4);
+    // No ring of the four avoids every slow link (ranks 0 and 4 have one fast link
+    // each): the ring's slowest is as slow as any, nothing to keep to.
+    assert!(!w3.keep_to_ring);
     w3.validate().unwrap();
     assert_eq!(
         r.links_among(&p).len(),

@@ -5,7 +5,7 @@ use futures::future::{BoxFuture, FutureExt};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
-use eccl_algorithms::{buffer_lens, build_in_ring, choose_algo, Schedule};
+use eccl_algorithms::{buffer_lens, build_in_ring, choose_algo_in, Schedule};
 use eccl_protocol::frame::AbortCause;
 use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, PeerId, PeerRequest, Rank, ReduceOp};
 use eccl_transport::pool::AlignedBuf;
@@ -165,7 +165,8 @@ impl Communicator {
         let seq = c.seq;
         c.seq += 1;
         let elem = args.dtype.size();
-        let choice = choose_algo(args.kind, args.count.saturating_mul(elem), world, forced);
+        let keep = c.world.keep_to_ring;
+        let choice = choose_algo_in(args.kind, args.count.saturating_mul(elem), world, forced, keep);
         let desc = Descriptor {
             kind: args.kind,
             dtype: args.dtype,
