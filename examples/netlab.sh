@@ -191,7 +191,7 @@ RUN_ENV=()
 echo "$plain" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/rank order: /"
 echo "$plain" | wrong
 optimized=$(run -c --show-topology)
-echo "$optimized" | grep -E "^#( topology| ring| +from| +to)|^# eccl-bench|^ +[0-9]" | sed "s/^/optimized:  /"
+echo "$optimized" | grep -E "^#( topology| ring| keep| +from| +to)|^# eccl-bench|^ +[0-9]" | sed "s/^/optimized:  /"
 echo "$optimized" | wrong
 b0=$(echo "$plain" | busbw)
 b1=$(echo "$optimized" | busbw)

@@ -1,5 +1,6 @@
 //! `eccl-bench --show-topology`: `optimize_topology()` before the benchmark, and on rank 0
-//! the measured matrix, the solved ring with its bottleneck, and the striped links.
+//! the measured matrix, the solved ring with its bottleneck, the striped links, and
+//! whether the world keeps to the ring.
 
 use eccl::{Communicator, ReduceOp};
 
@@ -78,6 +79,12 @@ pub async fn show_topology(
                     "# striped: rank {a} <-> rank {b} over {k} connections (one was window-bound)"
                 );
             }
+        }
+        if w.keep_to_ring {
+            println!(
+                "# keep to the ring: links off it are over {}x slower than its slowest; every collective with a ring algorithm takes it",
+                eccl::KEEP_TO_RING
+            );
         }
     }
     Ok(())
