@@ -256,11 +256,13 @@ pub fn build_in_ring(
 
 /// Whether `ring` holds each rank of a world of `world` exactly once.
 pub fn is_permutation(ring: &[u32], world: u32) -> bool {
+    // The length first: `world` alone allocates nothing.
+    if ring.len() != world as usize {
+        return false;
+    }
     let mut seen = vec![false; world as usize];
-    ring.len() == world as usize
-        && ring
-            .iter()
-            .all(|&r| (r < world) && !std::mem::replace(&mut seen[r as usize], true))
+    ring.iter()
+        .all(|&r| (r < world) && !std::mem::replace(&mut seen[r as usize], true))
 }
 
 fn build_rank_order(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, BuildError> {

@@ -357,7 +357,12 @@ impl Registry {
             })
         });
         let ring = solve_ring(&m);
-        let keep = worst > eccl_protocol::KEEP_TO_RING * ring.bottleneck;
+        // Unusable links (no bandwidth measured: an infinite cost) count as the slowest.
+        let slowest = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .filter_map(|(i, j)| measured(i, j))
+            .fold(worst, f64::max);
+        let keep = slowest > eccl_protocol::KEEP_TO_RING * ring.bottleneck;
         (ring.order.iter().map(|&k| k as u32).collect(), keep)
     }
 
