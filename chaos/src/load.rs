@@ -67,6 +67,11 @@ pub struct Step {
     pub register_s: f64,
     pub commit_ms_p50: f64,
     pub commit_ms_max: f64,
+    /// An update_topology() round of every member with nothing to change (what an
+    /// elastic job's members send at each step boundary): per world, from the start to
+    /// its last member's answer.
+    pub vote_ms_p50: f64,
+    pub vote_ms_max: f64,
     /// The leader's CPU time per second of heartbeats alone.
     pub leader_cpu_pct: f64,
     /// The leader's CPU time per heartbeat, in microseconds.
@@ -114,12 +119,14 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         args.masters, args.lease_ms, args.heartbeat_ms, args.world
     );
     println!(
-        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>8} {:>9} {:>8} {:>8} {:>5}",
+        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>5}",
         "peers",
         "worlds",
         "register_s",
         "commit_p50",
         "commit_max",
+        "vote_p50",
+        "vote_max",
         "cpu_%",
         "us/beat",
         "rss_mib",
@@ -182,6 +189,8 @@ async fn drive(
         // An epoch change for everyone: worlds of --world members, all at once.
         let (commits, lost);
         (peers, commits, lost) = epoch_change(peers, args.world as usize, &mut uuid, timeout).await;
+        let (votes, vote_lost);
+        (peers, votes, vote_lost) = vote_round(peers, args.world as usize, timeout).await;
 
         // Heartbeats alone: the leader's CPU over --steady-s.
         let cpu0 = cpu();
@@ -200,25 +209,31 @@ async fn drive(
 
         let mut sorted = commits.clone();
         sorted.sort_by(f64::total_cmp);
+        let mut vsorted = votes.clone();
+        vsorted.sort_by(f64::total_cmp);
         let step = Step {
             peers: peers.len(),
             worlds: commits.len(),
             register_s,
             commit_ms_p50: sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN),
             commit_ms_max: sorted.last().copied().unwrap_or(f64::NAN),
+            vote_ms_p50: vsorted.get(vsorted.len() / 2).copied().unwrap_or(f64::NAN),
+            vote_ms_max: vsorted.last().copied().unwrap_or(f64::NAN),
             leader_cpu_pct: 100.0 * cpu_s / secs,
             us_per_heartbeat: cpu_s * 1e6 / beats,
             leader_rss_mib: rss_now as f64 / 1024.0,
             kib_per_peer: rss_now.saturating_sub(rss0) as f64 / peers.len() as f64,
-            lost: lost + lost_after,
+            lost: lost + vote_lost + lost_after,
         };
         println!(
-            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5}",
+            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5}",
             step.peers,
             step.worlds,
             step.register_s,
             step.commit_ms_p50,
             step.commit_ms_max,
+            step.vote_ms_p50,
+            step.vote_ms_max,
             step.leader_cpu_pct,
             step.us_per_heartbeat,
             step.leader_rss_mib,
@@ -278,6 +293,52 @@ async fn epoch_change(
     }
     if let Some(e) = first {
         println!("#   {failed} of {n} epoch changes failed; the first: {e}");
+    }
+    (back, done, failed)
+}
+
+/// Every peer votes in update_topology() at once, in the worlds the last epoch change
+/// made (nothing to change: the master answers each world once all its members voted).
+/// Returns the peers, each world's time to its last member's answer (ms) and how many
+/// peers' votes failed.
+async fn vote_round(
+    peers: Vec<SimPeer>,
+    world: usize,
+    timeout: Duration,
+) -> (Vec<SimPeer>, Vec<f64>, usize) {
+    let n = peers.len();
+    let worlds = n.div_ceil(world.max(1));
+    let t = Instant::now();
+    let mut calls = JoinSet::new();
+    let mut peers = peers;
+    peers.sort_by_key(|p| p.peer_id);
+    for (i, mut p) in peers.into_iter().enumerate() {
+        calls.spawn(async move {
+            let r = p.update_topology(1, timeout).await;
+            (
+                p,
+                i / world.max(1),
+                r.err(),
+                t.elapsed().as_secs_f64() * 1e3,
+            )
+        });
+    }
+    let mut done = vec![0.0f64; worlds];
+    let (mut failed, mut first, mut back) = (0, None::<String>, Vec::with_capacity(n));
+    while let Some(r) = calls.join_next().await {
+        let Ok((p, w, err, ms)) = r else {
+            failed += 1;
+            continue;
+        };
+        done[w] = done[w].max(ms);
+        if let Some(e) = err {
+            failed += 1;
+            first.get_or_insert_with(|| format!("peer {}: {e}", p.peer_id));
+        }
+        back.push(p);
+    }
+    if let Some(e) = first {
+        println!("#   {failed} of {n} update_topology() votes failed; the first: {e}");
     }
     (back, done, failed)
 }

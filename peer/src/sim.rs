@@ -21,6 +21,8 @@ pub struct SimPeer {
     pub peer_id: PeerId,
     /// The epoch of the last world it was given.
     pub epoch: u64,
+    /// That world's size.
+    size: u32,
     heartbeat: tokio::task::JoinHandle<()>,
 }
 
@@ -55,6 +57,7 @@ impl SimPeer {
             list: list.to_string(),
             peer_id,
             epoch: 0,
+            size: 0,
             heartbeat,
         })
     }
@@ -92,8 +95,10 @@ impl SimPeer {
         match self.master.request(req, timeout).await? {
             MasterReply::World { world, .. } => {
                 self.epoch = world.epoch;
-                Ok(world.size() as u32)
+                self.size = world.size() as u32;
+                Ok(self.size)
             }
+            MasterReply::Unchanged { epoch } if epoch == self.epoch => Ok(self.size),
             other => Err(reply_error(&self.list, self.epoch, other)),
         }
     }

@@ -312,6 +312,12 @@ pub enum MasterReply {
         /// it unfit in its vote (`UpdateTopology::fresh`).
         renew: Vec<PeerId>,
     },
+    /// The answer to an `UpdateTopology` vote of `epoch` when the master kept that epoch
+    /// (nobody joined, left or aborted): the voter has the world already, so none is
+    /// sent (a world of a thousand is about 100 KB, to each of its members).
+    Unchanged {
+        epoch: u64,
+    },
     PeersPending(bool),
     /// The outcome of a `SyncState` round: the content everyone must end with, and the
     /// members that hold it (the sources).

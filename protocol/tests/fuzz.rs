@@ -180,6 +180,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             reuse_links: false,
             renew: vec![PeerId(3)],
         },
+        MasterReply::Unchanged { epoch: 9 },
         MasterReply::PeersPending(true),
         MasterReply::SyncPlan {
             revision: 2,

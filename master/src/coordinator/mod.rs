@@ -457,13 +457,17 @@ impl Coordinator {
     /// Completes every world's vote round whose live members have all voted, and forms
     /// the elastic world from pending peers when there is none.
     async fn try_commit(&self, st: &mut State) {
-        // Votes of peers that are gone are answered and dropped.
-        let gone: Vec<PeerId> = st
-            .votes
-            .keys()
-            .copied()
-            .filter(|p| matches!(self.known(*p), Some(PeerState::Gone { .. }) | None))
-            .collect();
+        // Votes of peers that are gone are answered and dropped (one read of the
+        // registry for all of them: this runs at every vote).
+        let gone: Vec<PeerId> = self.raft.read(|r| {
+            st.votes
+                .keys()
+                .copied()
+                .filter(|p| {
+                    !matches!(r.peer(*p).map(|x| &x.state), Some(s) if !matches!(s, PeerState::Gone { .. }))
+                })
+                .collect()
+        });
         for p in gone {
             if let Some(v) = st.votes.remove(&p) {
                 v.reply.send(MasterReply::Error {
@@ -472,20 +476,33 @@ impl Coordinator {
                 });
             }
         }
-        let worlds: Vec<(World, Vec<PeerId>, bool)> = self.raft.read(|r| {
-            r.worlds()
-                .map(|e| {
-                    (
-                        e.world.clone(),
-                        r.live_members_of(e.world.epoch),
-                        e.by_reconfigure,
-                    )
-                })
-                .collect()
+        // Only a world whose live members have all voted, or one of whose members votes
+        // from another epoch, has anything to do: the others are not copied (this runs
+        // at every vote, and a world of a thousand is about 100 KB).
+        let votes = &st.votes;
+        let (worlds, current, has_elastic) = self.raft.read(|r| {
+            let (mut worlds, mut current, mut has_elastic) = (Vec::new(), Vec::new(), false);
+            for e in r.worlds() {
+                let epoch = e.world.epoch;
+                current.push(epoch);
+                has_elastic |= !e.by_reconfigure;
+                // Votes first (a hash lookup each), the registry only for a member that
+                // has not voted, and the scan stops at the first live one.
+                let members = || e.world.members.iter().map(|m| m.peer_id);
+                let behind = members().any(|m| votes.get(&m).is_some_and(|v| v.epoch != epoch));
+                let all_voted = || {
+                    members().all(|m| {
+                        votes.contains_key(&m)
+                            || !matches!(r.peer(m), Some(p) if p.state == PeerState::Member)
+                    })
+                };
+                if behind || all_voted() {
+                    worlds.push((e.world.clone(), r.live_members_of(epoch), e.by_reconfigure));
+                }
+            }
+            (worlds, current, has_elastic)
         });
-        let current: Vec<u64> = worlds.iter().map(|(w, _, _)| w.epoch).collect();
         st.trim(&current);
-        let has_elastic = worlds.iter().any(|(_, _, by_rc)| !by_rc);
         for (world, members, by_reconfigure) in worlds {
             self.try_commit_world(st, world, members, !by_reconfigure)
                 .await;
@@ -573,16 +590,11 @@ impl Coordinator {
             .iter()
             .any(|m| st.votes.get(m).is_some_and(|v| v.aborted));
         if pending.is_empty() && !lost_members && !aborted {
-            let keys = keys.get_or_init(|| self.raft.world_keys(&world));
+            // Every voter left is in this epoch (the ones behind were answered above)
+            // and has its world: it hears only that the epoch stays.
             for m in &members {
                 if let Some(v) = st.votes.remove(m) {
-                    v.reply.send(MasterReply::World {
-                        keys: keys.for_member(*m),
-                        world: world.clone(),
-                        changed: false,
-                        reuse_links: true,
-                        renew: vec![],
-                    });
+                    v.reply.send(MasterReply::Unchanged { epoch });
                 }
             }
             return;

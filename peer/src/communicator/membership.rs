@@ -106,6 +106,20 @@ impl Communicator {
                 fresh: self.unfit_links(),
             };
             let reply = self.master.request(req, self.cfg.join_timeout).await?;
+            if let MasterReply::Unchanged { epoch: kept } = reply {
+                // The epoch stays: this peer's world and links go on as they are.
+                let c = match &self.cur {
+                    Some(c) if kept == epoch => c,
+                    _ => return Err(reply_error(&self.cfg.master, epoch, reply)),
+                };
+                return Ok(WorldUpdate {
+                    epoch: c.world.epoch,
+                    changed: false,
+                    rank: c.rank,
+                    world_size: c.size(),
+                    links_kept: c.links.iter().flatten().count() as u32,
+                });
+            }
             let (world, keys, changed, reuse, renew) = match reply {
                 MasterReply::World {
                     world,
