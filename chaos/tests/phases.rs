@@ -248,6 +248,25 @@ fn striped_links_keep_every_guarantee_under_a_kill_and_a_stop() {
     );
 }
 
+/// `ECCL_TOPOLOGY=optimize`: every world change is followed by a measurement of the links
+/// and a world at the next epoch whose collectives follow the solved ring; kills, joins
+/// and leaves land during those measurements too. Every result stays exact, nothing
+/// diverges or hangs.
+#[test]
+fn faults_while_the_links_are_measured_again_at_every_world_change() {
+    let _turn = turn();
+    let r = chaos_in_turn_env(
+        "optimize-faults",
+        "--peers 4 --duration 8 --seed 11 --faults kill,join,leave --transport tcp --interval-ms 1500",
+        &[("ECCL_TOPOLOGY", "optimize")],
+    );
+    let faults: u64 = ["kill", "join", "leave"]
+        .iter()
+        .map(|k| r["faults"][k].as_u64().unwrap_or(0))
+        .sum();
+    assert!(faults >= 2, "{r:#}");
+}
+
 /// The report's timeline holds the run (epochs with their members, steps per second,
 /// every fault where the counts say) and the picture draws it.
 fn check_timeline(r: &Value, svg: &str) {
