@@ -275,10 +275,20 @@ async fn epoch_change(
             (p, w, r.err(), t.elapsed().as_secs_f64() * 1e3)
         });
     }
-    let mut done = vec![0.0f64; worlds.len()];
-    let mut failed = 0;
-    let mut first: Option<String> = None;
-    let mut back = Vec::with_capacity(n);
+    finish_round(calls, worlds.len(), n, "epoch changes").await
+}
+
+/// One call per peer, spawned as (peer, its world, the error if any, ms since the
+/// round began): waits for them all. Returns the peers, each world's time to its last
+/// member's answer and how many calls failed (the first failure is printed).
+async fn finish_round(
+    mut calls: JoinSet<(SimPeer, usize, Option<eccl::Error>, f64)>,
+    worlds: usize,
+    n: usize,
+    what: &str,
+) -> (Vec<SimPeer>, Vec<f64>, usize) {
+    let mut done = vec![0.0f64; worlds];
+    let (mut failed, mut first, mut back) = (0, None::<String>, Vec::with_capacity(n));
     while let Some(r) = calls.join_next().await {
         let Ok((p, w, err, ms)) = r else {
             failed += 1;
@@ -292,7 +302,7 @@ async fn epoch_change(
         back.push(p);
     }
     if let Some(e) = first {
-        println!("#   {failed} of {n} epoch changes failed; the first: {e}");
+        println!("#   {failed} of {n} {what} failed; the first: {e}");
     }
     (back, done, failed)
 }
@@ -323,24 +333,7 @@ async fn vote_round(
             )
         });
     }
-    let mut done = vec![0.0f64; worlds];
-    let (mut failed, mut first, mut back) = (0, None::<String>, Vec::with_capacity(n));
-    while let Some(r) = calls.join_next().await {
-        let Ok((p, w, err, ms)) = r else {
-            failed += 1;
-            continue;
-        };
-        done[w] = done[w].max(ms);
-        if let Some(e) = err {
-            failed += 1;
-            first.get_or_insert_with(|| format!("peer {}: {e}", p.peer_id));
-        }
-        back.push(p);
-    }
-    if let Some(e) = first {
-        println!("#   {failed} of {n} update_topology() votes failed; the first: {e}");
-    }
-    (back, done, failed)
+    finish_round(calls, worlds, n, "update_topology() votes").await
 }
 
 /// utime + stime of `pid`, in clock ticks.

@@ -12,6 +12,8 @@ pub mod codec;
 #[cfg(feature = "wire")]
 pub mod frame;
 #[cfg(feature = "wire")]
+pub mod link_keys;
+#[cfg(feature = "wire")]
 pub mod msg;
 #[cfg(feature = "wire")]
 pub mod seal;
