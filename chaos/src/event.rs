@@ -100,6 +100,15 @@ pub enum Event {
         revision: u64,
         elements: usize,
     },
+    /// A failed in-place all_reduce left the worker's buffer changed (G2 broken):
+    /// `elements` differ from what the worker passed in.
+    Touched {
+        peer: PeerId,
+        t: f64,
+        epoch: u64,
+        revision: u64,
+        elements: usize,
+    },
     /// A call failed with `Evicted`; the worker registers again under a new id.
     Evicted {
         peer: PeerId,

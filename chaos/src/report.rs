@@ -108,6 +108,8 @@ pub struct Report {
     /// Successful all_reduces per committed step and member: `--in-flight` or a little
     /// more (the calls of a step that failed after some of them succeeded).
     pub all_reduces_per_commit: Option<f64>,
+    /// All_reduces whose result differs from the closed form, and failed ones that left
+    /// their buffer changed (G2).
     pub wrong_results: u64,
     pub hangs: u64,
     pub divergences: u64,
@@ -182,6 +184,15 @@ pub fn analyse(log: &RunLog) -> Report {
                 ..
             } => Some(format!(
                 "wrong result: peer {peer} (worker {slot}), all_reduce for revision {revision} in epoch {epoch}: {elements} elements differ from the closed form"
+            )),
+            Event::Touched {
+                peer,
+                epoch,
+                revision,
+                elements,
+                ..
+            } => Some(format!(
+                "G2: peer {peer} (worker {slot}), a failed all_reduce for revision {revision} in epoch {epoch} left {elements} elements of its buffer changed"
             )),
             _ => None,
         })

@@ -497,3 +497,25 @@ fn members_calls_and_steps_are_split_by_whether_a_newcomer_was_catching_up() {
     assert_eq!(m.step_otherwise_ms.max, Some(22.0), "{m:?}");
     assert_eq!(m.step_otherwise_ms.p50, Some(20.0), "{m:?}");
 }
+
+#[test]
+fn a_failed_call_that_changed_its_buffer_breaks_g2() {
+    let touched = Event::Touched {
+        peer: 2,
+        t: 0.0,
+        epoch: 1,
+        revision: 3,
+        elements: 17,
+    };
+    let r = analyse(&log(vec![(0, failed(1, 0.0, 5.0)), (1, touched)]));
+    assert_eq!(r.wrong_results, 1);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.starts_with("G2: peer 2") && v.contains("17 elements")),
+        "{:?}",
+        r.violations
+    );
+    let clean = analyse(&log(vec![(0, failed(1, 0.0, 5.0))]));
+    assert_eq!(clean.wrong_results, 0);
+}

@@ -388,6 +388,22 @@ impl Worker {
                                 let start = now_ms();
                                 let r = c.all_reduce(&mut part, ReduceOp::Sum).await;
                                 let (epoch, world) = world_of(c);
+                                if r.is_err() {
+                                    // G2: a failed call leaves the buffer as it was.
+                                    let touched = (j * n..(j + 1) * n)
+                                        .zip(&part)
+                                        .filter(|(k, v)| contribution(peer, step, *k) != **v)
+                                        .count();
+                                    if touched > 0 {
+                                        emit(&Event::Touched {
+                                            peer,
+                                            t: now_ms(),
+                                            epoch,
+                                            revision: step,
+                                            elements: touched,
+                                        });
+                                    }
+                                }
                                 (part, r, start, now_ms(), epoch, world)
                             }
                             .boxed()

@@ -369,9 +369,9 @@ impl Communicator {
     // -- collectives ----------------------------------------------------------------
 
     /// Reduces `tensor` across all members, in place. Returns an `OpInfo` (or a `Work`).
-    /// A failed call leaves `tensor` as it was; with `keep_on_abort=False` it may leave
-    /// partial results there instead, and saves a copy of the whole tensor per call
-    /// (the ring works in the tensor itself, as NCCL and gloo do). `quantize="int8"` or
+    /// A failed call leaves `tensor` as it was (each piece is saved before its first
+    /// write and put back on failure); with `keep_on_abort=False` it may leave partial
+    /// results there instead, and saves nothing (as NCCL and gloo behave). `quantize="int8"` or
     /// `"fp8"` sends 8-bit values, scaled per block of 256 (f32, f16, bf16; sum and avg;
     /// within a documented bound, the same bits on every rank, a failed call leaves the
     /// tensor as it was).

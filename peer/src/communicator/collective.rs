@@ -34,14 +34,17 @@ pub struct OpInfo {
 /// What an in-place collective leaves in its buffer when it fails.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnAbort {
-    /// The buffer as it was before the call (G2): the call works in scratch and copies
-    /// the result back on success, one more pass over the buffer. What retry loops
-    /// (ElasticDDP, [`crate::RetryPolicy`]) rely on.
+    /// The buffer as it was before the call (G2). Where the schedule runs in the buffer
+    /// itself ([`eccl_algorithms::Schedule::in_place`]: the ring all_reduce does), each
+    /// piece is saved just before its first write, while it is read anyway, and put
+    /// back if the call fails or is dropped; elsewhere the call works in scratch and
+    /// copies the result back on success. What retry loops (ElasticDDP,
+    /// [`crate::RetryPolicy`]) rely on.
     #[default]
     Unchanged,
     /// Whatever the call had written by then (NCCL's and gloo's in-place semantics):
-    /// the schedule works in the buffer itself where it can, with no scratch and no
-    /// copy. For callers that drop the buffer's contents when a call fails, as torch's
+    /// the schedule works in the buffer itself where it can, with no scratch and nothing
+    /// saved. For callers that drop the buffer's contents when a call fails, as torch's
     /// DDP does with a failed step's gradients.
     Undefined,
 }
@@ -124,9 +127,9 @@ impl Communicator {
         self.run_collective(args, Io::Apart(input, output)).await
     }
 
-    /// Runs a collective in place on `buf`. The work happens in a scratch buffer that is
-    /// copied back only on success, so a failed call leaves `buf` as it was (G2); see
-    /// [`Communicator::collective_inplace_with`] for the trade without the copy.
+    /// Runs a collective in place on `buf`; a failed call leaves `buf` as it was (G2,
+    /// [`OnAbort::Unchanged`]); see [`Communicator::collective_inplace_with`] for the
+    /// trade without the saved copy.
     pub async fn collective_inplace(&mut self, args: CollArgs, buf: &mut [u8]) -> Result<OpInfo> {
         self.collective_inplace_with(args, buf, OnAbort::Unchanged)
             .await
@@ -135,8 +138,8 @@ impl Communicator {
     /// Runs a collective in place on `buf`, leaving it as [`OnAbort`] says if the call
     /// fails. With [`OnAbort::Undefined`] the schedule works in `buf` itself wherever
     /// that gives the same result ([`eccl_algorithms::Schedule::in_place`]: the ring
-    /// all_reduce does), which saves a pass over the whole buffer per call; elsewhere
-    /// it works in scratch as with [`OnAbort::Unchanged`].
+    /// all_reduce does) and saves nothing; elsewhere it works in scratch as with
+    /// [`OnAbort::Unchanged`].
     pub async fn collective_inplace_with(
         &mut self,
         args: CollArgs,
@@ -215,8 +218,11 @@ impl Communicator {
                     s
                 }
             };
+            // In place, the schedule works in the caller's buffer wherever it can: as it is
+            // where a failure may leave anything there, else with each byte saved before
+            // its first write and put back if the call fails (G2).
             let direct = match &io {
-                Io::InPlace { on_abort: OnAbort::Undefined, .. } => built.in_place(),
+                Io::InPlace { .. } => built.in_place(),
                 _ => None,
             };
             if self.last_algo.insert(args.kind, choice.algo) != Some(choice.algo) {
@@ -235,10 +241,30 @@ impl Communicator {
                     let bufs = Bufs::new(&input[..in_len * elem], &mut output[..out_len * elem], scratch, elem);
                     executor::run(&op, &mut c.links, sched, &bufs).await
                 }
-                Io::InPlace { buf, .. } if direct.is_some() => {
+                Io::InPlace { buf, on_abort: OnAbort::Undefined } if direct.is_some() => {
                     // The rewritten schedule reads no input: the buffer is its output.
                     let bufs = Bufs::new(&[], &mut buf[..sched.output_len * elem], scratch, elem);
                     executor::run(&op, &mut c.links, sched, &bufs).await
+                }
+                Io::InPlace { buf, .. } if direct.is_some() => {
+                    let backup = &mut self.inplace;
+                    backup.set_len(sched.output_len * elem);
+                    let out = &mut buf[..sched.output_len * elem];
+                    let kept = Bufs::keeping(&[], out, scratch, elem, backup.as_bytes_mut())
+                        .map_err(|e| Error::InvalidArgument(format!("internal: {e}")))?;
+                    // Dropping `kept` puts back every byte written (also when this call
+                    // is dropped half-way); only a call that succeeded keeps them.
+                    let r = executor::run(&op, &mut c.links, sched, &kept).await;
+                    if r.is_ok() {
+                        kept.keep_result();
+                    } else {
+                        tracing::debug!(target: "eccl::coll", "{desc} failed: {} bytes of the buffer put back as they were", kept.saved_bytes());
+                        drop(kept);
+                    }
+                    if backup.capacity() > 256 << 20 {
+                        *backup = AlignedBuf::default();
+                    }
+                    r
                 }
                 Io::InPlace { buf, .. } => {
                     // In scratch, copied back only on success (G2).

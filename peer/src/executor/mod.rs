@@ -239,7 +239,7 @@ fn ends(p: &Prim) -> (Option<u32>, Option<u32>) {
 /// Where a receiving primitive's pieces go.
 enum Land<'a> {
     /// Copied into the output (`Recv`, `RecvCopySend`).
-    Copy(&'a mut [u8]),
+    Copy(bufs::Out<'a>),
     /// Combined with local data (`RecvReduce`, `RecvReduceSend`).
     Reduce(bufs::Reduce<'a>),
 }
@@ -250,7 +250,7 @@ impl Land<'_> {
     fn piece(&mut self, op: &Running<'_>, off: usize, b: &mut Payload, forwarding: bool) {
         let (dtype, rop) = (op.desc.dtype, op.desc.op);
         match self {
-            Land::Copy(out) => out[off..off + b.len()].copy_from_slice(b.as_bytes()),
+            Land::Copy(out) => out.write(off, b.as_bytes()),
             Land::Reduce(r) if forwarding => r.combine_into(dtype, rop, off, b.as_bytes_mut()),
             Land::Reduce(r) => r.combine_from(dtype, rop, off, b.as_bytes()),
         }

@@ -324,3 +324,72 @@ async fn garbage_and_strangers_on_sockets_are_refused() {
     }
     assert_eq!(comms[0].world_size(), 2);
 }
+
+/// G2 where the ring all_reduce runs in the caller's buffer (each piece saved before its
+/// first write). Four ranks in a ring, rank 3 never calls: rank 1 reduces rank 0's first
+/// chunk into its buffer, rank 2 rank 1's, and then the ring waits on rank 3. Rank 2's
+/// call is dropped there (the drop puts its bytes back) and its communicator with it;
+/// then rank 3 goes, and the calls of ranks 0 and 1 fail. Every buffer holds exactly
+/// what it held before; then the survivors go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_in_place_all_reduce_puts_back_what_it_wrote() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 4).await;
+    comms.sort_by_key(|c| c.rank().unwrap().0);
+    let n = 1 << 20;
+    let orig = |r: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (i % 1000) as f32 + r as f32 * 0.25)
+            .collect()
+    };
+    let idle = comms.pop().expect("rank 3");
+    let mut dropped = comms.pop().expect("rank 2");
+    let (survivors, gone) = tokio::join!(
+        join_all(comms.iter_mut().map(|c| async move {
+            let r = c.rank().unwrap().idx();
+            let mut b = orig(r);
+            let out = c.all_reduce(&mut b, ReduceOp::Sum).await;
+            (r, out, b == orig(r))
+        })),
+        async {
+            let mut b = orig(2);
+            let t = tokio::time::timeout(
+                Duration::from_millis(500),
+                dropped.all_reduce(&mut b, ReduceOp::Sum),
+            )
+            .await;
+            let unchanged = b == orig(2);
+            drop(dropped);
+            drop(idle);
+            (t, unchanged)
+        }
+    );
+    let (t, unchanged) = gone;
+    assert!(t.is_err(), "rank 2's call must wait for rank 3: {t:?}");
+    assert!(
+        unchanged,
+        "rank 2: G2: the dropped in-place call left its buffer changed"
+    );
+    for (r, out, unchanged) in &survivors {
+        assert!(out.is_err(), "rank {r}: {out:?}");
+        assert!(
+            unchanged,
+            "rank {r}: G2: the failed in-place call left its buffer changed"
+        );
+    }
+    let epochs = join_all(comms.iter_mut().map(|c| c.update_topology())).await;
+    assert!(
+        epochs
+            .iter()
+            .all(|e| e.as_ref().is_ok_and(|t| t.world_size == 2)),
+        "{epochs:?}"
+    );
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![1.5f32; n];
+        c.all_reduce(&mut b, ReduceOp::Sum)
+            .await
+            .map(|_| b.iter().all(|x| *x == 3.0))
+    }))
+    .await;
+    assert!(res.iter().all(|r| matches!(r, Ok(true))), "{res:?}");
+}
