@@ -184,7 +184,15 @@ impl Worker {
         let mut cfg = Config::from_env()?;
         cfg.master = args.master.clone();
         cfg.min_world = args.min_world;
-        let state = vec![0u64; args.state_mb << 17];
+        let mut state = vec![0u64; args.state_mb << 17];
+        // Written once, a word per page, before the worker joins, as a trainer's model
+        // is when it is built: memory first written during a newcomer's catch-up costs
+        // its page faults there, and the members serving it wait for them (here, with the
+        // members busy, 1 GiB of first writes took 2-3 s of the transfer's time).
+        state
+            .iter_mut()
+            .step_by(512)
+            .for_each(|w| *w = std::hint::black_box(0));
         let hash = state_hash(&state);
         Ok(Worker {
             args,
