@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use openraft::{AnyError, Entry, LogId, SnapshotMeta, StorageError, StorageIOError, Vote};
-use redb::{Database, ReadableTable, TableDefinition};
+use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -25,6 +25,18 @@ const COMMITTED: &str = "committed";
 const LAST_PURGED: &str = "last_purged";
 const SNAPSHOT_META: &str = "snapshot_meta";
 const SNAPSHOT_DATA: &str = "snapshot_data";
+/// The shape of what the database holds: the log's commands and the snapshots carry the
+/// protocol's types (the world, digests, requests), so a database is read only by a build
+/// of the protocol version that wrote it. Written when the database is first made.
+const FORMAT: &str = "format";
+
+/// What [`FORMAT`] holds for this build.
+fn format() -> String {
+    format!(
+        "eccl-master raft state, protocol version {}",
+        eccl_protocol::PROTOCOL_VERSION
+    )
+}
 
 /// The file inside a data directory.
 pub const FILE: &str = "raft.redb";
@@ -99,10 +111,38 @@ impl Disk {
         let path = dir.join(FILE);
         let db = Database::create(&path)
             .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
-        // Create the tables, so that reads find them.
+        // Create the tables, so that reads find them, and record the format of a new
+        // database; an existing one must be of this build's.
         let tx = db.begin_write()?;
         tx.open_table(LOG)?;
-        tx.open_table(META)?;
+        {
+            let mut meta = tx.open_table(META)?;
+            let found = meta.get(FORMAT)?.map(|v| v.value().to_vec());
+            let empty = meta.is_empty()? && tx.open_table(LOG)?.is_empty()?;
+            let want = format();
+            match found {
+                Some(f) if f == want.as_bytes() => {}
+                None if empty => {
+                    meta.insert(FORMAT, want.as_bytes())?;
+                }
+                found => {
+                    let what = match found {
+                        Some(f) => format!("\"{}\"", String::from_utf8_lossy(&f)),
+                        None => {
+                            "no format (an eccl-master from before data directories recorded one)"
+                                .into()
+                        }
+                    };
+                    anyhow::bail!(
+                        "{} was written with {what}, and this eccl-master reads \"{want}\" only: \
+                         start it with an empty --data-dir (the job's state comes back from the \
+                         other masters, or from the peers' next registration), or run the build \
+                         that wrote it",
+                        path.display()
+                    );
+                }
+            }
+        }
         tx.commit()?;
         let (closed, _) = tokio::sync::watch::channel(());
         Ok(Arc::new(Disk { db, path, closed }))
@@ -250,5 +290,70 @@ pub async fn blocking<T: Send + 'static>(
     match tokio::task::spawn_blocking(move || f(&disk)).await {
         Ok(r) => r,
         Err(e) => Err(AnyError::error(format!("disk task failed: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("eccl-disk-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn set_meta(d: &Path, key: &str, value: Option<&[u8]>) {
+        let db = Database::create(d.join(FILE)).unwrap();
+        let tx = db.begin_write().unwrap();
+        {
+            let mut t = tx.open_table(META).unwrap();
+            match value {
+                Some(v) => {
+                    t.insert(key, v).unwrap();
+                }
+                None => {
+                    t.remove(key).unwrap();
+                }
+            }
+        }
+        tx.commit().unwrap();
+    }
+
+    /// A new database records this build's format and opens again; one written by
+    /// another protocol version, or by a build from before formats were recorded, is
+    /// refused with both formats named, and its contents are left alone.
+    #[test]
+    fn a_database_of_another_format_is_refused_by_name() {
+        let d = dir("format");
+        let disk = Disk::open(&d).unwrap();
+        disk.save_vote(&Vote::new(3, 1)).unwrap();
+        drop(disk);
+        let disk = Disk::open(&d).expect("the same build opens its own database");
+        assert_eq!(disk.load().unwrap().vote, Some(Vote::new(3, 1)));
+        drop(disk);
+
+        set_meta(
+            &d,
+            FORMAT,
+            Some(b"eccl-master raft state, protocol version 2"),
+        );
+        let e = Disk::open(&d).unwrap_err().to_string();
+        assert!(
+            e.contains("protocol version 2") && e.contains(&format()),
+            "{e}"
+        );
+        assert!(e.contains("--data-dir"), "{e}");
+
+        set_meta(&d, FORMAT, None);
+        let e = Disk::open(&d).unwrap_err().to_string();
+        assert!(e.contains("no format"), "{e}");
+        // Still there for the build that wrote it.
+        set_meta(&d, FORMAT, Some(format().as_bytes()));
+        assert_eq!(
+            Disk::open(&d).unwrap().load().unwrap().vote,
+            Some(Vote::new(3, 1))
+        );
+        let _ = std::fs::remove_dir_all(&d);
     }
 }
