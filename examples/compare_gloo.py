@@ -5,6 +5,7 @@ Runs `eccl-bench all_reduce --local N` and the same sizes with torch.distributed
 gloo backend over N local processes, then prints both tables and eccl/gloo ratios.
 
     .venv/bin/python examples/compare_gloo.py --ranks 2 4 -b 1K -e 256M -f 4
+    .venv/bin/python examples/compare_gloo.py --ranks 2 4 -b 64M -e 64M --inplace
     .venv/bin/python examples/compare_gloo.py --ranks 2 -b 1K -e 64M -f 4 \
         --transports shm,tcp,quic --plot all_reduce.svg   # docs/pictures/all_reduce.svg
 
@@ -101,10 +102,10 @@ def run_gloo(world, szs, iters, warmup):
     return rows
 
 
-def run_eccl(world, lo, hi, f, iters, warmup, transport="auto"):
+def run_eccl(world, lo, hi, f, iters, warmup, transport="auto", inplace=False):
     out = tempfile.mktemp(suffix=".json")
     cmd = [str(BENCH), "all_reduce", "--local", str(world), "-b", str(lo), "-e", str(hi), "-f", str(f),
-           "-n", str(iters), "-w", str(warmup), "-c", "--json", out]
+           "-n", str(iters), "-w", str(warmup), "-c", "--json", out] + (["--inplace"] if inplace else [])
     env = dict(os.environ)
     if transport != "auto":
         env["ECCL_TRANSPORT"] = transport
@@ -130,6 +131,10 @@ def main():
     ap.add_argument("--transports", default="auto",
                     help="eccl's transports to run, comma-separated (auto, shm, tcp, tls, quic); "
                          "the table compares the first with gloo")
+    ap.add_argument("--inplace", action="store_true",
+                    help="eccl works in place, as gloo's dist.all_reduce does (eccl keeps G2: a failed "
+                         "call leaves the buffer as it was; gloo leaves what it wrote); out of place "
+                         "by default")
     ap.add_argument("--json", help="write both result sets here")
     ap.add_argument("--plot", help="draw every result into this SVG file (eccl-bench plot)")
     a = ap.parse_args()
@@ -142,13 +147,15 @@ def main():
     szs = sizes(lo, hi, a.f)
     results = {}
     for n in a.ranks:
-        by_transport = {t: run_eccl(n, lo, hi, a.f, a.n, a.w, t) for t in transports}
+        by_transport = {t: run_eccl(n, lo, hi, a.f, a.n, a.w, t, a.inplace) for t in transports}
         e = by_transport[transports[0]]
         g = run_gloo(n, szs, a.n, a.w)
         results[n] = {"eccl": e, "gloo": g}
         if len(transports) > 1:
             results[n]["eccl_by_transport"] = by_transport
-        print(f"\n# all_reduce float32 sum, {n} ranks, {a.n} iterations ({a.w} warm-up), same machine, same run")
+        mode = "eccl in place (G2)" if a.inplace else "eccl out of place"
+        print(f"\n# all_reduce float32 sum, {n} ranks, {a.n} iterations ({a.w} warm-up), {mode}, "
+              "same machine, same run")
         print(f"# {'size(B)':>11} | {'eccl us':>10} {'busbw':>7} | {'gloo us':>10} {'busbw':>7} |"
               f" {'busbw eccl/gloo':>15} {'time gloo/eccl':>14}")
         for er, gr in zip(e, g):
