@@ -53,7 +53,11 @@ pub(crate) async fn next_frame(
         let f = match tokio::time::timeout(op.timeout, rx.link.next()).await {
             Err(_) => {
                 op.blame(rank);
-                return Err(op.timeout_err(format!("waiting for rank {rank} in {}", want.desc)));
+                return Err(op.timeout_err(format!(
+                    "waiting for rank {rank} in {} ({})",
+                    want.desc,
+                    waited_for(&want, rx)
+                )));
             }
             Ok(None) => return Err(op.link_err(rank, "closed")),
             Ok(Some(LinkEvent::Failed(e))) => return Err(op.link_err(rank, e)),
@@ -121,6 +125,36 @@ pub(crate) async fn next_frame(
             payload: f.payload.detach(),
         });
     }
+}
+
+/// What a receive that timed out waited for, and what had come from that rank instead
+/// (for the error: a peer that sent nothing looks different from one that is ahead).
+fn waited_for(want: &Want, rx: &PeerRx) -> String {
+    let what = match want.kind {
+        FrameKind::Check => "its descriptor check".to_string(),
+        FrameKind::P2p => format!("a message with tag {}", want.tag),
+        _ => format!("message {} of collective #{}", want.index, want.seq),
+    };
+    if rx.stash.is_empty() {
+        return format!("{what}; nothing else from it was waiting");
+    }
+    let early: Vec<String> = rx
+        .stash
+        .iter()
+        .take(4)
+        .map(|f| {
+            format!(
+                "{:?} #{} message {}",
+                f.header.kind, f.header.seq, f.header.index
+            )
+        })
+        .collect();
+    format!(
+        "{what}; {} frame(s) from it were waiting: {}{}",
+        rx.stash.len(),
+        early.join(", "),
+        if rx.stash.len() > 4 { ", ..." } else { "" }
+    )
 }
 
 fn check_desc(op: &Running<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
