@@ -433,7 +433,10 @@ async fn accept_links(
     // What else waits was not expected (links that carry on need no new connection):
     // connections for this epoch or an older one are closed, an impostor's among them;
     // those for the next epoch wait for it.
-    while let Some(a) = queue.pop_front().or_else(|| accepted.try_recv().ok()) {
+    while let Some(a) = queue
+        .pop_front()
+        .or_else(|| eccl_transport::link::ready_now(accepted))
+    {
         if a.hello.epoch == epoch + 1 && later.len() < MAX_EARLY {
             later.push(a);
         }

@@ -73,6 +73,11 @@ impl Pool {
         })
     }
 
+    /// Whether every buffer is on loan (the next [`Pool::get`] waits).
+    pub fn is_exhausted(&self) -> bool {
+        self.permits.available_permits() == 0
+    }
+
     /// Waits for a free slot, then returns a buffer of `len` bytes.
     pub async fn get(self: &Arc<Self>, len: usize) -> PooledBuf {
         let permit = self

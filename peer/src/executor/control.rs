@@ -32,6 +32,7 @@ pub(crate) async fn check_round(op: &Running<'_>, links: &mut [Option<PeerLink>]
         .map(|(r, l)| async move {
             let PeerLink { tx, rx } = l;
             let send = async {
+                tracing::trace!(target: "eccl::coll", "to rank {r}: check #{}", h.seq);
                 tx.send_frame(h, &[], op.timeout)
                     .await
                     .map_err(|e| op.link_err(r, e))

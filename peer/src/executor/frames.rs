@@ -64,6 +64,7 @@ pub(crate) async fn next_frame(
             Ok(Some(LinkEvent::Frame(f))) => f,
         };
         let h = f.header;
+        tracing::trace!(target: "eccl::coll", "from rank {rank}: {:?} #{} message {} at {} ({} B), waiting for {:?} #{} message {}", h.kind, h.seq, h.index, h.offset, h.len, want.kind, want.seq, want.index);
         if h.epoch < op.epoch
             || matches!(
                 h.kind,

@@ -281,6 +281,7 @@ async fn prim(
                     "internal: a primitive that neither receives nor sends".into(),
                 ));
             };
+            tracing::trace!(target: "eccl::coll", "to rank {to}: {:?} #{} message {} ({} B)", h.kind, h.seq, h.index, data.len());
             return tx
                 .send_region(h, data, op.frame_bytes, op.elem(), op.timeout)
                 .await

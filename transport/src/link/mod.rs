@@ -312,6 +312,26 @@ impl LinkTx {
     }
 }
 
+/// The message `rx` holds now, if any, without waiting and without parking the thread.
+///
+/// Not `Receiver::try_recv`: when it meets a send still in progress, tokio's `try_recv`
+/// parks the calling thread on that thread's own parker until the send completes. On a
+/// thread that drives a future with `Runtime::block_on` (`#[tokio::main]`, eccl-bench,
+/// the blocking API) that parker is also the one the future's wake-ups unpark, so the
+/// park can swallow a wake-up meant for another of the future's waits (another link's
+/// frame): the future is then never polled again and the call stalls until its timeout.
+/// Seen as a collective that hung for 30 s about once in a hundred runs of four ranks on a
+/// loaded machine, each time with the awaited frame read by the link's reader and left
+/// in its channel. Polled once with a waker that does nothing, a send in progress is
+/// simply not there yet; the caller then awaits `recv()`, which registers its own waker.
+pub fn ready_now<T>(rx: &mut tokio::sync::mpsc::Receiver<T>) -> Option<T> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match rx.poll_recv(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => None,
+    }
+}
+
 /// Receiving half of a link.
 pub struct LinkRx {
     half: Box<dyn RecvHalf>,
@@ -355,7 +375,8 @@ impl LinkRx {
         ev
     }
 
-    /// A ready event, without waiting.
+    /// A ready event, without waiting (and without arranging to be woken: await
+    /// [`LinkRx::next`] for that).
     pub fn try_next(&mut self) -> Option<LinkEvent> {
         let ev = self.half.try_next();
         if matches!(ev, Some(LinkEvent::Failed(_))) {

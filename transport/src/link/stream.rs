@@ -228,7 +228,7 @@ impl StreamRx {
 
     /// A ready event, without waiting.
     fn ready(&mut self) -> Option<LinkEvent> {
-        self.events.try_recv().ok()
+        crate::link::ready_now(&mut self.events)
     }
 }
 
@@ -395,6 +395,7 @@ async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
         if header.kind == FrameKind::Close {
             return fail(TransportError::Closed { peer: peer.clone() }).await;
         }
+        tracing::trace!(target: "eccl::net", "link from {peer}: read {:?} #{} message {} ({} B){}", header.kind, header.seq, header.index, header.len, if pool.is_exhausted() { "; every receive buffer is in use: waiting for one" } else { "" });
         let mut payload = pool.get(header.len as usize).await;
         if let Err(e) = r.read_exact(payload.as_bytes_mut()).await {
             return fail(TransportError::io(&peer, e)).await;

@@ -376,7 +376,7 @@ impl VerbsRx {
     }
 
     fn ready(&mut self) -> Option<LinkEvent> {
-        self.events.try_recv().ok()
+        crate::link::ready_now(&mut self.events)
     }
 }
 
