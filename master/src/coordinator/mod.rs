@@ -195,6 +195,23 @@ impl Coordinator {
         self.raft.read(|r| r.peer(peer).map(|p| p.state.clone()))
     }
 
+    /// Whether `peer` may take part in a round this leader runs (a vote, a topology
+    /// report): once it has caught up (else a redirect), a peer it knows and has not
+    /// removed (else the refusal to answer with).
+    async fn round_peer(&self, peer: PeerId) -> Result<(), MasterReply> {
+        if !self.caught_up().await {
+            return Err(self.not_leader());
+        }
+        match self.known(peer) {
+            None => Err(refused(
+                ErrorCode::UnknownPeer,
+                format!("peer {peer} is not registered"),
+            )),
+            Some(PeerState::Gone { reason }) => Err(refused(ErrorCode::Evicted, reason)),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// Whether this leader has applied everything committed before its term: a new
     /// leader may hold its predecessor's last decisions (an epoch, a sync plan) in its log
     /// without having applied them yet, and must not decide a round again meanwhile. A

@@ -7,7 +7,7 @@
 use eccl_protocol::{ErrorCode, LinkMeasure, MasterReply, PeerId};
 
 use super::{propose_error, refused, Coordinator, ReplyTo, State};
-use crate::registry::{Command, Outcome, PeerState};
+use crate::registry::{Command, Outcome};
 
 /// One member's report, waiting for the others of its epoch.
 pub(super) struct Report {
@@ -26,20 +26,8 @@ impl Coordinator {
         links: Vec<LinkMeasure>,
         reply: ReplyTo,
     ) {
-        if !self.caught_up().await {
-            return reply.send(self.not_leader());
-        }
-        match self.known(peer) {
-            None => {
-                return reply.send(refused(
-                    ErrorCode::UnknownPeer,
-                    format!("peer {peer} is not registered"),
-                ))
-            }
-            Some(PeerState::Gone { reason }) => {
-                return reply.send(refused(ErrorCode::Evicted, reason))
-            }
-            _ => {}
+        if let Err(no) = self.round_peer(peer).await {
+            return reply.send(no);
         }
         let members = self.raft.read(|r| r.live_members_of(epoch));
         if !members.contains(&peer) {

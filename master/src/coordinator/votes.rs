@@ -15,23 +15,8 @@ impl Coordinator {
         fresh: Vec<PeerId>,
         reply: ReplyTo,
     ) {
-        if !self.caught_up().await {
-            return reply.send(self.not_leader());
-        }
-        match self.known(peer) {
-            None => {
-                return reply.send(MasterReply::Error {
-                    code: ErrorCode::UnknownPeer,
-                    message: format!("peer {peer} is not registered"),
-                })
-            }
-            Some(PeerState::Gone { reason }) => {
-                return reply.send(MasterReply::Error {
-                    code: ErrorCode::Evicted,
-                    message: reason,
-                })
-            }
-            _ => {}
+        if let Err(no) = self.round_peer(peer).await {
+            return reply.send(no);
         }
         let mut st = self.state.lock().await;
         self.touch(peer);
