@@ -288,7 +288,10 @@ impl Communicator {
         .await;
         match result {
             Ok(()) => {
-                let c = self.cur.as_ref().expect("world present");
+                let c = self.cur.as_mut().expect("world present");
+                if c.done == seq {
+                    c.done = seq + 1;
+                }
                 Ok(OpInfo {
                     epoch,
                     seq,

@@ -61,6 +61,11 @@ pub(crate) struct Current {
     pub links: Vec<Option<PeerLink>>,
     /// Collectives so far in this epoch; names the frames of each.
     seq: u64,
+    /// Collectives of this epoch that succeeded here, all of them in a row from the
+    /// first: every frame this rank sends for them is in its links. An abort this rank
+    /// announces breaks collective `done` and later ones only, so a slower rank still
+    /// finishing one of those keeps a call that succeeded here.
+    done: u64,
     /// Point-to-point messages so far in this epoch, per (peer, tag) and direction.
     p2p_sent: HashMap<(Rank, u32), u64>,
     p2p_recvd: HashMap<(Rank, u32), u64>,
@@ -77,6 +82,7 @@ impl Current {
             members,
             links,
             seq: 0,
+            done: 0,
             p2p_sent: HashMap::new(),
             p2p_recvd: HashMap::new(),
             sync_round: 0,
@@ -157,7 +163,8 @@ impl Communicator {
             if let Some(cause) = self.abort.take_local() {
                 let reason = format!("rank {}: {e}", c.rank);
                 let h = executor::close_header(epoch);
-                executor::broadcast_abort(epoch, 0, h.desc, cause, &reason, &mut c.links).await;
+                executor::broadcast_abort(epoch, c.done, h.desc, cause, &reason, &mut c.links)
+                    .await;
             }
         }
         .boxed()
