@@ -48,6 +48,8 @@ struct Slot {
 pub(crate) struct Completion {
     slot: Mutex<Slot>,
     cv: Condvar,
+    /// Set once the outcome is in `slot`: what a waiter spins on before it sleeps.
+    ready: std::sync::atomic::AtomicBool,
 }
 
 impl Completion {
@@ -62,6 +64,7 @@ impl Completion {
                 return;
             }
             slot.outcome = Some(o);
+            self.ready.store(true, std::sync::atomic::Ordering::Release);
             self.cv.notify_all();
             let failed = matches!(slot.outcome, Some(Err(_)));
             let mut callbacks = std::mem::take(&mut slot.callbacks);
@@ -83,6 +86,14 @@ impl Completion {
     /// Waits for the outcome, at most `timeout`.
     fn wait(&self, timeout: Option<Duration>) -> Option<Outcome> {
         let deadline = timeout.map(|t| Instant::now() + t);
+        // A short call ends within microseconds on the runtime's threads: spinning,
+        // with the core offered to them, saves the wake-up (see `spin_until`).
+        if timeout.is_none_or(|t| !t.is_zero()) {
+            eccl::spin_until(
+                || self.ready.load(std::sync::atomic::Ordering::Acquire),
+                true,
+            );
+        }
         let mut slot = self.lock();
         loop {
             if let Some(o) = slot.outcome.as_ref() {
