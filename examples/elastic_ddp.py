@@ -57,7 +57,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(job.revision * 1000 + (comm.rank or 0))
         x = torch.randn(64, 16, generator=g)
         loss = job.train_step(lambda m: torch.nn.functional.mse_loss(m(x), x @ target))
-        first = loss if first is None else first
+        if first is None and loss == loss:  # a healing newcomer's step computes no loss (NaN)
+            first = loss
         if job.revision % 20 == 0:
             print(f"peer {comm.peer_id} step {job.revision}: loss {loss:.4f} over "
                   f"{len(job.members)} members", flush=True)

@@ -111,6 +111,19 @@ class _Bucket:
             torch.div(part.view(p.shape), members, out=p.grad)
 
 
+class _Healing:
+    """A sync running in the background since the step boundary that admitted a
+    newcomer: its Work, the (address, version) of each tensor it holds in place, whether
+    this rank is the one behind, and the tensors it was given (copies of a member's
+    buffers among them)."""
+
+    def __init__(self, work: eccl.Work, served: dict, behind: bool, tensors: dict):
+        self.work = work
+        self.served = served
+        self.behind = behind
+        self.tensors = tensors
+
+
 class ElasticDDP:
     """Data-parallel training that goes on when ranks die and admits new ones.
 
@@ -139,11 +152,23 @@ class ElasticDDP:
     them). At each step boundary, pending peers are admitted and the parameters,
     buffers and optimizer state go to them with `sync_shared_state`, so every rank
     holds bit-identical parameters.
+
+    With `heal_in_background=True` (the default) a newcomer heals as torchft's
+    recovering replicas do: the members serve the state while they compute the next
+    step's forward and backward (the transfer hides behind their compute instead of
+    adding to their step), and the newcomer contributes zero gradients to that one step
+    (its `train_step` returns NaN, computing nothing, and the average is over the ranks
+    that contributed); the state arrives before anyone's optimizer step, so every rank
+    takes the same step from the same state. Until that step's end the members must not
+    change their parameters or optimizer state outside `train_step` (buffers are served
+    from a copy taken at the step boundary). `heal_in_background=False` syncs inside
+    `step_boundary()` instead, every rank waiting for the transfer.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: eccl.Communicator, *, bucket_cap_mb: float = 25,
-                 compression: Optional[str] = None, max_retries: int = 16):
+                 compression: Optional[str] = None, max_retries: int = 16,
+                 heal_in_background: bool = True):
         if compression not in COMPRESSION:
             raise eccl.InvalidArgumentError(
                 f"compression must be one of {sorted(k for k in COMPRESSION if k)} or None, "
@@ -152,7 +177,16 @@ class ElasticDDP:
         self.module = module
         self.optimizer = optimizer
         self.max_retries = max_retries
+        self.heal_in_background = heal_in_background
+        #: The revision every member reports (the same on every rank of a world).
         self.revision = 0
+        # The revision of the state this rank holds: behind `revision` on a newcomer
+        # whose state is still arriving in the background.
+        self._held = 0
+        # The background sync of the step being healed, if any (see `_admit`).
+        self._healing: Optional[_Healing] = None
+        # This step's gradients were never computed here (a healing newcomer's).
+        self._no_grads = False
         # (address, torch version) of each state tensor after the last sync.
         self._synced: dict = {}
         self.members: tuple = ()
@@ -175,7 +209,9 @@ class ElasticDDP:
         self._joined_now = comm.rank is None
         if self._joined_now:
             comm.update_topology()
-        self._sync()
+            self._admit()
+        else:
+            self._sync()
 
     # -- state ----------------------------------------------------------------------
 
@@ -203,12 +239,73 @@ class ElasticDDP:
         sources = self._sources()
         now = {n: (t.data_ptr(), t._version) for n, t in sources.items()}
         unchanged = {n for n, v in now.items() if self._synced.get(n) == v}
-        info = self.comm.sync_shared_state(self.revision, {n: t.data for n, t in sources.items()},
+        info = self.comm.sync_shared_state(self._held, {n: t.data for n, t in sources.items()},
                                            unchanged=unchanged)
         self._synced = now
-        replaced = info.revision != self.revision
-        self.revision = info.revision
+        replaced = info.revision != self._held
+        self.revision = self._held = info.revision
         return replaced
+
+    def _admit(self) -> None:
+        """The sync after a world change that admitted peers (every rank calls it at the
+        same point). The ranks first agree on the newest revision and the oldest (one
+        small all_reduce); if a rank is behind and `heal_in_background`, the sync runs in
+        the background until the next `train_step` ends (`_Healing`), otherwise here."""
+        if not self.heal_in_background:
+            self._sync()
+            return
+        revs = torch.tensor([self._held, -self._held], dtype=torch.int64)
+        self.comm.all_reduce(revs, "max")
+        newest, oldest = int(revs[0]), -int(revs[1])
+        if oldest == newest:
+            # Nobody is behind (a first world, or a rank evicted and back in step): what
+            # the sync settles, it settles before anyone computes.
+            self._sync()
+            return
+        sources = self._sources()
+        behind = self._held < newest
+        # A member serves its buffers from a copy: forward passes update some of them
+        # (batch norm's running statistics) while the newcomer fetches.
+        tensors = {n: (t.data.clone() if n.startswith("buffer.") and not behind else t.data)
+                   for n, t in sources.items()}
+        now = {n: (t.data_ptr(), t._version) for n, t in sources.items()}
+        unchanged = {n for n, v in now.items()
+                     if self._synced.get(n) == v and tensors[n] is not None
+                     and tensors[n].data_ptr() == v[0]}
+        work = self.comm.sync_shared_state(self._held, tensors, unchanged=unchanged,
+                                           async_op=True)
+        # Names served from a copy are hashed afresh next time: no promise covers them.
+        served = {n: v for n, v in now.items() if tensors[n].data_ptr() == v[0]}
+        self._healing = _Healing(work, served, behind, tensors)
+        self.revision = newest
+
+    def _end_healing(self) -> torch.Tensor:
+        """Waits for the background sync of this step; returns this rank's part of the
+        step's tally (gradients contributed, state replaced unexpectedly), or raises the
+        sync's error."""
+        h, self._healing = self._healing, None
+        info = h.work.wait()
+        self._synced = h.served
+        replaced = info.revision != self._held
+        self._held = info.revision
+        # A member's state replaced under its own forward pass: its gradients are
+        # garbage; the tally makes every rank drop the step (and this one recompute).
+        poisoned = replaced and not h.behind
+        if poisoned:
+            for n, t in self._sources().items():
+                if n.startswith("buffer."):
+                    t.data.copy_(h.tensors[n])
+        tally = torch.tensor([0 if self._no_grads else 1, int(poisoned)], dtype=torch.int64)
+        if poisoned:
+            self._no_grads = True
+        return tally
+
+    def _settle(self) -> None:
+        """Waits for a background sync before anything else syncs or admits (a second
+        step boundary before the healing step): the newcomer then computes its next step
+        as any member does."""
+        if self._healing is not None:
+            self._end_healing()
 
     def step_boundary(self) -> bool:
         """Admits pending peers (every member calls this at the same step); returns
@@ -216,15 +313,19 @@ class ElasticDDP:
         if self._joined_now:
             self._joined_now = False
             return False
+        self._settle()
         if not self.comm.are_peers_pending():
             return False
         self.comm.update_topology()
-        self._sync()
+        self._admit()
         return True
 
     def recover(self) -> bool:
         """After a failed step: the next world, and the state synced over it. Returns
         whether this rank's state was replaced (its gradients are then stale)."""
+        if self._healing is not None:
+            with contextlib.suppress(eccl.EcclError):
+                self._end_healing()
         return next_world(self.comm, self._sync, self.max_retries)
 
     # -- gradients ------------------------------------------------------------------
@@ -288,35 +389,71 @@ class ElasticDDP:
                 if self._failed is None:
                     self._failed = e
             b.work = None
+        contributors = len(members) if members is not None else 0
+        if self._healing is not None:
+            try:
+                tally = self._end_healing()
+            except eccl.EcclError as e:
+                tally = None
+                if self._failed is None:
+                    self._failed = e
+            if tally is not None and self._failed is None:
+                try:
+                    self.comm.all_reduce(tally, "sum")
+                    contributors = int(tally[0])
+                    if int(tally[1]):
+                        self._failed = eccl.AbortedError(
+                            "a member's state was replaced while it served a newcomer: "
+                            "the step is taken again")
+                except eccl.EcclError as e:
+                    self._failed = e
         if self._failed is None and members is not None:
             self.members = members
             for b in self._buckets:
-                b.write_back(len(members))
+                b.write_back(contributors)
 
     def train_step(self, compute_loss) -> float:
         """Runs forward and backward (gradients reduced as they become ready, averaged
         over the members) and the optimizer step; if a member fails meanwhile, moves to
         the next world and reduces again over it."""
-        if not self._accumulated:
+        self._no_grads = self._healing is not None and self._healing.behind
+        if self._no_grads:
+            # This rank's state is still arriving: it computes nothing this step and
+            # contributes zeros (a member's gradients are averaged without it).
             self.optimizer.zero_grad(set_to_none=True)
-        self._reset()
-        loss = self._forward_backward(compute_loss)
+            self._accumulated = False
+            self._reset()
+            loss = torch.tensor(float("nan"))
+        else:
+            if not self._accumulated:
+                self.optimizer.zero_grad(set_to_none=True)
+            self._reset()
+            loss = self._forward_backward(compute_loss)
         for _ in range(self.max_retries):
             self._finish()
             if self._failed is None:
                 self.optimizer.step()
                 self.revision += 1
+                self._held = self.revision
+                self._no_grads = False
                 # Cleared now, not at the next step: backward passes under no_sync()
                 # before it accumulate into nothing but their own gradients.
                 self.optimizer.zero_grad(set_to_none=True)
                 self._accumulated = False
                 return float(loss.item())
             failed = self._failed
+            if self._healing is not None:
+                # The step failed before its end: wait for the background sync (it
+                # fails too, or has finished) so that nothing writes the state anymore.
+                with contextlib.suppress(eccl.EcclError):
+                    self._end_healing()
             stale = self.recover()
             self._reset()
-            if stale:
-                # This rank was behind (it had been evicted): its gradients belong to an
-                # old model. Compute them again on the one it now holds.
+            if stale or self._no_grads:
+                # This rank was behind (it had been evicted, or it was healing): its
+                # gradients belong to an old model or were never computed. Compute them
+                # on the one it now holds.
+                self._no_grads = False
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._forward_backward(compute_loss)
         raise eccl.AbortedError(f"step failed {self.max_retries} times: {failed}")
@@ -331,7 +468,11 @@ class ElasticDDP:
         return loss
 
     def close(self) -> None:
-        """Removes the gradient hooks from the module."""
+        """Waits for a background sync still running, and removes the gradient hooks
+        from the module."""
+        if self._healing is not None:
+            with contextlib.suppress(eccl.EcclError):
+                self._end_healing()
         for h in self._hooks:
             h.remove()
         self._hooks = []

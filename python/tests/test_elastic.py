@@ -73,3 +73,46 @@ def test_kill_one_rank_and_add_another():
         assert float(f.group(4)) < float(f.group(3)) / 10, f.group(0)
     # The kill took the node's worker too: the survivors trained over two members a while.
     assert " over 2 members" in outs[0], "the killed node's worker went on training"
+
+
+def test_a_newcomer_killed_while_it_heals_leaves_the_members_training():
+    """A newcomer that dies as its first chunk of state arrives (in the background, while
+    the members compute the step it was admitted at): the members' step fails, they
+    move to the next world without it, take the step again with their own gradients and
+    go on; both end with the same parameters."""
+    master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+
+    def start(min_world, extra_env=None):
+        return spawn(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+             "--nproc-per-node", "1", "--master-port", str(free_port()), str(EXAMPLE),
+             # Long enough for the newcomer's start (torch's import) on a loaded machine.
+             "--steps", "1500", "--min-world", str(min_world), "--step-ms", "5"],
+            env=dict(env, **(extra_env or {})), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    procs = [start(2) for _ in range(2)]
+    try:
+        deadline = time.time() + 60
+        line = ""
+        while "step 20:" not in line and time.time() < deadline:
+            line = procs[0].stdout.readline()
+        assert "step 20:" in line, "training did not start"
+        newcomer = start(1, {"ECCL_FAULT_INJECT": "sync-fetch:kill"})
+        procs.append(newcomer)
+        newcomer_out, _ = newcomer.communicate(timeout=120)
+        outs = []
+        for p in procs[:2]:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out[-3000:]
+            outs.append(out)
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    assert newcomer.returncode != 0, f"the newcomer was to die on its first chunk: {newcomer_out[-3000:]}"
+    assert any("world is now 3" in o for o in outs), "the members admitted the newcomer"
+    finals = [FINAL.search(o) for o in outs]
+    assert all(finals), outs
+    assert len({f.group(2) for f in finals}) == 1 and int(finals[0].group(2)) >= 1500, finals
+    assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]

@@ -35,7 +35,7 @@ COVERED = {
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "netlab.sh", "compare_transports.py", "kill_latency.py",
             "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py",
-            "catch_up.py", "compare_fsdp.py"}
+            "catch_up.py", "compare_fsdp.py", "heal_cost.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -109,6 +109,15 @@ def test_catch_up():
     # Two newcomers, each fetched the whole state (the example checks its content).
     assert [r for r, _ in rows] == ["0", "1"] and all(float(g) > 0 for _, g in rows), out
     assert re.search(r"^# median: [\d.]+ ms to the first synced all_reduce", out, re.M), out
+
+
+def test_heal_cost():
+    out = run([sys.executable, str(EXAMPLES / "heal_cost.py"), "--members", "2", "--params-mb", "1",
+               "--width", "256", "--batch", "8", "--join-at", "3"], timeout=180)
+    # Both modes ran, and every rank ended with the same parameters (the example checks).
+    for mode in ("background", "boundary"):
+        assert re.search(rf"^round 0 +{mode}: members' step [\d.]+ ms before, [\d.]+ ms in the step "
+                         r"that admitted the newcomer", out, re.M), out
 
 
 def test_compare_fsdp():
