@@ -3,10 +3,16 @@ over eccl (ECCL_MASTER/ECCL_SECRET, ECCL_RANK for the data), on the same model a
 saves the final parameters to OUT.
 
     python elastic_parity.py gloo|elastic OUT [--accumulate K] [--compression bf16]
+        [--join-at K | --newcomer]
+
+With `--join-at K` the members wait at step K's boundary for a newcomer (started with
+`--newcomer` once a member prints `WAITING`), which heals in the background during step
+K and computes nothing in it.
 """
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -35,6 +41,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--compression", default=None)
+    p.add_argument("--join-at", type=int, default=None)
+    p.add_argument("--newcomer", action="store_true")
     a = p.parse_args()
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
@@ -55,15 +63,25 @@ def main() -> None:
     else:
         import eccl
         import eccl.torch
-        comm = eccl.Communicator(min_world=int(os.environ["ECCL_WORLD"]),
-                                 rank_hint=int(os.environ["ECCL_RANK"]))
+        if a.newcomer:
+            comm = eccl.Communicator(min_world=1)
+        else:
+            comm = eccl.Communicator(min_world=int(os.environ["ECCL_WORLD"]),
+                                     rank_hint=int(os.environ["ECCL_RANK"]))
         job = eccl.torch.ElasticDDP(m, opt, comm, bucket_cap_mb=0.01,
                                     compression=a.compression)
         assert len(job.layout) > 1, job.layout
-        rank = comm.rank
-        assert rank == int(os.environ["ECCL_RANK"]), (rank, os.environ["ECCL_RANK"])
-        for step in range(a.steps):
+        if not a.newcomer:
+            assert comm.rank == int(os.environ["ECCL_RANK"]), (comm.rank, os.environ["ECCL_RANK"])
+        while job.revision < a.steps:
+            step = job.revision
+            if step == a.join_at:
+                print("WAITING", flush=True)
+                # Every member asks in every round, so they leave the loop together.
+                while not comm.are_peers_pending():
+                    time.sleep(0.02)
             job.step_boundary()
+            rank = comm.rank
             micro = batches(rank, step, a.accumulate)
             for xy in micro[:-1]:
                 with job.no_sync():

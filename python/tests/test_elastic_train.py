@@ -74,6 +74,41 @@ def test_elastic_ddp_overlap_gives_gloo_ddps_parameters(tmp_path, accumulate):
     assert same(el[0], gloo[0]), max(float((x - y).abs().max()) for x, y in zip(el[0], gloo[0]))
 
 
+def test_a_newcomer_healing_in_the_background_leaves_the_members_step_exact(tmp_path):
+    """Two members take step 3 while a newcomer admitted at its boundary fetches the state
+    in the background and contributes zero gradients: the step (averaged over the two
+    that contributed) is bit for bit the step of two members alone, and the newcomer ends
+    with the same parameters."""
+    (tmp_path / "alone").mkdir()
+    alone = parity("elastic", 2, tmp_path / "alone", ["--steps", "4"])
+    script = str(HERE / "elastic_parity.py")
+    master = eccl.Master()
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret, ECCL_WORLD="2")
+    outs = [tmp_path / f"m{r}.pt" for r in range(3)]
+    procs = [spawn([sys.executable, script, "elastic", str(outs[r]), "--steps", "4",
+                    "--join-at", "3"], env=dict(env, ECCL_RANK=str(r)), stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(2)]
+    try:
+        line = ""
+        deadline = time.time() + 60
+        while "WAITING" not in line and time.time() < deadline:
+            line = procs[0].stdout.readline()
+        assert "WAITING" in line, "the members did not reach step 3"
+        procs.append(spawn([sys.executable, script, "elastic", str(outs[2]), "--steps", "4",
+                            "--newcomer"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        res = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    for p, out in zip(procs, res):
+        assert p.returncode == 0 and "RESULT" in out, (p.returncode, out[-3000:])
+    got = [torch.load(o) for o in outs]
+    assert same(got[0], got[1]) and same(got[0], got[2]), "ranks differ"
+    assert same(got[0], alone[0]), max(float((x - y).abs().max()) for x, y in zip(got[0], alone[0]))
+
+
 def test_compressed_gradients_are_identical_on_every_rank(tmp_path):
     """bf16 and int8 on the wire: every rank the same bits, near the uncompressed run."""
     (tmp_path / "f32").mkdir()
