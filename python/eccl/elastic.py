@@ -162,7 +162,9 @@ class ElasticDDP:
     takes the same step from the same state. Until that step's end the members must not
     change their parameters or optimizer state outside `train_step` (buffers are served
     from a copy taken at the step boundary). `heal_in_background=False` syncs inside
-    `step_boundary()` instead, every rank waiting for the transfer.
+    `step_boundary()` instead, every rank waiting for the transfer; the setting must be
+    the same on every rank. A newcomer admitted while the members recover from a
+    failure, or a rank that was evicted and comes back, heals the same way.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -209,9 +211,7 @@ class ElasticDDP:
         self._joined_now = comm.rank is None
         if self._joined_now:
             comm.update_topology()
-            self._admit()
-        else:
-            self._sync()
+        self._admit()
 
     # -- state ----------------------------------------------------------------------
 
@@ -246,22 +246,22 @@ class ElasticDDP:
         self.revision = self._held = info.revision
         return replaced
 
-    def _admit(self) -> None:
-        """The sync after a world change that admitted peers (every rank calls it at the
-        same point). The ranks first agree on the newest revision and the oldest (one
-        small all_reduce); if a rank is behind and `heal_in_background`, the sync runs in
-        the background until the next `train_step` ends (`_Healing`), otherwise here."""
+    def _admit(self) -> bool:
+        """The sync after every change of world (a step boundary that admitted peers, a
+        recovery, a newcomer's start: every rank of the world calls it at the same point,
+        whichever of these brought it there). The ranks first agree on the newest revision
+        and the oldest (one small all_reduce); if a rank is behind and
+        `heal_in_background`, the sync runs in the background until the next step's end
+        (`_Healing`), otherwise here. Returns whether this rank's state was replaced here."""
         if not self.heal_in_background:
-            self._sync()
-            return
+            return self._sync()
         revs = torch.tensor([self._held, -self._held], dtype=torch.int64)
         self.comm.all_reduce(revs, "max")
         newest, oldest = int(revs[0]), -int(revs[1])
         if oldest == newest:
-            # Nobody is behind (a first world, or a rank evicted and back in step): what
-            # the sync settles, it settles before anyone computes.
-            self._sync()
-            return
+            # Nobody is behind (a first world, a recovery among members): what the sync
+            # settles, it settles before anyone computes.
+            return self._sync()
         sources = self._sources()
         behind = self._held < newest
         # A member serves its buffers from a copy: forward passes update some of them
@@ -278,6 +278,7 @@ class ElasticDDP:
         served = {n: v for n, v in now.items() if tensors[n].data_ptr() == v[0]}
         self._healing = _Healing(work, served, behind, tensors)
         self.revision = newest
+        return False
 
     def _end_healing(self) -> torch.Tensor:
         """Waits for the background sync of this step; returns this rank's part of the
@@ -326,7 +327,7 @@ class ElasticDDP:
         if self._healing is not None:
             with contextlib.suppress(eccl.EcclError):
                 self._end_healing()
-        return next_world(self.comm, self._sync, self.max_retries)
+        return next_world(self.comm, self._admit, self.max_retries)
 
     # -- gradients ------------------------------------------------------------------
 
@@ -449,10 +450,15 @@ class ElasticDDP:
                     self._end_healing()
             stale = self.recover()
             self._reset()
-            if stale or self._no_grads:
-                # This rank was behind (it had been evicted, or it was healing): its
-                # gradients belong to an old model or were never computed. Compute them
-                # on the one it now holds.
+            if self._healing is not None and self._healing.behind:
+                # Behind the others (it had been evicted): its state now arrives in the
+                # background and it adds nothing to this step.
+                self._no_grads = True
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = torch.tensor(float("nan"))
+            elif stale or self._no_grads:
+                # This rank's gradients belong to an old model or were never computed
+                # (it was healing): compute them on the state it now holds.
                 self._no_grads = False
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._forward_backward(compute_loss)
