@@ -24,7 +24,7 @@ pub mod variables;
 pub use abort::AbortHandle;
 pub use communicator::{
     CallQueue, CollArgs, Communicator, OnAbort, OpInfo, Quantize, Queued, RetryPolicy,
-    TopologyUpdate, WorldUpdate, PROBE_TAG,
+    TopologyUpdate, WorldUpdate, PROBE_TAG, QUANT_PIECE_VALUES,
 };
 pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};

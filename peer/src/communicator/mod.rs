@@ -47,7 +47,7 @@ use crate::master_client::MasterClient;
 
 pub use collective::{CollArgs, OnAbort, OpInfo};
 pub use membership::WorldUpdate;
-pub use quantized::Quantize;
+pub use quantized::{Quantize, QUANT_PIECE_VALUES};
 pub use queue::{CallQueue, Queued};
 pub use retry::RetryPolicy;
 pub use topology::{TopologyUpdate, PROBE_TAG};

@@ -49,16 +49,22 @@ impl Quantize {
 }
 
 /// The buffers of a quantized all_reduce, kept between calls (about 1.75 times the
-/// largest call's values as f32, per communicator).
+/// largest call's values as f32, per communicator). `send` and `all` are doubled: one
+/// piece's codec works in one while the other piece's collective uses the other.
 #[derive(Default)]
 pub(crate) struct Scratch {
     values: Vec<f32>,
-    send: Vec<u8>,
+    send: [Vec<u8>; 2],
     recv: Vec<u8>,
     sum: Vec<f32>,
     mine: Vec<u8>,
-    all: Vec<u8>,
+    all: [Vec<u8>; 2],
 }
+
+/// Values of each rank's segment that one round of the pipeline moves (whole blocks):
+/// large enough that a piece's collectives are not bound by latency, small enough that
+/// the codec of one piece hides behind the wire time of the next.
+pub const QUANT_PIECE_VALUES: usize = 64 * quant::BLOCK * 16;
 
 impl Communicator {
     /// [`Communicator::all_reduce_quantized_bytes`] on a typed slice.
@@ -125,30 +131,93 @@ impl Communicator {
         quant::widen(dtype, buf, &mut s.values);
         s.values
             .resize(seg * n, s.values.last().copied().unwrap_or(0.0));
-        let e = quant::encoded_len(seg);
-        s.send.resize(e * n, 0);
-        for (v, out) in s.values.chunks(seg).zip(s.send.chunks_mut(e)) {
-            quant::encode(codec, v, out);
+        // The segments go in pieces of whole blocks (so each block is encoded exactly
+        // as in one pass: the same bytes, the same bits), and the codec of one piece
+        // runs while the collective of another is on the wire: the all_to_all of piece
+        // p beside the encoding of piece p+1, the all_gather of piece p beside the
+        // decoding of piece p-1. A collective's sends are in the kernel and its frames
+        // are read by the links' own tasks while this task codes.
+        let piece = QUANT_PIECE_VALUES.min(seg.div_ceil(quant::BLOCK) * quant::BLOCK);
+        let pieces = seg.div_ceil(piece);
+        let range = |p: usize| (p * piece)..((p + 1) * piece).min(seg);
+        let emax = quant::encoded_len(piece);
+        for b in s.send.iter_mut().chain(s.all.iter_mut()) {
+            b.resize(emax * n, 0);
         }
-        s.recv.resize(e * n, 0);
-        self.all_to_all_into(&s.send, &mut s.recv).await?;
-        // This rank's segment: every rank's part of it, added in rank order.
-        s.sum.clear();
-        s.sum.resize(seg, 0.0);
-        for part in s.recv.chunks(e) {
-            quant::decode_add(codec, part, &mut s.sum);
+        s.recv.resize(emax * n, 0);
+        s.sum.resize(piece, 0.0);
+        s.mine.resize(emax, 0);
+        let Scratch {
+            values,
+            send,
+            recv,
+            sum,
+            mine,
+            all,
+        } = &mut s;
+        let encode_piece = |values: &[f32], p: usize, out: &mut [u8]| {
+            let r = range(p);
+            let e = quant::encoded_len(r.len());
+            for (k, o) in out.chunks_mut(e).take(n).enumerate() {
+                quant::encode(codec, &values[k * seg + r.start..k * seg + r.end], o);
+            }
+        };
+        let decode_piece = |values: &mut [f32], p: usize, enc: &[u8]| {
+            let r = range(p);
+            let e = quant::encoded_len(r.len());
+            for (k, part) in enc.chunks(e).take(n).enumerate() {
+                quant::decode(codec, part, &mut values[k * seg + r.start..k * seg + r.end]);
+            }
+        };
+        {
+            let e = quant::encoded_len(range(0).len());
+            encode_piece(values, 0, &mut send[0][..e * n]);
         }
-        if op == ReduceOp::Avg {
-            let k = n as f32;
-            s.sum.iter_mut().for_each(|x| *x /= k);
+        let mut info = None;
+        for p in 0..pieces {
+            let (len, e) = (range(p).len(), quant::encoded_len(range(p).len()));
+            let [s0, s1] = &mut *send;
+            let (cur, next) = if p % 2 == 0 { (&*s0, s1) } else { (&*s1, s0) };
+            let values_ro: &[f32] = values.as_slice();
+            let (r, ()) = futures::join!(
+                self.all_to_all_into(&cur[..e * n], &mut recv[..e * n]),
+                async {
+                    if p + 1 < pieces {
+                        let e1 = quant::encoded_len(range(p + 1).len());
+                        encode_piece(values_ro, p + 1, &mut next[..e1 * n]);
+                    }
+                }
+            );
+            r?;
+            // This rank's part of piece p: every rank's values of it, added in rank order.
+            let acc = &mut sum[..len];
+            acc.fill(0.0);
+            for part in recv[..e * n].chunks(e) {
+                quant::decode_add(codec, part, acc);
+            }
+            if op == ReduceOp::Avg {
+                let k = n as f32;
+                acc.iter_mut().for_each(|x| *x /= k);
+            }
+            quant::encode(codec, acc, &mut mine[..e]);
+            let [a0, a1] = &mut *all;
+            let (cur, prev) = if p % 2 == 0 { (a0, &*a1) } else { (a1, &*a0) };
+            let values_rw: &mut [f32] = values.as_mut_slice();
+            let (r, ()) =
+                futures::join!(self.all_gather_into(&mine[..e], &mut cur[..e * n]), async {
+                    if p > 0 {
+                        let e0 = quant::encoded_len(range(p - 1).len());
+                        decode_piece(values_rw, p - 1, &prev[..e0 * n]);
+                    }
+                });
+            info = Some(r?);
         }
-        s.mine.resize(e, 0);
-        quant::encode(codec, &s.sum, &mut s.mine);
-        s.all.resize(e * n, 0);
-        let info = self.all_gather_into(&s.mine, &mut s.all).await?;
-        for (part, out) in s.all.chunks(e).zip(s.values.chunks_mut(seg)) {
-            quant::decode(codec, part, out);
+        {
+            let last = pieces - 1;
+            let e = quant::encoded_len(range(last).len());
+            decode_piece(values, last, &all[last % 2][..e * n]);
         }
+        let info = info.expect("at least one piece");
         quant::narrow(dtype, &s.values[..count], buf);
         self.quant_scratch = s;
         Ok(info)

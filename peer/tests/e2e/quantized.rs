@@ -67,6 +67,70 @@ fn bound_int8(n: usize, count: usize, k: usize, exact: &[f32], avg: bool) -> f32
     (inputs + sum) * scale * 1.01 + 1e-5 * exact[k].abs().max(1.0)
 }
 
+/// A call of several pieces (`QUANT_PIECE_VALUES` per rank's segment, the codec of one
+/// piece beside the collective of another) gives, on every rank, exactly the bits of the
+/// scheme done in one pass: every rank's segment encoded whole, decoded and added in rank
+/// order by its owner, the sum encoded once and decoded by all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quantized_all_reduce_in_pieces_gives_the_bits_of_one_pass() {
+    use eccl_algorithms::quant;
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+    let n = comms.len();
+    // Two and a half pieces per segment, the last segment padded.
+    let count = n * (eccl::QUANT_PIECE_VALUES * 5 / 2) - 7;
+    for (q, codec) in [
+        (Quantize::Int8, quant::Codec::Int8),
+        (Quantize::Fp8, quant::Codec::Fp8),
+    ] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let seg = count.div_ceil(n);
+            let e = quant::encoded_len(seg);
+            let padded = |r: usize| {
+                let mut v: Vec<f32> = (0..count).map(|k| value(r, k)).collect();
+                let last = *v.last().unwrap();
+                v.resize(seg * n, last);
+                v
+            };
+            let mut want = vec![0f32; seg * n];
+            let inputs: Vec<Vec<f32>> = (0..n).map(padded).collect();
+            for owner in 0..n {
+                let mut sum = vec![0f32; seg];
+                let mut enc = vec![0u8; e];
+                for input in &inputs {
+                    quant::encode(codec, &input[owner * seg..(owner + 1) * seg], &mut enc);
+                    quant::decode_add(codec, &enc, &mut sum);
+                }
+                if op == ReduceOp::Avg {
+                    sum.iter_mut().for_each(|x| *x /= n as f32);
+                }
+                quant::encode(codec, &sum, &mut enc);
+                quant::decode(codec, &enc, &mut want[owner * seg..(owner + 1) * seg]);
+            }
+            let got = join_all(comms.iter_mut().map(|c| async move {
+                let r = c.rank().unwrap().0 as usize;
+                let mut v: Vec<f32> = (0..count).map(|k| value(r, k)).collect();
+                c.all_reduce_quantized(&mut v, op, q)
+                    .await
+                    .expect("in pieces");
+                v
+            }))
+            .await;
+            for (r, v) in got.iter().enumerate() {
+                let differ = v
+                    .iter()
+                    .zip(&want[..count])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{q:?} {op}: rank {r}, elements that differ from one pass"
+                );
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantized_all_reduce_is_identical_everywhere_and_within_its_bound() {
     let m = start_master(&[]);
