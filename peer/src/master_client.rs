@@ -419,11 +419,19 @@ impl MasterClient {
         // hung, so the peer is attached to the next leader well before the lease that
         // leader grants runs out.
         let within = Duration::from_millis((lease_ms / 2).max(50));
+        // A tick that runs this much after its time means this process did not run its
+        // runtime's timers (starved of CPU, or a long blocking call on its threads): it
+        // explains a lease that ran out with the process alive.
+        let late = Duration::from_millis(lease_ms / 4);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tick.tick().await;
+                let due = tick.tick().await;
+                let behind = due.elapsed();
+                if behind > late {
+                    tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked)", behind.as_millis());
+                }
                 match master.heartbeat(peer_id, within).await {
                     Ok(()) => {}
                     // Evicted or refused for good: nothing left to renew.
