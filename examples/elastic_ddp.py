@@ -64,6 +64,9 @@ def main() -> None:
                   f"{len(job.members)} members", flush=True)
         if a.step_ms:
             time.sleep(a.step_ms / 1000)
+    # A newcomer admitted at the last boundary is still fetching the state: close() waits
+    # for it (the members serve it meanwhile) before the parameters are read.
+    job.close()
     if first is None:   # admitted as the job ended: no step of its own
         first = loss = float("nan")
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters()))

@@ -65,11 +65,11 @@ def worker(a) -> None:
                       "step_ms": (t2 - t0) * 1e3, "world": comm.world_size})
         if not a.newcomer and job.revision == a.join_at:
             print("JOIN", flush=True)
+    job.close()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in m.parameters()))
     print("RESULT " + json.dumps({"newcomer": a.newcomer, "steps": steps, "hash": digest.hexdigest(),
                                   "revision": job.revision, "first_step_s": first_done}),
           flush=True)
-    job.close()
     comm.leave()
 
 

@@ -111,6 +111,12 @@ class _Bucket:
             torch.div(part.view(p.shape), members, out=p.grad)
 
 
+def _moved(info) -> bool:
+    """Whether a sync replaced parameters or optimizer state here (buffers, such as
+    batch norm's statistics, differ between members by design and do not count)."""
+    return any(not n.startswith("buffer.") for n in info.updated)
+
+
 class _Healing:
     """A sync running in the background since the step boundary that admitted a
     newcomer: its Work, the (address, version) of each tensor it holds in place, whether
@@ -163,7 +169,10 @@ class ElasticDDP:
     change their parameters or optimizer state outside `train_step` (buffers are served
     from a copy taken at the step boundary). `heal_in_background=False` syncs inside
     `step_boundary()` instead, every rank waiting for the transfer; the setting must be
-    the same on every rank. A newcomer admitted while the members recover from a
+    the same on every rank. A newcomer holds the state once its first `train_step`
+    returns: a loop that stops at a step boundary, or reads the state there (a
+    checkpoint, an evaluation), calls `close()` first, which waits for the transfer on
+    every rank (members keep serving until then). A newcomer admitted while the members recover from a
     failure, or a rank that was evicted and comes back, heals the same way.
     """
 
@@ -242,7 +251,7 @@ class ElasticDDP:
         info = self.comm.sync_shared_state(self._held, {n: t.data for n, t in sources.items()},
                                            unchanged=unchanged)
         self._synced = now
-        replaced = info.revision != self._held
+        replaced = info.revision != self._held or _moved(info)
         self.revision = self._held = info.revision
         return replaced
 
@@ -287,15 +296,17 @@ class ElasticDDP:
         h, self._healing = self._healing, None
         info = h.work.wait()
         self._synced = h.served
-        replaced = info.revision != self._held
         self._held = info.revision
-        # A member's state replaced under its own forward pass: its gradients are
-        # garbage; the tally makes every rank drop the step (and this one recompute).
-        poisoned = replaced and not h.behind
-        if poisoned:
-            for n, t in self._sources().items():
-                if n.startswith("buffer."):
-                    t.data.copy_(h.tensors[n])
+        # A member whose parameters or optimizer state the sync replaced (it held the
+        # newest revision with other content) had them rewritten under its own forward
+        # pass: its gradients are garbage; the tally makes every rank drop the step (and
+        # this one compute again). Buffers were served from a copy: what the sync put
+        # there goes into the module.
+        poisoned = not h.behind and _moved(info)
+        for n, t in self._sources().items():
+            if n.startswith("buffer.") and n in info.updated \
+                    and h.tensors[n].data_ptr() != t.data_ptr():
+                t.data.copy_(h.tensors[n])
         tally = torch.tensor([0 if self._no_grads else 1, int(poisoned)], dtype=torch.int64)
         if poisoned:
             self._no_grads = True
