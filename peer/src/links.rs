@@ -13,7 +13,7 @@ use eccl_protocol::{LinkHello, Member, PeerId, World};
 use eccl_transport::link::{Incoming, LinkObserver, LinkRx, LinkTx};
 use eccl_transport::listen::{self, Accepted, ListenOptions, Listeners};
 use eccl_transport::mesh::{self, Addresses, Assembler, LinkSettings};
-use eccl_transport::shm;
+use eccl_transport::spin;
 
 use crate::abort::{AbortState, EpochLinkObserver};
 use crate::config::Config;
@@ -155,7 +155,7 @@ impl LinkManager {
                 reason: format!("not a member of epoch {epoch}"),
             })?;
         let local = world.members.iter().filter(|m| m.host == mine.host).count();
-        shm::plan_spin(local);
+        spin::plan_spin(local);
         plan_reduce_threads(local, cfg.reduce_threads);
         self.observer.enter(
             epoch,

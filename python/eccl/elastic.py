@@ -279,8 +279,7 @@ class ElasticDDP:
                    for n, t in sources.items()}
         now = {n: (t.data_ptr(), t._version) for n, t in sources.items()}
         unchanged = {n for n, v in now.items()
-                     if self._synced.get(n) == v and tensors[n] is not None
-                     and tensors[n].data_ptr() == v[0]}
+                     if self._synced.get(n) == v and tensors[n].data_ptr() == v[0]}
         work = self.comm.sync_shared_state(self._held, tensors, unchanged=unchanged,
                                            async_op=True)
         # Names served from a copy are hashed afresh next time: no promise covers them.
@@ -335,9 +334,8 @@ class ElasticDDP:
     def recover(self) -> bool:
         """After a failed step: the next world, and the state synced over it. Returns
         whether this rank's state was replaced (its gradients are then stale)."""
-        if self._healing is not None:
-            with contextlib.suppress(eccl.EcclError):
-                self._end_healing()
+        with contextlib.suppress(eccl.EcclError):
+            self._settle()      # a failed background sync: the next world replaces it
         return next_world(self.comm, self._admit, self.max_retries)
 
     # -- gradients ------------------------------------------------------------------
@@ -454,11 +452,6 @@ class ElasticDDP:
                 self._accumulated = False
                 return float(loss.item())
             failed = self._failed
-            if self._healing is not None:
-                # The step failed before its end: wait for the background sync (it
-                # fails too, or has finished) so that nothing writes the state anymore.
-                with contextlib.suppress(eccl.EcclError):
-                    self._end_healing()
             stale = self.recover()
             self._reset()
             if self._healing is not None and self._healing.behind:
@@ -487,9 +480,8 @@ class ElasticDDP:
     def close(self) -> None:
         """Waits for a background sync still running, and removes the gradient hooks
         from the module."""
-        if self._healing is not None:
-            with contextlib.suppress(eccl.EcclError):
-                self._end_healing()
+        with contextlib.suppress(eccl.EcclError):
+            self._settle()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -40,6 +41,16 @@ def descendants(pid: int) -> List[int]:
         out.append(p)
         todo.extend(children.get(p, []))
     return out
+
+
+def read_until(p, text: str, timeout: float) -> str:
+    """Reads `p`'s stdout line by line until a line contains `text` or `timeout` seconds
+    pass; returns the last line read (check it for `text`)."""
+    deadline = time.time() + timeout
+    line = ""
+    while text not in line and time.time() < deadline:
+        line = p.stdout.readline()
+    return line
 
 
 def kill_node(p) -> None:

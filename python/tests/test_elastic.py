@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,20 @@ import pytest
 pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, kill_node, spawn, stop_sessions  # noqa: E402
+from procs import free_port, kill_node, read_until, spawn, stop_sessions  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
+
+
+def start_node(env, *args):
+    """One node of the example under its own `torchrun --nnodes 1`, in its own session
+    (so that the whole node, agent and worker, can be killed)."""
+    return spawn(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+         "--master-port", str(free_port()), str(EXAMPLE), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
 
 
 def test_kill_one_rank_and_add_another():
@@ -27,25 +36,16 @@ def test_kill_one_rank_and_add_another():
     steps = "400"
 
     def start(min_world):
-        # Its own session, so that the whole node (agent and worker) can be killed.
-        return spawn(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-             "--nproc-per-node", "1", "--master-port", str(free_port()), str(EXAMPLE),
-             "--steps", steps, "--min-world", str(min_world), "--step-ms", "10",
-             # The survivors go on until the newcomer is in: on a loaded machine its
-             # start (torch's import) once took longer than their remaining steps, and it
-             # then trained alone after they had left.
-             "--until-world", "3"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+        # The survivors go on until the newcomer is in: on a loaded machine its start
+        # (torch's import) once took longer than their remaining steps, and it then
+        # trained alone after they had left.
+        return start_node(env, "--steps", steps, "--min-world", str(min_world),
+                          "--step-ms", "10", "--until-world", "3")
 
     procs = [start(3) for _ in range(3)]
     try:
         # Let the world form and train a while, then kill rank 1's process outright.
-        deadline = time.time() + 60
-        line = ""
-        while "step 20:" not in line and time.time() < deadline:
-            line = procs[0].stdout.readline()
+        line = read_until(procs[0], "step 20:", 60)
         assert "step 20:" in line, "training did not start"
         kill_node(procs[1])     # its torchrun agent and its worker
         newcomer = start(1)
@@ -84,20 +84,13 @@ def test_a_newcomer_killed_while_it_heals_leaves_the_members_training():
     env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
 
     def start(min_world, extra_env=None):
-        return spawn(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-             "--nproc-per-node", "1", "--master-port", str(free_port()), str(EXAMPLE),
-             # Long enough for the newcomer's start (torch's import) on a loaded machine.
-             "--steps", "1500", "--min-world", str(min_world), "--step-ms", "5"],
-            env=dict(env, **(extra_env or {})), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        # Long enough for the newcomer's start (torch's import) on a loaded machine.
+        return start_node(dict(env, **(extra_env or {})), "--steps", "1500", "--min-world",
+                          str(min_world), "--step-ms", "5")
 
     procs = [start(2) for _ in range(2)]
     try:
-        deadline = time.time() + 60
-        line = ""
-        while "step 20:" not in line and time.time() < deadline:
-            line = procs[0].stdout.readline()
+        line = read_until(procs[0], "step 20:", 60)
         assert "step 20:" in line, "training did not start"
         newcomer = start(1, {"ECCL_FAULT_INJECT": "sync-fetch:kill"})
         procs.append(newcomer)

@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, spawn, stop_sessions  # noqa: E402
+from procs import free_port, read_until, spawn, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parents[1] / "examples"
@@ -90,10 +89,7 @@ def test_a_newcomer_healing_in_the_background_leaves_the_members_step_exact(tmp_
                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for r in range(2)]
     try:
-        line = ""
-        deadline = time.time() + 60
-        while "WAITING" not in line and time.time() < deadline:
-            line = procs[0].stdout.readline()
+        line = read_until(procs[0], "WAITING", 60)
         assert "WAITING" in line, "the members did not reach step 3"
         procs.append(spawn([sys.executable, script, "elastic", str(outs[2]), "--steps", "4",
                             "--newcomer"], env=env, stdout=subprocess.PIPE,
@@ -154,10 +150,7 @@ def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
     procs = [start("--min-world", "3") for _ in range(2)]
     procs.append(start("--min-world", "3", "--die-at-outer", "4"))
     try:
-        deadline = time.time() + 90
-        line = ""
-        while "outer step 6:" not in line and time.time() < deadline:
-            line = procs[0].stdout.readline()
+        line = read_until(procs[0], "outer step 6:", 90)
         assert "outer step 6:" in line, "training did not go on after the death"
         procs.append(start())
         outs = []

@@ -30,6 +30,7 @@ pub mod mesh;
 pub mod pool;
 pub mod quic;
 pub mod shm;
+pub mod spin;
 pub mod tls;
 pub mod verbs;
 

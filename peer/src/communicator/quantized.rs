@@ -157,27 +157,24 @@ impl Communicator {
             mine,
             all,
         } = &mut s;
+        // Bytes of each rank's part of piece p on the wire.
+        let enc_len = |p: usize| quant::encoded_len(range(p).len());
         let encode_piece = |values: &[f32], p: usize, out: &mut [u8]| {
             let r = range(p);
-            let e = quant::encoded_len(r.len());
-            for (k, o) in out.chunks_mut(e).take(n).enumerate() {
+            for (k, o) in out.chunks_mut(enc_len(p)).take(n).enumerate() {
                 quant::encode(codec, &values[k * seg + r.start..k * seg + r.end], o);
             }
         };
         let decode_piece = |values: &mut [f32], p: usize, enc: &[u8]| {
             let r = range(p);
-            let e = quant::encoded_len(r.len());
-            for (k, part) in enc.chunks(e).take(n).enumerate() {
+            for (k, part) in enc.chunks(enc_len(p)).take(n).enumerate() {
                 quant::decode(codec, part, &mut values[k * seg + r.start..k * seg + r.end]);
             }
         };
-        {
-            let e = quant::encoded_len(range(0).len());
-            encode_piece(values, 0, &mut send[0][..e * n]);
-        }
+        encode_piece(values, 0, &mut send[0]);
         let mut info = None;
         for p in 0..pieces {
-            let (len, e) = (range(p).len(), quant::encoded_len(range(p).len()));
+            let e = enc_len(p);
             let [s0, s1] = &mut *send;
             let (cur, next) = if p % 2 == 0 { (&*s0, s1) } else { (&*s1, s0) };
             let values_ro: &[f32] = values.as_slice();
@@ -185,14 +182,13 @@ impl Communicator {
                 self.all_to_all_into(&cur[..e * n], &mut recv[..e * n]),
                 async {
                     if p + 1 < pieces {
-                        let e1 = quant::encoded_len(range(p + 1).len());
-                        encode_piece(values_ro, p + 1, &mut next[..e1 * n]);
+                        encode_piece(values_ro, p + 1, next);
                     }
                 }
             );
             r?;
             // This rank's part of piece p: every rank's values of it, added in rank order.
-            let acc = &mut sum[..len];
+            let acc = &mut sum[..range(p).len()];
             acc.fill(0.0);
             for part in recv[..e * n].chunks(e) {
                 quant::decode_add(codec, part, acc);
@@ -208,17 +204,12 @@ impl Communicator {
             let (r, ()) =
                 futures::join!(self.all_gather_into(&mine[..e], &mut cur[..e * n]), async {
                     if p > 0 {
-                        let e0 = quant::encoded_len(range(p - 1).len());
-                        decode_piece(values_rw, p - 1, &prev[..e0 * n]);
+                        decode_piece(values_rw, p - 1, prev);
                     }
                 });
             info = Some(r?);
         }
-        {
-            let last = pieces - 1;
-            let e = quant::encoded_len(range(last).len());
-            decode_piece(values, last, &all[last % 2][..e * n]);
-        }
+        decode_piece(values, pieces - 1, &all[(pieces - 1) % 2]);
         let info = info.expect("at least one piece");
         quant::narrow(dtype, &s.values[..count], buf);
         self.quant_scratch = s;

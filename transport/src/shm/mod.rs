@@ -8,7 +8,7 @@
 //!   sealed memfd and four eventfds with `SCM_RIGHTS`. Nothing is left behind when any
 //!   process dies: the memory goes with the last descriptor.
 //! - **Waiting** never burns a core for long: a side that finds nothing to do spins for
-//!   a little (see [`plan_spin`]), then sets its `waiting` flag and sleeps on an eventfd, which the other
+//!   a little (see [`crate::spin::plan_spin`]), then sets its `waiting` flag and sleeps on an eventfd, which the other
 //!   side writes only when it sees the flag (a Dekker-style exchange on `SeqCst`
 //!   atomics, so no wake-up is lost).
 //! - **Liveness.** A segment does not close when its owner dies, so the unix socket
@@ -21,9 +21,9 @@ mod fds;
 use eccl_shm as segment;
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use eccl_protocol::frame::{FrameHeader, FrameKind, FRAME_HEADER_LEN};
 use tokio::io::unix::AsyncFd;
@@ -61,76 +61,6 @@ pub fn check_same_user(stream: &UnixStream, peer: &str) -> Result<(), TransportE
         });
     }
     Ok(())
-}
-
-/// Microseconds a waiting side spins before it sleeps; see [`plan_spin`].
-static SPIN_US: AtomicU64 = AtomicU64::new(SPIN_IDLE_CORES_US);
-/// When every local peer can have a core: long enough to catch a peer on another core
-/// mid-message (a 1 KiB hop takes a few microseconds; a 1 MiB frame a few dozen).
-const SPIN_IDLE_CORES_US: u64 = 100;
-/// When local peers outnumber the cores, spinning takes the core from the very peer we
-/// wait for: sleep almost at once.
-const SPIN_SHARED_CORES_US: u64 = 2;
-
-/// Whether a yielding waiter ([`spin_until`]) spins at all: not when local peers
-/// outnumber the cores (measured: even 2 µs of it cost 4 ranks on 2 cores 30 µs a
-/// call), unless `ECCL_SHM_SPIN_US` asks for a spin.
-static YIELDING_SPIN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Sets how long waiting sides spin, from how many peers of one job share this host:
-/// `ECCL_SHM_SPIN_US` if set, else long when each can have a core and short when they
-/// outnumber the cores. The link manager calls it for every world.
-pub fn plan_spin(local_peers: usize) {
-    let us = match std::env::var("ECCL_SHM_SPIN_US")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-    {
-        Some(us) => {
-            YIELDING_SPIN.store(true, Ordering::Relaxed);
-            us.min(100_000)
-        }
-        None => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            YIELDING_SPIN.store(local_peers <= cores, Ordering::Relaxed);
-            if local_peers <= cores {
-                SPIN_IDLE_CORES_US
-            } else {
-                SPIN_SHARED_CORES_US
-            }
-        }
-    };
-    SPIN_US.store(us, Ordering::Relaxed);
-}
-
-fn spin() -> Duration {
-    Duration::from_micros(SPIN_US.load(Ordering::Relaxed))
-}
-
-/// Spins until `ready()` holds, for at most as long as [`plan_spin`] chose for this
-/// host; whether it held. `yielding`: between looks the thread offers its core to any
-/// other thread that can run there (`sched_yield`), for a waiter whose own process's
-/// threads do the work it waits for (a Python `Work.wait()` waits for eccl's runtime).
-/// How a thread that would sleep until another thread of this host acts saves the
-/// wake-up, which costs tens of microseconds on a VM.
-pub fn spin_until(ready: impl Fn() -> bool, yielding: bool) -> bool {
-    if yielding && !YIELDING_SPIN.load(Ordering::Relaxed) {
-        return ready();
-    }
-    let until = Instant::now() + spin();
-    loop {
-        for _ in 0..64 {
-            if ready() {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        if Instant::now() >= until {
-            return ready();
-        }
-        if yielding {
-            std::thread::yield_now();
-        }
-    }
 }
 
 /// The slot size for frames of `frame_bytes`: whole pages, at least a shared-state chunk.
@@ -200,7 +130,7 @@ async fn wait_for(
     live: &Liveness,
     deadline: Option<tokio::time::Instant>,
 ) -> Result<(), WaitEnd> {
-    if spin_until(&ready, false) {
+    if crate::spin::spin_until(&ready, false) {
         return Ok(());
     }
     loop {
