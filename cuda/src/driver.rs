@@ -306,6 +306,23 @@ impl CudaDevice {
         self.stream
     }
 
+    /// Waits on this thread until `event` is complete: the work queued before it was
+    /// recorded (on any stream of this device's primary context, such as torch's current
+    /// stream) is done.
+    ///
+    /// # Safety
+    /// `event` is a live `CUevent` of this device's primary context (torch's
+    /// `torch.cuda.Event.cuda_event` once recorded), kept alive until this returns.
+    pub unsafe fn wait_event(&self, event: u64) -> Result<()> {
+        if event == 0 {
+            return Err(DeviceError::Invalid("a null CUDA event".into()));
+        }
+        self.current()?;
+        // SAFETY: see the function's contract.
+        unsafe { result::event::synchronize(event as usize as sys::CUevent) }
+            .map_err(drv("cuEventSynchronize"))
+    }
+
     fn current(&self) -> Result<()> {
         // SAFETY: `ctx` is retained for the life of `self`.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))

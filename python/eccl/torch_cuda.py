@@ -5,7 +5,8 @@ Two paths, picked per call:
 - **Same host, CUDA IPC** (all_reduce, broadcast, all_gather_into_tensor and
   reduce_scatter_tensor with their coalesced forms): when every rank of the world runs on
   this host (every link is shared memory) and `ECCL_CUDA_IPC` is not `0`, the backend
-  waits for the tensors' current stream, and each GPU's first rank copies or reduces
+  queues a wait for the tensors' current stream (an event the communicator's task
+  waits on, so the caller's thread does not block), and each GPU's first rank copies or reduces
   straight from the other ranks' device memory into the buffers of the ranks on its GPU
   (`eccl.Communicator.all_reduce_device` and its siblings): no copy through the host. Two
   processes on one GPU are served too (NCCL refuses them). Tensors must be contiguous and
@@ -13,7 +14,8 @@ Two paths, picked per call:
   call is staged.
 - **Staged** (every other collective and point-to-point call, and every call across
   hosts): the CUDA tensors are copied to host memory (after the current stream's work),
-  the call runs on the host tensors as for CPU tensors, and the outputs are copied back to
+  the call runs on the host tensors as for CPU tensors once the copies are done (an event,
+  waited for on the communicator's task, not the caller's thread), and the outputs are copied back to
   the device before the Work completes, as gloo does with CUDA tensors.
 
 A call that mixes CPU and CUDA tensors is refused with `InvalidArgumentError` before
@@ -103,12 +105,30 @@ def _to_host(x: Any, moved: List[Tuple[torch.Tensor, torch.Tensor]]) -> Any:
     return x
 
 
+def after_streams(comm: Any, tensors: List[torch.Tensor]) -> List[Any]:
+    """Queues on `comm` a wait for the work that the tensors' current streams have queued
+    so far (an event recorded on each device's current stream, waited for on the
+    communicator's task): the calls queued next read the tensors only after it, and this
+    thread does not block as `current_stream().synchronize()` would (what torch's own
+    backends promise: a collective is ordered after the stream's work, not the host).
+    Returns the waits' Works, which go first in the call's Work: a failed wait is its
+    error."""
+    works = []
+    for dev in {t.device for t in tensors}:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        works.append(comm.await_device_event(ev.cuda_event, device=dev.index or 0, owner=ev))
+    return works
+
+
 class Staging(threading.local):
     """What the call being made on this thread staged: (device tensor, host copy) pairs
-    whose host copies the call writes, read by `_Calls.submit`."""
+    whose host copies the call writes, and the waits for the copies to host, read by
+    `_Calls.submit`."""
 
     def __init__(self) -> None:
         self.back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.waits: List[Any] = []
         self.active = False
 
 
@@ -151,13 +171,13 @@ def ipc_wanted() -> bool:
 
 
 def all_reduce_ipc(comm: Any, tensors: List[torch.Tensor], op: Any) -> List[Any]:
-    """The same-host path: one device all_reduce per tensor, after the tensor's stream."""
-    works = []
+    """The same-host path: one device all_reduce per tensor, after the tensors' streams."""
     for t in tensors:
         if not t.is_contiguous():
             raise eccl.InvalidArgumentError(
                 "all_reduce of a non-contiguous CUDA tensor: call .contiguous() first")
-        torch.cuda.current_stream(t.device).synchronize()
+    works = after_streams(comm, tensors)
+    for t in tensors:
         works.append(comm.all_reduce_device(
             t.data_ptr(), t.numel(), str(t.dtype), op, device=t.device.index or 0,
             owner=t, async_op=True, keep_on_abort=False))
@@ -176,12 +196,6 @@ def _ipc_ok(ts: List[torch.Tensor]) -> bool:
             and len({t.device for t in ts}) == 1)
 
 
-def _ready(ts: List[torch.Tensor]) -> None:
-    """The work queued on the tensors' streams is done before any peer reads them."""
-    for dev in {t.device for t in ts}:
-        torch.cuda.current_stream(dev).synchronize()
-
-
 def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     """The same-host path of the backend call `name` (one of `IPC_CALLS`): its eccl Works
     and what torch's Work completes with, or None where the call's tensors do not fit it
@@ -191,10 +205,11 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         tensors, opts = args[0], args[1]
         if not _ipc_ok(tensors):
             return None
-        _ready(tensors)
-        return [comm.broadcast_device(t.data_ptr(), t.numel(), str(t.dtype), opts.rootRank,
-                                      device=t.device.index or 0, owner=t, async_op=True)
-                for t in tensors], tensors
+        works = after_streams(comm, tensors)
+        works += [comm.broadcast_device(t.data_ptr(), t.numel(), str(t.dtype), opts.rootRank,
+                                        device=t.device.index or 0, owner=t, async_op=True)
+                  for t in tensors]
+        return works, tensors
     outs, ins = args[0], args[1]
     if name.endswith("_base"):
         outs, ins = [outs], [ins]
@@ -211,8 +226,7 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         from eccl.torch import _op_name
         opts = args[2] if len(args) > 2 else None
         op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
-    _ready(outs + ins)
-    works = []
+    works = after_streams(comm, outs + ins)
     for o, i in zip(outs, ins):
         dev = o.device.index or 0
         if gather:
@@ -256,9 +270,9 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         _say(f"staged through host memory ({name})")
         moved: List[Tuple[torch.Tensor, torch.Tensor]] = []
         host_args = tuple(_to_host(a, moved) for a in args)
-        for dev in {d.device for d, _ in moved}:
-            # The copies to host ran on the current stream, after its work on the tensors.
-            torch.cuda.current_stream(dev).synchronize()
+        # The copies to host run on the current stream, after its work on the tensors:
+        # the call starts once they are done.
+        STAGING.waits = after_streams(self.comm, [d for d, _ in moved])
         written = set() if name in SENDS_ONLY else {id(t) for t in _tensors(args[0])}
         STAGING.back = [(d, h) for d, h in moved if id(d) in written]
         STAGING.active = True
@@ -268,6 +282,7 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             STAGING.active = False
             STAGING.back = []
+            STAGING.waits = []
     return call
 
 

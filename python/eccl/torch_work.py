@@ -208,6 +208,10 @@ class _Calls:
         """A torch Work that finishes once every one of `works` (eccl Works) has: then
         `after()` runs (a copy-out step) and the future completes with `result`.
         `kind`: "collective", "p2p" or "control" (which errors abort the epoch)."""
+        if torch_cuda.STAGING.active and torch_cuda.STAGING.waits:
+            # The waits for the copies to host were queued before these calls.
+            works = torch_cuda.STAGING.waits + list(works)
+            torch_cuda.STAGING.waits = []
         if torch_cuda.STAGING.active and torch_cuda.STAGING.back:
             # A call on CUDA tensors staged through host copies: the device tensors
             # get the results before the Work completes, and are its result.

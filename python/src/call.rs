@@ -68,6 +68,15 @@ pub(crate) enum Call {
         on: DeviceBuf,
         _owner: pyo3::Py<pyo3::PyAny>,
     },
+    /// Waits, on the communicator's task and not the caller's thread, until `event` (a
+    /// CUDA event of device `device`'s primary context, as torch records them) is
+    /// complete: the calls queued after it read memory that the caller's stream wrote
+    /// before recording it. `owner` (the torch Event) keeps the event alive until then.
+    AwaitDevice {
+        device: usize,
+        event: u64,
+        _owner: pyo3::Py<pyo3::PyAny>,
+    },
     /// `peer: None`: from whichever rank's message comes first.
     Recv {
         buf: WritableBuffer,
@@ -93,6 +102,7 @@ impl Call {
             | Call::Leave
             | Call::AnnounceAbort
             | Call::Reconfigure { .. }
+            | Call::AwaitDevice { .. }
             | Call::Device { .. } => (vec![], vec![]),
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
@@ -233,17 +243,57 @@ fn device_error(e: eccl::device::IpcError) -> eccl::Error {
     }
 }
 
+impl Devices {
+    /// Device `ordinal`'s same-host collectives, opened on first use.
+    fn open(
+        &mut self,
+        ordinal: usize,
+    ) -> Result<&mut eccl::device::IpcComm<eccl_cuda::CudaDevice>, eccl::Error> {
+        Ok(match self.by_ordinal.entry(ordinal) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let dev = eccl_cuda::CudaDevice::new(ordinal)
+                    .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
+                v.insert(eccl::device::IpcComm::new(Arc::new(dev)))
+            }
+        })
+    }
+}
+
+/// Waits (in `block_in_place`) for a caller's CUDA event. A device that cannot say
+/// whether the caller's work is done leaves the calls queued behind the wait reading
+/// memory that may not hold what the caller wrote, so the epoch is aborted first: the
+/// other ranks' copies of those calls fail instead of taking unready data.
+async fn await_device(
+    comm: &mut eccl::Communicator,
+    devices: &mut Devices,
+    ordinal: usize,
+    event: u64,
+) -> Outcome {
+    let waited = devices.open(ordinal).and_then(|ipc| {
+        let dev = ipc.device().clone();
+        tokio::task::block_in_place(|| {
+            // SAFETY: the Python side passed a recorded torch Event's handle on `ordinal`,
+            // and the call holds that Event (`owner`) until it is done.
+            unsafe { dev.wait_event(event) }
+        })
+        .map_err(|e| {
+            eccl::Error::InvalidArgument(format!(
+                "waiting for the tensors' stream on cuda:{ordinal} failed: {e}"
+            ))
+        })
+    });
+    if let Err(e) = waited {
+        comm.announce_abort().await;
+        return Err(e);
+    }
+    Ok(Done::Left)
+}
+
 /// One device collective: blocks this runtime worker (in `block_in_place`) for the
 /// device work and the exchange rounds, which run as ordinary collectives.
 fn device_call(comm: &mut eccl::Communicator, devices: &mut Devices, b: &DeviceBuf) -> Outcome {
-    let ipc = match devices.by_ordinal.entry(b.device) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => {
-            let dev = eccl_cuda::CudaDevice::new(b.device)
-                .map_err(|e| eccl::Error::InvalidArgument(e.to_string()))?;
-            v.insert(eccl::device::IpcComm::new(Arc::new(dev)))
-        }
-    };
+    let ipc = devices.open(b.device)?;
     let rt = tokio::runtime::Handle::current();
     tokio::task::block_in_place(|| {
         let mut ex = eccl::device::CommExchange::new(comm, rt);
@@ -364,6 +414,9 @@ async fn run(
                 .map(Done::Op)
         }
         Call::Device { on, _owner: _ } => device_call(comm, devices, on),
+        Call::AwaitDevice { device, event, .. } => {
+            await_device(comm, devices, *device, *event).await
+        }
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)
             .await

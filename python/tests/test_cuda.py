@@ -101,6 +101,22 @@ def test_mixed_devices_and_disagreeing_ranks_get_typed_errors():
         assert r["disagree"] != "no error", r
 
 
+def test_a_collective_is_ordered_after_the_stream_without_blocking_the_caller():
+    """Stream semantics as torch's own backends give them: a collective called while the
+    current stream still has half a second of work queued returns to the caller at once
+    (the wait for the stream is an event, waited on by the communicator's task), and
+    still takes what the stream wrote after that work; over CUDA IPC and staged."""
+    on("cuda")
+    res = run_world(2, ["eccl"], HERE / "stream_script.py")
+    for r, x in enumerate(res):
+        for path in ("ipc", "staged"):
+            assert x[f"{path}_sum"] == [3.0], (r, path, x)
+            assert x[f"{path}_gathered"] == [1.0] * 4 + [2.0] * 4, (r, path, x)
+            # Blocking on the stream would cost the whole sleep (at least 500 ms).
+            assert x[f"{path}_call_ms"] < 150, (r, path, x)
+            assert x[f"{path}_done_ms"] > 400, (r, path, x)
+
+
 FAULT_SCRIPT = r"""
 import os, signal, sys, time, json
 import torch, eccl

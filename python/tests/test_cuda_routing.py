@@ -34,7 +34,19 @@ class Backend:
 
 @pytest.fixture(autouse=True)
 def _no_streams(monkeypatch):
-    monkeypatch.setattr(torch_cuda, "_ready", lambda ts: None)
+    """The wait for the tensors' streams (an event per device) is recorded as a call of
+    its own, with the tensors it covers."""
+    def after_streams(comm, ts):
+        comm.calls.append(("await", tuple(ts), {}))
+        return ["await"]
+    monkeypatch.setattr(torch_cuda, "after_streams", after_streams)
+
+
+def device_calls(comm, covering):
+    """The calls after the stream wait, which must come first and cover `covering`."""
+    assert comm.calls[0][0] == "await", comm.calls
+    assert {t.data_ptr() for t in comm.calls[0][1]} == {t.data_ptr() for t in covering}
+    return comm.calls[1:]
 
 
 def opts(**kw):
@@ -46,14 +58,14 @@ def test_all_gather_hands_over_input_output_and_the_input_count():
     b = Backend(3, 1)
     out, inp = torch.zeros(12), torch.ones(4)
     works, result = torch_cuda.ipc_works(b, "_allgather_base", (out, inp, None))
-    assert works == ["all_gather_device"] and result == [out]
-    name, args, kw = b.comm.calls[0]
+    assert works == ["await", "all_gather_device"] and result == [out]
+    name, args, kw = device_calls(b.comm, [out, inp])[0]
     assert args == (inp.data_ptr(), out.data_ptr(), 4, "torch.float32")
     assert kw["owner"] == (out, inp) and kw["async_op"] is True
     # NCCL's in-place form goes the same way (the Rust side accepts the own slice).
     b = Backend(3, 1)
     torch_cuda.ipc_works(b, "allgather_into_tensor_coalesced", ([out], [out[4:8]], None))
-    assert b.comm.calls[0][1][:3] == (out[4:8].data_ptr(), out.data_ptr(), 4)
+    assert b.comm.calls[1][1][:3] == (out[4:8].data_ptr(), out.data_ptr(), 4)
 
 
 def test_reduce_scatter_hands_over_the_op_and_the_output_count():
@@ -61,20 +73,20 @@ def test_reduce_scatter_hands_over_the_op_and_the_output_count():
     out, inp = torch.zeros(5, dtype=torch.bfloat16), torch.ones(10, dtype=torch.bfloat16)
     works, _ = torch_cuda.ipc_works(
         b, "_reduce_scatter_base", (out, inp, opts(reduceOp=dist.ReduceOp.MAX)))
-    name, args, _ = b.comm.calls[0]
+    name, args, _ = device_calls(b.comm, [out, inp])[0]
     assert name == "reduce_scatter_device"
     assert args == (inp.data_ptr(), out.data_ptr(), 5, "torch.bfloat16", eccl.ReduceOp.MAX)
     b = Backend(2, 0)
     torch_cuda.ipc_works(b, "reduce_scatter_tensor_coalesced", ([out], [inp]))
-    assert b.comm.calls[0][1][4] == eccl.ReduceOp.SUM     # no options: sum
+    assert b.comm.calls[1][1][4] == eccl.ReduceOp.SUM     # no options: sum
 
 
 def test_broadcast_hands_over_the_root():
     b = Backend(4, 2)
     ts = [torch.zeros(7, dtype=torch.int64)]
     works, result = torch_cuda.ipc_works(b, "broadcast", (ts, opts(rootRank=3)))
-    assert result is ts
-    assert b.comm.calls[0][1] == (ts[0].data_ptr(), 7, "torch.int64", 3)
+    assert result is ts and works == ["await", "broadcast_device"]
+    assert device_calls(b.comm, ts)[0][1] == (ts[0].data_ptr(), 7, "torch.int64", 3)
 
 
 @pytest.mark.parametrize("case", ["shape", "dtype", "noncontiguous", "bool", "mixed dtypes"])

@@ -1,0 +1,71 @@
+"""One rank of test_cuda's stream-order test (env:// as torchrun, backend eccl, a CUDA
+GPU): for each path (CUDA IPC, then staged through the host), the current stream gets
+about half a second of device work (`torch.cuda._sleep`) and then writes the tensor; a
+collective called with `async_op=True` right after must
+
+- return to the caller before that work is done (the backend does not block the host on
+  the stream: `call_ms` against `sleep_ms`), and
+- still read what the stream wrote after the sleep (its result is exact).
+
+Prints its measurements and results as JSON after "RESULT "."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def sleep_cycles(ms: float) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spends in about `ms` milliseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * ms / max(start.elapsed_time(end), 1e-3))
+
+
+def main() -> None:
+    dist.init_process_group(sys.argv[1] if len(sys.argv) > 1 else "eccl")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    cycles = sleep_cycles(500.0)
+    res = {}
+    for path in ("ipc", "staged"):
+        os.environ["ECCL_CUDA_IPC"] = "1" if path == "ipc" else "0"
+        t = torch.zeros(1 << 20, device=dev)
+        g = torch.zeros(n * 4, device=dev)
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        torch.cuda._sleep(cycles)
+        t.fill_(float(rank + 1))
+        mine = torch.full((4,), float(rank + 1), device=dev)
+        w1 = dist.all_reduce(t, async_op=True)
+        w2 = dist.all_gather_into_tensor(g, mine, async_op=True)
+        res[f"{path}_call_ms"] = (time.monotonic() - t0) * 1e3
+        w1.wait()
+        w2.wait()
+        torch.cuda.synchronize()
+        res[f"{path}_done_ms"] = (time.monotonic() - t0) * 1e3
+        res[f"{path}_sum"] = sorted(set(t.tolist()))
+        res[f"{path}_gathered"] = g.tolist()
+    # What the sleep alone takes with every rank's sleep on the GPU at once.
+    dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    res["sleep_ms"] = (time.monotonic() - t0) * 1e3
+    dist.barrier()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
