@@ -22,25 +22,50 @@ rank, n, addr, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.a
 sizes = [int(s) for s in sys.argv[5].split(",")]
 iters = [int(s) for s in sys.argv[6].split(",")]
 rounds = int(sys.argv[7])
+device = sys.argv[8]
 store = dist.TCPStore(addr, port, n, rank == 0)
 dist.init_process_group("eccl", store=store, rank=rank, world_size=n)
-comm = dist.group.WORLD._get_backend(torch.device("cpu")).comm
+pg = dist.group.WORLD
+# torch 2.5-2.14 make a Python backend the whole group (no backend beneath it).
+comm = pg.comm if hasattr(pg, "comm") else pg._get_backend(torch.device("cpu")).comm
+if device == "cuda":
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    paths = ("native", "event", "torch")
+else:
+    dev = torch.device("cpu")
+    paths = ("native", "torch")
+
+
+def native(t):
+    if device == "cpu":
+        comm.all_reduce(t, keep_on_abort=False)
+    else:
+        comm.all_reduce_device(t.data_ptr(), t.numel(), "torch.float32", device=dev.index,
+                               owner=t, keep_on_abort=False)
+
+
+def event(t):
+    comm.await_device_stream(torch._C._cuda_getCurrentRawStream(dev.index), device=dev.index)
+    native(t)
+
+
+call = {"native": native, "event": event, "torch": dist.all_reduce}
 out = []
 for size, it in zip(sizes, iters):
-    t = torch.ones(size // 4, dtype=torch.float32)
-    for _ in range(max(2, it // 10)):   # warm-up of both paths
-        dist.all_reduce(t)
-        comm.all_reduce(t, keep_on_abort=False)
+    t = torch.ones(size // 4, dtype=torch.float32, device=dev)
+    for _ in range(max(2, it // 10)):   # warm-up of every path
+        for path in paths:
+            call[path](t)
     for r in range(rounds):
-        for path in ("native", "torch"):
+        for path in paths:
             dist.barrier()
+            if device == "cuda":
+                torch.cuda.synchronize(dev)
+            f = call[path]
             t0 = time.perf_counter()
-            if path == "torch":
-                for _ in range(it):
-                    dist.all_reduce(t)
-            else:
-                for _ in range(it):
-                    comm.all_reduce(t, keep_on_abort=False)
+            for _ in range(it):
+                f(t)
             us = (time.perf_counter() - t0) * 1e6 / it
             out.append({"bytes": size, "round": r, "path": path, "us": us})
 print("RESULT " + json.dumps(out), flush=True)
@@ -59,11 +84,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(n: int, sizes, iters, rounds: int):
+def run(n: int, sizes, iters, rounds: int, device: str = "cpu"):
     """Each rank's timings; the slowest rank's time per (size, round, path) is the
     call's time, as nccl-tests reports."""
     port = free_port()
-    args = [",".join(map(str, sizes)), ",".join(map(str, iters)), str(rounds)]
+    args = [",".join(map(str, sizes)), ",".join(map(str, iters)), str(rounds), device]
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(n), "127.0.0.1",
                                str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -95,6 +120,7 @@ def main() -> None:
     p.add_argument("--sizes", default="1K,64M")
     p.add_argument("--iters", default="2000,10", help="calls per round, one per size")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -104,15 +130,19 @@ def main() -> None:
     report = []
     started = time.time()
     for n in a.ranks:
-        t = run(n, sizes, iters, a.rounds)
+        t = run(n, sizes, iters, a.rounds, a.device)
         for size in sizes:
             native = [t[(size, r, "native")] for r in range(a.rounds)]
             torch_ = [t[(size, r, "torch")] for r in range(a.rounds)]
             extra = [b - a_ for a_, b in zip(native, torch_)]
             row = {"ranks": n, "bytes": size, "native_us": native, "torch_us": torch_,
                    "overhead_us": extra}
+            ev = ""
+            if a.device == "cuda":
+                row["event_us"] = [t[(size, r, "event")] for r in range(a.rounds)]
+                ev = f"event {statistics.median(row['event_us']):10.1f} us  "
             report.append(row)
-            print(f"n={n} {size:>10} B  native {statistics.median(native):10.1f} us  "
+            print(f"n={n} {size:>10} B  native {statistics.median(native):10.1f} us  {ev}"
                   f"torch {statistics.median(torch_):10.1f} us  overhead per call "
                   f"{min(extra):+.1f} .. {max(extra):+.1f} us (median "
                   f"{statistics.median(extra):+.1f})", flush=True)
@@ -120,6 +150,7 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d", time.gmtime(started)),
                        "transport": os.environ.get("ECCL_TRANSPORT", "auto"),
+                       "device": a.device,
                        "rows": report}, f, indent=1)
 
 

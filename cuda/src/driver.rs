@@ -306,23 +306,6 @@ impl CudaDevice {
         self.stream
     }
 
-    /// Waits on this thread until `event` is complete: the work queued before it was
-    /// recorded (on any stream of this device's primary context, such as torch's current
-    /// stream) is done.
-    ///
-    /// # Safety
-    /// `event` is a live `CUevent` of this device's primary context (torch's
-    /// `torch.cuda.Event.cuda_event` once recorded), kept alive until this returns.
-    pub unsafe fn wait_event(&self, event: u64) -> Result<()> {
-        if event == 0 {
-            return Err(DeviceError::Invalid("a null CUDA event".into()));
-        }
-        self.current()?;
-        // SAFETY: see the function's contract.
-        unsafe { result::event::synchronize(event as usize as sys::CUevent) }
-            .map_err(drv("cuEventSynchronize"))
-    }
-
     fn current(&self) -> Result<()> {
         // SAFETY: `ctx` is retained for the life of `self`.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))
@@ -618,5 +601,111 @@ impl Device for CudaDevice {
 
     fn describe(&self) -> String {
         format!("cuda:{} ({})", self.ordinal, self.name)
+    }
+}
+
+/// Events recorded on a caller's stream (torch's current stream) and waited for on
+/// another thread (a communicator's task): one pool per device, for every communicator
+/// of the process, so a call costs a record and no event creation.
+pub struct EventPool {
+    ordinal: usize,
+    ctx: sys::CUcontext,
+    free: Mutex<Vec<usize>>,
+}
+
+// SAFETY: the context is a retained primary context, valid on any thread, and the events
+// in `free` are driver handles behind a mutex.
+unsafe impl Send for EventPool {}
+// SAFETY: as above.
+unsafe impl Sync for EventPool {}
+
+impl EventPool {
+    /// Device `ordinal`'s pool, made on first use (and kept for the life of the process,
+    /// as the primary context it retains is).
+    pub fn for_device(ordinal: usize) -> Result<&'static EventPool> {
+        static POOLS: OnceLock<Mutex<HashMap<usize, &'static EventPool>>> = OnceLock::new();
+        let mut pools = POOLS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = pools.get(&ordinal) {
+            return Ok(p);
+        }
+        load_driver()?;
+        let dev = result::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+        // SAFETY: `dev` is a device handle the driver just gave; the retain is never
+        // released (the pool lives as long as the process).
+        let ctx =
+            unsafe { result::primary_ctx::retain(dev) }.map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        let pool: &'static EventPool = Box::leak(Box::new(EventPool {
+            ordinal,
+            ctx,
+            free: Mutex::new(Vec::new()),
+        }));
+        pools.insert(ordinal, pool);
+        Ok(pool)
+    }
+
+    /// Records an event on `stream` now: [`RecordedEvent::wait`] returns once the work
+    /// queued on `stream` before this call is done.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device's primary context (torch's
+    /// `torch._C._cuda_getCurrentRawStream(ordinal)`; 0 is the legacy default stream).
+    pub unsafe fn record(&'static self, stream: u64) -> Result<RecordedEvent> {
+        // SAFETY: `ctx` is retained for the life of the process. It is the context torch
+        // runs the caller's thread in, so making it current there changes nothing.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
+        let pooled = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let ev = match pooled {
+            Some(ev) => ev as sys::CUevent,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(drv("cuEventCreate"))?,
+        };
+        // SAFETY: `ev` is an event of this context; `stream` as the caller promised.
+        if let Err(e) = unsafe { result::event::record(ev, stream as usize as sys::CUstream) } {
+            self.free
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(ev as usize);
+            return Err(drv("cuEventRecord")(e));
+        }
+        Ok(RecordedEvent {
+            pool: self,
+            ev: ev as usize,
+        })
+    }
+}
+
+/// An event of an [`EventPool`] recorded on a caller's stream; back to the pool when
+/// dropped (recording it again later replaces what it waits for).
+pub struct RecordedEvent {
+    pool: &'static EventPool,
+    ev: usize,
+}
+
+impl RecordedEvent {
+    /// Waits on this thread until the work queued before the record is done.
+    pub fn wait(&self) -> Result<()> {
+        // SAFETY: the pool's context is retained for the life of the process.
+        unsafe { result::ctx::set_current(self.pool.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: `ev` is a live event of that context, owned by this value.
+        unsafe { result::event::synchronize(self.ev as sys::CUevent) }
+            .map_err(drv("cuEventSynchronize"))
+    }
+
+    /// The device (`cuda:N`) the event is on.
+    pub fn ordinal(&self) -> usize {
+        self.pool.ordinal
+    }
+}
+
+impl Drop for RecordedEvent {
+    fn drop(&mut self) {
+        self.pool
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.ev);
     }
 }

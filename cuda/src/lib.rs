@@ -17,6 +17,9 @@ pub mod kernels;
 
 pub use device::{DevPtr, Device, DeviceError, IpcMem};
 #[cfg(feature = "cuda")]
-pub use driver::{compile, compile_cached, device_count, kernel_cache_dir, load_nvrtc, CudaDevice};
+pub use driver::{
+    compile, compile_cached, device_count, kernel_cache_dir, load_nvrtc, CudaDevice, EventPool,
+    RecordedEvent,
+};
 pub use host::HostDevice;
 pub use ipc::{Exchange, IpcComm, IpcError, IpcKind};

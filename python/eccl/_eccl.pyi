@@ -257,11 +257,12 @@ class Communicator:
     # collectives (`op`: an `eccl.ReduceOp`/int code, or any name of eccl's table such as "sum", "avg", torch's
     # "PRODUCT"; None is sum)
 
-    def await_device_event(self, event: int, *, device: int, owner: Any | None = None) -> Work:
-        """Queues a wait for a CUDA event (a recorded `torch.cuda.Event`'s `cuda_event` on device `device`; `owner`,
-        the Event, is held until then): the calls queued after it start once the work the event's stream queued
-        before it is done, and the calling thread does not block. If the device cannot say, the wait fails and
-        aborts the epoch, so that no rank's call takes unready data."""
+    def await_device_stream(self, stream: int, *, device: int) -> Work:
+        """Queues a wait for a CUDA stream (`stream`: a raw stream of device `device`, as
+        `torch._C._cuda_getCurrentRawStream(device)` gives it; 0 is the default stream): an event is recorded on it
+        now, and the calls queued after this one start once the work queued on `stream` before it is done; the
+        calling thread does not block. If the device cannot say, the wait fails and aborts the epoch, so that no
+        rank's call takes unready data."""
 
     def all_reduce_device(
         self,
@@ -278,7 +279,7 @@ class Communicator:
         """All_reduce of device memory in place, among ranks that all run on this host: `count` elements of `dtype`
         at address `ptr` on CUDA device `device` (a tensor's `data_ptr()`), read and written by every rank's GPU
         kernels straight from each other's memory over CUDA IPC. The memory must be ready (its stream synchronized,
-        or an `await_device_event` queued before this call) and untouched until the call is done; `owner` (the
+        or an `await_device_stream` queued before this call) and untouched until the call is done; `owner` (the
         tensor) is held until then.
         """
     def all_gather_device(

@@ -112,13 +112,15 @@ def after_streams(comm: Any, tensors: List[torch.Tensor]) -> List[Any]:
     thread does not block as `current_stream().synchronize()` would (what torch's own
     backends promise: a collective is ordered after the stream's work, not the host).
     Returns the waits' Works, which go first in the call's Work: a failed wait is its
-    error."""
-    works = []
-    for dev in {t.device for t in tensors}:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        works.append(comm.await_device_event(ev.cuda_event, device=dev.index or 0, owner=ev))
-    return works
+    error. (The raw stream handle costs a microsecond where `torch.cuda.current_stream`
+    and a `torch.cuda.Event` cost tens per call.)"""
+    return [comm.await_device_stream(_raw_stream(i), device=i)
+            for i in {t.get_device() for t in tensors}]
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(
+    torch._C, "_cuda_getCurrentRawStream") else (
+        lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 class Staging(threading.local):

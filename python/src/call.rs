@@ -68,14 +68,11 @@ pub(crate) enum Call {
         on: DeviceBuf,
         _owner: pyo3::Py<pyo3::PyAny>,
     },
-    /// Waits, on the communicator's task and not the caller's thread, until `event` (a
-    /// CUDA event of device `device`'s primary context, as torch records them) is
-    /// complete: the calls queued after it read memory that the caller's stream wrote
-    /// before recording it. `owner` (the torch Event) keeps the event alive until then.
+    /// Waits, on the communicator's task and not the caller's thread, until the work that
+    /// a caller's stream queued before `event` was recorded on it is done: the calls queued
+    /// after this read memory that stream wrote.
     AwaitDevice {
-        device: usize,
-        event: u64,
-        _owner: pyo3::Py<pyo3::PyAny>,
+        event: eccl_cuda::RecordedEvent,
     },
     /// `peer: None`: from whichever rank's message comes first.
     Recv {
@@ -264,28 +261,13 @@ impl Devices {
 /// whether the caller's work is done leaves the calls queued behind the wait reading
 /// memory that may not hold what the caller wrote, so the epoch is aborted first: the
 /// other ranks' copies of those calls fail instead of taking unready data.
-async fn await_device(
-    comm: &mut eccl::Communicator,
-    devices: &mut Devices,
-    ordinal: usize,
-    event: u64,
-) -> Outcome {
-    let waited = devices.open(ordinal).and_then(|ipc| {
-        let dev = ipc.device().clone();
-        tokio::task::block_in_place(|| {
-            // SAFETY: the Python side passed a recorded torch Event's handle on `ordinal`,
-            // and the call holds that Event (`owner`) until it is done.
-            unsafe { dev.wait_event(event) }
-        })
-        .map_err(|e| {
-            eccl::Error::InvalidArgument(format!(
-                "waiting for the tensors' stream on cuda:{ordinal} failed: {e}"
-            ))
-        })
-    });
-    if let Err(e) = waited {
+async fn await_device(comm: &mut eccl::Communicator, event: &eccl_cuda::RecordedEvent) -> Outcome {
+    if let Err(e) = tokio::task::block_in_place(|| event.wait()) {
         comm.announce_abort().await;
-        return Err(e);
+        return Err(eccl::Error::InvalidArgument(format!(
+            "waiting for the tensors' stream on cuda:{} failed: {e}",
+            event.ordinal()
+        )));
     }
     Ok(Done::Left)
 }
@@ -414,9 +396,7 @@ async fn run(
                 .map(Done::Op)
         }
         Call::Device { on, _owner: _ } => device_call(comm, devices, on),
-        Call::AwaitDevice { device, event, .. } => {
-            await_device(comm, devices, *device, *event).await
-        }
+        Call::AwaitDevice { event } => await_device(comm, event).await,
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)
             .await

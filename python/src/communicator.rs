@@ -400,39 +400,33 @@ impl Communicator {
         self.inplace(py, kind, tensor, op, 0, async_op, keep_on_abort)
     }
 
-    /// Queues a wait for a CUDA event: `event` is a recorded `torch.cuda.Event`'s
-    /// `cuda_event` on CUDA device `device`, and `owner` the Event, held until the wait is
-    /// done. The calls queued after it start only once the work that the event's stream
-    /// queued before it is done, and the calling thread does not block (where
+    /// Queues a wait for a CUDA stream: `stream` is a raw stream of CUDA device `device`
+    /// (`torch._C._cuda_getCurrentRawStream(device)`, 0 for the default stream). An event
+    /// is recorded on it now, and the calls queued after this one start once the work
+    /// queued on `stream` before it is done; the calling thread does not block (where
     /// `torch.cuda.current_stream().synchronize()` would). If the device cannot say, the
     /// wait fails and aborts the epoch, so that no rank's call takes unready data.
     /// Returns a `Work`.
-    #[pyo3(signature = (event, *, device, owner=None))]
-    fn await_device_event(
+    #[pyo3(signature = (stream, *, device))]
+    fn await_device_stream(
         &self,
         py: Python<'_>,
-        event: u64,
+        stream: u64,
         device: usize,
-        owner: Option<Py<PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        if event == 0 {
-            return Err(invalid(
-                "a null CUDA event: record the torch.cuda.Event on a stream first".to_string(),
-            ));
-        }
-        let call = Call::AwaitDevice {
-            device,
-            event,
-            _owner: owner.unwrap_or_else(|| py.None()),
-        };
-        self.submit(py, call, true)
+        let pool = eccl_cuda::EventPool::for_device(device)
+            .map_err(|e| invalid(format!("cuda:{device}: {e}")))?;
+        // SAFETY: the caller passes a live stream of `device` (torch's current stream).
+        let event = unsafe { pool.record(stream) }
+            .map_err(|e| invalid(format!("recording an event on cuda:{device}'s stream: {e}")))?;
+        self.submit(py, Call::AwaitDevice { event }, true)
     }
 
     /// All_reduce of device memory in place, among ranks that all run on this host:
     /// `count` elements of `dtype` at address `ptr` on CUDA device `device` (a tensor's
     /// `data_ptr()`), read and written by every rank's GPU kernels straight from each
     /// other's memory over CUDA IPC. The memory must be ready (its stream synchronized,
-    /// or an `await_device_event` queued before this call) and untouched until the call
+    /// or an `await_device_stream` queued before this call) and untouched until the call
     /// is done; `owner` (the tensor) is held until then.
     #[pyo3(signature = (ptr, count, dtype, op=None, *, device, owner=None, async_op=false, keep_on_abort=true))]
     #[allow(clippy::too_many_arguments)]
