@@ -17,6 +17,28 @@ pub const IPC_HANDLE_BYTES: usize = 64;
 /// Bytes of a physical GPU's identity (`CUuuid`).
 pub const GPU_ID_BYTES: usize = 16;
 
+/// Most GPUs a device names in [`Reach::Only`] (what a record has room for).
+pub const MAX_REACH: usize = 16;
+
+/// The physical GPUs whose memory kernels on a device can read and write over IPC.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// Every GPU (host memory, the test double's default).
+    Every,
+    /// These (ids as [`Device::gpu_id`]): the device's own, and those the driver grants
+    /// peer access from it among the GPUs the process sees; at most [`MAX_REACH`].
+    Only(Vec<[u8; GPU_ID_BYTES]>),
+}
+
+impl Reach {
+    pub fn covers(&self, gpu: &[u8; GPU_ID_BYTES]) -> bool {
+        match self {
+            Reach::Every => true,
+            Reach::Only(ids) => ids.contains(gpu),
+        }
+    }
+}
+
 /// What one process gives another to map a buffer of its own: the handle of the
 /// allocation that holds the buffer and where in it the buffer starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -104,6 +126,10 @@ pub trait Device: Send + Sync {
     /// same id share one GPU, and the collectives then run one kernel per GPU, not one
     /// per process.
     fn gpu_id(&self) -> Result<[u8; GPU_ID_BYTES]>;
+    /// The GPUs whose memory this device's kernels reach (its own among them): a world
+    /// whose GPUs cannot all reach each other runs its device collectives through host
+    /// memory instead (NCCL's fallback from its P2P transport to shared memory).
+    fn reach(&self) -> Result<Reach>;
     /// A name for logs and errors (`cuda:0 (NVIDIA H100 80GB HBM3)`, `host`).
     fn describe(&self) -> String;
 }

@@ -11,7 +11,9 @@ use cudarc::driver::{result, sys};
 use cudarc::nvrtc;
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES};
+use crate::device::{
+    DevPtr, Device, DeviceError, IpcMem, Reach, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH,
+};
 use crate::kernels::{self, MAX_PTRS};
 
 fn drv(call: &'static str) -> impl FnOnce(result::DriverError) -> DeviceError {
@@ -68,6 +70,23 @@ fn nvrtc_candidates() -> Vec<std::path::PathBuf> {
         out.push(std::path::Path::new(d).join("libnvrtc.so"));
     }
     out
+}
+
+/// The UUID of device `ordinal` (the physical GPU, whatever the process calls it).
+fn uuid_of(ordinal: usize) -> Result<[u8; GPU_ID_BYTES]> {
+    let dev = result::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+    let mut id = MaybeUninit::<sys::CUuuid>::uninit();
+    // SAFETY: an out-parameter for a valid device.
+    unsafe { sys::cuDeviceGetUuid_v2(id.as_mut_ptr(), dev) }
+        .result()
+        .map_err(drv("cuDeviceGetUuid"))?;
+    // SAFETY: initialized by the successful call above.
+    let id = unsafe { id.assume_init() };
+    let mut uuid = [0u8; GPU_ID_BYTES];
+    for (d, s) in uuid.iter_mut().zip(id.bytes.iter()) {
+        *d = *s as u8;
+    }
+    Ok(uuid)
 }
 
 /// Makes NVRTC loadable by cudarc, or says why not.
@@ -242,6 +261,8 @@ pub struct CudaDevice {
     max_blocks: u32,
     arch: String,
     kernels: Mutex<Option<Kernels>>,
+    /// What [`Device::reach`] answers, found on first use.
+    reach: OnceLock<Reach>,
 }
 
 // SAFETY: the context, stream, module and functions are driver handles, valid on any
@@ -272,17 +293,7 @@ impl CudaDevice {
         let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let name = result::device::get_name(dev).unwrap_or_else(|_| "?".into());
-        let mut id = MaybeUninit::<sys::CUuuid>::uninit();
-        // SAFETY: an out-parameter for a valid device.
-        unsafe { sys::cuDeviceGetUuid_v2(id.as_mut_ptr(), dev) }
-            .result()
-            .map_err(drv("cuDeviceGetUuid"))?;
-        // SAFETY: initialized by the successful call above.
-        let id = unsafe { id.assume_init() };
-        let mut uuid = [0u8; GPU_ID_BYTES];
-        for (d, s) in uuid.iter_mut().zip(id.bytes.iter()) {
-            *d = *s as u8;
-        }
+        let uuid = uuid_of(ordinal)?;
         Ok(CudaDevice {
             ordinal,
             ctx,
@@ -294,6 +305,7 @@ impl CudaDevice {
             max_blocks: (sms.max(1) as u32) * 8,
             arch: format!("compute_{major}{minor}"),
             kernels: Mutex::new(None),
+            reach: OnceLock::new(),
         })
     }
 
@@ -597,6 +609,30 @@ impl Device for CudaDevice {
 
     fn gpu_id(&self) -> Result<[u8; GPU_ID_BYTES]> {
         Ok(self.uuid)
+    }
+
+    fn reach(&self) -> Result<Reach> {
+        if let Some(r) = self.reach.get() {
+            return Ok(r.clone());
+        }
+        // Every GPU this process sees whose memory kernels here may map (peer access):
+        // a GPU hidden by CUDA_VISIBLE_DEVICES is never in the list.
+        let mut ids = vec![self.uuid];
+        for other in 0..device_count() {
+            if other == self.ordinal || ids.len() >= MAX_REACH {
+                continue;
+            }
+            if self.can_access_peer(other)? {
+                ids.push(uuid_of(other)?);
+            }
+        }
+        tracing::debug!(
+            "eccl-cuda: {} reaches {} GPU(s) of {} visible",
+            self.describe(),
+            ids.len(),
+            device_count()
+        );
+        Ok(self.reach.get_or_init(|| Reach::Only(ids)).clone())
     }
 
     fn describe(&self) -> String {

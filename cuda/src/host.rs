@@ -15,7 +15,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use eccl_algorithms::kernels;
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES};
+use crate::device::{
+    DevPtr, Device, DeviceError, IpcMem, Reach, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH,
+};
 
 struct Alloc {
     owner: u64,
@@ -78,11 +80,21 @@ fn memory() -> MutexGuard<'static, Memory> {
     .unwrap_or_else(|p| p.into_inner())
 }
 
+/// The id of simulated GPU `gpu`.
+fn gpu_bytes(gpu: u64) -> [u8; GPU_ID_BYTES] {
+    let mut id = [0u8; GPU_ID_BYTES];
+    id[..8].copy_from_slice(&gpu.to_le_bytes());
+    id[8..].copy_from_slice(b"hostdbl\0");
+    id
+}
+
 /// Host memory behind the device interface; one per simulated process.
 pub struct HostDevice {
     id: u64,
     /// The simulated physical GPU ([`HostDevice::on_gpu`]); its own by default.
     gpu: u64,
+    /// The simulated GPUs it reaches (`None`: every one, as host memory does).
+    reach: Option<Vec<u32>>,
     reductions: AtomicU64,
     copies: AtomicU64,
 }
@@ -100,6 +112,7 @@ impl HostDevice {
         HostDevice {
             id,
             gpu: id << 32,
+            reach: None,
             reductions: AtomicU64::new(0),
             copies: AtomicU64::new(0),
         }
@@ -112,6 +125,14 @@ impl HostDevice {
             gpu: gpu as u64,
             ..HostDevice::new()
         }
+    }
+
+    /// This device reaching only its own GPU and the simulated GPUs `others` (as GPUs
+    /// without peer access between them, or hidden from the process by
+    /// `CUDA_VISIBLE_DEVICES`, would).
+    pub fn reaching(mut self, others: &[u32]) -> HostDevice {
+        self.reach = Some(others.to_vec());
+        self
     }
 
     /// Reduction kernels run on this device so far.
@@ -259,10 +280,19 @@ impl Device for HostDevice {
     }
 
     fn gpu_id(&self) -> Result<[u8; GPU_ID_BYTES]> {
-        let mut id = [0u8; GPU_ID_BYTES];
-        id[..8].copy_from_slice(&self.gpu.to_le_bytes());
-        id[8..].copy_from_slice(b"hostdbl\0");
-        Ok(id)
+        Ok(gpu_bytes(self.gpu))
+    }
+
+    fn reach(&self) -> Result<Reach> {
+        Ok(match &self.reach {
+            None => Reach::Every,
+            Some(others) => {
+                let mut ids = vec![gpu_bytes(self.gpu)];
+                ids.extend(others.iter().map(|&g| gpu_bytes(g as u64)));
+                ids.truncate(MAX_REACH);
+                Reach::Only(ids)
+            }
+        })
     }
 
     fn describe(&self) -> String {

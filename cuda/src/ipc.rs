@@ -40,7 +40,9 @@ use std::sync::Arc;
 
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, GPU_ID_BYTES, IPC_HANDLE_BYTES};
+use crate::device::{
+    DevPtr, Device, DeviceError, IpcMem, Reach, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH,
+};
 use crate::kernels::MAX_PTRS;
 
 /// Most peer allocations kept mapped between calls.
@@ -74,12 +76,20 @@ pub enum IpcError {
     Peer { rank: usize, msg: String },
     #[error("{0}")]
     Invalid(String),
+    /// A GPU of the world cannot reach another's memory (no peer access between them,
+    /// or one hidden from the other's process): every rank learns it from the same
+    /// records, before anything is written, and the call goes through host memory
+    /// instead (`eccl::device::run`).
+    #[error("GPUs of this world cannot reach each other's memory: {0}")]
+    NoPeerAccess(String),
 }
 
 const MAGIC: &[u8; 4] = b"ECIP";
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 /// Bytes of one rank's record.
-const META_BYTES: usize = 4 + 1 + 5 + 4 + 8 + 2 * MEM_BYTES + GPU_ID_BYTES;
+const META_BYTES: usize = 4 + 1 + 5 + 4 + 8 + 2 * MEM_BYTES + GPU_ID_BYTES + REACH_BYTES;
+/// A [`Reach`]: every GPU or not (1), how many ids (1), the ids.
+const REACH_BYTES: usize = 2 + MAX_REACH * GPU_ID_BYTES;
 const MEM_BYTES: usize = IPC_HANDLE_BYTES + 8 + 8;
 /// Bytes of one rank's status: ok flag, an owner's scratch chunk (keep), a message.
 const STATUS_BYTES: usize = 1 + MEM_BYTES + STATUS_MSG_BYTES;
@@ -118,7 +128,7 @@ struct Call {
     count: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Meta {
     call: Call,
     /// This rank refused its own arguments (buffers that overlap other than in NCCL's
@@ -130,6 +140,8 @@ struct Meta {
     recv: IpcMem,
     /// The physical GPU the rank runs on ([`Device::gpu_id`]).
     gpu: [u8; GPU_ID_BYTES],
+    /// The GPUs whose memory its kernels reach ([`Device::reach`]).
+    reach: Reach,
 }
 
 fn put_mem(out: &mut Vec<u8>, m: &IpcMem) {
@@ -173,6 +185,18 @@ impl Meta {
         put_mem(&mut out, &self.send);
         put_mem(&mut out, &self.recv);
         out.extend_from_slice(&self.gpu);
+        let mut reach = [0u8; REACH_BYTES];
+        match &self.reach {
+            Reach::Every => reach[0] = 1,
+            Reach::Only(ids) => {
+                let ids = &ids[..ids.len().min(MAX_REACH)];
+                reach[1] = ids.len() as u8;
+                for (slot, id) in reach[2..].chunks_mut(GPU_ID_BYTES).zip(ids) {
+                    slot.copy_from_slice(id);
+                }
+            }
+        }
+        out.extend_from_slice(&reach);
         out
     }
 
@@ -199,7 +223,22 @@ impl Meta {
             refused: b[9] != 0,
             send: get_mem(&b[m..m + MEM_BYTES]),
             recv: get_mem(&b[m + MEM_BYTES..m + 2 * MEM_BYTES]),
-            gpu: b[m + 2 * MEM_BYTES..].try_into().expect("GPU_ID_BYTES"),
+            gpu: b[m + 2 * MEM_BYTES..m + 2 * MEM_BYTES + GPU_ID_BYTES]
+                .try_into()
+                .expect("GPU_ID_BYTES"),
+            reach: {
+                let r = &b[m + 2 * MEM_BYTES + GPU_ID_BYTES..];
+                match (r[0], r[1] as usize) {
+                    (1, _) => Reach::Every,
+                    (0, n) if n <= MAX_REACH => Reach::Only(
+                        r[2..2 + n * GPU_ID_BYTES]
+                            .chunks(GPU_ID_BYTES)
+                            .map(|c| c.try_into().expect("GPU_ID_BYTES"))
+                            .collect(),
+                    ),
+                    _ => return Err("a malformed list of reachable GPUs".into()),
+                }
+            },
         })
     }
 }
@@ -224,6 +263,25 @@ pub fn owners(gpus: &[[u8; GPU_ID_BYTES]]) -> Vec<usize> {
     (0..gpus.len())
         .filter(|&r| !gpus[..r].contains(&gpus[r]))
         .collect()
+}
+
+/// Why the ranks' GPUs cannot run a same-host call, if they cannot: each GPU's owner
+/// reads every rank's buffer (and, with `keep`, every owner's scratch chunk) and writes
+/// into buffers on its own GPU, so every owner must reach every GPU of the world. The
+/// same answer on every rank, from the same records.
+fn unreachable(metas: &[Meta]) -> Option<String> {
+    let gpus: Vec<_> = metas.iter().map(|m| m.gpu).collect();
+    for o in owners(&gpus) {
+        for (t, m) in metas.iter().enumerate() {
+            if m.gpu != metas[o].gpu && !metas[o].reach.covers(&m.gpu) {
+                return Some(format!(
+                    "rank {o}'s GPU cannot map rank {t}'s (no peer access between them, or \
+                     rank {t}'s GPU is not visible to rank {o}'s process)"
+                ));
+            }
+        }
+    }
+    None
 }
 
 /// Where the calls' time went (wall clock, summed over calls): for finding the fixed cost
@@ -254,6 +312,10 @@ pub struct IpcComm<D: Device> {
     order: VecDeque<[u8; IPC_HANDLE_BYTES]>,
     /// This rank's scratch chunk (keep mode): address, bytes, handle.
     scratch: Option<(DevPtr, usize, IpcMem)>,
+    /// The epoch whose GPUs were found unable to reach each other, and why: its later
+    /// calls fail the same way at once, on every rank (each learnt it from the same
+    /// records at the same call).
+    unreachable: Option<(u64, String)>,
 }
 
 impl<D: Device> IpcComm<D> {
@@ -265,6 +327,7 @@ impl<D: Device> IpcComm<D> {
             mapped: HashMap::new(),
             order: VecDeque::new(),
             scratch: None,
+            unreachable: None,
         }
     }
 
@@ -378,6 +441,11 @@ impl<D: Device> IpcComm<D> {
             self.release();
             self.epoch = Some(ex.epoch());
         }
+        if let Some((epoch, why)) = &self.unreachable {
+            if *epoch == ex.epoch() {
+                return Err(IpcError::NoPeerAccess(why.clone()));
+            }
+        }
         let t = std::time::Instant::now();
         self.phases.calls += 1;
         // The caller's writes to its buffers are done before any peer reads them.
@@ -395,6 +463,7 @@ impl<D: Device> IpcComm<D> {
             send: export(&self.dev, send)?,
             recv: export(&self.dev, recv)?,
             gpu: self.dev.gpu_id()?,
+            reach: self.dev.reach()?,
         };
         let t1 = std::time::Instant::now();
         self.phases.export += t1 - t;
@@ -426,6 +495,10 @@ impl<D: Device> IpcComm<D> {
                     "rank {r} refused its arguments (its buffers overlap)"
                 )));
             }
+        }
+        if let Some(why) = unreachable(&metas) {
+            self.unreachable = Some((ex.epoch(), why.clone()));
+            return Err(IpcError::NoPeerAccess(why));
         }
         Ok(metas)
     }

@@ -439,16 +439,27 @@ fn each_rank<R: Send>(
     fail: Option<(usize, usize)>,
     f: &(dyn Fn(usize, &HostDevice, &mut IpcComm<HostDevice>, &mut Rank) -> R + Sync),
 ) -> Vec<R> {
+    let make = |rank| match gpu_of(rank) {
+        Some(g) => HostDevice::on_gpu(g),
+        None => HostDevice::new(),
+    };
+    each_rank_on(world, &make, fail, f)
+}
+
+/// [`each_rank`] with rank r's device made by `make(r)`.
+fn each_rank_on<R: Send>(
+    world: usize,
+    make: &(dyn Fn(usize) -> HostDevice + Sync),
+    fail: Option<(usize, usize)>,
+    f: &(dyn Fn(usize, &HostDevice, &mut IpcComm<HostDevice>, &mut Rank) -> R + Sync),
+) -> Vec<R> {
     let mem = Mem::new(world);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let mem = mem.clone();
                 s.spawn(move || {
-                    let dev = Arc::new(match gpu_of(rank) {
-                        Some(g) => HostDevice::on_gpu(g),
-                        None => HostDevice::new(),
-                    });
+                    let dev = Arc::new(make(rank));
                     let mut ex = Rank {
                         mem,
                         rank,
@@ -652,6 +663,77 @@ fn a_peer_dying_fails_every_collective_without_a_hang() {
                 mapped, 0,
                 "exchange {at}: rank {r} kept a dead world's mappings"
             );
+        }
+    }
+}
+
+#[test]
+fn gpus_that_cannot_reach_each_other_fail_alike_before_anything_is_written() {
+    // Every GPU's owner reads every rank's buffer, so one GPU that cannot map another's
+    // memory (no peer access, or hidden by CUDA_VISIBLE_DEVICES) rules the path out for
+    // the whole world: every rank says so, from the same records, and nothing is written.
+    type Make = dyn Fn(usize) -> HostDevice + Sync;
+    let cases: [(&str, &Make, bool); 4] = [
+        (
+            "no peer access",
+            &|r| HostDevice::on_gpu(r as u32 % 2).reaching(&[]),
+            false,
+        ),
+        (
+            "peer access one way only",
+            &|r| {
+                if r % 2 == 0 {
+                    HostDevice::on_gpu(0).reaching(&[1])
+                } else {
+                    HostDevice::on_gpu(1).reaching(&[])
+                }
+            },
+            false,
+        ),
+        (
+            "peer access both ways",
+            &|r| HostDevice::on_gpu(r as u32 % 2).reaching(&[(r as u32 + 1) % 2]),
+            true,
+        ),
+        (
+            "one GPU, no peers",
+            &|_| HostDevice::on_gpu(5).reaching(&[]),
+            true,
+        ),
+    ];
+    let count = 100;
+    for (what, make, reachable) in cases {
+        for keep in [false, true] {
+            let res = each_rank_on(3, make, None, &|rank, dev, comm, ex| {
+                let data = values(DType::F32, count, rank);
+                let buf = upload(dev, &data);
+                let first =
+                    unsafe { comm.all_reduce(ex, buf, count, DType::F32, ReduceOp::Sum, keep) };
+                let out = download(dev, buf, data.len());
+                let before = ex.calls;
+                let recv = dev.alloc(3 * data.len()).unwrap();
+                let second = unsafe { comm.all_gather(ex, buf, recv, count, DType::F32) };
+                (first, out, second, ex.calls - before, data)
+            });
+            for (r, (first, out, second, exchanges, data)) in res.into_iter().enumerate() {
+                if reachable {
+                    first.unwrap();
+                    second.unwrap();
+                    assert_eq!(out, expected(DType::F32, ReduceOp::Sum, count, 3), "{what}");
+                    continue;
+                }
+                assert!(
+                    matches!(&first, Err(IpcError::NoPeerAccess(why)) if why.contains("cannot map")),
+                    "{what} keep {keep}: rank {r}: {first:?}"
+                );
+                assert_eq!(out, data, "{what}: rank {r}'s buffer was written");
+                // The epoch's verdict is remembered: the next call fails alike at once.
+                assert!(
+                    matches!(second, Err(IpcError::NoPeerAccess(_))),
+                    "{what}: {second:?}"
+                );
+                assert_eq!(exchanges, 0, "{what}: rank {r} exchanged again");
+            }
         }
     }
 }

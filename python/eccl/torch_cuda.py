@@ -9,7 +9,10 @@ Two paths, picked per call:
   waits on, so the caller's thread does not block), and each GPU's first rank copies or reduces
   straight from the other ranks' device memory into the buffers of the ranks on its GPU
   (`eccl.Communicator.all_reduce_device` and its siblings): no copy through the host. Two
-  processes on one GPU are served too (NCCL refuses them). Tensors must be contiguous and
+  processes on one GPU are served too (NCCL refuses them). Where the ranks' GPUs cannot
+  map each other's memory (no peer access, or hidden from each other by
+  `CUDA_VISIBLE_DEVICES`), every rank learns it from the same records and the call goes
+  through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be contiguous and
   of a dtype eccl's device kernels know, with the shapes the call asks for; otherwise the
   call is staged.
 - **Staged** (every other collective and point-to-point call, and every call across

@@ -217,29 +217,6 @@ pub(crate) struct Devices {
     by_ordinal: std::collections::HashMap<usize, eccl::device::IpcComm<eccl_cuda::CudaDevice>>,
 }
 
-fn device_error(e: eccl::device::IpcError) -> eccl::Error {
-    use eccl::device::IpcError;
-    match e {
-        // The communicator's own error (an abort, an eviction) keeps its type, so
-        // recovery treats it as any failed collective.
-        IpcError::Exchange(e) => match e.downcast::<eccl::Error>() {
-            Ok(e) => *e,
-            Err(e) => eccl::Error::InvalidArgument(e.to_string()),
-        },
-        IpcError::Mismatch(detail) => eccl::Error::Mismatch {
-            rank: None,
-            ours: None,
-            theirs: None,
-            detail,
-        },
-        IpcError::Peer { rank, msg } => eccl::Error::Aborted {
-            epoch: 0,
-            cause: format!("rank {rank}'s device failed: {msg}"),
-        },
-        other => eccl::Error::InvalidArgument(other.to_string()),
-    }
-}
-
 impl Devices {
     /// Device `ordinal`'s same-host collectives, opened on first use.
     fn open(
@@ -272,33 +249,46 @@ async fn await_device(comm: &mut eccl::Communicator, event: &eccl_cuda::Recorded
     Ok(Done::Left)
 }
 
-/// One device collective: blocks this runtime worker (in `block_in_place`) for the
-/// device work and the exchange rounds, which run as ordinary collectives.
+/// One device collective (`eccl::device::run`: over CUDA IPC, or through host memory
+/// where the world's GPUs cannot reach each other): blocks this runtime worker (in
+/// `block_in_place`) for the device work and the exchange rounds, which run as ordinary
+/// collectives.
 fn device_call(comm: &mut eccl::Communicator, devices: &mut Devices, b: &DeviceBuf) -> Outcome {
+    use eccl::device::DeviceCall;
     let ipc = devices.open(b.device)?;
+    let (buf, count, dtype) = (b.ptr, b.count, b.dtype);
+    let call = match b.what {
+        DeviceOp::AllReduce { op, keep } => DeviceCall::AllReduce {
+            buf,
+            count,
+            dtype,
+            op,
+            keep,
+        },
+        DeviceOp::AllGather { recv } => DeviceCall::AllGather {
+            send: buf,
+            recv,
+            count,
+            dtype,
+        },
+        DeviceOp::ReduceScatter { recv, op } => DeviceCall::ReduceScatter {
+            send: buf,
+            recv,
+            count,
+            dtype,
+            op,
+        },
+        DeviceOp::Broadcast { root } => DeviceCall::Broadcast {
+            buf,
+            count,
+            dtype,
+            root,
+        },
+    };
     let rt = tokio::runtime::Handle::current();
-    tokio::task::block_in_place(|| {
-        let mut ex = eccl::device::CommExchange::new(comm, rt);
-        // SAFETY: the Python side checked that the pointers are tensors of the call's
-        // sizes on `device`, and the call holds those tensors (`owner`) until it is done.
-        unsafe {
-            match b.what {
-                DeviceOp::AllReduce { op, keep } => {
-                    ipc.all_reduce(&mut ex, b.ptr, b.count, b.dtype, op, keep)
-                }
-                DeviceOp::AllGather { recv } => {
-                    ipc.all_gather(&mut ex, b.ptr, recv, b.count, b.dtype)
-                }
-                DeviceOp::ReduceScatter { recv, op } => {
-                    ipc.reduce_scatter(&mut ex, b.ptr, recv, b.count, b.dtype, op)
-                }
-                DeviceOp::Broadcast { root } => {
-                    ipc.broadcast(&mut ex, b.ptr, b.count, b.dtype, root)
-                }
-            }
-        }
-    })
-    .map_err(device_error)?;
+    // SAFETY: the Python side checked that the pointers are tensors of the call's sizes on
+    // `device`, and the call holds those tensors (`owner`) until it is done.
+    tokio::task::block_in_place(|| unsafe { eccl::device::run(comm, rt, ipc, &call) })?;
     Ok(Done::Left)
 }
 

@@ -8,6 +8,7 @@ mod masters;
 
 mod bad_input;
 mod cli;
+mod device;
 mod elastic;
 mod failover;
 mod master_cluster;

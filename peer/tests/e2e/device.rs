@@ -1,0 +1,154 @@
+//! Device collectives (`eccl::device::run`) against a real master, three in-process
+//! ranks on the host double (`eccl_cuda::HostDevice`): where the ranks' GPUs reach each
+//! other's memory the calls go GPU to GPU (IPC); where they cannot (no peer access, or a
+//! GPU hidden by `CUDA_VISIBLE_DEVICES`), every kind of call goes through host memory
+//! over the world's links instead, with the same results, and no device kernel runs.
+
+use std::sync::Arc;
+
+use crate::common::*;
+use eccl::device::{Device, DeviceCall, IpcComm};
+use eccl::{DType, ReduceOp};
+use eccl_cuda::HostDevice;
+
+const N: usize = 3;
+const COUNT: usize = 1000;
+
+fn values(n: usize, rank: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 3 + rank * 7) % 41) as f32 * 0.5 - 4.0)
+        .collect()
+}
+
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn to_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Each rank's results of all_reduce, all_gather, reduce_scatter and broadcast (root 1),
+/// and the kernels and device copies its device ran.
+type Outcome = (Vec<Vec<f32>>, u64);
+
+fn every_call(
+    comms: Vec<eccl::Communicator>,
+    make: &(dyn Fn(usize) -> HostDevice + Sync),
+) -> Vec<Outcome> {
+    let rt = tokio::runtime::Handle::current();
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|mut comm| {
+                    let rt = rt.clone();
+                    s.spawn(move || {
+                        let rank = comm.rank().unwrap().idx();
+                        let dev = Arc::new(make(rank));
+                        let mut ipc = IpcComm::new(dev.clone());
+                        let put = |v: &[f32]| {
+                            let b = to_bytes(v);
+                            let p = dev.alloc(b.len()).unwrap();
+                            unsafe { dev.upload(p, &b).unwrap() };
+                            p
+                        };
+                        let get = |p: u64, n: usize| {
+                            let mut b = vec![0u8; n * 4];
+                            unsafe { dev.download(&mut b, p).unwrap() };
+                            to_f32(&b)
+                        };
+                        let (dtype, count) = (DType::F32, COUNT);
+                        let mut run = |call: DeviceCall| unsafe {
+                            eccl::device::run(&mut comm, rt.clone(), &mut ipc, &call)
+                                .unwrap_or_else(|e| panic!("rank {rank}: {call:?}: {e}"))
+                        };
+                        let buf = put(&values(COUNT, rank));
+                        run(DeviceCall::AllReduce {
+                            buf,
+                            count,
+                            dtype,
+                            op: ReduceOp::Sum,
+                            keep: true,
+                        });
+                        let reduced = get(buf, COUNT);
+                        let send = put(&values(COUNT, rank));
+                        let recv = put(&vec![0.0; N * COUNT]);
+                        run(DeviceCall::AllGather {
+                            send,
+                            recv,
+                            count,
+                            dtype,
+                        });
+                        let gathered = get(recv, N * COUNT);
+                        let send = put(&values(N * COUNT, rank));
+                        let recv = put(&vec![0.0; COUNT]);
+                        run(DeviceCall::ReduceScatter {
+                            send,
+                            recv,
+                            count,
+                            dtype,
+                            op: ReduceOp::Sum,
+                        });
+                        let scattered = get(recv, COUNT);
+                        let buf = put(&values(COUNT, rank));
+                        run(DeviceCall::Broadcast {
+                            buf,
+                            count,
+                            dtype,
+                            root: 1,
+                        });
+                        let broadcast = get(buf, COUNT);
+                        drop(ipc);
+                        (
+                            vec![reduced, gathered, scattered, broadcast],
+                            dev.reductions() + dev.copies(),
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    })
+}
+
+fn expected(rank: usize) -> Vec<Vec<f32>> {
+    let sum = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (0..N).map(|r| values(n, r)[i]).sum())
+            .collect()
+    };
+    vec![
+        sum(COUNT),
+        (0..N).flat_map(|r| values(COUNT, r)).collect(),
+        sum(N * COUNT)[rank * COUNT..(rank + 1) * COUNT].to_vec(),
+        values(COUNT, 1),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_that_cannot_reach_each_other_run_every_device_call_through_host_memory() {
+    let m = start_master(&[]);
+    // Each rank on a GPU of its own, none reaching another's: through host memory.
+    let comms = world(&m.addr, N as u32).await;
+    let staged = every_call(comms, &|r| HostDevice::on_gpu(r as u32).reaching(&[]));
+    for (r, (results, kernels)) in staged.iter().enumerate() {
+        assert_eq!(results, &expected(r), "rank {r}, through host memory");
+        assert_eq!(
+            *kernels, 0,
+            "rank {r}: no device kernel or copy runs on that path"
+        );
+    }
+    // The same world with peer access everywhere: GPU to GPU, the same results.
+    let comms = world(&m.addr, N as u32).await;
+    let direct = every_call(comms, &|r| HostDevice::on_gpu(r as u32));
+    for (r, (results, _)) in direct.iter().enumerate() {
+        assert_eq!(results, &expected(r), "rank {r}, GPU to GPU");
+    }
+    assert!(
+        direct.iter().map(|(_, k)| k).sum::<u64>() > 0,
+        "the direct path ran kernels"
+    );
+}
