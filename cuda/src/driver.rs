@@ -622,8 +622,18 @@ impl Device for CudaDevice {
             if other == self.ordinal || ids.len() >= MAX_REACH {
                 continue;
             }
-            if self.can_access_peer(other)? {
-                ids.push(uuid_of(other)?);
+            // A GPU the driver cannot answer for is one this device does not reach: the
+            // world then goes through host memory rather than failing every call.
+            match self.can_access_peer(other).and_then(|ok| {
+                if ok {
+                    uuid_of(other).map(Some)
+                } else {
+                    Ok(None)
+                }
+            }) {
+                Ok(Some(id)) => ids.push(id),
+                Ok(None) => {}
+                Err(e) => tracing::debug!("eccl-cuda: cuda:{other} left out of the reach: {e}"),
             }
         }
         tracing::debug!(
@@ -689,27 +699,40 @@ impl EventPool {
     /// `stream` is a live stream of this device's primary context (torch's
     /// `torch._C._cuda_getCurrentRawStream(ordinal)`; 0 is the legacy default stream).
     pub unsafe fn record(&'static self, stream: u64) -> Result<RecordedEvent> {
-        // SAFETY: `ctx` is retained for the life of the process. It is the context torch
-        // runs the caller's thread in, so making it current there changes nothing.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
-        let pooled = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let ev = match pooled {
-            Some(ev) => ev as sys::CUevent,
-            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(drv("cuEventCreate"))?,
-        };
-        // SAFETY: `ev` is an event of this context; `stream` as the caller promised.
-        if let Err(e) = unsafe { result::event::record(ev, stream as usize as sys::CUstream) } {
-            self.free
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(ev as usize);
-            return Err(drv("cuEventRecord")(e));
+        // The caller's thread keeps the context it had (torch's current device follows
+        // it): this one is made current for the record only.
+        let before = result::ctx::get_current().map_err(drv("cuCtxGetCurrent"))?;
+        let switch = before != Some(self.ctx);
+        if switch {
+            // SAFETY: `ctx` is retained for the life of the process.
+            unsafe { result::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
         }
-        Ok(RecordedEvent {
-            pool: self,
-            ev: ev as usize,
-        })
+        let recorded = (|| {
+            let pooled = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            let ev = match pooled {
+                Some(ev) => ev as sys::CUevent,
+                None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(drv("cuEventCreate"))?,
+            };
+            // SAFETY: `ev` is an event of this context; `stream` as the caller promised.
+            if let Err(e) = unsafe { result::event::record(ev, stream as usize as sys::CUstream) } {
+                self.free
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(ev as usize);
+                return Err(drv("cuEventRecord")(e));
+            }
+            Ok(RecordedEvent {
+                pool: self,
+                ev: ev as usize,
+            })
+        })();
+        if switch {
+            // SAFETY: what was current on this thread before (a context it holds, or
+            // none).
+            let _ = unsafe { result::ctx::set_current(before.unwrap_or(std::ptr::null_mut())) };
+        }
+        recorded
     }
 }
 
@@ -721,13 +744,32 @@ pub struct RecordedEvent {
 }
 
 impl RecordedEvent {
-    /// Waits on this thread until the work queued before the record is done.
+    /// Waits on this thread until the work queued before the record is done: yielding
+    /// its core for the first 200 µs (a stream that is nearly done), then in naps of 50
+    /// µs, so that a wait through a long backward pass keeps no core spinning.
     pub fn wait(&self) -> Result<()> {
-        // SAFETY: the pool's context is retained for the life of the process.
+        // SAFETY: the pool's context is retained for the life of the process; this runs
+        // on eccl's threads, whose current context nothing else relies on.
         unsafe { result::ctx::set_current(self.pool.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: `ev` is a live event of that context, owned by this value.
-        unsafe { result::event::synchronize(self.ev as sys::CUevent) }
-            .map_err(drv("cuEventSynchronize"))
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: `ev` is a live event of that context, owned by this value.
+            match unsafe { sys::cuEventQuery(self.ev as sys::CUevent) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    return Err(DeviceError::Driver {
+                        call: "cuEventQuery",
+                        msg: format!("{e:?}"),
+                    })
+                }
+            }
+            if start.elapsed() < std::time::Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
     }
 
     /// The device (`cuda:N`) the event is on.

@@ -312,10 +312,6 @@ pub struct IpcComm<D: Device> {
     order: VecDeque<[u8; IPC_HANDLE_BYTES]>,
     /// This rank's scratch chunk (keep mode): address, bytes, handle.
     scratch: Option<(DevPtr, usize, IpcMem)>,
-    /// The epoch whose GPUs were found unable to reach each other, and why: its later
-    /// calls fail the same way at once, on every rank (each learnt it from the same
-    /// records at the same call).
-    unreachable: Option<(u64, String)>,
 }
 
 impl<D: Device> IpcComm<D> {
@@ -327,7 +323,6 @@ impl<D: Device> IpcComm<D> {
             mapped: HashMap::new(),
             order: VecDeque::new(),
             scratch: None,
-            unreachable: None,
         }
     }
 
@@ -441,11 +436,6 @@ impl<D: Device> IpcComm<D> {
             self.release();
             self.epoch = Some(ex.epoch());
         }
-        if let Some((epoch, why)) = &self.unreachable {
-            if *epoch == ex.epoch() {
-                return Err(IpcError::NoPeerAccess(why.clone()));
-            }
-        }
         let t = std::time::Instant::now();
         self.phases.calls += 1;
         // The caller's writes to its buffers are done before any peer reads them.
@@ -496,8 +486,10 @@ impl<D: Device> IpcComm<D> {
                 )));
             }
         }
+        // Asked at every call, from the records every rank has: a verdict kept from an
+        // earlier call would be one device's alone, and a rank calling on another device
+        // would exchange while the others did not.
         if let Some(why) = unreachable(&metas) {
-            self.unreachable = Some((ex.epoch(), why.clone()));
             return Err(IpcError::NoPeerAccess(why));
         }
         Ok(metas)

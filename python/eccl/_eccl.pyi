@@ -261,8 +261,9 @@ class Communicator:
         """Queues a wait for a CUDA stream (`stream`: a raw stream of device `device`, as
         `torch._C._cuda_getCurrentRawStream(device)` gives it; 0 is the default stream): an event is recorded on it
         now, and the calls queued after this one start once the work queued on `stream` before it is done; the
-        calling thread does not block. If the device cannot say, the wait fails and aborts the epoch, so that no
-        rank's call takes unready data."""
+        calling thread does not block. If the device cannot say, the wait fails and aborts the epoch (later calls
+        here and the other ranks' copies of them fail with `AbortedError`), so that no rank's call takes unready
+        data. `stream` must be a live stream of `device`: the driver is handed it as it is."""
 
     def all_reduce_device(
         self,

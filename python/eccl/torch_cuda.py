@@ -18,7 +18,9 @@ Two paths, picked per call:
 - **Staged** (every other collective and point-to-point call, and every call across
   hosts): the CUDA tensors are copied to host memory (after the current stream's work),
   the call runs on the host tensors as for CPU tensors once the copies are done (an event,
-  waited for on the communicator's task, not the caller's thread), and the outputs are copied back to
+  waited for on the communicator's task, not the caller's thread; the calls that rearrange
+  their host copies in Python first, such as a list-form reduce_scatter or all_to_all,
+  wait on the caller's thread), and the outputs are copied back to
   the device before the Work completes, as gloo does with CUDA tensors.
 
 A call that mixes CPU and CUDA tensors is refused with `InvalidArgumentError` before
@@ -48,6 +50,14 @@ STAGED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather"
           "gather", "scatter", "alltoall", "alltoall_base", "send", "recv",
           "recv_anysource")
 SENDS_ONLY = ("send",)
+# The staged calls that hand their host copies straight to eccl: the copies to host are
+# waited for on the communicator's task, and this thread goes on. The others read or
+# write the host copies in Python before queuing anything (torch.stack, torch.cat, a
+# rank's own block of an uneven all_to_all), so they wait for the copies here.
+HANDS_OVER = frozenset({
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+    "_allgather_base", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "gather", "send", "recv", "recv_anysource"})
 
 _said: set = set()
 
@@ -277,7 +287,11 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         host_args = tuple(_to_host(a, moved) for a in args)
         # The copies to host run on the current stream, after its work on the tensors:
         # the call starts once they are done.
-        STAGING.waits = after_streams(self.comm, [d for d, _ in moved])
+        if name in HANDS_OVER:
+            STAGING.waits = after_streams(self.comm, [d for d, _ in moved])
+        else:
+            for dev in {d.device for d, _ in moved}:
+                torch.cuda.current_stream(dev).synchronize()
         written = set() if name in SENDS_ONLY else {id(t) for t in _tensors(args[0])}
         STAGING.back = [(d, h) for d, h in moved if id(d) in written]
         STAGING.active = True

@@ -236,15 +236,22 @@ impl Devices {
 
 /// Waits (in `block_in_place`) for a caller's CUDA event. A device that cannot say
 /// whether the caller's work is done leaves the calls queued behind the wait reading
-/// memory that may not hold what the caller wrote, so the epoch is aborted first: the
-/// other ranks' copies of those calls fail instead of taking unready data.
+/// memory that may not hold what the caller wrote, so the epoch is aborted here and the
+/// other ranks told: this rank's later calls and the others' copies of them fail
+/// (`Aborted`, which recovery handles as any failed collective) instead of taking
+/// unready data.
 async fn await_device(comm: &mut eccl::Communicator, event: &eccl_cuda::RecordedEvent) -> Outcome {
     if let Err(e) = tokio::task::block_in_place(|| event.wait()) {
-        comm.announce_abort().await;
-        return Err(eccl::Error::InvalidArgument(format!(
+        let cause = format!(
             "waiting for the tensors' stream on cuda:{} failed: {e}",
             event.ordinal()
-        )));
+        );
+        comm.abort_handle().abort(&cause);
+        comm.announce_abort().await;
+        return Err(eccl::Error::Aborted {
+            epoch: comm.epoch(),
+            cause,
+        });
     }
     Ok(Done::Left)
 }

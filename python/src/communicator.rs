@@ -405,8 +405,10 @@ impl Communicator {
     /// is recorded on it now, and the calls queued after this one start once the work
     /// queued on `stream` before it is done; the calling thread does not block (where
     /// `torch.cuda.current_stream().synchronize()` would). If the device cannot say, the
-    /// wait fails and aborts the epoch, so that no rank's call takes unready data.
-    /// Returns a `Work`.
+    /// wait fails and aborts the epoch (this rank's later calls and the other ranks'
+    /// copies of them fail with `AbortedError`), so that no rank's call takes unready
+    /// data. Returns a `Work`. `stream` must be a live stream of `device`: the driver is
+    /// handed it as it is, as the `*_device` calls' pointers are.
     #[pyo3(signature = (stream, *, device))]
     fn await_device_stream(
         &self,

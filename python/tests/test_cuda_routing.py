@@ -105,3 +105,32 @@ def test_calls_that_do_not_fit_are_staged(case):
         inp = inp.double()
     assert torch_cuda.ipc_works(b, "_allgather_base", (out, inp, None)) is None
     assert b.comm.calls == []
+
+
+def test_a_staged_calls_waits_for_its_copies_go_first_in_its_work():
+    """The waits queued for a staged call's copies to host (`STAGING.waits`) go first in
+    the Work of the call submitted next, so a failed wait is that Work's error, and they
+    are taken once."""
+    from eccl import torch_work
+
+    class FakeWork:
+        def __init__(self, name):
+            self.name = name
+
+        def add_done_callback(self, fn, errors_only=False):
+            pass
+
+        def is_completed(self):
+            return False
+
+    calls = torch_work._Calls()
+    torch_cuda.STAGING.active = True
+    torch_cuda.STAGING.waits = [FakeWork("wait")]
+    try:
+        work = calls.submit([FakeWork("call")], None)
+        again = calls.submit([FakeWork("next")], None)
+    finally:
+        torch_cuda.STAGING.active = False
+        torch_cuda.STAGING.waits = []
+    assert [w.name for w in work._works] == ["wait", "call"]
+    assert [w.name for w in again._works] == ["next"]
