@@ -34,14 +34,19 @@ def main() -> None:
     p.add_argument("--min-world", type=int, default=1)
     p.add_argument("--step-ms", type=float, default=0, help="extra time per inner step")
     p.add_argument("--inner-lr", type=float, default=3e-3)
+    p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
+    p.add_argument("--delay-s", type=float, default=0,
+                   help="wait this long before joining (a newcomer started with the others)")
     p.add_argument("--die-at-outer", type=int, default=0,
                    help="SIGKILL this process as it reaches that outer step (for tests)")
     a = p.parse_args()
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(16, a.width), torch.nn.ReLU(),
+                                torch.nn.Linear(a.width, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    time.sleep(a.delay_s)
     comm = eccl.Communicator(min_world=a.min_world)
     job = eccl.torch.DiLoCo(model, inner, outer, comm, sync_every=a.sync_every)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
@@ -66,6 +71,9 @@ def main() -> None:
         loss = job.train_step(lambda m: torch.nn.functional.mse_loss(m(x), x @ target))
         if a.step_ms:
             time.sleep(a.step_ms / 1000)
+        if job.serving:
+            # A newcomer is fetching the state from this member, which trains meanwhile.
+            print(f"peer {comm.peer_id} inner step {job.local_steps} while serving", flush=True)
         if job.outer_steps != before:
             print(f"peer {comm.peer_id} outer step {job.outer_steps}: loss {loss:.4f}, "
                   f"{len(job.members)} members, params {digest(model)}", flush=True)

@@ -17,8 +17,8 @@ __all__ = ["DiLoCo"]
 
 # Per rank, exchanged after every change of world: whether it still needs the inner
 # optimizer's state, whether its pseudo-gradient counts in the outer step under way,
-# and whether it is inside an outer step.
-_NEEDS_INNER, _CONTRIBUTES, _IN_OUTER = 0, 1, 2
+# whether it is inside an outer step, and the shared state's revision it holds.
+_NEEDS_INNER, _CONTRIBUTES, _IN_OUTER, _REVISION = 0, 1, 2, 3
 
 
 def _flat_bytes(tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -45,9 +45,12 @@ class DiLoCo:
 
     Newcomers are admitted at outer steps: they receive the shared model and the outer
     optimizer's state with `sync_shared_state` (held identically by every member) and the
-    inner optimizer's state of one member (each member's own is its own). A newcomer
-    admitted while the members retry an outer step joins that step with no
-    pseudo-gradient of its own (the average is over the members that trained).
+    inner optimizer's state of one member (each member's own is its own). The members
+    serve that in the background and go on with their inner steps, which need no
+    communication, while the newcomer fetches (`serving` says so); the next outer step
+    waits for the transfer if it is still running. A newcomer admitted while the members
+    retry an outer step joins that step with no pseudo-gradient of its own (the average
+    is over the members that trained).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
@@ -74,6 +77,8 @@ class DiLoCo:
         self._quantize = compression if compression in QUANTIZED else None
         init_optimizer_state(self.inner)
         init_optimizer_state(self.outer)
+        # The transfers a member serves in the background (a newcomer's state).
+        self._serving: List = []
         self._needs_inner = comm.rank is None
         self._contributes = not self._needs_inner
         if self._needs_inner:
@@ -99,45 +104,76 @@ class DiLoCo:
 
     def _admitted(self, in_outer: bool = False) -> bool:
         """After a change of world: syncs the shared state, hands the inner optimizer's
-        state to newcomers, and returns whether some member is inside an outer step."""
-        info = self.comm.sync_shared_state(self.outer_steps, self._state())
-        stale = info.revision != self.outer_steps
-        self.outer_steps = info.revision
+        state to newcomers, and returns whether some member is inside an outer step.
+
+        Every rank first says where it stands (one small all_gather): who needs the
+        inner state, who trained for the outer step under way, and the revision each
+        holds. A rank behind the newest revision (a newcomer, or a member that had been
+        evicted) waits for its state here; a rank that holds it only serves, in the
+        background, and `_settle` waits for that before its next collective of its
+        own."""
+        n = self.comm.world_size
+        mine = torch.tensor([self._needs_inner, self._contributes, in_outer, self.outer_steps],
+                            dtype=torch.int64)
+        roster = torch.empty((n, 4), dtype=torch.int64)
+        self.comm.all_gather(roster, mine)
+        stale = self.outer_steps < int(roster[:, _REVISION].max())
         if stale and not self._needs_inner:
             # Behind the others (it had been evicted): its local training belongs to an
             # old model; it restarts from the shared one and adds nothing this time.
             self._contributes = False
-        n = self.comm.world_size
-        mine = torch.tensor([self._needs_inner, self._contributes, in_outer], dtype=torch.int32)
-        roster = torch.empty((n, 3), dtype=torch.int32)
-        self.comm.all_gather(roster, mine)
         in_outer_now = bool(roster[:, _IN_OUTER].any())
         # The outer step under way averages over those who trained for it; the next
         # one, over everyone.
         self._contributors = int(roster[:, _CONTRIBUTES].sum()) if in_outer_now else n
+        # The shared state and the outer optimizer's change only in an outer step, which
+        # runs after this sync in the communicator's queue: serving them in the
+        # background is safe while inner steps run.
+        works = [self.comm.sync_shared_state(self.outer_steps, self._state(), async_op=True)]
         needy = [r for r in range(n) if roster[r, _NEEDS_INNER]]
         givers = [r for r in range(n) if not roster[r, _NEEDS_INNER]]
+        received: List = []
         if needy and givers:
             src = givers[0]
             if self.comm.rank == src:
+                # A copy taken now: inner steps go on changing the optimizer's state.
                 flat = _flat_bytes(self._inner_state())
-                for r in needy:
-                    self.comm.send(flat, r)
+                works += [self.comm.send(flat, r, async_op=True) for r in needy]
             elif self.comm.rank in needy:
                 tensors = self._inner_state()
                 flat = torch.empty_like(_flat_bytes(tensors))
-                self.comm.recv(flat, src)
-                off = 0
-                for t in tensors:
-                    nbytes = t.numel() * t.element_size()
-                    t.copy_(flat[off:off + nbytes].view(t.dtype).view(t.shape))
-                    off += nbytes
-                self._needs_inner = False
-        elif needy and self.comm.rank in needy:
-            self._needs_inner = False   # nobody to learn from: everyone starts fresh
-        if stale or self.comm.rank in needy:
-            self._reset_local()
+                works.append(self.comm.recv(flat, src, async_op=True))
+                received = [(tensors, flat)]
+        waits = stale or self.comm.rank in needy
+        if not waits:
+            self._serving = works
+            return in_outer_now
+        info = works[0].wait()
+        for w in works[1:]:
+            w.wait()
+        self.outer_steps = info.revision
+        for tensors, flat in received:
+            off = 0
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                t.copy_(flat[off:off + nbytes].view(t.dtype).view(t.shape))
+                off += nbytes
+        if self.comm.rank in needy:
+            self._needs_inner = False   # with a member's state, or, with none, afresh
+        self._reset_local()
         return in_outer_now
+
+    @property
+    def serving(self) -> bool:
+        """Whether this member is still serving a newcomer's state in the background."""
+        return any(not w.is_completed() for w in self._serving)
+
+    def _settle(self) -> None:
+        """Waits for the transfers this member serves (raising a failed one's error, an
+        `AbortedError` when the world changed under it)."""
+        works, self._serving = self._serving, []
+        for w in works:
+            w.wait()
 
     def _reset_local(self) -> None:
         with torch.no_grad():
@@ -177,8 +213,11 @@ class DiLoCo:
 
     def _outer_step(self, zero: bool = False) -> None:
         for _ in range(self.max_retries):
-            flat = self._pseudo_gradient(zero)
             try:
+                # A sync served in the background ends first: it may have set the
+                # shared state the pseudo-gradient is taken against.
+                self._settle()
+                flat = self._pseudo_gradient(zero)
                 info = self.comm.all_reduce(flat, "sum", quantize=self._quantize)
             except eccl.AbortedError:
                 next_world(self.comm, lambda: self._admitted(in_outer=True), self.max_retries)

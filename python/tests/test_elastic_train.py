@@ -171,3 +171,39 @@ def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
         assert float(f.group(4)) < float(f.group(3)) / 3, f.group(0)
     assert ", 2 members" in outs[0], "the survivors went on without the dead member"
     assert ", 3 members" in outs[2], "the newcomer trained with the survivors"
+
+
+def test_diloco_members_train_while_a_newcomer_fetches_its_state():
+    """DiLoCo's members serve a newcomer's state (36 MiB of shared model and outer
+    momentum, 36 MiB of inner optimizer state) in the background and go on with their
+    inner steps, which need no communication; the next outer step waits for the
+    transfer, and every rank ends with the same parameters."""
+    master = eccl.Master(lease_ms=3000, heartbeat_ms=200)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    script = str(EXAMPLES / "diloco.py")
+    args = ["--outer-steps", "4", "--sync-every", "10", "--width", "524288"]
+
+    def start(*extra):
+        return spawn([sys.executable, script, *args, *extra], env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     start_new_session=True)
+
+    # The newcomer starts with the members (its imports take as long as theirs) and
+    # joins once they train.
+    procs = [start("--min-world", "2") for _ in range(2)] + [start("--delay-s", "3")]
+    try:
+        outs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=180)
+            assert p.returncode == 0, out[-3000:]
+            outs.append(out)
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    finals = [FINAL.search(o) for o in outs]
+    assert all(finals), [o[-2000:] for o in outs]
+    assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
+    assert ", 3 members" in outs[2], "the newcomer trained with the members"
+    serving = [line for o in outs[:2] for line in o.splitlines() if "while serving" in line]
+    assert serving, "no member took an inner step while the newcomer fetched its state"
+    assert "while serving" not in outs[2]
