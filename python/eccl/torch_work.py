@@ -75,21 +75,26 @@ class TorchWork(dist._Work):
         if all(w.is_completed() for w in self._works):
             self._finish(on_task=True)
 
-    def _finish(self, on_task: bool) -> None:
+    def _finish(self, on_task: bool, infos: Optional[List[Any]] = None) -> None:
         """Finishes the Work once: the copy-out step, then torch's future. Runs when
-        every eccl call is done, or when one has failed (the others may still run)."""
+        every eccl call is done, or when one has failed (the others may still run).
+        `infos`: what every eccl call returned, when the caller waited for them all and
+        none failed (`wait()`: each is asked once, not again here)."""
         with self._lock:
             if self._finished or self._failing is not None:
                 return
             error: Optional[BaseException] = None
             try:
-                for w in self._works:
-                    if w.is_completed():
-                        info = w.wait()   # returns at once, or raises the call's error
-                        if getattr(info, "peer", None) is not None:
-                            self._source = info.peer
-                    else:
-                        return            # not done yet and nothing failed so far
+                if infos is None:
+                    infos = []
+                    for w in self._works:
+                        if not w.is_completed():
+                            return        # not done yet and nothing failed so far
+                        infos.append(w.wait())  # at once, or raises the call's error
+                for info in infos:
+                    peer = getattr(info, "peer", None)
+                    if peer is not None:
+                        self._source = peer
                 if self._after is not None:
                     self._after()
             except BaseException as e:  # noqa: BLE001 - every error belongs to the Work
@@ -139,15 +144,17 @@ class TorchWork(dist._Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if not self._finished:
             secs = timeout.total_seconds() if timeout else None
+            infos: Optional[List[Any]] = []
             for w in self._works:
                 try:
-                    w.wait(secs)       # the GIL is released meanwhile
+                    infos.append(w.wait(secs))  # the GIL is released meanwhile
                 except eccl.EcclError:
                     if not w.is_completed():
                         raise eccl.EcclTimeoutError(
                             f"the collective did not finish within {timeout}") from None
-                    break              # it failed: so does the Work, with its error
-            self._finish(on_task=False)
+                    infos = None       # it failed: so does the Work, with its error
+                    break
+            self._finish(on_task=False, infos=infos)
             failing = self._failing
             if failing is not None and not failing.wait(secs):
                 raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
@@ -208,11 +215,12 @@ class _Calls:
         """A torch Work that finishes once every one of `works` (eccl Works) has: then
         `after()` runs (a copy-out step) and the future completes with `result`.
         `kind`: "collective", "p2p" or "control" (which errors abort the epoch)."""
-        if torch_cuda.STAGING.active and torch_cuda.STAGING.waits:
+        staging = torch_cuda.STAGING
+        if staging.active and staging.waits:
             # The waits for the copies to host were queued before these calls.
-            works = torch_cuda.STAGING.waits + list(works)
-            torch_cuda.STAGING.waits = []
-        if torch_cuda.STAGING.active and torch_cuda.STAGING.back:
+            works = staging.waits + list(works)
+            staging.waits = []
+        if staging.active and staging.back:
             # A call on CUDA tensors staged through host copies: the device tensors
             # get the results before the Work completes, and are its result.
             pairs = torch_cuda.STAGING.back
