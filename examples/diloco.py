@@ -27,6 +27,23 @@ def digest(model: torch.nn.Module) -> str:
                                    for t in model.parameters())).hexdigest()[:16]
 
 
+class Stalling:
+    """The communicator, with a pause before its first `sync_shared_state` (a slow
+    newcomer, for tests)."""
+
+    def __init__(self, comm: eccl.Communicator, seconds: float) -> None:
+        self._comm, self._seconds = comm, seconds
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def sync_shared_state(self, *args, **kwargs):
+        if self._seconds:
+            time.sleep(self._seconds)
+            self._seconds = 0
+        return self._comm.sync_shared_state(*args, **kwargs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--outer-steps", type=int, default=30)
@@ -35,8 +52,11 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=0, help="extra time per inner step")
     p.add_argument("--inner-lr", type=float, default=3e-3)
     p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
-    p.add_argument("--delay-s", type=float, default=0,
-                   help="wait this long before joining (a newcomer started with the others)")
+    p.add_argument("--join-when", metavar="FILE",
+                   help="join only once FILE exists (a newcomer started with the others)")
+    p.add_argument("--stall-sync-s", type=float, default=0,
+                   help="sleep this long before this process's first state sync (for tests: "
+                        "the members serve it while they train)")
     p.add_argument("--die-at-outer", type=int, default=0,
                    help="SIGKILL this process as it reaches that outer step (for tests)")
     a = p.parse_args()
@@ -46,8 +66,11 @@ def main() -> None:
                                 torch.nn.Linear(a.width, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=a.inner_lr)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    time.sleep(a.delay_s)
+    while a.join_when and not os.path.exists(a.join_when):
+        time.sleep(0.05)
     comm = eccl.Communicator(min_world=a.min_world)
+    if a.stall_sync_s:
+        comm = Stalling(comm, a.stall_sync_s)
     job = eccl.torch.DiLoCo(model, inner, outer, comm, sync_every=a.sync_every)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
     x_eval = torch.randn(256, 16, generator=torch.Generator().manual_seed(2))
@@ -77,6 +100,7 @@ def main() -> None:
         if job.outer_steps != before:
             print(f"peer {comm.peer_id} outer step {job.outer_steps}: loss {loss:.4f}, "
                   f"{len(job.members)} members, params {digest(model)}", flush=True)
+    job.close()
     print(f"FINAL peer {comm.peer_id} outer {job.outer_steps} first_loss {first:.6f} "
           f"loss {evaluate():.6f} params {digest(model)}", flush=True)
     comm.leave()

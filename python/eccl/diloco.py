@@ -36,6 +36,7 @@ class DiLoCo:
         job = eccl.torch.DiLoCo(model, inner, outer, comm, sync_every=100)
         while job.outer_steps < n:
             loss = job.train_step(lambda m: loss_fn(m(x), y))
+        job.close()         # a newcomer admitted at the last outer step gets its state
 
     Every `sync_every` calls of `train_step`, the pseudo-gradients (shared model minus
     local model) are averaged over the members in one all_reduce and the outer
@@ -85,8 +86,11 @@ class DiLoCo:
             comm.update_topology()
         members_in_outer = self._admitted()
         if members_in_outer:
-            # The members are retrying an outer step: take part with nothing to add.
+            # The members are retrying an outer step: take part with nothing to add, and
+            # in the step boundary that follows it there (every member asks the master
+            # whether peers are pending, which it answers once all have asked).
             self._outer_step(zero=True)
+            self._boundary()
 
     # -- shared state -----------------------------------------------------------------
 
@@ -117,21 +121,26 @@ class DiLoCo:
                             dtype=torch.int64)
         roster = torch.empty((n, 4), dtype=torch.int64)
         self.comm.all_gather(roster, mine)
-        stale = self.outer_steps < int(roster[:, _REVISION].max())
+        newest = int(roster[:, _REVISION].max())
+        current = roster[:, _REVISION] == newest
+        stale = self.outer_steps < newest
         if stale and not self._needs_inner:
             # Behind the others (it had been evicted): its local training belongs to an
             # old model; it restarts from the shared one and adds nothing this time.
             self._contributes = False
         in_outer_now = bool(roster[:, _IN_OUTER].any())
-        # The outer step under way averages over those who trained for it; the next
-        # one, over everyone.
-        self._contributors = int(roster[:, _CONTRIBUTES].sum()) if in_outer_now else n
+        # The outer step under way averages over those who trained for it at the newest
+        # revision (a rank behind adds nothing, whatever it said); the next one, over
+        # everyone.
+        trained = roster[:, _CONTRIBUTES].bool() & current
+        self._contributors = int(trained.sum()) if in_outer_now else n
         # The shared state and the outer optimizer's change only in an outer step, which
         # runs after this sync in the communicator's queue: serving them in the
         # background is safe while inner steps run.
         works = [self.comm.sync_shared_state(self.outer_steps, self._state(), async_op=True)]
         needy = [r for r in range(n) if roster[r, _NEEDS_INNER]]
-        givers = [r for r in range(n) if not roster[r, _NEEDS_INNER]]
+        # The inner state comes from a rank that trained on the newest model.
+        givers = [r for r in range(n) if not roster[r, _NEEDS_INNER] and current[r]]
         received: List = []
         if needy and givers:
             src = givers[0]
@@ -167,6 +176,15 @@ class DiLoCo:
     def serving(self) -> bool:
         """Whether this member is still serving a newcomer's state in the background."""
         return any(not w.is_completed() for w in self._serving)
+
+    def close(self) -> None:
+        """Waits for the transfers this member still serves (a newcomer admitted at the
+        last outer step): call it before the loop ends or the process exits. A transfer
+        that failed (the newcomer died) is the newcomer's loss, not this member's."""
+        try:
+            self._settle()
+        except eccl.EcclError:
+            pass
 
     def _settle(self) -> None:
         """Waits for the transfers this member serves (raising a failed one's error, an

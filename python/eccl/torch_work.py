@@ -158,6 +158,10 @@ class TorchWork(dist._Work):
             failing = self._failing
             if failing is not None and not failing.wait(secs):
                 raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
+            if failing is None and not self._finished:
+                # A call that timed out here and succeeded an instant later, with calls
+                # after it still running: the Work is not done, so neither is the wait.
+                raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
         if self._error is not None:
             raise self._error
         return True

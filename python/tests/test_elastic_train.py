@@ -173,15 +173,18 @@ def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
     assert ", 3 members" in outs[2], "the newcomer trained with the survivors"
 
 
-def test_diloco_members_train_while_a_newcomer_fetches_its_state():
-    """DiLoCo's members serve a newcomer's state (36 MiB of shared model and outer
-    momentum, 36 MiB of inner optimizer state) in the background and go on with their
+def test_diloco_members_train_while_a_newcomer_fetches_its_state(tmp_path):
+    """DiLoCo's members serve a newcomer's state (72 MiB of shared model and outer
+    momentum, 72 MiB of inner optimizer state) in the background and go on with their
     inner steps, which need no communication; the next outer step waits for the
-    transfer, and every rank ends with the same parameters."""
+    transfer, and every rank ends with the same parameters. The newcomer pauses 1.5 s
+    before its sync, so the transfer cannot end before the members' next inner steps."""
     master = eccl.Master(lease_ms=3000, heartbeat_ms=200)
     env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
     script = str(EXAMPLES / "diloco.py")
-    args = ["--outer-steps", "4", "--sync-every", "10", "--width", "524288"]
+    sync_every = 10
+    args = ["--outer-steps", "5", "--sync-every", str(sync_every), "--width", "524288"]
+    go = tmp_path / "join"
 
     def start(*extra):
         return spawn([sys.executable, script, *args, *extra], env=env,
@@ -189,9 +192,13 @@ def test_diloco_members_train_while_a_newcomer_fetches_its_state():
                      start_new_session=True)
 
     # The newcomer starts with the members (its imports take as long as theirs) and
-    # joins once they train.
-    procs = [start("--min-world", "2") for _ in range(2)] + [start("--delay-s", "3")]
+    # joins once they have trained an outer step.
+    procs = [start("--min-world", "2") for _ in range(2)]
+    procs.append(start("--join-when", str(go), "--stall-sync-s", "1.5"))
     try:
+        line = read_until(procs[0], "outer step 1:", 120)
+        assert "outer step 1:" in line, "the members did not train"
+        go.touch()
         outs = []
         for p in procs:
             out, _ = p.communicate(timeout=180)
@@ -204,6 +211,9 @@ def test_diloco_members_train_while_a_newcomer_fetches_its_state():
     assert all(finals), [o[-2000:] for o in outs]
     assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
     assert ", 3 members" in outs[2], "the newcomer trained with the members"
-    serving = [line for o in outs[:2] for line in o.splitlines() if "while serving" in line]
-    assert serving, "no member took an inner step while the newcomer fetched its state"
+    # Inner steps after the one whose boundary admitted the newcomer, while serving.
+    steps = [int(m) for o in outs[:2]
+             for m in re.findall(r"inner step (\d+) while serving", o)]
+    assert any(k % sync_every for k in steps), \
+        f"no member took an inner step while the newcomer fetched its state: {steps}"
     assert "while serving" not in outs[2]
