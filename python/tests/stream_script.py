@@ -5,7 +5,9 @@ collective called with `async_op=True` right after must
 
 - return to the caller before that work is done (the backend does not block the host on
   the stream: `call_ms` against `sleep_ms`), and
-- still read what the stream wrote after the sleep (its result is exact).
+- still read what the stream wrote after the sleep (its result is exact); so must a
+  list-form reduce_scatter and an all_to_all with splits made behind the same work
+  (staged calls that rearrange their host copies first, and wait for them to do so).
 
 Prints its measurements and results as JSON after "RESULT "."""
 
@@ -46,12 +48,22 @@ def main() -> None:
         torch.cuda._sleep(cycles)
         t.fill_(float(rank + 1))
         mine = torch.full((4,), float(rank + 1), device=dev)
+        parts = [torch.full((4,), float(rank + 1), device=dev) for _ in range(n)]
+        sendbuf = torch.full((2 * n,), float(rank + 1), device=dev)
         w1 = dist.all_reduce(t, async_op=True)
         w2 = dist.all_gather_into_tensor(g, mine, async_op=True)
         res[f"{path}_call_ms"] = (time.monotonic() - t0) * 1e3
-        w1.wait()
-        w2.wait()
+        # Calls that rearrange their host copies before queuing anything (a list-form
+        # reduce_scatter, an all_to_all with splits): they wait for the copies first.
+        scattered = torch.zeros(4, device=dev)
+        w3 = dist.reduce_scatter(scattered, parts, async_op=True)
+        exchanged = torch.zeros(2 * n, device=dev)
+        w4 = dist.all_to_all_single(exchanged, sendbuf, [2] * n, [2] * n, async_op=True)
+        for w in (w1, w2, w3, w4):
+            w.wait()
         torch.cuda.synchronize()
+        res[f"{path}_scattered"] = scattered.tolist()
+        res[f"{path}_exchanged"] = exchanged.tolist()
         res[f"{path}_done_ms"] = (time.monotonic() - t0) * 1e3
         res[f"{path}_sum"] = sorted(set(t.tolist()))
         res[f"{path}_gathered"] = g.tolist()
