@@ -6,20 +6,22 @@
 //!   [`HostDevice`] (host memory; a test double for the logic) and, with the `cuda`
 //!   feature, `CudaDevice` (the CUDA driver through cudarc, loaded at run time, so nothing
 //!   CUDA is needed to build and a machine without it gets `DeviceError::Unavailable`);
-//! - [`ipc`]: the same-host all_reduce over memory every rank maps from every other.
+//! - [`ipc`]: the same-host all_reduce over memory every rank maps from every other;
+//! - `events` (feature `cuda`): events recorded on a caller's stream, waited for elsewhere.
 
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
+#[cfg(feature = "cuda")]
+pub mod events;
 pub mod host;
 pub mod ipc;
 pub mod kernels;
 
 pub use device::{DevPtr, Device, DeviceError, IpcMem, Reach, MAX_REACH};
 #[cfg(feature = "cuda")]
-pub use driver::{
-    compile, compile_cached, device_count, kernel_cache_dir, load_nvrtc, CudaDevice, EventPool,
-    RecordedEvent,
-};
+pub use driver::{compile, compile_cached, device_count, kernel_cache_dir, load_nvrtc, CudaDevice};
+#[cfg(feature = "cuda")]
+pub use events::{EventPool, RecordedEvent};
 pub use host::HostDevice;
 pub use ipc::{Exchange, IpcComm, IpcError, IpcKind};

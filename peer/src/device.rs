@@ -148,7 +148,113 @@ pub unsafe fn run<D: Device>(
     }
 }
 
-/// `call` through host memory: copy in, the host collective, copy out.
+impl DeviceCall {
+    /// Whether a buffer the call moves something through has the null address.
+    pub fn has_null_pointer(&self) -> bool {
+        let (count, ptrs) = match *self {
+            DeviceCall::AllReduce { buf, count, .. } | DeviceCall::Broadcast { buf, count, .. } => {
+                (count, [buf, buf])
+            }
+            DeviceCall::AllGather {
+                send, recv, count, ..
+            }
+            | DeviceCall::ReduceScatter {
+                send, recv, count, ..
+            } => (count, [send, recv]),
+        };
+        count > 0 && ptrs.contains(&0)
+    }
+
+    /// The host collective that does this call's work in a world of `world` ranks: its
+    /// arguments, the buffer it reads and the one it writes (address, elements), and
+    /// whether it runs in place (the two are one buffer).
+    fn host_form(&self, world: u32) -> (CollArgs, (DevPtr, usize), (DevPtr, usize), bool) {
+        let n = world as usize;
+        let args = |kind, dtype, op, root: usize, input, output| {
+            CollArgs::for_buffers(
+                kind,
+                dtype,
+                op,
+                Rank(root as u32),
+                Some(input),
+                Some(output),
+                world,
+            )
+        };
+        match *self {
+            DeviceCall::AllReduce {
+                buf,
+                count,
+                dtype,
+                op,
+                ..
+            } => (
+                args(CollectiveKind::AllReduce, dtype, op, 0, count, count),
+                (buf, count),
+                (buf, count),
+                true,
+            ),
+            DeviceCall::Broadcast {
+                buf,
+                count,
+                dtype,
+                root,
+            } => (
+                args(
+                    CollectiveKind::Broadcast,
+                    dtype,
+                    ReduceOp::Sum,
+                    root,
+                    count,
+                    count,
+                ),
+                (buf, count),
+                (buf, count),
+                true,
+            ),
+            DeviceCall::AllGather {
+                send,
+                recv,
+                count,
+                dtype,
+            } => (
+                args(
+                    CollectiveKind::AllGather,
+                    dtype,
+                    ReduceOp::Sum,
+                    0,
+                    count,
+                    n * count,
+                ),
+                (send, count),
+                (recv, n * count),
+                false,
+            ),
+            DeviceCall::ReduceScatter {
+                send,
+                recv,
+                count,
+                dtype,
+                op,
+            } => (
+                args(
+                    CollectiveKind::ReduceScatter,
+                    dtype,
+                    op,
+                    0,
+                    n * count,
+                    count,
+                ),
+                (send, n * count),
+                (recv, count),
+                false,
+            ),
+        }
+    }
+}
+
+/// `call` through host memory: copy in, the host collective, copy out (nothing is
+/// written to the device if the host collective fails).
 ///
 /// # Safety
 /// As [`run`].
@@ -158,107 +264,27 @@ unsafe fn staged<D: Device>(
     dev: &D,
     call: &DeviceCall,
 ) -> Result<(), Error> {
-    let world = comm.world_size();
+    let (args, (src, n_in), (dst, n_out), in_place) = call.host_form(comm.world_size());
+    let size = args.dtype.size();
     let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
-    // SAFETY (the downloads and uploads below): `run`'s caller promises the buffers hold
-    // what the call says; the sizes are the call's.
-    let down = |ptr: DevPtr, bytes: usize| -> Result<Vec<u8>, Error> {
-        let mut host = vec![0u8; bytes];
-        if bytes > 0 {
-            unsafe { dev.download(&mut host, ptr) }.map_err(dev_err)?;
-        }
-        Ok(host)
-    };
-    let up = |ptr: DevPtr, host: &[u8]| -> Result<(), Error> {
-        if !host.is_empty() {
-            unsafe { dev.upload(ptr, host) }.map_err(dev_err)?;
-        }
-        Ok(())
-    };
-    let on = |kind, dtype, op, root: usize, input, output| {
-        CollArgs::for_buffers(
-            kind,
-            dtype,
-            op,
-            Rank(root as u32),
-            Some(input),
-            Some(output),
-            world,
-        )
-    };
-    match *call {
-        DeviceCall::AllReduce {
-            buf,
-            count,
-            dtype,
-            op,
-            ..
-        } => {
-            let mut host = down(buf, count * dtype.size())?;
-            let args = on(CollectiveKind::AllReduce, dtype, op, 0, count, count);
-            rt.block_on(comm.collective_inplace_with(args, &mut host, OnAbort::Undefined))?;
-            up(buf, &host)
-        }
-        DeviceCall::Broadcast {
-            buf,
-            count,
-            dtype,
-            root,
-        } => {
-            let mut host = down(buf, count * dtype.size())?;
-            let args = on(
-                CollectiveKind::Broadcast,
-                dtype,
-                ReduceOp::Sum,
-                root,
-                count,
-                count,
-            );
-            rt.block_on(comm.collective_inplace_with(args, &mut host, OnAbort::Undefined))?;
-            up(buf, &host)
-        }
-        DeviceCall::AllGather {
-            send,
-            recv,
-            count,
-            dtype,
-        } => {
-            let n = world as usize;
-            let input = down(send, count * dtype.size())?;
-            let mut output = vec![0u8; n * count * dtype.size()];
-            let args = on(
-                CollectiveKind::AllGather,
-                dtype,
-                ReduceOp::Sum,
-                0,
-                count,
-                n * count,
-            );
-            rt.block_on(comm.collective(args, &input, &mut output))?;
-            up(recv, &output)
-        }
-        DeviceCall::ReduceScatter {
-            send,
-            recv,
-            count,
-            dtype,
-            op,
-        } => {
-            let n = world as usize;
-            let input = down(send, n * count * dtype.size())?;
-            let mut output = vec![0u8; count * dtype.size()];
-            let args = on(
-                CollectiveKind::ReduceScatter,
-                dtype,
-                op,
-                0,
-                n * count,
-                count,
-            );
-            rt.block_on(comm.collective(args, &input, &mut output))?;
-            up(recv, &output)
-        }
+    let mut input = vec![0u8; n_in * size];
+    if !input.is_empty() {
+        // SAFETY: `run`'s caller promises `src` holds the call's input, `n_in` elements.
+        unsafe { dev.download(&mut input, src) }.map_err(dev_err)?;
     }
+    let output = if in_place {
+        rt.block_on(comm.collective_inplace_with(args, &mut input, OnAbort::Undefined))?;
+        input
+    } else {
+        let mut output = vec![0u8; n_out * size];
+        rt.block_on(comm.collective(args, &input, &mut output))?;
+        output
+    };
+    if !output.is_empty() {
+        // SAFETY: as above, `dst` holds `n_out` elements the call writes.
+        unsafe { dev.upload(dst, &output) }.map_err(dev_err)?;
+    }
+    Ok(())
 }
 
 /// [`eccl_cuda::Exchange`] over a communicator, for code that runs on a tokio worker

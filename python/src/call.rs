@@ -65,7 +65,9 @@ pub(crate) enum Call {
     /// (`eccl_cuda::ipc`). `owner` is the Python object that owns the memory (tensors),
     /// held until the call is done.
     Device {
-        on: DeviceBuf,
+        /// CUDA device `cuda:N` of this rank's buffers.
+        device: usize,
+        call: eccl::device::DeviceCall,
         _owner: pyo3::Py<pyo3::PyAny>,
     },
     /// Waits, on the communicator's task and not the caller's thread, until the work that
@@ -112,27 +114,6 @@ impl Call {
             Call::Sync { tensors, .. } => (vec![], tensors.iter().map(|(_, b)| b).collect()),
         }
     }
-}
-
-/// Device memory a call works in: `count` elements of `dtype` at `ptr` on CUDA device
-/// `device` (per rank: all_gather's input, reduce_scatter's output), and the call.
-pub(crate) struct DeviceBuf {
-    pub ptr: u64,
-    pub count: usize,
-    pub dtype: DType,
-    pub device: usize,
-    pub what: DeviceOp,
-}
-
-pub(crate) enum DeviceOp {
-    /// In place at `ptr`; `keep`: left as it was if the call fails (G2).
-    AllReduce { op: ReduceOp, keep: bool },
-    /// Into `recv` (world × count elements).
-    AllGather { recv: u64 },
-    /// `ptr` is the input (world × count elements), `recv` the output.
-    ReduceScatter { recv: u64, op: ReduceOp },
-    /// In place at `ptr`, from rank `root`.
-    Broadcast { root: usize },
 }
 
 /// A call waiting in the communicator's queue, with what finishes its Python `Work`.
@@ -260,42 +241,17 @@ async fn await_device(comm: &mut eccl::Communicator, event: &eccl_cuda::Recorded
 /// where the world's GPUs cannot reach each other): blocks this runtime worker (in
 /// `block_in_place`) for the device work and the exchange rounds, which run as ordinary
 /// collectives.
-fn device_call(comm: &mut eccl::Communicator, devices: &mut Devices, b: &DeviceBuf) -> Outcome {
-    use eccl::device::DeviceCall;
-    let ipc = devices.open(b.device)?;
-    let (buf, count, dtype) = (b.ptr, b.count, b.dtype);
-    let call = match b.what {
-        DeviceOp::AllReduce { op, keep } => DeviceCall::AllReduce {
-            buf,
-            count,
-            dtype,
-            op,
-            keep,
-        },
-        DeviceOp::AllGather { recv } => DeviceCall::AllGather {
-            send: buf,
-            recv,
-            count,
-            dtype,
-        },
-        DeviceOp::ReduceScatter { recv, op } => DeviceCall::ReduceScatter {
-            send: buf,
-            recv,
-            count,
-            dtype,
-            op,
-        },
-        DeviceOp::Broadcast { root } => DeviceCall::Broadcast {
-            buf,
-            count,
-            dtype,
-            root,
-        },
-    };
+fn device_call(
+    comm: &mut eccl::Communicator,
+    devices: &mut Devices,
+    device: usize,
+    call: &eccl::device::DeviceCall,
+) -> Outcome {
+    let ipc = devices.open(device)?;
     let rt = tokio::runtime::Handle::current();
     // SAFETY: the Python side checked that the pointers are tensors of the call's sizes on
     // `device`, and the call holds those tensors (`owner`) until it is done.
-    tokio::task::block_in_place(|| unsafe { eccl::device::run(comm, rt, ipc, &call) })?;
+    tokio::task::block_in_place(|| unsafe { eccl::device::run(comm, rt, ipc, call) })?;
     Ok(Done::Left)
 }
 
@@ -392,7 +348,7 @@ async fn run(
                 .await
                 .map(Done::Op)
         }
-        Call::Device { on, _owner: _ } => device_call(comm, devices, on),
+        Call::Device { device, call, .. } => device_call(comm, devices, *device, call),
         Call::AwaitDevice { event } => await_device(comm, event).await,
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)

@@ -16,10 +16,11 @@ use pyo3::IntoPyObjectExt;
 use tokio::sync::mpsc;
 
 use crate::buffer::{check_disjoint, HostBuffer, WritableBuffer};
-use crate::call::{serve, Call, DeviceBuf, DeviceOp, Info, Queued};
+use crate::call::{serve, Call, Info, Queued};
 use crate::errors::{invalid, OrRaise};
 use crate::runtime::{runtime, track};
 use crate::work::{Completer, Work};
+use eccl::device::DeviceCall;
 
 /// Names every call of this process, for [`crate::buffer::Claim`].
 static NEXT_CALL: AtomicU64 = AtomicU64::new(1);
@@ -59,37 +60,32 @@ pub(crate) struct Communicator {
     masters: String,
 }
 
+/// A device call's dtype, as `torch`'s or eccl's name for it.
+fn device_dtype(dtype: &str) -> PyResult<DType> {
+    DType::parse(dtype).ok_or_else(|| invalid(format!("unknown dtype {dtype:?}")))
+}
+
 impl Communicator {
-    /// Submits one device collective: `ptrs` are the device addresses it is given (none
-    /// may be null when there is something to move).
-    #[allow(clippy::too_many_arguments)]
+    /// Submits one device collective on CUDA device `device` (none of its buffers may
+    /// have the null address when there is something to move).
     fn device_call(
         &self,
         py: Python<'_>,
-        ptrs: &[u64],
-        count: usize,
-        dtype: &str,
         device: usize,
-        what: DeviceOp,
+        call: DeviceCall,
         owner: Option<Py<PyAny>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let dtype =
-            DType::parse(dtype).ok_or_else(|| invalid(format!("unknown dtype {dtype:?}")))?;
-        if count > 0 && ptrs.contains(&0) {
+        if call.has_null_pointer() {
             return Err(invalid("a null device pointer".to_string()));
         }
+        let _owner = owner.unwrap_or_else(|| py.None());
         self.submit(
             py,
             Call::Device {
-                on: DeviceBuf {
-                    ptr: ptrs[0],
-                    count,
-                    dtype,
-                    device,
-                    what,
-                },
-                _owner: owner.unwrap_or_else(|| py.None()),
+                device,
+                call,
+                _owner,
             },
             async_op,
         )
@@ -444,11 +440,14 @@ impl Communicator {
         async_op: bool,
         keep_on_abort: bool,
     ) -> PyResult<Py<PyAny>> {
-        let what = DeviceOp::AllReduce {
+        let call = DeviceCall::AllReduce {
+            buf: ptr,
+            count,
+            dtype: device_dtype(dtype)?,
             op: reduce_op(op)?,
             keep: keep_on_abort,
         };
-        self.device_call(py, &[ptr], count, dtype, device, what, owner, async_op)
+        self.device_call(py, device, call, owner, async_op)
     }
 
     /// All_gather of device memory among ranks that all run on this host: `count`
@@ -469,17 +468,13 @@ impl Communicator {
         owner: Option<Py<PyAny>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let what = DeviceOp::AllGather { recv };
-        self.device_call(
-            py,
-            &[send, recv],
+        let call = DeviceCall::AllGather {
+            send,
+            recv,
             count,
-            dtype,
-            device,
-            what,
-            owner,
-            async_op,
-        )
+            dtype: device_dtype(dtype)?,
+        };
+        self.device_call(py, device, call, owner, async_op)
     }
 
     /// Reduce_scatter of device memory among ranks that all run on this host: every
@@ -501,20 +496,14 @@ impl Communicator {
         owner: Option<Py<PyAny>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let what = DeviceOp::ReduceScatter {
+        let call = DeviceCall::ReduceScatter {
+            send,
             recv,
+            count,
+            dtype: device_dtype(dtype)?,
             op: reduce_op(op)?,
         };
-        self.device_call(
-            py,
-            &[send, recv],
-            count,
-            dtype,
-            device,
-            what,
-            owner,
-            async_op,
-        )
+        self.device_call(py, device, call, owner, async_op)
     }
 
     /// Broadcast of device memory from rank `root` among ranks that all run on this
@@ -534,8 +523,13 @@ impl Communicator {
         owner: Option<Py<PyAny>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let what = DeviceOp::Broadcast { root };
-        self.device_call(py, &[ptr], count, dtype, device, what, owner, async_op)
+        let call = DeviceCall::Broadcast {
+            buf: ptr,
+            count,
+            dtype: device_dtype(dtype)?,
+            root,
+        };
+        self.device_call(py, device, call, owner, async_op)
     }
 
     /// Several tensors of one dtype reduced in place by one all_reduce (one collective,

@@ -53,6 +53,17 @@ def read_until(p, text: str, timeout: float) -> str:
     return line
 
 
+def outputs(procs, timeout: float) -> List[str]:
+    """Waits for each of `procs` (stdout piped, as text) and returns what each printed;
+    a process that did not exit 0 fails the test with the end of its output."""
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, out[-3000:]
+        outs.append(out)
+    return outs
+
+
 def kill_node(p) -> None:
     """SIGKILLs a process started with `start_new_session=True`, its session's group and
     every process below it, and reaps it. A torchrun agent starts each worker in a

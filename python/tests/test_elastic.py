@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, kill_node, read_until, spawn, stop_sessions  # noqa: E402
+from procs import free_port, kill_node, outputs, read_until, spawn, stop_sessions  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic_ddp.py"
 FINAL = re.compile(r"FINAL peer (\d+) revision (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
@@ -50,11 +50,7 @@ def test_kill_one_rank_and_add_another():
         kill_node(procs[1])     # its torchrun agent and its worker
         newcomer = start(1)
         procs.append(newcomer)
-        outs = []
-        for p in (procs[0], procs[2], newcomer):
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, out[-3000:]
-            outs.append(out)
+        outs = outputs((procs[0], procs[2], newcomer), 120)
     finally:
         stop_sessions(procs)
         master.shutdown()
@@ -95,11 +91,7 @@ def test_a_newcomer_killed_while_it_heals_leaves_the_members_training():
         newcomer = start(1, {"ECCL_FAULT_INJECT": "sync-fetch:kill"})
         procs.append(newcomer)
         newcomer_out, _ = newcomer.communicate(timeout=120)
-        outs = []
-        for p in procs[:2]:
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, out[-3000:]
-            outs.append(out)
+        outs = outputs(procs[:2], 120)
     finally:
         stop_sessions(procs)
         master.shutdown()

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import eccl  # noqa: E402
-from procs import free_port, read_until, spawn, stop_sessions  # noqa: E402
+from procs import free_port, outputs, read_until, spawn, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parents[1] / "examples"
@@ -153,11 +153,7 @@ def test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer():
         line = read_until(procs[0], "outer step 6:", 90)
         assert "outer step 6:" in line, "training did not go on after the death"
         procs.append(start())
-        outs = []
-        for p in (procs[0], procs[1], procs[3]):
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, out[-3000:]
-            outs.append(out)
+        outs = outputs((procs[0], procs[1], procs[3]), 120)
         victim, _ = procs[2].communicate(timeout=10)
     finally:
         stop_sessions(procs)
@@ -199,11 +195,7 @@ def test_diloco_members_train_while_a_newcomer_fetches_its_state(tmp_path):
         line = read_until(procs[0], "outer step 1:", 120)
         assert "outer step 1:" in line, "the members did not train"
         go.touch()
-        outs = []
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            assert p.returncode == 0, out[-3000:]
-            outs.append(out)
+        outs = outputs(procs, 180)
     finally:
         stop_sessions(procs)
         master.shutdown()
