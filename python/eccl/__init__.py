@@ -57,6 +57,31 @@ for _cls in _eccl.ERRORS:
 ERRORS = tuple(_eccl.ERRORS)
 
 
+class StateLostError(EcclError):
+    """The job's shared state is gone: every rank that held its newest revision left (died,
+    was evicted) before passing it on, and the ranks still here hold only older revisions,
+    or a newcomer's half-received copy. `ElasticDDP` and `DiLoCo` raise it on every rank of
+    the world rather than train on from such a state (what `sync_shared_state` would
+    otherwise settle on: the newest revision among the ranks present). Not retryable:
+    restore the state from a checkpoint. `revision` is the newest revision the job
+    reached, `newest` the newest one a rank still holds."""
+
+    retryable = False
+    hint = "restore the state from a checkpoint and start the job again"
+
+    def __init__(self, revision: int, newest: int, what: str = "the shared state") -> None:
+        super().__init__(
+            f"{what} at revision {revision} is lost: every rank that held it left before "
+            f"passing it on, and the newest revision a rank of this world still holds is "
+            f"{newest} (hint: {self.hint})")
+        self.revision = revision
+        self.newest = newest
+        self._what = what
+
+    def __reduce__(self):
+        return (type(self), (self.revision, self.newest, self._what))
+
+
 def dtype_of(x: Any) -> "DType":
     """The `DType` eccl reads `x` as, or `InvalidArgumentError` saying why it cannot."""
     return DType(_eccl.dtype_of(x))
@@ -64,7 +89,7 @@ def dtype_of(x: Any) -> "DType":
 
 __all__ = [
     "Communicator", "Master", "Work", "OpInfo", "WorldUpdate", "SyncInfo", "DType",
-    "ReduceOp", "EcclError", "dtype_of",
+    "ReduceOp", "EcclError", "StateLostError", "dtype_of",
 ] + [c.__name__ for c in ERRORS]
 
 # Calls in flight write into Python-owned buffers; stop them, and wait until they have

@@ -18,7 +18,7 @@ __all__ = ["DiLoCo"]
 # Per rank, exchanged after every change of world: whether it still needs the inner
 # optimizer's state, whether its pseudo-gradient counts in the outer step under way,
 # whether it is inside an outer step, and the shared state's revision it holds.
-_NEEDS_INNER, _CONTRIBUTES, _IN_OUTER, _REVISION = 0, 1, 2, 3
+_NEEDS_INNER, _CONTRIBUTES, _IN_OUTER, _REVISION, _REACHED = 0, 1, 2, 3, 4
 
 
 def _flat_bytes(tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -68,6 +68,9 @@ class DiLoCo:
         self.sync_every = sync_every
         self.max_retries = max_retries
         self.outer_steps = 0            # the shared state's revision
+        # The newest revision this rank has heard that the job reached (a newcomer knows
+        # it before its state arrives).
+        self._reached = 0
         self.local_steps = 0
         self.members: tuple = ()
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -84,7 +87,12 @@ class DiLoCo:
         self._contributes = not self._needs_inner
         if self._needs_inner:
             comm.update_topology()
-        members_in_outer = self._admitted()
+        try:
+            members_in_outer = self._admitted()
+        except eccl.AbortedError:
+            # A fault during the first sync (the member serving it died): the next
+            # world, and the sync again over it, as the members do.
+            members_in_outer = next_world(comm, self._admitted, max_retries)
         if members_in_outer:
             # The members are retrying an outer step: take part with nothing to add, and
             # in the step boundary that follows it there (every member asks the master
@@ -112,16 +120,22 @@ class DiLoCo:
 
         Every rank first says where it stands (one small all_gather): who needs the
         inner state, who trained for the outer step under way, and the revision each
-        holds. A rank behind the newest revision (a newcomer, or a member that had been
-        evicted) waits for its state here; a rank that holds it only serves, in the
-        background, and `_settle` waits for that before its next collective of its
-        own."""
+        holds and the newest it has heard of (a job whose every holder of the newest
+        state left before passing it on stops here with `StateLostError`, on every rank,
+        rather than train on from an older or half-received copy). A rank behind the
+        newest revision (a newcomer, or a member that had been evicted) waits for its
+        state here; a rank that holds it only serves, in the background, and `_settle`
+        waits for that before its next collective of its own."""
         n = self.comm.world_size
-        mine = torch.tensor([self._needs_inner, self._contributes, in_outer, self.outer_steps],
-                            dtype=torch.int64)
-        roster = torch.empty((n, 4), dtype=torch.int64)
+        mine = torch.tensor([self._needs_inner, self._contributes, in_outer, self.outer_steps,
+                             max(self._reached, self.outer_steps)], dtype=torch.int64)
+        roster = torch.empty((n, 5), dtype=torch.int64)
         self.comm.all_gather(roster, mine)
         newest = int(roster[:, _REVISION].max())
+        reached = int(roster[:, _REACHED].max())
+        if reached > newest:
+            raise eccl.StateLostError(reached, newest, "the outer state")
+        self._reached = newest
         current = roster[:, _REVISION] == newest
         stale = self.outer_steps < newest
         if stale and not self._needs_inner:
@@ -216,7 +230,10 @@ class DiLoCo:
     def _boundary(self) -> None:
         if self.comm.are_peers_pending():
             self.comm.update_topology()
-            self._admitted()
+            try:
+                self._admitted()
+            except eccl.AbortedError:
+                next_world(self.comm, self._admitted, self.max_retries)
 
     def _pseudo_gradient(self, zero: bool) -> torch.Tensor:
         flat = torch.empty(sum(self._sizes), dtype=self._wire)

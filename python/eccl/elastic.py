@@ -220,7 +220,12 @@ class ElasticDDP:
         self._joined_now = comm.rank is None
         if self._joined_now:
             comm.update_topology()
-        self._admit()
+        try:
+            self._admit()
+        except eccl.AbortedError:
+            # A fault during the first sync (a member serving it died): the next world,
+            # and the sync again over it, as the members do after a failed step.
+            next_world(comm, self._admit, max_retries)
 
     # -- state ----------------------------------------------------------------------
 
@@ -262,12 +267,19 @@ class ElasticDDP:
         and the oldest (one small all_reduce); if a rank is behind and
         `heal_in_background`, the sync runs in the background until the next step's end
         (`_Healing`), otherwise here. Returns whether this rank's state was replaced here."""
-        if not self.heal_in_background:
-            return self._sync()
-        revs = torch.tensor([self._held, -self._held], dtype=torch.int64)
+        # The newest revision a rank holds, the oldest, and the newest the job reached
+        # (a newcomer healing in the background knows it before it holds it).
+        revs = torch.tensor([self._held, -self._held, self.revision], dtype=torch.int64)
         self.comm.all_reduce(revs, "max")
-        newest, oldest = int(revs[0]), -int(revs[1])
-        if oldest == newest:
+        newest, oldest, reached = int(revs[0]), -int(revs[1]), int(revs[2])
+        if reached > newest:
+            # Every holder of the newest state left before passing it on: what the ranks
+            # here hold is older, or a newcomer's half-received copy. Every rank of the
+            # world sees the same figures and stops.
+            raise eccl.StateLostError(reached, newest, "the model and optimizer state")
+        # Known from now on, also if the sync below fails part-way.
+        self.revision = newest
+        if not self.heal_in_background or oldest == newest:
             # Nobody is behind (a first world, a recovery among members): what the sync
             # settles, it settles before anyone computes.
             return self._sync()
@@ -328,7 +340,12 @@ class ElasticDDP:
         if not self.comm.are_peers_pending():
             return False
         self.comm.update_topology()
-        self._admit()
+        try:
+            self._admit()
+        except eccl.AbortedError:
+            # A fault during the admission's sync (the newcomer, or a member, died): the
+            # next world, and the sync again over it.
+            next_world(self.comm, self._admit, self.max_retries)
         return True
 
     def recover(self) -> bool:

@@ -101,3 +101,63 @@ def test_a_newcomer_killed_while_it_heals_leaves_the_members_training():
     assert all(finals), outs
     assert len({f.group(2) for f in finals}) == 1 and int(finals[0].group(2)) >= 1500, finals
     assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
+
+
+def test_a_newcomer_whose_only_source_dies_stops_with_state_lost():
+    """The one member serving a newcomer's state dies as it sends its first chunk: no rank
+    of the next world holds the state the job reached, and the newcomer's copy is half
+    received. It stops with `StateLostError` naming the revision, instead of training on
+    from that copy (it used to go on alone, as if at the members' revision)."""
+    master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+
+    def start(extra_env):
+        return start_node(dict(env, **extra_env), "--steps", "3000", "--min-world", "1",
+                          "--step-ms", "5")
+
+    member = start({"ECCL_FAULT_INJECT": "sync-serve:kill"})
+    procs = [member]
+    try:
+        line = read_until(member, "step 20:", 60)
+        assert "step 20:" in line, "training did not start"
+        newcomer = start({})
+        procs.append(newcomer)
+        out, _ = newcomer.communicate(timeout=120)
+        member_out, _ = member.communicate(timeout=30)
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    assert "kill at SyncServe" in member_out, member_out[-2000:]
+    lost = re.search(r"StateLostError: the model and optimizer state at revision (\d+) is lost",
+                     out)
+    assert lost and int(lost.group(1)) >= 20, out[-3000:]
+    assert "FINAL" not in out and newcomer.returncode != 0, out[-3000:]
+
+
+def test_a_member_dying_while_it_serves_leaves_the_newcomer_to_the_other():
+    """Two members serve a newcomer; one dies as it sends its first chunk. The newcomer and
+    the other member move to the next world, the state comes again from the survivor,
+    and both end with the same parameters at the same revision."""
+    master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+
+    def start(min_world, extra_env=None):
+        return start_node(dict(env, **(extra_env or {})), "--steps", "1500", "--min-world",
+                          str(min_world), "--step-ms", "5")
+
+    procs = [start(2), start(2, {"ECCL_FAULT_INJECT": "sync-serve:kill"})]
+    try:
+        line = read_until(procs[0], "step 20:", 60)
+        assert "step 20:" in line, "training did not start"
+        procs.append(start(1))
+        outs = outputs((procs[0], procs[2]), 120)
+        victim, _ = procs[1].communicate(timeout=30)
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    assert "kill at SyncServe" in victim, victim[-2000:]
+    finals = [FINAL.search(o) for o in outs]
+    assert all(finals), [o[-3000:] for o in outs]
+    assert len({f.group(2) for f in finals}) == 1 and int(finals[0].group(2)) >= 1500, finals
+    assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
+    assert "over 2 members" in outs[1], "the newcomer trained with the survivor"

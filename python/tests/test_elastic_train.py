@@ -209,3 +209,70 @@ def test_diloco_members_train_while_a_newcomer_fetches_its_state(tmp_path):
     assert any(k % sync_every for k in steps), \
         f"no member took an inner step while the newcomer fetched its state: {steps}"
     assert "while serving" not in outs[2]
+
+
+def test_a_diloco_newcomer_whose_only_source_dies_stops_with_state_lost(tmp_path):
+    """DiLoCo's one member dies as it sends a newcomer its first chunk of state: the
+    newcomer moves to the next world (it no longer gives up in its constructor), finds
+    that no rank there holds the outer state the job reached, and stops with
+    `StateLostError` instead of training from its half-received copy."""
+    master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    script = str(EXAMPLES / "diloco.py")
+    go = tmp_path / "join"
+
+    def start(extra_env, *extra):
+        return spawn([sys.executable, script, "--outer-steps", "400", "--step-ms", "5", *extra],
+                     env=dict(env, **extra_env), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    member = start({"ECCL_FAULT_INJECT": "sync-serve:kill"})
+    newcomer = start({}, "--join-when", str(go))
+    procs = [member, newcomer]
+    try:
+        line = read_until(member, "outer step 2:", 90)
+        assert "outer step 2:" in line, "the member did not train"
+        go.touch()
+        out, _ = newcomer.communicate(timeout=120)
+        member_out, _ = member.communicate(timeout=30)
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    assert "kill at SyncServe" in member_out, member_out[-2000:]
+    lost = re.search(r"StateLostError: the outer state at revision (\d+) is lost", out)
+    assert lost and int(lost.group(1)) >= 2, out[-3000:]
+    assert "FINAL" not in out and newcomer.returncode != 0, out[-3000:]
+
+
+def test_a_diloco_newcomer_fetches_again_from_the_member_left_when_one_dies(tmp_path):
+    """Two DiLoCo members serve a newcomer; one dies as it sends its first chunk. The
+    newcomer's constructor moves to the next world and fetches the state again from the
+    survivor (it used to raise `AbortedError`), and both end with the same parameters."""
+    master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    script = str(EXAMPLES / "diloco.py")
+    go = tmp_path / "join"
+
+    def start(extra_env, *extra):
+        return spawn([sys.executable, script, "--outer-steps", "40", "--step-ms", "20", *extra],
+                     env=dict(env, **extra_env), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    procs = [start({}, "--min-world", "2"),
+             start({"ECCL_FAULT_INJECT": "sync-serve:kill"}, "--min-world", "2"),
+             start({}, "--join-when", str(go))]
+    try:
+        line = read_until(procs[0], "outer step 2:", 90)
+        assert "outer step 2:" in line, "the members did not train"
+        go.touch()
+        outs = outputs((procs[0], procs[2]), 120)
+        victim, _ = procs[1].communicate(timeout=30)
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    assert "kill at SyncServe" in victim, victim[-2000:]
+    finals = [FINAL.search(o) for o in outs]
+    assert all(finals), [o[-3000:] for o in outs]
+    assert {f.group(2) for f in finals} == {"40"}
+    assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
+    assert ", 2 members" in outs[1], "the newcomer trained with the survivor"
