@@ -31,13 +31,16 @@ def main() -> None:
     p.add_argument("--until-world", type=int, default=0,
                    help="keep training past --steps until the world has had this many members "
                         "for 20 steps (a job that waits for a replacement before it ends)")
+    p.add_argument("--heal-in-boundary", action="store_true",
+                   help="newcomers fetch the state inside step_boundary() (every rank waits), "
+                        "not in the background of the next step")
     a = p.parse_args()
 
     torch.manual_seed(0)            # same initial model everywhere; newcomers get synced
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     comm = eccl.Communicator(min_world=a.min_world)
-    job = eccl.torch.ElasticDDP(model, opt, comm)
+    job = eccl.torch.ElasticDDP(model, opt, comm, heal_in_background=not a.heal_in_boundary)
     target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
     first = None
     full_since = None   # the revision from which the world has had --until-world members

@@ -103,17 +103,20 @@ def test_a_newcomer_killed_while_it_heals_leaves_the_members_training():
     assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
 
 
-def test_a_newcomer_whose_only_source_dies_stops_with_state_lost():
+@pytest.mark.parametrize("where", ["background", "boundary"])
+def test_a_newcomer_whose_only_source_dies_stops_with_state_lost(where):
     """The one member serving a newcomer's state dies as it sends its first chunk: no rank
     of the next world holds the state the job reached, and the newcomer's copy is half
     received. It stops with `StateLostError` naming the revision, instead of training on
-    from that copy (it used to go on alone, as if at the members' revision)."""
+    from that copy (it used to go on alone, as if at the members' revision); whether it
+    heals in the background of the next step or inside the step boundary."""
     master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
     env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    mode = ["--heal-in-boundary"] if where == "boundary" else []
 
     def start(extra_env):
         return start_node(dict(env, **extra_env), "--steps", "3000", "--min-world", "1",
-                          "--step-ms", "5")
+                          "--step-ms", "5", *mode)
 
     member = start({"ECCL_FAULT_INJECT": "sync-serve:kill"})
     procs = [member]
