@@ -4,6 +4,14 @@ backend against the same all_reduce made directly on the backend's own
 rounds so that both see the same load. Prints one line per size, and with --json writes
 every figure.
 
+The overhead has two parts: what torch itself spends taking a call to any Python backend
+and back (`dist.all_reduce` into C++, the dispatcher, pybind11 back into Python, the
+returned Work's `wait()`), and eccl's Python. The first is measured beside the others as
+"floor": `dist.all_reduce` on a group of a do-nothing Python backend (its Work is
+complete at once), whose cost is torch's alone. `--pin` runs each rank on a core of its
+own (rank r on core r modulo the cores), which makes the figures stable where a 2-core
+machine's scheduler otherwise moves the ranks' threads around.
+
     python examples/torch_overhead.py --ranks 2 4 --sizes 1K,64M --iters 2000,10 --rounds 3
 """
 
@@ -26,6 +34,34 @@ device = sys.argv[8]
 store = dist.TCPStore(addr, port, n, rank == 0)
 dist.init_process_group("eccl", store=store, rank=rank, world_size=n)
 pg = dist.group.WORLD
+
+
+class _Done(dist._Work):
+    def wait(self, timeout=None):
+        return True
+
+
+class _Noop(torch._C._distributed_c10d.Backend):
+    # A Python backend that does nothing: what torch spends reaching it is the floor.
+
+    def __init__(self, rank, size):
+        super().__init__(rank, size)
+
+    def allreduce(self, tensors, opts=None):
+        return _Done()
+
+    def getBackendName(self):  # noqa: N802 - torch's name
+        return "overheadnoop"
+
+
+floor_group = None
+if device == "cpu":
+    try:
+        dist.Backend.register_backend("overheadnoop", lambda s, r, w, t: _Noop(r, w),
+                                      devices=["cpu"])
+        floor_group = dist.new_group(backend="overheadnoop")
+    except Exception as e:  # torch without Python-constructible backends (2.11 and older)
+        print(f"no floor: {e}", file=sys.stderr)
 # torch 2.5-2.14 make a Python backend the whole group (no backend beneath it).
 comm = pg.comm if hasattr(pg, "comm") else pg._get_backend(torch.device("cpu")).comm
 if device == "cuda":
@@ -34,7 +70,7 @@ if device == "cuda":
     paths = ("native", "event", "torch")
 else:
     dev = torch.device("cpu")
-    paths = ("native", "torch")
+    paths = ("native", "torch", "floor") if floor_group is not None else ("native", "torch")
 
 
 def native(t):
@@ -50,7 +86,8 @@ def event(t):
     native(t)
 
 
-call = {"native": native, "event": event, "torch": dist.all_reduce}
+call = {"native": native, "event": event, "torch": dist.all_reduce,
+        "floor": lambda t: dist.all_reduce(t, group=floor_group)}
 out = []
 for size, it in zip(sizes, iters):
     t = torch.ones(size // 4, dtype=torch.float32, device=dev)
@@ -84,13 +121,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(n: int, sizes, iters, rounds: int, device: str = "cpu"):
+def run(n: int, sizes, iters, rounds: int, device: str = "cpu", pin: bool = False):
     """Each rank's timings; the slowest rank's time per (size, round, path) is the
     call's time, as nccl-tests reports."""
     port = free_port()
     args = [",".join(map(str, sizes)), ",".join(map(str, iters)), str(rounds), device]
+    cores = sorted(os.sched_getaffinity(0))
+
+    def pinned(r: int):
+        core = cores[r % len(cores)]
+        return lambda: os.sched_setaffinity(0, {core})
+
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(n), "127.0.0.1",
                                str(port), *args],
+                              preexec_fn=pinned(r) if pin else None,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     try:
@@ -121,6 +165,8 @@ def main() -> None:
     p.add_argument("--iters", default="2000,10", help="calls per round, one per size")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--pin", action="store_true",
+                   help="run rank r on core r (modulo the cores) only")
     p.add_argument("--json")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -130,7 +176,7 @@ def main() -> None:
     report = []
     started = time.time()
     for n in a.ranks:
-        t = run(n, sizes, iters, a.rounds, a.device)
+        t = run(n, sizes, iters, a.rounds, a.device, a.pin)
         for size in sizes:
             native = [t[(size, r, "native")] for r in range(a.rounds)]
             torch_ = [t[(size, r, "torch")] for r in range(a.rounds)]
@@ -138,19 +184,25 @@ def main() -> None:
             row = {"ranks": n, "bytes": size, "native_us": native, "torch_us": torch_,
                    "overhead_us": extra}
             ev = ""
+            if (size, 0, "floor") in t:
+                # torch's own part of the overhead, and eccl's (the rest).
+                row["floor_us"] = [t[(size, r, "floor")] for r in range(a.rounds)]
+                row["eccl_python_us"] = [x - f for x, f in zip(extra, row["floor_us"])]
+                ev = (f"floor {statistics.median(row['floor_us']):6.1f} us  eccl's part "
+                      f"{statistics.median(row['eccl_python_us']):+.1f} us  ")
             if a.device == "cuda":
                 row["event_us"] = [t[(size, r, "event")] for r in range(a.rounds)]
                 ev = f"event {statistics.median(row['event_us']):10.1f} us  "
             report.append(row)
-            print(f"n={n} {size:>10} B  native {statistics.median(native):10.1f} us  {ev}"
+            print(f"n={n} {size:>10} B  native {statistics.median(native):10.1f} us  "
                   f"torch {statistics.median(torch_):10.1f} us  overhead per call "
                   f"{min(extra):+.1f} .. {max(extra):+.1f} us (median "
-                  f"{statistics.median(extra):+.1f})", flush=True)
+                  f"{statistics.median(extra):+.1f})  {ev}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d", time.gmtime(started)),
                        "transport": os.environ.get("ECCL_TRANSPORT", "auto"),
-                       "device": a.device,
+                       "device": a.device, "pinned": a.pin,
                        "rows": report}, f, indent=1)
 
 

@@ -14,7 +14,7 @@ mod executor;
 mod fault;
 mod links;
 pub use eccl_transport::logging;
-pub use eccl_transport::spin::spin_until;
+pub use eccl_transport::spin::{spin_until, spin_until_within};
 mod master_client;
 pub mod shared_state;
 pub mod sim;

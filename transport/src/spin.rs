@@ -46,12 +46,20 @@ pub fn plan_spin(local_peers: usize) {
 /// other thread that can run there (`sched_yield`), for a waiter whose own process's
 /// threads do the work it waits for (a Python `Work.wait()` waits for eccl's runtime).
 pub fn spin_until(ready: impl Fn() -> bool, yielding: bool) -> bool {
+    spin_until_within(ready, yielding, Duration::MAX)
+}
+
+/// [`spin_until`], for at most `cap` (a waiter on a thread that others share, which must
+/// not hold it for as long as a thread of its own may).
+pub fn spin_until_within(ready: impl Fn() -> bool, yielding: bool, cap: Duration) -> bool {
     let us = if yielding {
         &YIELDING_SPIN_US
     } else {
         &SPIN_US
     };
-    let us = us.load(Ordering::Relaxed);
+    let us = us
+        .load(Ordering::Relaxed)
+        .min(u64::try_from(cap.as_micros()).unwrap_or(u64::MAX));
     if us == 0 {
         return ready();
     }
