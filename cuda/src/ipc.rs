@@ -1,9 +1,9 @@
 //! The same-host collectives over device memory that every rank maps from every other
 //! (CUDA IPC): no copy through the host and no link in the data path. all_reduce is
-//! described below; all_gather, reduce_scatter and broadcast follow the same steps
-//! (records, the work of each GPU's owner, status) without `keep`: the owner of each GPU
-//! copies (or, for reduce_scatter, reduces in rank order) straight from every rank's
-//! buffer into the buffers of the ranks on its GPU.
+//! described below; all_gather, reduce_scatter, broadcast, all_to_all, gather and
+//! scatter follow the same steps (records, the work of each GPU's owner, status) without
+//! `keep`: the owner of each GPU copies (or, for reduce_scatter, reduces in rank order)
+//! straight from every rank's buffer into the buffers of the ranks on its GPU.
 //!
 //! A call exchanges a fixed-size record per rank over the caller's [`Exchange`] (eccl's
 //! authenticated link: a handle from anyone outside the world is never opened): the
@@ -85,7 +85,7 @@ pub enum IpcError {
 }
 
 const MAGIC: &[u8; 4] = b"ECIP";
-const VERSION: u8 = 4;
+const VERSION: u8 = 5;
 /// Bytes of one rank's record.
 const META_BYTES: usize = 4 + 1 + 5 + 4 + 8 + 2 * MEM_BYTES + GPU_ID_BYTES + REACH_BYTES;
 /// A [`Reach`]: every GPU or not (1), how many ids (1), the ids.
@@ -102,6 +102,9 @@ pub enum IpcKind {
     AllGather = 1,
     ReduceScatter = 2,
     Broadcast = 3,
+    AllToAll = 4,
+    Gather = 5,
+    Scatter = 6,
 }
 
 impl IpcKind {
@@ -111,6 +114,9 @@ impl IpcKind {
             IpcKind::AllGather,
             IpcKind::ReduceScatter,
             IpcKind::Broadcast,
+            IpcKind::AllToAll,
+            IpcKind::Gather,
+            IpcKind::Scatter,
         ]
         .into_iter()
         .find(|k| *k as u8 == b)
@@ -395,7 +401,7 @@ impl<D: Device> IpcComm<D> {
         Ok(mem)
     }
 
-    fn gather(&mut self, ex: &mut dyn Exchange, mine: &[u8]) -> Result<Vec<Vec<u8>>, IpcError> {
+    fn exchange(&mut self, ex: &mut dyn Exchange, mine: &[u8]) -> Result<Vec<Vec<u8>>, IpcError> {
         match ex.all_gather(mine) {
             Ok(all) if all.len() == ex.world() && all.iter().all(|a| a.len() == mine.len()) => {
                 Ok(all)
@@ -457,7 +463,7 @@ impl<D: Device> IpcComm<D> {
         };
         let t1 = std::time::Instant::now();
         self.phases.export += t1 - t;
-        let all = self.gather(ex, &meta.encode())?;
+        let all = self.exchange(ex, &meta.encode())?;
         self.phases.meta += t1.elapsed();
         let mut metas = Vec::with_capacity(world);
         for (r, b) in all.iter().enumerate() {
@@ -482,7 +488,8 @@ impl<D: Device> IpcComm<D> {
             }
             if m.refused {
                 return Err(IpcError::Invalid(format!(
-                    "rank {r} refused its arguments (its buffers overlap)"
+                    "rank {r} refused its arguments (its buffers overlap, or its root's \
+                     buffer is missing)"
                 )));
             }
         }
@@ -518,7 +525,7 @@ impl<D: Device> IpcComm<D> {
                 status[1 + MEM_BYTES..1 + MEM_BYTES + n].copy_from_slice(&msg.as_bytes()[..n]);
             }
         }
-        let statuses = self.gather(ex, &status)?;
+        let statuses = self.exchange(ex, &status)?;
         self.phases.status += t.elapsed();
         local?;
         for (r, s) in statuses.iter().enumerate() {
@@ -665,7 +672,7 @@ impl<D: Device> IpcComm<D> {
         if keep {
             // No rank returns before its buffer is written, and no owner frees or rewrites
             // its scratch while another still copies from it.
-            self.gather(ex, &[1])?;
+            self.exchange(ex, &[1])?;
             self.phases.copy += t.elapsed();
         }
         Ok(())
@@ -861,6 +868,224 @@ impl<D: Device> IpcComm<D> {
             if t != root {
                 let src = this.at(&metas, rank, root, buf, |m| m.send, bytes)?;
                 let dst = this.at(&metas, rank, t, buf, |m| m.send, bytes)?;
+                this.dev.copy(dst, src, bytes)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl<D: Device> IpcComm<D> {
+    /// Sends `send_counts[t]` elements of `send` (blocks in rank order) to rank t, and
+    /// receives `recv_counts[s]` elements from rank s into `recv` (blocks in rank order):
+    /// torch's `all_to_all_single` with its split sizes (equal splits are one case of
+    /// it). The counts travel in a second record after the first, and every rank checks
+    /// that what each sends to each is what that one expects, so a disagreement is the
+    /// same `Mismatch` everywhere before anything is written. `send` and `recv` must not
+    /// overlap (NCCL's all-to-all has no in-place form either); where they do, every rank
+    /// fails. After a failed call `recv` is undefined; `send` is never written.
+    ///
+    /// # Safety
+    /// `send` holds the sum of `send_counts` and `recv` the sum of `recv_counts` elements
+    /// of device memory on this rank's device, not used by anything else until the call
+    /// returns.
+    pub unsafe fn all_to_all(
+        &mut self,
+        ex: &mut dyn Exchange,
+        send: DevPtr,
+        recv: DevPtr,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<(), IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        let size = dtype.size();
+        let send_bytes = send_counts.iter().sum::<usize>() * size;
+        let recv_bytes = recv_counts.iter().sum::<usize>() * size;
+        let refused = if send_counts.len() != world || recv_counts.len() != world {
+            Some(format!(
+                "all_to_all: {} send and {} receive counts for a world of {world}",
+                send_counts.len(),
+                recv_counts.len()
+            ))
+        } else if overlap(send, send_bytes, recv, recv_bytes) {
+            Some("all_to_all: the input overlaps the output".to_string())
+        } else {
+            None
+        };
+        let call = Call {
+            kind: IpcKind::AllToAll,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: false,
+            root: 0,
+            count: 0,
+        };
+        let metas = self.begin(ex, call, (send, send_bytes), (recv, recv_bytes), refused)?;
+        // Every rank's counts: what it sends to each, then what it expects from each.
+        let mut mine = Vec::with_capacity(2 * world * 8);
+        for c in send_counts.iter().chain(recv_counts) {
+            mine.extend_from_slice(&(*c as u64).to_le_bytes());
+        }
+        let all = self.exchange(ex, &mine)?;
+        let count_at = |b: &[u8], i: usize| {
+            u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes")) as usize
+        };
+        let sends: Vec<Vec<usize>> = all
+            .iter()
+            .map(|b| (0..world).map(|t| count_at(b, t)).collect())
+            .collect();
+        let recvs: Vec<Vec<usize>> = all
+            .iter()
+            .map(|b| (0..world).map(|s| count_at(b, world + s)).collect())
+            .collect();
+        for s in 0..world {
+            for t in 0..world {
+                if sends[s][t] != recvs[t][s] {
+                    return Err(IpcError::Mismatch(format!(
+                        "all_to_all: rank {s} sends {} elements to rank {t}, which expects {} \
+                         from it",
+                        sends[s][t], recvs[t][s]
+                    )));
+                }
+            }
+        }
+        if sends.iter().flatten().all(|&c| c == 0) {
+            return Ok(());
+        }
+        let prefix = |v: &[usize], i: usize| v[..i].iter().sum::<usize>() * size;
+        self.owners_work(ex, &metas, rank, |this, t| {
+            let into_t = recvs[t].iter().sum::<usize>() * size;
+            if into_t == 0 {
+                return Ok(());
+            }
+            let recv_t = this.at(&metas, rank, t, recv, |m| m.recv, into_t)?;
+            for (s, of_s) in sends.iter().enumerate() {
+                let n = of_s[t] * size;
+                if n == 0 {
+                    continue;
+                }
+                let from_s = of_s.iter().sum::<usize>() * size;
+                let send_s = this.at(&metas, rank, s, send, |m| m.send, from_s)?;
+                let src = send_s + prefix(of_s, t) as u64;
+                let dst = recv_t + prefix(&recvs[t], s) as u64;
+                this.dev.copy(dst, src, n)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Copies every rank's `send` (`count` elements) into rank `root`'s `recv` (`world ×
+    /// count`, rank order); ranks other than the root pass no `recv` (0). The root's
+    /// `send` may be its own slice of `recv`; any other overlap, a root outside the world
+    /// or a root without `recv` fails on every rank. After a failed call the root's
+    /// `recv` is undefined; `send` is never written.
+    ///
+    /// # Safety
+    /// `send` is `count` elements, and on the root `recv` is `world × count` elements, of
+    /// device memory on this rank's device, not used by anything else until the call
+    /// returns.
+    pub unsafe fn gather(
+        &mut self,
+        ex: &mut dyn Exchange,
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        let bytes = count * dtype.size();
+        let is_root = rank == root;
+        let own = recv + (rank * bytes) as u64;
+        let refused = if root >= world {
+            Some(format!("gather to rank {root} of a world of {world}"))
+        } else if is_root && bytes > 0 && recv == 0 {
+            Some("gather: the root's output is a null pointer".into())
+        } else if is_root && send != own && overlap(send, bytes, recv, world * bytes) {
+            Some("gather: the root's input overlaps its output other than as its own slice".into())
+        } else {
+            None
+        };
+        let call = Call {
+            kind: IpcKind::Gather,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: false,
+            root: root as u32,
+            count: count as u64,
+        };
+        let recv_bytes = if is_root { world * bytes } else { 0 };
+        let metas = self.begin(ex, call, (send, bytes), (recv, recv_bytes), refused)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.owners_work(ex, &metas, rank, |this, t| {
+            if t != root {
+                return Ok(());
+            }
+            let out = this.at(&metas, rank, root, recv, |m| m.recv, world * bytes)?;
+            for s in 0..world {
+                let src = this.at(&metas, rank, s, send, |m| m.send, bytes)?;
+                let dst = out + (s * bytes) as u64;
+                if src != dst {
+                    this.dev.copy(dst, src, bytes)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Copies block t of rank `root`'s `send` (`world × count` elements) into rank t's
+    /// `recv` (`count`); ranks other than the root pass no `send` (0). The root's `recv`
+    /// may be its own slice of `send`; any other overlap, a root outside the world or a
+    /// root without `send` fails on every rank. After a failed call `recv` is undefined;
+    /// `send` is never written.
+    ///
+    /// # Safety
+    /// `recv` is `count` elements, and on the root `send` is `world × count` elements, of
+    /// device memory on this rank's device, not used by anything else until the call
+    /// returns.
+    pub unsafe fn scatter(
+        &mut self,
+        ex: &mut dyn Exchange,
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        let bytes = count * dtype.size();
+        let is_root = rank == root;
+        let own = send + (rank * bytes) as u64;
+        let refused = if root >= world {
+            Some(format!("scatter from rank {root} of a world of {world}"))
+        } else if is_root && bytes > 0 && send == 0 {
+            Some("scatter: the root's input is a null pointer".into())
+        } else if is_root && recv != own && overlap(recv, bytes, send, world * bytes) {
+            Some("scatter: the root's output overlaps its input other than as its own slice".into())
+        } else {
+            None
+        };
+        let call = Call {
+            kind: IpcKind::Scatter,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: false,
+            root: root as u32,
+            count: count as u64,
+        };
+        let send_bytes = if is_root { world * bytes } else { 0 };
+        let metas = self.begin(ex, call, (send, send_bytes), (recv, bytes), refused)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.owners_work(ex, &metas, rank, |this, t| {
+            let input = this.at(&metas, rank, root, send, |m| m.send, world * bytes)?;
+            let src = input + (t * bytes) as u64;
+            let dst = this.at(&metas, rank, t, recv, |m| m.recv, bytes)?;
+            if src != dst {
                 this.dev.copy(dst, src, bytes)?;
             }
             Ok(())

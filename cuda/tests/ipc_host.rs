@@ -737,3 +737,186 @@ fn gpus_that_cannot_reach_each_other_fail_alike_before_anything_is_written() {
         }
     }
 }
+
+/// Elements rank `s` sends rank `t` in the uneven all_to_all tests (zero for some pairs).
+fn block(s: usize, t: usize, uneven: bool) -> usize {
+    if uneven {
+        ((s * 3 + t * 5 + 1) % 4) * 7
+    } else {
+        9
+    }
+}
+
+#[test]
+fn all_to_all_moves_every_block_to_its_rank_with_equal_and_uneven_splits() {
+    for (what, gpu_of) in LAYOUTS {
+        for world in 1..=5 {
+            for uneven in [false, true] {
+                let dtype = DType::I32;
+                let size = dtype.size();
+                let res = each_rank(world, gpu_of, None, &|rank, dev, comm, ex| {
+                    let sends: Vec<usize> = (0..world).map(|t| block(rank, t, uneven)).collect();
+                    let recvs: Vec<usize> = (0..world).map(|s| block(s, rank, uneven)).collect();
+                    let (ns, nr) = (sends.iter().sum::<usize>(), recvs.iter().sum::<usize>());
+                    let input = values(dtype, ns, rank);
+                    let send = upload(dev, &input);
+                    let recv = upload(dev, &vec![0xAB; nr * size]);
+                    unsafe { comm.all_to_all(ex, send, recv, &sends, &recvs, dtype) }.unwrap();
+                    assert_eq!(
+                        download(dev, send, ns * size),
+                        input,
+                        "send is never written"
+                    );
+                    download(dev, recv, nr * size)
+                });
+                for (t, out) in res.iter().enumerate() {
+                    let want: Vec<u8> = (0..world)
+                        .flat_map(|s| {
+                            let all: usize = (0..world).map(|u| block(s, u, uneven)).sum();
+                            let from: usize = (0..t).map(|u| block(s, u, uneven)).sum();
+                            values(dtype, all, s)[from * size..(from + block(s, t, uneven)) * size]
+                                .to_vec()
+                        })
+                        .collect();
+                    assert_eq!(out, &want, "{what} world {world} uneven {uneven} rank {t}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_to_all_counts_that_disagree_or_buffers_that_overlap_fail_everywhere_untouched() {
+    // Rank 1 expects 5 elements from rank 0, which sends it 4.
+    let res = each_rank(3, &|r| Some(r as u32 % 2), None, &|rank, dev, comm, ex| {
+        let sends = vec![4; 3];
+        let mut recvs = vec![4; 3];
+        if rank == 1 {
+            recvs[0] = 5;
+        }
+        let send = upload(dev, &values(DType::F32, 12, rank));
+        let n: usize = recvs.iter().sum();
+        let recv = upload(dev, &vec![0xAB; n * 4]);
+        let r = unsafe { comm.all_to_all(ex, send, recv, &sends, &recvs, DType::F32) };
+        (r, download(dev, recv, n * 4))
+    });
+    for (r, (res, out)) in res.into_iter().enumerate() {
+        match res {
+            Err(IpcError::Mismatch(m)) => assert!(
+                m.contains("rank 0 sends 4 elements to rank 1, which expects 5"),
+                "rank {r}: {m}"
+            ),
+            other => panic!("rank {r}: {other:?}"),
+        }
+        assert!(
+            out.iter().all(|&b| b == 0xAB),
+            "rank {r}'s output was written"
+        );
+    }
+    // Rank 2's output overlaps its input; rank 0 passes counts for another world size.
+    let res = each_rank(3, &|_| Some(0), None, &|rank, dev, comm, ex| {
+        let send = upload(dev, &values(DType::F32, 12, rank));
+        let recv = if rank == 2 {
+            send + 8
+        } else {
+            dev.alloc(12 * 4).unwrap()
+        };
+        let counts = if rank == 0 { vec![6; 2] } else { vec![4; 3] };
+        unsafe { comm.all_to_all(ex, send, recv, &counts, &counts, DType::F32) }
+    });
+    for (r, res) in res.into_iter().enumerate() {
+        assert!(
+            matches!(res, Err(IpcError::Invalid(_))),
+            "rank {r}: {res:?}"
+        );
+    }
+}
+
+#[test]
+fn gather_and_scatter_move_blocks_to_and_from_every_root() {
+    for (what, gpu_of) in LAYOUTS {
+        for world in 1..=4 {
+            for root in 0..world {
+                for in_place in [false, true] {
+                    let (dtype, count) = (DType::F16, 21);
+                    let size = dtype.size();
+                    let res = each_rank(world, gpu_of, None, &|rank, dev, comm, ex| {
+                        // Gather: the root's input may be its own slice of its output.
+                        let is_root = rank == root;
+                        let recv = if is_root {
+                            upload(dev, &vec![0u8; world * count * size])
+                        } else {
+                            0
+                        };
+                        let send = if is_root && in_place {
+                            let p = recv + (rank * count * size) as u64;
+                            unsafe { dev.upload(p, &values(dtype, count, rank)).unwrap() };
+                            p
+                        } else {
+                            upload(dev, &values(dtype, count, rank))
+                        };
+                        unsafe { comm.gather(ex, send, recv, count, dtype, root) }.unwrap();
+                        let gathered = if is_root {
+                            download(dev, recv, world * count * size)
+                        } else {
+                            vec![]
+                        };
+                        // Scatter: the root's output may be its own slice of its input.
+                        let send = if is_root {
+                            upload(dev, &values(dtype, world * count, 100))
+                        } else {
+                            0
+                        };
+                        let recv = if is_root && in_place {
+                            send + (rank * count * size) as u64
+                        } else {
+                            upload(dev, &vec![0u8; count * size])
+                        };
+                        unsafe { comm.scatter(ex, send, recv, count, dtype, root) }.unwrap();
+                        if is_root {
+                            assert_eq!(
+                                download(dev, send, world * count * size),
+                                values(dtype, world * count, 100),
+                                "the root's input is not written"
+                            );
+                        }
+                        (gathered, download(dev, recv, count * size))
+                    });
+                    let all: Vec<u8> = (0..world).flat_map(|r| values(dtype, count, r)).collect();
+                    let scattered = values(dtype, world * count, 100);
+                    for (r, (gathered, part)) in res.iter().enumerate() {
+                        let case = format!(
+                            "{what} world {world} root {root} in place {in_place} rank {r}"
+                        );
+                        if r == root {
+                            assert_eq!(gathered, &all, "{case}");
+                        }
+                        assert_eq!(
+                            part,
+                            &scattered[r * count * size..(r + 1) * count * size],
+                            "{case}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // A root outside the world, or a root without its buffer: every rank fails alike.
+    for (root, null) in [(3, false), (1, true)] {
+        let res = each_rank(3, &|_| None, None, &|rank, dev, comm, ex| {
+            let send = upload(dev, &values(DType::F32, 4, rank));
+            let recv = if rank == root && !null {
+                dev.alloc(12 * 4).unwrap()
+            } else {
+                0
+            };
+            unsafe { comm.gather(ex, send, recv, 4, DType::F32, root) }
+        });
+        for (r, res) in res.into_iter().enumerate() {
+            assert!(
+                matches!(res, Err(IpcError::Invalid(_))),
+                "root {root} rank {r}: {res:?}"
+            );
+        }
+    }
+}

@@ -12,7 +12,7 @@ use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
 use crate::{CollArgs, Communicator, Error, OnAbort};
 
 /// A collective on device memory of this rank's device.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum DeviceCall {
     /// `count` elements in place at `buf`; `keep`: left as they were if the call fails
     /// (G2).
@@ -43,6 +43,34 @@ pub enum DeviceCall {
     /// `count` elements in place at `buf`, from rank `root`.
     Broadcast {
         buf: DevPtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    },
+    /// `send_counts[t]` elements of `send` (blocks in rank order) to rank t, and
+    /// `recv_counts[s]` elements from rank s into `recv` (blocks in rank order): torch's
+    /// `all_to_all_single` with its split sizes; the two buffers must not overlap.
+    AllToAll {
+        send: DevPtr,
+        recv: DevPtr,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+        dtype: DType,
+    },
+    /// Every rank's `send` (`count`) into rank `root`'s `recv` (world × count, rank
+    /// order); `recv` is 0 off the root and may be the root's slice of it there.
+    Gather {
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    },
+    /// Block t of rank `root`'s `send` (world × count) into rank t's `recv` (`count`);
+    /// `send` is 0 off the root.
+    Scatter {
+        send: DevPtr,
+        recv: DevPtr,
         count: usize,
         dtype: DType,
         root: usize,
@@ -98,7 +126,7 @@ pub unsafe fn run<D: Device>(
         let mut ex = CommExchange::new(comm, rt.clone());
         // SAFETY: the caller's promise.
         unsafe {
-            match *call {
+            match call.clone() {
                 DeviceCall::AllReduce {
                     buf,
                     count,
@@ -125,6 +153,27 @@ pub unsafe fn run<D: Device>(
                     dtype,
                     root,
                 } => ipc.broadcast(&mut ex, buf, count, dtype, root),
+                DeviceCall::AllToAll {
+                    send,
+                    recv,
+                    send_counts,
+                    recv_counts,
+                    dtype,
+                } => ipc.all_to_all(&mut ex, send, recv, &send_counts, &recv_counts, dtype),
+                DeviceCall::Gather {
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                    root,
+                } => ipc.gather(&mut ex, send, recv, count, dtype, root),
+                DeviceCall::Scatter {
+                    send,
+                    recv,
+                    count,
+                    dtype,
+                    root,
+                } => ipc.scatter(&mut ex, send, recv, count, dtype, root),
             }
         }
     };
@@ -149,9 +198,11 @@ pub unsafe fn run<D: Device>(
 }
 
 impl DeviceCall {
-    /// Whether a buffer the call moves something through has the null address.
+    /// Whether a buffer the call moves something through on every rank has the null
+    /// address (a rooted call's buffer that only the root has is checked with the
+    /// others' records, on every rank alike).
     pub fn has_null_pointer(&self) -> bool {
-        let (count, ptrs) = match *self {
+        let (count, ptrs) = match self.clone() {
             DeviceCall::AllReduce { buf, count, .. } | DeviceCall::Broadcast { buf, count, .. } => {
                 (count, [buf, buf])
             }
@@ -161,14 +212,33 @@ impl DeviceCall {
             | DeviceCall::ReduceScatter {
                 send, recv, count, ..
             } => (count, [send, recv]),
+            DeviceCall::AllToAll {
+                send,
+                recv,
+                send_counts,
+                recv_counts,
+                ..
+            } => {
+                return (send_counts.iter().sum::<usize>() > 0 && send == 0)
+                    || (recv_counts.iter().sum::<usize>() > 0 && recv == 0);
+            }
+            DeviceCall::Gather { send, count, .. } => (count, [send, send]),
+            DeviceCall::Scatter { recv, count, .. } => (count, [recv, recv]),
         };
         count > 0 && ptrs.contains(&0)
     }
 
-    /// The host collective that does this call's work in a world of `world` ranks: its
-    /// arguments, the buffer it reads and the one it writes (address, elements), and
-    /// whether it runs in place (the two are one buffer).
-    fn host_form(&self, world: u32) -> (CollArgs, (DevPtr, usize), (DevPtr, usize), bool) {
+    /// The host collective that does this call's work on rank `rank` of a world of
+    /// `world` ranks: its arguments, the buffer it reads and the one it writes (address,
+    /// elements: none where a rooted call's rank has no such buffer), and whether it runs
+    /// in place (the two are one buffer). None for an all_to_all, whose blocks go point
+    /// to point ([`staged_all_to_all`]).
+    #[allow(clippy::type_complexity)]
+    fn host_form(
+        &self,
+        world: u32,
+        rank: usize,
+    ) -> Option<(CollArgs, (DevPtr, usize), (DevPtr, usize), bool)> {
         let n = world as usize;
         let args = |kind, dtype, op, root: usize, input, output| {
             CollArgs::for_buffers(
@@ -181,7 +251,7 @@ impl DeviceCall {
                 world,
             )
         };
-        match *self {
+        Some(match self.clone() {
             DeviceCall::AllReduce {
                 buf,
                 count,
@@ -249,7 +319,52 @@ impl DeviceCall {
                 (recv, count),
                 false,
             ),
-        }
+            DeviceCall::AllToAll { .. } => return None,
+            DeviceCall::Gather {
+                send,
+                recv,
+                count,
+                dtype,
+                root,
+            } => {
+                let out = if rank == root { n * count } else { 0 };
+                (
+                    args(
+                        CollectiveKind::Gather,
+                        dtype,
+                        ReduceOp::Sum,
+                        root,
+                        count,
+                        out,
+                    ),
+                    (send, count),
+                    (recv, out),
+                    false,
+                )
+            }
+            DeviceCall::Scatter {
+                send,
+                recv,
+                count,
+                dtype,
+                root,
+            } => {
+                let inp = if rank == root { n * count } else { 0 };
+                (
+                    args(
+                        CollectiveKind::Scatter,
+                        dtype,
+                        ReduceOp::Sum,
+                        root,
+                        inp,
+                        count,
+                    ),
+                    (send, inp),
+                    (recv, count),
+                    false,
+                )
+            }
+        })
     }
 }
 
@@ -264,7 +379,31 @@ unsafe fn staged<D: Device>(
     dev: &D,
     call: &DeviceCall,
 ) -> Result<(), Error> {
-    let (args, (src, n_in), (dst, n_out), in_place) = call.host_form(comm.world_size());
+    let rank = comm.rank().map_or(0, |r| r.idx());
+    let Some((args, (src, n_in), (dst, n_out), in_place)) = call.host_form(comm.world_size(), rank)
+    else {
+        let DeviceCall::AllToAll {
+            send,
+            recv,
+            send_counts,
+            recv_counts,
+            dtype,
+        } = call
+        else {
+            return Err(Error::InvalidArgument(format!("{call:?} has no host form")));
+        };
+        // SAFETY: as above.
+        return unsafe {
+            staged_all_to_all(
+                comm,
+                rt,
+                dev,
+                (*send, send_counts),
+                (*recv, recv_counts),
+                *dtype,
+            )
+        };
+    };
     let size = args.dtype.size();
     let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
     let mut input = vec![0u8; n_in * size];
@@ -283,6 +422,84 @@ unsafe fn staged<D: Device>(
     if !output.is_empty() {
         // SAFETY: as above, `dst` holds `n_out` elements the call writes.
         unsafe { dev.upload(dst, &output) }.map_err(dev_err)?;
+    }
+    Ok(())
+}
+
+/// The tag of the point-to-point messages that carry an all_to_all's blocks through host
+/// memory (the torch backend's uneven all_to_all of host tensors uses the same).
+pub const ALL_TO_ALL_TAG: u32 = 1 << 20;
+
+/// An all_to_all through host memory: this rank's blocks copied in, sent to each rank
+/// and received from each (pairwise, rank + k and rank − k at step k, sends first: they
+/// return once handed to the link), the received blocks copied out (nothing is written
+/// to the device if an exchange fails). A rank that sends a block of another size than
+/// its receiver expects fails that receive.
+///
+/// # Safety
+/// As [`run`]: `send` holds the sum of its counts, and `recv` of its counts, elements.
+unsafe fn staged_all_to_all<D: Device>(
+    comm: &mut Communicator,
+    rt: &tokio::runtime::Handle,
+    dev: &D,
+    (send, send_counts): (DevPtr, &[usize]),
+    (recv, recv_counts): (DevPtr, &[usize]),
+    dtype: DType,
+) -> Result<(), Error> {
+    let n = comm.world_size() as usize;
+    let me = comm.rank().map_or(0, |r| r.idx());
+    if send_counts.len() != n || recv_counts.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "all_to_all: {} send and {} receive counts for a world of {n}",
+            send_counts.len(),
+            recv_counts.len()
+        )));
+    }
+    if send_counts[me] != recv_counts[me] {
+        return Err(Error::InvalidArgument(format!(
+            "all_to_all: this rank sends itself {} elements and expects {}",
+            send_counts[me], recv_counts[me]
+        )));
+    }
+    let size = dtype.size();
+    let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
+    let blocks = |counts: &[usize]| {
+        let mut at = 0;
+        counts
+            .iter()
+            .map(|c| {
+                let r = at..at + c * size;
+                at = r.end;
+                r
+            })
+            .collect::<Vec<_>>()
+    };
+    let (from, into) = (blocks(send_counts), blocks(recv_counts));
+    let mut input = vec![0u8; from.last().map_or(0, |r| r.end)];
+    if !input.is_empty() {
+        // SAFETY: the caller's promise.
+        unsafe { dev.download(&mut input, send) }.map_err(dev_err)?;
+    }
+    let mut output = vec![0u8; into.last().map_or(0, |r| r.end)];
+    output[into[me].clone()].copy_from_slice(&input[from[me].clone()]);
+    for step in 1..n {
+        let (to, frm) = ((me + step) % n, (me + n - step) % n);
+        rt.block_on(comm.send_bytes(
+            dtype,
+            &input[from[to].clone()],
+            Rank(to as u32),
+            ALL_TO_ALL_TAG,
+        ))?;
+        rt.block_on(comm.recv_bytes(
+            dtype,
+            &mut output[into[frm].clone()],
+            Rank(frm as u32),
+            ALL_TO_ALL_TAG,
+        ))?;
+    }
+    if !output.is_empty() {
+        // SAFETY: the caller's promise.
+        unsafe { dev.upload(recv, &output) }.map_err(dev_err)?;
     }
     Ok(())
 }

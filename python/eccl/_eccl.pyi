@@ -329,6 +329,54 @@ class Communicator:
         """Broadcast of device memory from rank `root` among ranks that all run on this host, GPU to GPU over
         CUDA IPC. After a failed call a non-root buffer is undefined; the root's is never written.
         """
+    def all_to_all_device(
+        self,
+        send: int,
+        recv: int,
+        send_counts: list[int],
+        recv_counts: list[int],
+        dtype: str,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """All_to_all of device memory among ranks that all run on this host, GPU to GPU over CUDA IPC:
+        `send_counts[t]` elements from `send` to rank t, `recv_counts[s]` from rank s into `recv` (blocks in
+        rank order; torch's split sizes). Counts that disagree across ranks are a MismatchError everywhere.
+        `send` and `recv` must not overlap. After a failed call `recv` is undefined.
+        """
+    def gather_device(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        root: int,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """Gather of device memory to rank `root` among ranks that all run on this host, GPU to GPU over CUDA
+        IPC: every rank's `send` (count) into the root's `recv` (world x count); other ranks pass `recv=0`.
+        """
+    def scatter_device(
+        self,
+        send: int,
+        recv: int,
+        count: int,
+        dtype: str,
+        root: int,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """Scatter of device memory from rank `root` among ranks that all run on this host, GPU to GPU over
+        CUDA IPC: block t of the root's `send` (world x count) into rank t's `recv` (count); other ranks pass
+        `send=0`.
+        """
     def all_reduce(
         self,
         tensor: Any,

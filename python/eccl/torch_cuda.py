@@ -3,7 +3,8 @@
 Two paths, picked per call:
 
 - **Same host, CUDA IPC** (all_reduce, broadcast, all_gather_into_tensor and
-  reduce_scatter_tensor with their coalesced forms): when every rank of the world runs on
+  reduce_scatter_tensor with their coalesced forms, all_to_all_single with any split
+  sizes, gather and scatter): when every rank of the world runs on
   this host (every link is shared memory) and `ECCL_CUDA_IPC` is not `0`, the backend
   queues a wait for the tensors' current stream (an event the communicator's task
   waits on, so the caller's thread does not block), and each GPU's first rank copies or reduces
@@ -203,7 +204,8 @@ def all_reduce_ipc(comm: Any, tensors: List[torch.Tensor], op: Any) -> List[Any]
 IPC_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
               torch.uint8, torch.int32, torch.int64}
 IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
-             "_reduce_scatter_base", "reduce_scatter_tensor_coalesced")
+             "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base",
+             "gather", "scatter")
 
 
 def _ipc_ok(ts: List[torch.Tensor]) -> bool:
@@ -216,6 +218,10 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     and what torch's Work completes with, or None where the call's tensors do not fit it
     (the call is then staged; every rank decides alike, from the call's shapes)."""
     comm, world = backend.comm, backend.size()
+    if name == "alltoall_base":
+        return _all_to_all_ipc(comm, world, *args[:4])
+    if name in ("gather", "scatter"):
+        return _rooted_ipc(backend, name, *args[:3])
     if name == "broadcast":
         tensors, opts = args[0], args[1]
         if not _ipc_ok(tensors):
@@ -253,6 +259,77 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
                 i.data_ptr(), o.data_ptr(), o.numel(), str(o.dtype), op, device=dev,
                 owner=(o, i), async_op=True))
     return works, outs
+
+
+def _split_counts(t: torch.Tensor, splits: List[int], world: int) -> Any:
+    """The element counts of `t`'s blocks along dim 0 (`splits` rows each, or equal
+    blocks when torch passes none), or None where they do not cover it."""
+    if t.dim() == 0:
+        return None
+    rows = list(splits) if splits else (
+        [t.shape[0] // world] * world if t.shape[0] % world == 0 else None)
+    if rows is None or len(rows) != world or sum(rows) != t.shape[0]:
+        return None
+    per_row = t.numel() // t.shape[0] if t.shape[0] else 0
+    return [r * per_row for r in rows]
+
+
+def _all_to_all_ipc(comm: Any, world: int, output: torch.Tensor, input: torch.Tensor,
+                    output_split_sizes: List[int], input_split_sizes: List[int]) -> Any:
+    """`all_to_all_single` GPU to GPU: every rank's blocks and their sizes go to eccl,
+    which checks every rank's sizes against every other's (uneven splits, as MoE layers
+    pass them, included)."""
+    if not _ipc_ok([output, input]) or output.dtype != input.dtype:
+        return None
+    send_counts = _split_counts(input, input_split_sizes, world)
+    recv_counts = _split_counts(output, output_split_sizes, world)
+    if send_counts is None or recv_counts is None:
+        return None
+    works = after_streams(comm, [output, input])
+    works.append(comm.all_to_all_device(
+        input.data_ptr(), output.data_ptr(), send_counts, recv_counts, str(input.dtype),
+        device=input.device.index or 0, owner=(output, input), async_op=True))
+    return works, output
+
+
+def _rooted_ipc(backend: Any, name: str, outputs: Any, inputs: Any, opts: Any) -> Any:
+    """gather and scatter GPU to GPU. torch passes the root's blocks as a list of
+    tensors: they go through one flat device buffer (the root's blocks stacked before
+    the call for scatter, copied out after it for gather, on the device)."""
+    comm, world, root = backend.comm, backend.size(), opts.rootRank
+    is_root = backend.rank() == root
+    if name == "gather":
+        mine = inputs[0]
+        blocks = list(outputs[0]) if is_root else []
+    else:
+        mine = outputs[0]
+        blocks = list(inputs[0]) if is_root else []
+    if not _ipc_ok([mine] + blocks) or (is_root and (
+            len(blocks) != world or any(b.shape != mine.shape or b.dtype != mine.dtype
+                                        for b in blocks))):
+        return None
+    dev, dtype, count = mine.device.index or 0, str(mine.dtype), mine.numel()
+    if name == "scatter":
+        flat = torch.stack(blocks) if is_root else None   # on the stream, before the wait
+        works = after_streams(comm, [mine] + ([flat] if is_root else []))
+        works.append(comm.scatter_device(
+            flat.data_ptr() if is_root else 0, mine.data_ptr(), count, dtype, root,
+            device=dev, owner=(mine, flat), async_op=True))
+        return works, outputs
+    flat = torch.empty((world,) + tuple(mine.shape), dtype=mine.dtype,
+                       device=mine.device) if is_root else None
+    works = after_streams(comm, [mine] + blocks)
+    works.append(comm.gather_device(
+        mine.data_ptr(), flat.data_ptr() if is_root else 0, count, dtype, root, device=dev,
+        owner=(mine, flat), async_op=True))
+    if not is_root:
+        return works, outputs
+
+    def copy_out() -> None:
+        for b, f in zip(blocks, flat):
+            b.copy_(f)
+        torch.cuda.current_stream(mine.device).synchronize()
+    return works, outputs, copy_out
 
 
 def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -532,6 +532,96 @@ impl Communicator {
         self.device_call(py, device, call, owner, async_op)
     }
 
+    /// All_to_all of device memory among ranks that all run on this host:
+    /// `send_counts[t]` elements of `dtype` from `send` (blocks in rank order) to rank t,
+    /// `recv_counts[s]` from rank s into `recv` (blocks in rank order), copied GPU to GPU
+    /// over CUDA IPC (torch's `all_to_all_single` with its split sizes). Every rank checks
+    /// every other's counts: a block sent with another size than its receiver expects is
+    /// a `MismatchError` on every rank, before anything is written. `send` and `recv` must
+    /// not overlap. After a failed call `recv` is undefined. Readiness and `owner` as for
+    /// `all_reduce_device`.
+    #[pyo3(signature = (send, recv, send_counts, recv_counts, dtype, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all_device(
+        &self,
+        py: Python<'_>,
+        send: u64,
+        recv: u64,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+        dtype: &str,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let call = DeviceCall::AllToAll {
+            send,
+            recv,
+            send_counts,
+            recv_counts,
+            dtype: device_dtype(dtype)?,
+        };
+        self.device_call(py, device, call, owner, async_op)
+    }
+
+    /// Gather of device memory to rank `root` among ranks that all run on this host:
+    /// every rank's `send` (`count` elements of `dtype`) into the root's `recv` (world ×
+    /// count, rank order), copied GPU to GPU over CUDA IPC. Ranks other than the root pass
+    /// `recv=0`; the root's `send` may be its own slice of `recv`. After a failed call the
+    /// root's `recv` is undefined. Readiness and `owner` as for `all_reduce_device`.
+    #[pyo3(signature = (send, recv, count, dtype, root, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn gather_device(
+        &self,
+        py: Python<'_>,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: &str,
+        root: usize,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let call = DeviceCall::Gather {
+            send,
+            recv,
+            count,
+            dtype: device_dtype(dtype)?,
+            root,
+        };
+        self.device_call(py, device, call, owner, async_op)
+    }
+
+    /// Scatter of device memory from rank `root` among ranks that all run on this host:
+    /// block t of the root's `send` (world × count elements of `dtype`) into rank t's
+    /// `recv` (`count`), copied GPU to GPU over CUDA IPC. Ranks other than the root pass
+    /// `send=0`; the root's `recv` may be its own slice of `send`. After a failed call
+    /// `recv` is undefined. Readiness and `owner` as for `all_reduce_device`.
+    #[pyo3(signature = (send, recv, count, dtype, root, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn scatter_device(
+        &self,
+        py: Python<'_>,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: &str,
+        root: usize,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let call = DeviceCall::Scatter {
+            send,
+            recv,
+            count,
+            dtype: device_dtype(dtype)?,
+            root,
+        };
+        self.device_call(py, device, call, owner, async_op)
+    }
+
     /// Several tensors of one dtype reduced in place by one all_reduce (one collective,
     /// one descriptor), as gloo's `allreduce_coalesced` does.
     #[pyo3(signature = (tensors, op=None, *, async_op=false))]

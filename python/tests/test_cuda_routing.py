@@ -89,6 +89,62 @@ def test_broadcast_hands_over_the_root():
     assert device_calls(b.comm, ts)[0][1] == (ts[0].data_ptr(), 7, "torch.int64", 3)
 
 
+def test_all_to_all_hands_over_every_blocks_element_count():
+    # Equal splits (torch passes none): 3 blocks of 2 rows of 5.
+    b = Backend(3, 0)
+    out, inp = torch.zeros(6, 5), torch.ones(6, 5)
+    works, result = torch_cuda.ipc_works(b, "alltoall_base", (out, inp, [], [], None))
+    assert works == ["await", "all_to_all_device"] and result is out
+    name, args, kw = device_calls(b.comm, [out, inp])[0]
+    assert args == (inp.data_ptr(), out.data_ptr(), [10, 10, 10], [10, 10, 10],
+                    "torch.float32")
+    assert kw["owner"] == (out, inp)
+    # Uneven splits, as an MoE layer passes them: rows times the row's elements.
+    b = Backend(3, 2)
+    out, inp = torch.zeros(4, 2), torch.ones(5, 2)
+    torch_cuda.ipc_works(b, "alltoall_base", (out, inp, [0, 3, 1], [2, 0, 3], None))
+    assert device_calls(b.comm, [out, inp])[0][1][2:4] == ([4, 0, 6], [0, 6, 2])
+    # Splits that do not cover the tensor, or an uneven tensor without splits: staged.
+    for o, i, os_, is_ in [(torch.zeros(4), torch.ones(4), [], [1, 1, 1]),
+                           (torch.zeros(4), torch.ones(4), [], [])]:
+        b = Backend(3, 0)
+        assert torch_cuda.ipc_works(b, "alltoall_base", (o, i, os_, is_, None)) is None
+        assert b.comm.calls == []
+
+
+def test_gather_and_scatter_go_through_one_flat_device_buffer_on_the_root():
+    # Gather at the root: the blocks come back through a flat buffer, copied out after.
+    b = Backend(3, 1)
+    mine, blocks = torch.full((2, 2), 7.0), [torch.zeros(2, 2) for _ in range(3)]
+    works, result, after = torch_cuda.ipc_works(b, "gather", ([blocks], [mine], opts(rootRank=1)))
+    name, args, kw = b.comm.calls[1]
+    assert name == "gather_device" and args[0] == mine.data_ptr() and args[2:] == (
+        4, "torch.float32", 1)
+    flat = kw["owner"][1]
+    assert args[1] == flat.data_ptr() and flat.shape == (3, 2, 2)
+    flat.copy_(torch.arange(12.0).view(3, 2, 2))
+    with pytest.MonkeyPatch.context() as m:   # the copies' stream sync, without a GPU
+        m.setattr(torch.cuda, "current_stream", lambda d: opts(synchronize=lambda: None))
+        after()
+    assert [b_.flatten().tolist() for b_ in blocks] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                        [8, 9, 10, 11]]
+    # Off the root a gather has no output: address 0, and nothing to copy.
+    b = Backend(3, 0)
+    got = torch_cuda.ipc_works(b, "gather", ([], [mine], opts(rootRank=1)))
+    assert len(got) == 2 and b.comm.calls[1][1][1] == 0
+    # Scatter from the root: its blocks stacked into one flat input.
+    b = Backend(2, 0)
+    out, blocks = torch.zeros(3), [torch.full((3,), float(i)) for i in range(2)]
+    torch_cuda.ipc_works(b, "scatter", ([out], [blocks], opts(rootRank=0)))
+    name, args, kw = b.comm.calls[1]
+    assert name == "scatter_device" and args[1:] == (out.data_ptr(), 3, "torch.float32", 0)
+    assert kw["owner"][1].tolist() == [[0, 0, 0], [1, 1, 1]]
+    # Blocks of another shape than this rank's: staged.
+    b = Backend(2, 0)
+    bad = [torch.zeros(3), torch.zeros(4)]
+    assert torch_cuda.ipc_works(b, "scatter", ([out], [bad], opts(rootRank=0))) is None
+
+
 @pytest.mark.parametrize("case", ["shape", "dtype", "noncontiguous", "bool", "mixed dtypes"])
 def test_calls_that_do_not_fit_are_staged(case):
     b = Backend(2, 0)

@@ -30,8 +30,9 @@ fn to_f32(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// Each rank's results of all_reduce, all_gather, reduce_scatter and broadcast (root 1),
-/// and the kernels and device copies its device ran.
+/// Each rank's results of all_reduce, all_gather, reduce_scatter, broadcast (root 1), an
+/// uneven all_to_all, gather (root 2) and scatter (root 0), and the kernels and device
+/// copies its device ran.
 type Outcome = (Vec<Vec<f32>>, u64);
 
 fn every_call(
@@ -101,9 +102,64 @@ fn every_call(
                             root: 1,
                         });
                         let broadcast = get(buf, COUNT);
+                        // Uneven blocks: rank s sends rank t `block(s, t)` values.
+                        let send_counts: Vec<usize> = (0..N).map(|t| block(rank, t)).collect();
+                        let recv_counts: Vec<usize> = (0..N).map(|s| block(s, rank)).collect();
+                        let total = |c: &[usize]| c.iter().sum::<usize>();
+                        let send = put(&values(total(&send_counts), rank));
+                        let recv = put(&vec![0.0; total(&recv_counts)]);
+                        run(DeviceCall::AllToAll {
+                            send,
+                            recv,
+                            send_counts: send_counts.clone(),
+                            recv_counts: recv_counts.clone(),
+                            dtype,
+                        });
+                        let exchanged = get(recv, total(&recv_counts));
+                        // Gather to rank 2 (the others have no output), scatter from 0.
+                        let send = put(&values(COUNT, rank));
+                        let recv = if rank == 2 {
+                            put(&vec![0.0; N * COUNT])
+                        } else {
+                            0
+                        };
+                        run(DeviceCall::Gather {
+                            send,
+                            recv,
+                            count,
+                            dtype,
+                            root: 2,
+                        });
+                        let gathered_at_root = if rank == 2 {
+                            get(recv, N * COUNT)
+                        } else {
+                            vec![]
+                        };
+                        let send = if rank == 0 {
+                            put(&values(N * COUNT, 0))
+                        } else {
+                            0
+                        };
+                        let recv = put(&vec![0.0; COUNT]);
+                        run(DeviceCall::Scatter {
+                            send,
+                            recv,
+                            count,
+                            dtype,
+                            root: 0,
+                        });
+                        let from_root = get(recv, COUNT);
                         drop(ipc);
                         (
-                            vec![reduced, gathered, scattered, broadcast],
+                            vec![
+                                reduced,
+                                gathered,
+                                scattered,
+                                broadcast,
+                                exchanged,
+                                gathered_at_root,
+                                from_root,
+                            ],
                             dev.reductions() + dev.copies(),
                         )
                     })
@@ -114,17 +170,38 @@ fn every_call(
     })
 }
 
+/// The all_to_all's block from rank `s` to rank `t` (some empty).
+fn block(s: usize, t: usize) -> usize {
+    [[5, 0, 17], [9, 3, 0], [0, 11, 2]][s][t]
+}
+
 fn expected(rank: usize) -> Vec<Vec<f32>> {
     let sum = |n: usize| -> Vec<f32> {
         (0..n)
             .map(|i| (0..N).map(|r| values(n, r)[i]).sum())
             .collect()
     };
+    // Rank s's input is values(its total, s); its block to t starts after those to
+    // ranks before t.
+    let exchanged = (0..N)
+        .flat_map(|s| {
+            let from: usize = (0..rank).map(|t| block(s, t)).sum();
+            let all: usize = (0..N).map(|t| block(s, t)).sum();
+            values(all, s)[from..from + block(s, rank)].to_vec()
+        })
+        .collect();
     vec![
         sum(COUNT),
         (0..N).flat_map(|r| values(COUNT, r)).collect(),
         sum(N * COUNT)[rank * COUNT..(rank + 1) * COUNT].to_vec(),
         values(COUNT, 1),
+        exchanged,
+        if rank == 2 {
+            (0..N).flat_map(|r| values(COUNT, r)).collect()
+        } else {
+            vec![]
+        },
+        values(N * COUNT, 0)[rank * COUNT..(rank + 1) * COUNT].to_vec(),
     ]
 }
 
