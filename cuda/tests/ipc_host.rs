@@ -813,22 +813,39 @@ fn all_to_all_counts_that_disagree_or_buffers_that_overlap_fail_everywhere_untou
             "rank {r}'s output was written"
         );
     }
-    // Rank 2's output overlaps its input; rank 0 passes counts for another world size.
-    let res = each_rank(3, &|_| Some(0), None, &|rank, dev, comm, ex| {
-        let send = upload(dev, &values(DType::F32, 12, rank));
-        let recv = if rank == 2 {
-            send + 8
-        } else {
-            dev.alloc(12 * 4).unwrap()
-        };
-        let counts = if rank == 0 { vec![6; 2] } else { vec![4; 3] };
-        unsafe { comm.all_to_all(ex, send, recv, &counts, &counts, DType::F32) }
-    });
-    for (r, res) in res.into_iter().enumerate() {
-        assert!(
-            matches!(res, Err(IpcError::Invalid(_))),
-            "rank {r}: {res:?}"
-        );
+    // Rank 2's output overlaps its input; then, apart, rank 0 passes counts for another
+    // world size: each alone fails every rank.
+    for case in ["overlap", "world"] {
+        let res = each_rank(3, &|_| Some(0), None, &|rank, dev, comm, ex| {
+            let send = upload(dev, &values(DType::F32, 12, rank));
+            let recv = if case == "overlap" && rank == 2 {
+                send + 8
+            } else {
+                dev.alloc(12 * 4).unwrap()
+            };
+            let counts = if case == "world" && rank == 0 {
+                vec![6; 2]
+            } else {
+                vec![4; 3]
+            };
+            unsafe { comm.all_to_all(ex, send, recv, &counts, &counts, DType::F32) }
+        });
+        for (r, res) in res.into_iter().enumerate() {
+            match res {
+                Err(IpcError::Invalid(m)) => {
+                    let own = if case == "overlap" {
+                        "overlaps"
+                    } else {
+                        "for a world of 3"
+                    };
+                    assert!(
+                        m.contains(own) || m.contains("refused its arguments"),
+                        "{case}: rank {r}: {m}"
+                    );
+                }
+                other => panic!("{case}: rank {r}: {other:?}"),
+            }
+        }
     }
 }
 

@@ -231,8 +231,8 @@ impl DeviceCall {
     /// The host collective that does this call's work on rank `rank` of a world of
     /// `world` ranks: its arguments, the buffer it reads and the one it writes (address,
     /// elements: none where a rooted call's rank has no such buffer), and whether it runs
-    /// in place (the two are one buffer). None for an all_to_all, whose blocks go point
-    /// to point ([`staged_all_to_all`]).
+    /// in place (the two are one buffer). None for an all_to_all, whose blocks may differ
+    /// in size ([`staged_all_to_all`]).
     #[allow(clippy::type_complexity)]
     fn host_form(
         &self,
@@ -426,15 +426,14 @@ unsafe fn staged<D: Device>(
     Ok(())
 }
 
-/// The tag of the point-to-point messages that carry an all_to_all's blocks through host
-/// memory (the torch backend's uneven all_to_all of host tensors uses the same).
-pub const ALL_TO_ALL_TAG: u32 = 1 << 20;
-
-/// An all_to_all through host memory: this rank's blocks copied in, sent to each rank
-/// and received from each (pairwise, rank + k and rank − k at step k, sends first: they
-/// return once handed to the link), the received blocks copied out (nothing is written
-/// to the device if an exchange fails). A rank that sends a block of another size than
-/// its receiver expects fails that receive.
+/// An all_to_all through host memory. Every rank first learns every rank's counts (one
+/// small all_gather, in step on every rank: they all took this path from the same
+/// records), so counts that disagree are the same `Mismatch` on every rank before
+/// anything moves, as on the direct path. The blocks then go through one host
+/// all_to_all, each padded to the largest block of the call (the collective engine's
+/// flow control, not point-to-point sends whose whole blocks a link could not hold), and
+/// the received blocks are copied out (nothing is written to the device if an exchange
+/// fails).
 ///
 /// # Safety
 /// As [`run`]: `send` holds the sum of its counts, and `recv` of its counts, elements.
@@ -447,7 +446,8 @@ unsafe fn staged_all_to_all<D: Device>(
     dtype: DType,
 ) -> Result<(), Error> {
     let n = comm.world_size() as usize;
-    let me = comm.rank().map_or(0, |r| r.idx());
+    // The direct path's first record refused counts of another length on every rank
+    // before any rank came here; this only keeps the indexing below safe.
     if send_counts.len() != n || recv_counts.len() != n {
         return Err(Error::InvalidArgument(format!(
             "all_to_all: {} send and {} receive counts for a world of {n}",
@@ -455,47 +455,74 @@ unsafe fn staged_all_to_all<D: Device>(
             recv_counts.len()
         )));
     }
-    if send_counts[me] != recv_counts[me] {
-        return Err(Error::InvalidArgument(format!(
-            "all_to_all: this rank sends itself {} elements and expects {}",
-            send_counts[me], recv_counts[me]
-        )));
+    let mut mine = Vec::with_capacity(2 * n * 8);
+    for c in send_counts.iter().chain(recv_counts) {
+        mine.extend_from_slice(&(*c as u64).to_le_bytes());
+    }
+    let all = {
+        use eccl_cuda::Exchange;
+        CommExchange::new(comm, rt.clone())
+            .all_gather(&mine)
+            .map_err(|e| match e.downcast::<Error>() {
+                Ok(e) => *e,
+                Err(e) => Error::InvalidArgument(e.to_string()),
+            })?
+    };
+    let count = |r: usize, i: usize| {
+        u64::from_le_bytes(all[r][i * 8..i * 8 + 8].try_into().expect("8 bytes")) as usize
+    };
+    for s in 0..n {
+        for t in 0..n {
+            let (sent, expected) = (count(s, t), count(t, n + s));
+            if sent != expected {
+                return Err(Error::Mismatch {
+                    rank: None,
+                    ours: None,
+                    theirs: None,
+                    detail: format!(
+                        "all_to_all: rank {s} sends {sent} elements to rank {t}, which expects \
+                         {expected} from it"
+                    ),
+                });
+            }
+        }
+    }
+    let widest = (0..n)
+        .flat_map(|s| (0..n).map(move |t| (s, t)))
+        .map(|(s, t)| count(s, t))
+        .max()
+        .unwrap_or(0);
+    if widest == 0 {
+        return Ok(());
     }
     let size = dtype.size();
     let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
-    let blocks = |counts: &[usize]| {
-        let mut at = 0;
-        counts
-            .iter()
-            .map(|c| {
-                let r = at..at + c * size;
-                at = r.end;
-                r
-            })
-            .collect::<Vec<_>>()
-    };
-    let (from, into) = (blocks(send_counts), blocks(recv_counts));
-    let mut input = vec![0u8; from.last().map_or(0, |r| r.end)];
+    let mut input = vec![0u8; send_counts.iter().sum::<usize>() * size];
     if !input.is_empty() {
         // SAFETY: the caller's promise.
         unsafe { dev.download(&mut input, send) }.map_err(dev_err)?;
     }
-    let mut output = vec![0u8; into.last().map_or(0, |r| r.end)];
-    output[into[me].clone()].copy_from_slice(&input[from[me].clone()]);
-    for step in 1..n {
-        let (to, frm) = ((me + step) % n, (me + n - step) % n);
-        rt.block_on(comm.send_bytes(
-            dtype,
-            &input[from[to].clone()],
-            Rank(to as u32),
-            ALL_TO_ALL_TAG,
-        ))?;
-        rt.block_on(comm.recv_bytes(
-            dtype,
-            &mut output[into[frm].clone()],
-            Rank(frm as u32),
-            ALL_TO_ALL_TAG,
-        ))?;
+    let slot = widest * size;
+    let mut padded = vec![0u8; n * slot];
+    let mut at = 0;
+    for (t, c) in send_counts.iter().enumerate() {
+        padded[t * slot..t * slot + c * size].copy_from_slice(&input[at..at + c * size]);
+        at += c * size;
+    }
+    let mut received = vec![0u8; n * slot];
+    let args = CollArgs::for_buffers(
+        CollectiveKind::AllToAll,
+        dtype,
+        ReduceOp::Sum,
+        Rank(0),
+        Some(n * widest),
+        Some(n * widest),
+        n as u32,
+    );
+    rt.block_on(comm.collective(args, &padded, &mut received))?;
+    let mut output = Vec::with_capacity(recv_counts.iter().sum::<usize>() * size);
+    for (s, c) in recv_counts.iter().enumerate() {
+        output.extend_from_slice(&received[s * slot..s * slot + c * size]);
     }
     if !output.is_empty() {
         // SAFETY: the caller's promise.

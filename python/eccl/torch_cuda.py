@@ -274,28 +274,49 @@ def _split_counts(t: torch.Tensor, splits: List[int], world: int) -> Any:
     return [r * per_row for r in rows]
 
 
+def _contiguous_out(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+    """`t` as a call writes it: itself if contiguous, else a contiguous buffer and the
+    step that copies it into `t` before the Work completes."""
+    if t.is_contiguous():
+        return t, None
+    buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+    def copy_back() -> None:
+        t.copy_(buf)
+        torch.cuda.current_stream(t.device).synchronize()
+    return buf, copy_back
+
+
 def _all_to_all_ipc(comm: Any, world: int, output: torch.Tensor, input: torch.Tensor,
                     output_split_sizes: List[int], input_split_sizes: List[int]) -> Any:
     """`all_to_all_single` GPU to GPU: every rank's blocks and their sizes go to eccl,
     which checks every rank's sizes against every other's (uneven splits, as MoE layers
-    pass them, included)."""
-    if not _ipc_ok([output, input]) or output.dtype != input.dtype:
+    pass them, included). Whether a call goes this way depends on its dtypes and shapes
+    only, which every rank of a correct call shares: a non-contiguous tensor goes through
+    a contiguous copy rather than another path."""
+    if (output.dtype != input.dtype or output.dtype not in IPC_DTYPES
+            or output.device != input.device):
         return None
     send_counts = _split_counts(input, input_split_sizes, world)
     recv_counts = _split_counts(output, output_split_sizes, world)
     if send_counts is None or recv_counts is None:
         return None
-    works = after_streams(comm, [output, input])
+    inp = input.contiguous()        # a copy on the stream, before the wait, if needed
+    out, copy_back = _contiguous_out(output)
+    works = after_streams(comm, [out, inp])
     works.append(comm.all_to_all_device(
-        input.data_ptr(), output.data_ptr(), send_counts, recv_counts, str(input.dtype),
-        device=input.device.index or 0, owner=(output, input), async_op=True))
-    return works, output
+        inp.data_ptr(), out.data_ptr(), send_counts, recv_counts, str(input.dtype),
+        device=input.device.index or 0, owner=(output, input, out, inp), async_op=True))
+    return (works, output) if copy_back is None else (works, output, copy_back)
 
 
 def _rooted_ipc(backend: Any, name: str, outputs: Any, inputs: Any, opts: Any) -> Any:
     """gather and scatter GPU to GPU. torch passes the root's blocks as a list of
     tensors: they go through one flat device buffer (the root's blocks stacked before
-    the call for scatter, copied out after it for gather, on the device)."""
+    the call for scatter, copied out after it for gather, on the device). Whether a call
+    goes this way depends on this rank's own tensor's dtype alone, the same on every rank
+    of a correct call; a root whose blocks cannot take part (not one per rank, or of
+    another size) passes no buffer, and eccl fails the call on every rank alike."""
     comm, world, root = backend.comm, backend.size(), opts.rootRank
     is_root = backend.rank() == root
     if name == "gather":
@@ -304,30 +325,35 @@ def _rooted_ipc(backend: Any, name: str, outputs: Any, inputs: Any, opts: Any) -
     else:
         mine = outputs[0]
         blocks = list(inputs[0]) if is_root else []
-    if not _ipc_ok([mine] + blocks) or (is_root and (
-            len(blocks) != world or any(b.shape != mine.shape or b.dtype != mine.dtype
-                                        for b in blocks))):
+    if mine.dtype not in IPC_DTYPES:
         return None
+    usable = (is_root and len(blocks) == world
+              and all(b.numel() == mine.numel() for b in blocks))
     dev, dtype, count = mine.device.index or 0, str(mine.dtype), mine.numel()
     if name == "scatter":
-        flat = torch.stack(blocks) if is_root else None   # on the stream, before the wait
-        works = after_streams(comm, [mine] + ([flat] if is_root else []))
+        flat = None
+        if usable:   # on the stream, before the wait
+            flat = torch.stack([b.to(device=mine.device, dtype=mine.dtype).reshape(mine.shape)
+                                for b in blocks])
+        out, copy_back = _contiguous_out(mine)
+        works = after_streams(comm, [out] + ([flat] if flat is not None else []))
         works.append(comm.scatter_device(
-            flat.data_ptr() if is_root else 0, mine.data_ptr(), count, dtype, root,
-            device=dev, owner=(mine, flat), async_op=True))
-        return works, outputs
+            flat.data_ptr() if flat is not None else 0, out.data_ptr(), count, dtype, root,
+            device=dev, owner=(mine, out, flat), async_op=True))
+        return (works, outputs) if copy_back is None else (works, outputs, copy_back)
+    inp = mine.contiguous()
     flat = torch.empty((world,) + tuple(mine.shape), dtype=mine.dtype,
-                       device=mine.device) if is_root else None
-    works = after_streams(comm, [mine] + blocks)
+                       device=mine.device) if usable else None
+    works = after_streams(comm, [inp] + ([flat] if flat is not None else []))
     works.append(comm.gather_device(
-        mine.data_ptr(), flat.data_ptr() if is_root else 0, count, dtype, root, device=dev,
-        owner=(mine, flat), async_op=True))
-    if not is_root:
+        inp.data_ptr(), flat.data_ptr() if flat is not None else 0, count, dtype, root,
+        device=dev, owner=(mine, inp, flat), async_op=True))
+    if flat is None:
         return works, outputs
 
     def copy_out() -> None:
         for b, f in zip(blocks, flat):
-            b.copy_(f)
+            b.copy_(f.reshape(b.shape))
         torch.cuda.current_stream(mine.device).synchronize()
     return works, outputs, copy_out
 

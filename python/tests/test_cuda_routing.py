@@ -98,7 +98,7 @@ def test_all_to_all_hands_over_every_blocks_element_count():
     name, args, kw = device_calls(b.comm, [out, inp])[0]
     assert args == (inp.data_ptr(), out.data_ptr(), [10, 10, 10], [10, 10, 10],
                     "torch.float32")
-    assert kw["owner"] == (out, inp)
+    assert all(a is b_ for a, b_ in zip(kw["owner"], (out, inp, out, inp)))
     # Uneven splits, as an MoE layer passes them: rows times the row's elements.
     b = Backend(3, 2)
     out, inp = torch.zeros(4, 2), torch.ones(5, 2)
@@ -120,7 +120,7 @@ def test_gather_and_scatter_go_through_one_flat_device_buffer_on_the_root():
     name, args, kw = b.comm.calls[1]
     assert name == "gather_device" and args[0] == mine.data_ptr() and args[2:] == (
         4, "torch.float32", 1)
-    flat = kw["owner"][1]
+    flat = kw["owner"][2]
     assert args[1] == flat.data_ptr() and flat.shape == (3, 2, 2)
     flat.copy_(torch.arange(12.0).view(3, 2, 2))
     with pytest.MonkeyPatch.context() as m:   # the copies' stream sync, without a GPU
@@ -138,11 +138,39 @@ def test_gather_and_scatter_go_through_one_flat_device_buffer_on_the_root():
     torch_cuda.ipc_works(b, "scatter", ([out], [blocks], opts(rootRank=0)))
     name, args, kw = b.comm.calls[1]
     assert name == "scatter_device" and args[1:] == (out.data_ptr(), 3, "torch.float32", 0)
-    assert kw["owner"][1].tolist() == [[0, 0, 0], [1, 1, 1]]
-    # Blocks of another shape than this rank's: staged.
+    assert kw["owner"][2].tolist() == [[0, 0, 0], [1, 1, 1]]
+    # Blocks of another shape but the same size go through the flat buffer too; blocks
+    # of another size leave the root without a buffer (address 0), which eccl refuses on
+    # every rank alike: the other ranks, which cannot see the root's blocks, take the
+    # same path and fail with it instead of waiting for a root that went another way.
+    b = Backend(2, 0)
+    odd = [torch.zeros(1, 3), torch.ones(3, 1)]
+    torch_cuda.ipc_works(b, "scatter", ([out], [odd], opts(rootRank=0)))
+    assert b.comm.calls[1][2]["owner"][2].tolist() == [[0, 0, 0], [1, 1, 1]]
     b = Backend(2, 0)
     bad = [torch.zeros(3), torch.zeros(4)]
-    assert torch_cuda.ipc_works(b, "scatter", ([out], [bad], opts(rootRank=0))) is None
+    torch_cuda.ipc_works(b, "scatter", ([out], [bad], opts(rootRank=0)))
+    assert b.comm.calls[1][0] == "scatter_device" and b.comm.calls[1][1][0] == 0
+    b = Backend(2, 1)
+    torch_cuda.ipc_works(b, "gather", ([bad[:1]], [torch.zeros(3)], opts(rootRank=1)))
+    assert b.comm.calls[1][0] == "gather_device" and b.comm.calls[1][1][1] == 0
+
+
+def test_a_non_contiguous_all_to_all_goes_the_same_way_through_contiguous_copies():
+    b = Backend(2, 0)
+    out, inp = torch.zeros(4, 6)[:, ::2], torch.arange(24.0).view(4, 6)[:, ::2]
+    works, result, copy_back = torch_cuda.ipc_works(b, "alltoall_base",
+                                                    (out, inp, [], [], None))
+    name, args, kw = b.comm.calls[1]
+    sent, written = kw["owner"][3], kw["owner"][2]
+    assert name == "all_to_all_device" and result is out
+    assert args[0] == sent.data_ptr() and sent.is_contiguous() and torch.equal(sent, inp)
+    assert args[1] == written.data_ptr() and written.is_contiguous()
+    written.fill_(5.0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.cuda, "current_stream", lambda d: opts(synchronize=lambda: None))
+        copy_back()
+    assert bool((out == 5.0).all())
 
 
 @pytest.mark.parametrize("case", ["shape", "dtype", "noncontiguous", "bool", "mixed dtypes"])

@@ -229,3 +229,122 @@ async fn gpus_that_cannot_reach_each_other_run_every_device_call_through_host_me
         "the direct path ran kernels"
     );
 }
+
+/// Runs `f(rank, device, comm, ipc, rt)` on one thread per communicator.
+fn each<R: Send>(
+    comms: Vec<eccl::Communicator>,
+    make: &(dyn Fn(usize) -> HostDevice + Sync),
+    f: &(dyn Fn(
+        usize,
+        &HostDevice,
+        &mut eccl::Communicator,
+        &mut IpcComm<HostDevice>,
+        tokio::runtime::Handle,
+    ) -> R
+          + Sync),
+) -> Vec<R> {
+    let rt = tokio::runtime::Handle::current();
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|mut comm| {
+                    let rt = rt.clone();
+                    s.spawn(move || {
+                        let rank = comm.rank().unwrap().idx();
+                        let dev = Arc::new(make(rank));
+                        let mut ipc = IpcComm::new(dev.clone());
+                        f(rank, &dev, &mut comm, &mut ipc, rt)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_memory_all_to_all_moves_blocks_larger_than_a_link_holds_and_checks_counts() {
+    let m = start_master(&[]);
+    let unreachable = |r: usize| HostDevice::on_gpu(r as u32).reaching(&[]);
+    // Blocks of up to 12 MiB, uneven, some empty: more than a link buffers (8 frames of
+    // 1 MiB over shared memory), so whole-block sends from every rank at once would
+    // wait for each other.
+    let big = |s: usize, t: usize| {
+        [
+            [0, 3 << 20, 1 << 20],
+            [(3 << 20) - 5, 7, 0],
+            [1, 0, 2 << 20],
+        ][s][t]
+    };
+    let comms = world(&m.addr, N as u32).await;
+    let res = each(comms, &unreachable, &|rank, dev, comm, ipc, rt| {
+        let sends: Vec<usize> = (0..N).map(|t| big(rank, t)).collect();
+        let recvs: Vec<usize> = (0..N).map(|s| big(s, rank)).collect();
+        let (ns, nr) = (sends.iter().sum::<usize>(), recvs.iter().sum::<usize>());
+        let send = dev.alloc(ns * 4).unwrap();
+        unsafe { dev.upload(send, &to_bytes(&values(ns, rank))).unwrap() };
+        let recv = dev.alloc(nr * 4).unwrap();
+        let call = DeviceCall::AllToAll {
+            send,
+            recv,
+            send_counts: sends,
+            recv_counts: recvs,
+            dtype: DType::F32,
+        };
+        unsafe { eccl::device::run(comm, rt, ipc, &call) }
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let mut b = vec![0u8; nr * 4];
+        unsafe { dev.download(&mut b, recv).unwrap() };
+        (to_f32(&b), dev.reductions() + dev.copies())
+    });
+    for (t, (out, kernels)) in res.iter().enumerate() {
+        let want: Vec<f32> = (0..N)
+            .flat_map(|s| {
+                let all: usize = (0..N).map(|u| big(s, u)).sum();
+                let from: usize = (0..t).map(|u| big(s, u)).sum();
+                values(all, s)[from..from + big(s, t)].to_vec()
+            })
+            .collect();
+        assert!(out == &want, "rank {t}: the blocks it received differ");
+        assert_eq!(*kernels, 0, "rank {t}: through host memory, no device work");
+    }
+    // Rank 2 expects 4 elements from rank 0, which sends it 3: the same mismatch on
+    // every rank, and no output written.
+    let comms = world(&m.addr, N as u32).await;
+    let res = each(comms, &unreachable, &|rank, dev, comm, ipc, rt| {
+        let sends = vec![3; N];
+        let mut recvs = vec![3; N];
+        if rank == 2 {
+            recvs[0] = 4;
+        }
+        let nr: usize = recvs.iter().sum();
+        let send = dev.alloc(3 * N * 4).unwrap();
+        let recv = dev.alloc(nr * 4).unwrap();
+        unsafe { dev.upload(recv, &vec![0xAB; nr * 4]).unwrap() };
+        let call = DeviceCall::AllToAll {
+            send,
+            recv,
+            send_counts: sends,
+            recv_counts: recvs,
+            dtype: DType::F32,
+        };
+        let r = unsafe { eccl::device::run(comm, rt, ipc, &call) };
+        let mut b = vec![0u8; nr * 4];
+        unsafe { dev.download(&mut b, recv).unwrap() };
+        (r, b)
+    });
+    for (r, (res, out)) in res.into_iter().enumerate() {
+        match res {
+            Err(eccl::Error::Mismatch { detail, .. }) => assert!(
+                detail.contains("rank 0 sends 3 elements to rank 2, which expects 4"),
+                "rank {r}: {detail}"
+            ),
+            other => panic!("rank {r}: {other:?}"),
+        }
+        assert!(
+            out.iter().all(|&b| b == 0xAB),
+            "rank {r}'s output was written"
+        );
+    }
+}
