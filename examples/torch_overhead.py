@@ -10,7 +10,9 @@ returned Work's `wait()`), and eccl's Python. The first is measured beside the o
 "floor": `dist.all_reduce` on a group of a do-nothing Python backend (its Work is
 complete at once), whose cost is torch's alone. `--pin` runs each rank on a core of its
 own (rank r on core r modulo the cores), which makes the figures stable where a 2-core
-machine's scheduler otherwise moves the ranks' threads around.
+machine's scheduler otherwise moves the ranks' threads around; a pinned rank sees one
+core, so eccl's waits do not spin there once ranks share a host (not the configuration
+an unpinned job runs in).
 
     python examples/torch_overhead.py --ranks 2 4 --sizes 1K,64M --iters 2000,10 --rounds 3
 """

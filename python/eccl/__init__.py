@@ -58,28 +58,30 @@ ERRORS = tuple(_eccl.ERRORS)
 
 
 class StateLostError(EcclError):
-    """The job's shared state is gone: every rank that held its newest revision left (died,
-    was evicted) before passing it on, and the ranks still here hold only older revisions,
-    or a newcomer's half-received copy. `ElasticDDP` and `DiLoCo` raise it on every rank of
-    the world rather than train on from such a state (what `sync_shared_state` would
-    otherwise settle on: the newest revision among the ranks present). Not retryable:
-    restore the state from a checkpoint. `revision` is the newest revision the job
-    reached, `newest` the newest one a rank still holds."""
+    """The job's shared state is gone: every rank that held a state left (died, was
+    evicted) before passing it on, and the ranks still here are newcomers holding at most
+    a half-received copy. `ElasticDDP` and `DiLoCo` raise it on every rank of the world
+    rather than train on from such a copy (what `sync_shared_state` would otherwise settle
+    on: the newest revision among the ranks present). Survivors that hold an older
+    revision whole go on from it instead, with a warning. Not retryable: restore the
+    state from a checkpoint. `revision` is the newest revision the job reached, `newest`
+    the newest one a rank still holds (0). Not one of `ERRORS`, the Rust library's
+    kinds: it is raised by these Python classes alone."""
 
     retryable = False
     hint = "restore the state from a checkpoint and start the job again"
 
     def __init__(self, revision: int, newest: int, what: str = "the shared state") -> None:
         super().__init__(
-            f"{what} at revision {revision} is lost: every rank that held it left before "
-            f"passing it on, and the newest revision a rank of this world still holds is "
-            f"{newest} (hint: {self.hint})")
+            f"{what} at revision {revision} is lost: every rank that held a state left "
+            f"before passing it on, and the newest revision a rank of this world still "
+            f"holds is {newest} (hint: {self.hint})")
         self.revision = revision
         self.newest = newest
         self._what = what
 
     def __reduce__(self):
-        return (type(self), (self.revision, self.newest, self._what))
+        return (type(self), (self.revision, self.newest, self._what), self.__dict__)
 
 
 def dtype_of(x: Any) -> "DType":

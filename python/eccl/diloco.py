@@ -6,12 +6,15 @@ during outer steps."""
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional
 
 import torch
 
 import eccl
 from eccl.elastic import COMPRESSION, QUANTIZED, init_optimizer_state, next_world
+
+log = logging.getLogger("eccl.torch")
 
 __all__ = ["DiLoCo"]
 
@@ -120,9 +123,10 @@ class DiLoCo:
 
         Every rank first says where it stands (one small all_gather): who needs the
         inner state, who trained for the outer step under way, and the revision each
-        holds and the newest it has heard of (a job whose every holder of the newest
-        state left before passing it on stops here with `StateLostError`, on every rank,
-        rather than train on from an older or half-received copy). A rank behind the
+        holds and the newest it has heard of (a job whose every holder of a state left
+        before passing it on stops here with `StateLostError`, on every rank, rather than
+        train on from a half-received copy; one whose survivors hold an older outer step
+        whole goes on from it, and says so). A rank behind the
         newest revision (a newcomer, or a member that had been evicted) waits for its
         state here; a rank that holds it only serves, in the background, and `_settle`
         waits for that before its next collective of its own."""
@@ -133,8 +137,13 @@ class DiLoCo:
         self.comm.all_gather(roster, mine)
         newest = int(roster[:, _REVISION].max())
         reached = int(roster[:, _REACHED].max())
-        if reached > newest:
+        if reached > newest == 0:
+            # Every rank that held a state left before passing it on: the ranks here are
+            # newcomers with at most a half-received copy.
             raise eccl.StateLostError(reached, newest, "the outer state")
+        if reached > newest:
+            log.warning("eccl: the holders of outer step %d left before passing it on: "
+                        "the job goes on from outer step %d", reached, newest)
         self._reached = newest
         current = roster[:, _REVISION] == newest
         stale = self.outer_steps < newest
@@ -172,9 +181,10 @@ class DiLoCo:
             self._serving = works
             return in_outer_now
         info = works[0].wait()
+        # The shared state is whole from here, also if the inner state's transfer fails.
+        self.outer_steps = info.revision
         for w in works[1:]:
             w.wait()
-        self.outer_steps = info.revision
         for tensors, flat in received:
             off = 0
             for t in tensors:

@@ -4,11 +4,14 @@ on an `eccl.Communicator` (not a torch process group: its world changes)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterator, List, Optional, TypeVar
 
 import torch
 
 import eccl
+
+log = logging.getLogger("eccl.torch")
 
 __all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world"]
 
@@ -224,8 +227,11 @@ class ElasticDDP:
             self._admit()
         except eccl.AbortedError:
             # A fault during the first sync (a member serving it died): the next world,
-            # and the sync again over it, as the members do after a failed step.
+            # and the sync again over it, as the members do after a failed step. That
+            # world may admit newcomers, for whom this is their admission: every rank
+            # that came here skips its first step boundary as they do.
             next_world(comm, self._admit, max_retries)
+            self._joined_now = True
 
     # -- state ----------------------------------------------------------------------
 
@@ -273,10 +279,16 @@ class ElasticDDP:
         self.comm.all_reduce(revs, "max")
         newest, oldest, reached = int(revs[0]), -int(revs[1]), int(revs[2])
         if reached > newest:
-            # Every holder of the newest state left before passing it on: what the ranks
-            # here hold is older, or a newcomer's half-received copy. Every rank of the
-            # world sees the same figures and stops.
-            raise eccl.StateLostError(reached, newest, "the model and optimizer state")
+            if newest == 0:
+                # Every rank that held a state left before passing it on: the ranks here
+                # are newcomers with at most a half-received copy. Every rank of the
+                # world sees the same figures and stops.
+                raise eccl.StateLostError(reached, newest, "the model and optimizer state")
+            # The holders of the newest revision left before passing it on; the ranks
+            # here hold an older one whole (members receive into staging): the job
+            # goes on from it, as from a checkpoint, and says so.
+            log.warning("eccl: the holders of revision %d left before passing it on: "
+                        "the job goes on from revision %d", reached, newest)
         # Known from now on, also if the sync below fails part-way.
         self.revision = newest
         if not self.heal_in_background or oldest == newest:

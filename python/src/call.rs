@@ -148,7 +148,13 @@ pub(crate) async fn serve(
     let mut soon: Option<Queued> = None;
     loop {
         let queued = match soon.take() {
-            Some(queued) => queued,
+            Some(queued) => {
+                // Taken without an await: give the worker back when the task's budget
+                // is spent, as `recv().await` does, so that timers, links and the tasks
+                // this worker woke run between back-to-back calls that never wait.
+                tokio::task::coop::consume_budget().await;
+                queued
+            }
             None => tokio::select! {
                 biased;
                 _ = stop.notified() => break,

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import eccl  # noqa: E402
+import eccl.torch  # noqa: E402,F401
 from procs import free_port, outputs, read_until, spawn, stop_sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -276,3 +277,47 @@ def test_a_diloco_newcomer_fetches_again_from_the_member_left_when_one_dies(tmp_
     assert {f.group(2) for f in finals} == {"40"}
     assert len({f.group(5) for f in finals}) == 1, [f.group(0) for f in finals]
     assert ", 2 members" in outs[1], "the newcomer trained with the survivor"
+
+
+class _ScriptedComm:
+    """A communicator double for ElasticDDP's admission logic: each max all_reduce of
+    [held, -held, reached] answers the next scripted row; syncs succeed at `newest`."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, rows):
+        self.rows, self.synced = list(rows), []
+
+    def update_topology(self):
+        pass
+
+    def all_reduce(self, t, op, **kw):
+        t.copy_(torch.tensor(self.rows.pop(0), dtype=t.dtype))
+
+    def sync_shared_state(self, revision, tensors, unchanged=None, async_op=False):
+        import types
+        self.synced.append(revision)
+        return types.SimpleNamespace(revision=self.newest, updated=[])
+
+
+@pytest.mark.parametrize("newest", [0, 3])
+def test_state_lost_only_where_no_rank_holds_a_whole_state(newest, caplog):
+    """After a change of world the ranks agree on the newest revision held and the
+    newest one reached: if nobody holds a state at all (only newcomers are left) the job
+    stops with StateLostError on every rank; if the survivors hold an older revision
+    whole, the job goes on from it and says so (a step's all_reduce that finished on one
+    member only, which then died, leaves the others one step back)."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = _ScriptedComm([[newest, -newest, 7]])
+    comm.newest = newest
+    if newest == 0:
+        with pytest.raises(eccl.StateLostError) as e:
+            eccl.torch.ElasticDDP(model, opt, comm)
+        assert (e.value.revision, e.value.newest, e.value.retryable) == (7, 0, False)
+        assert comm.synced == [], "nothing is synced from a half-received copy"
+        return
+    with caplog.at_level("WARNING", logger="eccl.torch"):
+        job = eccl.torch.ElasticDDP(model, opt, comm)
+    assert job.revision == 3 and comm.synced == [0]
+    assert "goes on from revision 3" in caplog.text
