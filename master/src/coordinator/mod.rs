@@ -323,6 +323,10 @@ impl Coordinator {
 
     /// Completes every world's sync round whose live members have all reported.
     async fn try_sync(&self, st: &mut State) {
+        // No round in progress: nothing to complete or end (see `answer_queries`).
+        if st.syncs.is_empty() {
+            return;
+        }
         let worlds = self.raft.read(|r| {
             r.worlds()
                 .map(|e| (e.world.epoch, r.live_members_of(e.world.epoch)))

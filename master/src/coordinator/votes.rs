@@ -293,6 +293,12 @@ impl Coordinator {
     }
 
     pub(super) fn answer_queries(&self, st: &mut State) {
+        // Nothing to answer: skip the walk over every world's members (a job of
+        // thousands leaving at its end removed them one by one, each removal walking
+        // every world: quadratic in the job's size).
+        if st.queries.is_empty() {
+            return;
+        }
         let worlds: Vec<(u64, Vec<PeerId>, bool)> = self.raft.read(|r| {
             r.worlds()
                 .map(|e| {
