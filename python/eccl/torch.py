@@ -310,23 +310,41 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._alltoall_uneven(outs, ins)
 
     def _alltoall_uneven(self, outs, ins):
-        # Blocks of different sizes: pairwise sends and receives, ordered so that no
-        # rank waits on a peer that is itself waiting (send to higher ranks first).
-        me, n = self.rank(), self.size()
-        works = []
-        recv_bufs = []
-        for step in range(1, n):
-            to, frm = (me + step) % n, (me - step) % n
-            works.append(self.comm.send(ins[to].contiguous(), to, tag=1 << 20, async_op=True))
-            buf = torch.empty_like(outs[frm]).contiguous()
-            works.append(self.comm.recv(buf, frm, tag=1 << 20, async_op=True))
-            recv_bufs.append((outs[frm], buf))
-        outs[me].copy_(ins[me])
+        """Blocks of different sizes. Every rank's block sizes go first (one small
+        all_gather, so sizes that disagree are the same `MismatchError` on every rank
+        before anything moves), then one all_to_all of blocks padded to the call's
+        largest, which the collective engine paces. (Pairwise sends of whole blocks from
+        every rank at once waited for each other for good once a block outgrew what a
+        link buffers: 16 MiB over shared memory.)"""
+        n = self.size()
+        sends, recvs = [t.numel() for t in ins], [t.numel() for t in outs]
+        table = torch.empty((n, 2 * n), dtype=torch.int64)
+        try:
+            self.comm.all_gather(table, torch.tensor(sends + recvs, dtype=torch.int64))
+        except eccl.EcclError as e:
+            self._recovery.failed(e, "collective")    # as a failed Work would
+            raise
+        for s in range(n):
+            for t in range(n):
+                sent, expected = int(table[s, t]), int(table[t, n + s])
+                if sent != expected:
+                    raise eccl.MismatchError(
+                        f"all_to_all: rank {s} sends {sent} elements to rank {t}, which "
+                        f"expects {expected} from it")
+        widest = int(table[:, :n].max()) if n else 0
+        if widest == 0:
+            return self._calls.submit([], outs)
+        dtype = ins[0].dtype if ins else outs[0].dtype
+        flat_in = torch.zeros(n * widest, dtype=dtype)
+        for t, b in enumerate(ins):
+            flat_in[t * widest:t * widest + b.numel()].copy_(b.reshape(-1))
+        flat_out = torch.empty(n * widest, dtype=dtype)
+        w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
 
         def copy_back() -> None:
-            for o, b in recv_bufs:
-                o.copy_(b)
-        return self._calls.submit(works, outs, copy_back)
+            for s, o in enumerate(outs):
+                o.copy_(flat_out[s * widest:s * widest + o.numel()].view(o.shape))
+        return self._calls.submit([w], outs, copy_back)
 
     def barrier(self, opts=None):
         return self._calls.submit([self.comm.barrier(async_op=True)], None)

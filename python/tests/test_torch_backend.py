@@ -102,6 +102,21 @@ def test_every_collective_matches_gloo(n, monkeypatch):
             assert eccl_res[r][key] == gloo_res[r][key], f"rank {r} {key}"
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
+    """Uneven all_to_all blocks of 16 MiB and more (both forms) arrive whole; sizes that
+    disagree fail every rank with MismatchError naming the pair. Before, every rank
+    sent its whole block first and waited there for good (no timeout either)."""
+    res = run_world(n, ["eccl", "big_uneven"])
+
+    def block(s, t):
+        return (4 << 20) + (s * n + t) * 12345
+    for r, got in enumerate(res):
+        want = [[block(s, r), 100.0 * s + r, 100.0 * s + r] for s in range(n)]
+        assert got["single"] == want and got["list"] == want, (r, got)
+        assert got["mismatch"] is True, (r, got["mismatch"])
+
+
 def test_backend_covers_every_dtype_and_op_of_the_rust_lists():
     """eccl.DType and eccl.ReduceOp come from the Rust tables; every pair that the op is
     defined for goes through dist.all_reduce with the closed-form result."""

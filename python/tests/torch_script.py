@@ -152,6 +152,34 @@ def mixed(r, n):
     return out
 
 
+def big_uneven(r, n):
+    """all_to_all with uneven blocks larger than a link buffers (16 MiB and more over
+    shared memory, where pairwise sends of whole blocks once waited for each other for
+    good), in the single-tensor and the list form; then sizes that disagree."""
+    out = {}
+    block = lambda s, t: (4 << 20) + (s * n + t) * 12345    # noqa: E731 - elements
+    ins = torch.cat([torch.full((block(r, t),), float(100 * r + t)) for t in range(n)])
+    outs = torch.empty(sum(block(s, r) for s in range(n)))
+    dist.all_to_all_single(outs, ins, [block(s, r) for s in range(n)],
+                           [block(r, t) for t in range(n)])
+    got = outs.split([block(s, r) for s in range(n)])
+    out["single"] = [[b.numel(), b.min().item(), b.max().item()] for b in got]
+    lst = [torch.empty(block(s, r)) for s in range(n)]
+    dist.all_to_all(lst, [torch.full((block(r, t),), float(100 * r + t)) for t in range(n)])
+    out["list"] = [[b.numel(), b.min().item(), b.max().item()] for b in lst]
+    # The last rank expects one element fewer from rank 0 than rank 0 sends it.
+    recvs = [4] * n
+    if r == n - 1:
+        recvs[0] = 3
+    try:
+        dist.all_to_all_single(torch.empty(sum(recvs)), torch.ones(4 * n), recvs, [4] * n)
+        out["mismatch"] = "none"
+    except Exception as e:  # noqa: BLE001 - what each rank saw
+        out["mismatch"] = "MismatchError" in f"{type(e).__name__}: {e}" and \
+            "rank 0 sends 4 elements" in str(e)
+    return out
+
+
 def main():
     backend, what = sys.argv[1], sys.argv[2]
     if os.environ.get("ECCL_TEST_DEVICE") == "cuda":
@@ -166,7 +194,8 @@ def main():
         if not isinstance(pg, eccl.torch.ProcessGroupEccl):
             pg = pg._get_backend(torch.device("cpu"))  # torch 2.12+: the group wraps it
         topology = pg.optimize_topology()
-    res = {"collectives": collectives, "coverage": coverage, "mixed": mixed}.get(
+    res = {"collectives": collectives, "coverage": coverage, "mixed": mixed,
+           "big_uneven": big_uneven}.get(
         what, lambda r, n: ddp(r, n, 10))(r, n)
     if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         res["_topology"] = {"ring": topology["ring"], "rank": dist.get_rank()}
