@@ -104,9 +104,10 @@ def test_every_collective_matches_gloo(n, monkeypatch):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
-    """Uneven all_to_all blocks of 16 MiB and more (both forms) arrive whole; sizes that
-    disagree fail every rank with MismatchError naming the pair. Before, every rank
-    sent its whole block first and waited there for good (no timeout either)."""
+    """Uneven all_to_all blocks of 16 MiB and more (both forms) arrive whole, and so does
+    a ring of 24 MiB batch_isend_irecv; sizes that disagree fail every rank with
+    MismatchError naming the pair. Before, every rank sent its whole block first and
+    waited there until the group's timeout."""
     res = run_world(n, ["eccl", "big_uneven"])
 
     def block(s, t):
@@ -114,6 +115,7 @@ def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
     for r, got in enumerate(res):
         want = [[block(s, r), 100.0 * s + r, 100.0 * s + r] for s in range(n)]
         assert got["single"] == want and got["list"] == want, (r, got)
+        assert got["ring"] == [float((r - 1) % n)] * 2, (r, got["ring"])
         assert got["mismatch"] is True, (r, got["mismatch"])
 
 

@@ -167,6 +167,14 @@ def big_uneven(r, n):
     lst = [torch.empty(block(s, r)) for s in range(n)]
     dist.all_to_all(lst, [torch.full((block(r, t),), float(100 * r + t)) for t in range(n)])
     out["list"] = [[b.numel(), b.min().item(), b.max().item()] for b in lst]
+    # Each rank sends the next 24 MiB before receiving from the one before (torch's
+    # batch_isend_irecv): more than a link holds, so each send must keep what arrives
+    # while it waits for room.
+    x, y = torch.full((6 << 20,), float(r)), torch.empty(6 << 20)
+    ops = [dist.P2POp(dist.isend, x, (r + 1) % n), dist.P2POp(dist.irecv, y, (r - 1) % n)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    out["ring"] = [y.min().item(), y.max().item()]
     # The last rank expects one element fewer from rank 0 than rank 0 sends it.
     recvs = [4] * n
     if r == n - 1:

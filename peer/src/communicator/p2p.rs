@@ -131,13 +131,18 @@ impl Communicator {
             .or_insert(0);
             let seq = *counter;
             *counter += 1;
-            let link = c.links[peer.idx()]
-                .as_mut()
-                .ok_or_else(|| Error::InvalidArgument(format!("no link to rank {peer}")))?;
+            if c.links[peer.idx()].is_none() {
+                return Err(Error::InvalidArgument(format!("no link to rank {peer}")));
+            }
             let op = Running { seq, ..op };
             let r = match dir {
-                Direction::Send(d, _) => executor::send_p2p(&op, link, peer.0, tag, d).await,
-                Direction::Recv(o, _) => executor::recv_p2p(&op, link, peer.0, tag, first, o).await,
+                Direction::Send(d, _) => {
+                    executor::send_p2p(&op, &mut c.links, peer.0, tag, d).await
+                }
+                Direction::Recv(o, _) => {
+                    let link = c.links[peer.idx()].as_mut().expect("checked above");
+                    executor::recv_p2p(&op, link, peer.0, tag, first, o).await
+                }
             };
             match r {
                 Ok(()) => Ok(OpInfo {

@@ -79,22 +79,37 @@ pub(crate) async fn broadcast_abort(
 }
 
 /// A point-to-point message with tag `tag`.
+/// Sends a message to rank `rank`. While the link has no room for it, what the other
+/// ranks send this one goes to their links' stashes: two ranks that send each other
+/// more than a link holds before receiving (a symmetric `isend`/`irecv`, torch's
+/// `batch_isend_irecv`, a ring of exchanges) would otherwise each wait for the other to
+/// read, until the timeout.
 pub(crate) async fn send_p2p(
     op: &Running<'_>,
-    link: &mut PeerLink,
+    links: &mut [Option<PeerLink>],
     rank: u32,
     tag: u32,
     data: &[u8],
 ) -> Result<()> {
     let mut h = op.header(FrameKind::P2p, op.seq, 0, op.desc);
     h.tag = tag;
-    let send = link
-        .tx
-        .send_region(h, data, op.frame_bytes, op.elem(), op.timeout);
+    let mut tx = None;
+    let mut rxs = Vec::new();
+    for (r, l) in links.iter_mut().enumerate() {
+        if let Some(PeerLink { tx: t, rx }) = l.as_mut() {
+            if r as u32 == rank {
+                tx = Some(t);
+            }
+            rxs.push((r as u32, rx));
+        }
+    }
+    let tx = tx.ok_or_else(|| op.link_err(rank, "no link"))?;
+    let send = tx.send_region(h, data, op.frame_bytes, op.elem(), op.timeout);
     tokio::select! {
         biased;
         r = send => r.map_err(|e| op.link_err(rank, e)),
         e = op.aborted() => Err(e),
+        e = super::frames::stash_arrivals(op, &mut rxs) => Err(e),
     }
 }
 

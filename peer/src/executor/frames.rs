@@ -128,6 +128,65 @@ pub(crate) async fn next_frame(
     }
 }
 
+/// Moves every frame that arrives on `rxs` to its link's stash (in memory of its own),
+/// for the receives queued after the call that waits meanwhile. Returns only with the
+/// error that ends that call: a link that failed, a rank already in a later epoch, or
+/// one that ran too far ahead.
+pub(crate) async fn stash_arrivals(op: &Running<'_>, rxs: &mut [(u32, &mut PeerRx)]) -> Error {
+    use futures::future::{select_all, FutureExt};
+    if rxs.is_empty() {
+        return std::future::pending().await;
+    }
+    loop {
+        let (rank, ev) = {
+            let futs = rxs
+                .iter_mut()
+                .map(|(r, rx)| {
+                    let r = *r;
+                    async move { (r, rx.link.next().await) }.boxed()
+                })
+                .collect::<Vec<_>>();
+            select_all(futs).await.0
+        };
+        let f = match ev {
+            None => return op.link_err(rank, "closed"),
+            Some(LinkEvent::Failed(e)) => return op.link_err(rank, e),
+            Some(LinkEvent::Frame(f)) => f,
+        };
+        let h = f.header;
+        if h.epoch < op.epoch
+            || matches!(
+                h.kind,
+                FrameKind::StateReq | FrameKind::StateData | FrameKind::StateDone
+            )
+        {
+            continue; // as `next_frame` drops them
+        }
+        if h.epoch > op.epoch {
+            return Error::Aborted {
+                epoch: op.epoch,
+                cause: format!("rank {rank} is already in epoch {}", h.epoch),
+            };
+        }
+        let rx = &mut rxs
+            .iter_mut()
+            .find(|(r, _)| *r == rank)
+            .expect("the rank a frame came from")
+            .1;
+        if rx.stash.len() >= MAX_STASH {
+            return op.mismatch(
+                rank,
+                Some(h.desc),
+                format!("rank {rank} ran more than {MAX_STASH} frames ahead"),
+            );
+        }
+        rx.stash.push_back(Incoming {
+            header: h,
+            payload: f.payload.detach(),
+        });
+    }
+}
+
 /// What a receive that timed out waited for, and what had come from that rank instead
 /// (for the error: a peer that sent nothing looks different from one that is ahead).
 fn waited_for(want: &Want, rx: &PeerRx) -> String {

@@ -115,3 +115,31 @@ async fn a_receive_that_times_out_fails_alone_and_the_world_goes_on() {
     .await;
     assert_eq!(res, vec![(3, epoch), (3, epoch)]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_that_send_each_other_more_than_a_link_holds_before_receiving_both_finish() {
+    // Three ranks in a ring, each sending 24 MiB to the next before receiving from the
+    // one before (a symmetric isend/irecv, torch's batch_isend_irecv): over shared memory
+    // a link holds 8 frames of 1 MiB, so each send waited for a receive that came only
+    // after it, until the timeout. A send that waits now keeps what arrives meanwhile.
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+    const N: usize = 6 << 20; // f32 values: 24 MiB
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let (me, n) = (c.rank().unwrap().0, c.world_size());
+        let out = vec![me as f32; N];
+        c.send(&out, Rank((me + 1) % n), 3).await?;
+        let mut got = vec![0f32; N];
+        c.recv(&mut got, Rank((me + n - 1) % n), 3).await?;
+        Ok::<_, Error>(got)
+    }))
+    .await;
+    for (r, got) in res.into_iter().enumerate() {
+        let got = got.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        let from = (r + 2) % 3;
+        assert!(
+            got.iter().all(|&x| x == from as f32),
+            "rank {r} got another rank's data"
+        );
+    }
+}
