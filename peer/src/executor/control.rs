@@ -109,7 +109,7 @@ pub(crate) async fn send_p2p(
         biased;
         r = send => r.map_err(|e| op.link_err(rank, e)),
         e = op.aborted() => Err(e),
-        e = super::frames::stash_arrivals(op, &mut rxs) => Err(e),
+        never = super::frames::stash_arrivals(op, &mut rxs) => match never {},
     }
 }
 

@@ -49,6 +49,12 @@ pub(crate) async fn next_frame(
         let f = rx.stash.remove(i).expect("index from position");
         return check_desc(op, rank, want, f);
     }
+    // Frames kept while a send waited for room (`stash_arrivals`) were not judged when
+    // they came: one that can never be right for this call fails it now, as it would
+    // have on arrival.
+    for f in rx.stash.iter().filter(|f| f.header.epoch == op.epoch) {
+        judge(op, rank, want, &f.header)?;
+    }
     loop {
         let f = match tokio::time::timeout(op.timeout, rx.link.next()).await {
             Err(_) => {
@@ -84,34 +90,7 @@ pub(crate) async fn next_frame(
         if want.names(&h) {
             return check_desc(op, rank, want, f);
         }
-        let collective = matches!(h.kind, FrameKind::Data | FrameKind::Check);
-        if collective && h.seq == op.seq && h.desc != op.desc && want.kind != FrameKind::P2p {
-            return Err(op.mismatch(
-                rank,
-                Some(h.desc),
-                format!(
-                    "rank {rank} called {} where this rank called {}",
-                    h.desc, op.desc
-                ),
-            ));
-        }
-        let later = match h.kind {
-            FrameKind::P2p => true,
-            FrameKind::Data | FrameKind::Check if want.kind == FrameKind::P2p => true,
-            FrameKind::Data | FrameKind::Check => {
-                h.seq > want.seq
-                    || (h.kind == FrameKind::Data
-                        && (want.kind == FrameKind::Check || h.index > want.index))
-            }
-            _ => false,
-        };
-        if !later {
-            return Err(op.mismatch(
-                rank,
-                Some(h.desc),
-                format!("rank {rank} sent {:?} frame (collective #{}, message {}) where this rank expected collective #{} message {}", h.kind, h.seq, h.index, want.seq, want.index),
-            ));
-        }
+        judge(op, rank, want, &h)?;
         if rx.stash.len() >= MAX_STASH {
             return Err(op.mismatch(
                 rank,
@@ -128,30 +107,77 @@ pub(crate) async fn next_frame(
     }
 }
 
-/// Moves every frame that arrives on `rxs` to its link's stash (in memory of its own),
-/// for the receives queued after the call that waits meanwhile. Returns only with the
-/// error that ends that call: a link that failed, a rank already in a later epoch, or
-/// one that ran too far ahead.
-pub(crate) async fn stash_arrivals(op: &Running<'_>, rxs: &mut [(u32, &mut PeerRx)]) -> Error {
-    use futures::future::{select_all, FutureExt};
-    if rxs.is_empty() {
-        return std::future::pending().await;
+/// A frame of this epoch from `rank` that `want` does not name: fine if it belongs to a
+/// later step, call or message (it waits in the stash); a `Mismatch` if it can never be
+/// right (another descriptor for this call, or a step this call has passed).
+fn judge(op: &Running<'_>, rank: u32, want: Want, h: &FrameHeader) -> Result<()> {
+    let collective = matches!(h.kind, FrameKind::Data | FrameKind::Check);
+    if collective && h.seq == op.seq && h.desc != op.desc && want.kind != FrameKind::P2p {
+        return Err(op.mismatch(
+            rank,
+            Some(h.desc),
+            format!(
+                "rank {rank} called {} where this rank called {}",
+                h.desc, op.desc
+            ),
+        ));
     }
+    let later = match h.kind {
+        FrameKind::P2p => true,
+        FrameKind::Data | FrameKind::Check if want.kind == FrameKind::P2p => true,
+        FrameKind::Data | FrameKind::Check => {
+            h.seq > want.seq
+                || (h.kind == FrameKind::Data
+                    && (want.kind == FrameKind::Check || h.index > want.index))
+        }
+        _ => false,
+    };
+    if !later {
+        return Err(op.mismatch(
+            rank,
+            Some(h.desc),
+            format!("rank {rank} sent {:?} frame (collective #{}, message {}) where this rank expected collective #{} message {}", h.kind, h.seq, h.index, want.seq, want.index),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes of frames the drain below keeps per link before it leaves that link alone (its
+/// sender then waits for room, as it would without the drain).
+const MAX_DRAINED_BYTES: usize = 256 << 20;
+
+/// Moves every frame that arrives on `rxs` to its link's stash (in memory of its own),
+/// for the receives queued after the call that waits meanwhile. Never returns: the call
+/// that waits decides how it ends. A link that closes or fails, sends a frame of a later
+/// epoch (kept in the stash for that epoch, as the shared-state wait keeps it), or holds
+/// more than [`MAX_DRAINED_BYTES`] or [`MAX_STASH`] frames is left alone from then on;
+/// what it means is for the receive that waits on it to say.
+pub(crate) async fn stash_arrivals(
+    op: &Running<'_>,
+    rxs: &mut Vec<(u32, &mut PeerRx)>,
+) -> std::convert::Infallible {
+    use futures::future::{select_all, FutureExt};
+    let mut drained = vec![0usize; rxs.len()];
     loop {
-        let (rank, ev) = {
+        if rxs.is_empty() {
+            return std::future::pending().await;
+        }
+        let (i, ev) = {
             let futs = rxs
                 .iter_mut()
-                .map(|(r, rx)| {
-                    let r = *r;
-                    async move { (r, rx.link.next().await) }.boxed()
-                })
+                .enumerate()
+                .map(|(i, (_, rx))| async move { (i, rx.link.next().await) }.boxed())
                 .collect::<Vec<_>>();
             select_all(futs).await.0
         };
         let f = match ev {
-            None => return op.link_err(rank, "closed"),
-            Some(LinkEvent::Failed(e)) => return op.link_err(rank, e),
             Some(LinkEvent::Frame(f)) => f,
+            // Closed or failed: the end of the stream; a receive from it will see it.
+            _ => {
+                rxs.swap_remove(i);
+                drained.swap_remove(i);
+                continue;
+            }
         };
         let h = f.header;
         if h.epoch < op.epoch
@@ -162,28 +188,16 @@ pub(crate) async fn stash_arrivals(op: &Running<'_>, rxs: &mut [(u32, &mut PeerR
         {
             continue; // as `next_frame` drops them
         }
-        if h.epoch > op.epoch {
-            return Error::Aborted {
-                epoch: op.epoch,
-                cause: format!("rank {rank} is already in epoch {}", h.epoch),
-            };
-        }
-        let rx = &mut rxs
-            .iter_mut()
-            .find(|(r, _)| *r == rank)
-            .expect("the rank a frame came from")
-            .1;
-        if rx.stash.len() >= MAX_STASH {
-            return op.mismatch(
-                rank,
-                Some(h.desc),
-                format!("rank {rank} ran more than {MAX_STASH} frames ahead"),
-            );
-        }
+        let rx = &mut rxs[i].1;
+        drained[i] += f.payload.len();
         rx.stash.push_back(Incoming {
             header: h,
             payload: f.payload.detach(),
         });
+        if h.epoch > op.epoch || drained[i] >= MAX_DRAINED_BYTES || rx.stash.len() >= MAX_STASH {
+            rxs.swap_remove(i);
+            drained.swap_remove(i);
+        }
     }
 }
 
