@@ -6,7 +6,8 @@
 //!   [`HostDevice`] (host memory; a test double for the logic) and, with the `cuda`
 //!   feature, `CudaDevice` (the CUDA driver through cudarc, loaded at run time, so nothing
 //!   CUDA is needed to build and a machine without it gets `DeviceError::Unavailable`);
-//! - [`ipc`]: the same-host all_reduce over memory every rank maps from every other;
+//! - [`ipc`]: the same-host collectives over memory every rank maps from every other
+//!   (its `records`: what the ranks exchange for them);
 //! - `events` (feature `cuda`): events recorded on a caller's stream, waited for elsewhere.
 
 pub mod device;

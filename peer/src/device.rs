@@ -455,43 +455,16 @@ unsafe fn staged_all_to_all<D: Device>(
             recv_counts.len()
         )));
     }
-    let mut mine = Vec::with_capacity(2 * n * 8);
-    for c in send_counts.iter().chain(recv_counts) {
-        mine.extend_from_slice(&(*c as u64).to_le_bytes());
-    }
-    let all = {
+    let records = {
         use eccl_cuda::Exchange;
+        let mine = cuda::ipc::counts_record(send_counts, recv_counts);
         CommExchange::new(comm, rt.clone())
             .all_gather(&mine)
-            .map_err(|e| match e.downcast::<Error>() {
-                Ok(e) => *e,
-                Err(e) => Error::InvalidArgument(e.to_string()),
-            })?
+            .map_err(|e| to_error(IpcError::Exchange(e)))?
     };
-    let count = |r: usize, i: usize| {
-        u64::from_le_bytes(all[r][i * 8..i * 8 + 8].try_into().expect("8 bytes")) as usize
-    };
-    for s in 0..n {
-        for t in 0..n {
-            let (sent, expected) = (count(s, t), count(t, n + s));
-            if sent != expected {
-                return Err(Error::Mismatch {
-                    rank: None,
-                    ours: None,
-                    theirs: None,
-                    detail: format!(
-                        "all_to_all: rank {s} sends {sent} elements to rank {t}, which expects \
-                         {expected} from it"
-                    ),
-                });
-            }
-        }
-    }
-    let widest = (0..n)
-        .flat_map(|s| (0..n).map(move |t| (s, t)))
-        .map(|(s, t)| count(s, t))
-        .max()
-        .unwrap_or(0);
+    // sends[s][t]: what rank s sends rank t (what t expects from s, checked).
+    let sends = cuda::ipc::count_table(&records).map_err(to_error)?;
+    let widest = sends.iter().flatten().copied().max().unwrap_or(0);
     if widest == 0 {
         return Ok(());
     }

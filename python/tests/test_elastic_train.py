@@ -212,20 +212,27 @@ def test_diloco_members_train_while_a_newcomer_fetches_its_state(tmp_path):
     assert "while serving" not in outs[2]
 
 
+def diloco_starter(master, *args):
+    """Starts `examples/diloco.py` processes on `master` with `args`: `start(extra_env,
+    *more_args)`, each in its own session, output captured."""
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
+    script = str(EXAMPLES / "diloco.py")
+
+    def start(extra_env, *extra):
+        return spawn([sys.executable, script, *args, *extra], env=dict(env, **extra_env),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     start_new_session=True)
+    return start
+
+
 def test_a_diloco_newcomer_whose_only_source_dies_stops_with_state_lost(tmp_path):
     """DiLoCo's one member dies as it sends a newcomer its first chunk of state: the
     newcomer moves to the next world (it no longer gives up in its constructor), finds
     that no rank there holds the outer state the job reached, and stops with
     `StateLostError` instead of training from its half-received copy."""
     master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
-    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
-    script = str(EXAMPLES / "diloco.py")
+    start = diloco_starter(master, "--outer-steps", "400", "--step-ms", "5")
     go = tmp_path / "join"
-
-    def start(extra_env, *extra):
-        return spawn([sys.executable, script, "--outer-steps", "400", "--step-ms", "5", *extra],
-                     env=dict(env, **extra_env), stdout=subprocess.PIPE,
-                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     member = start({"ECCL_FAULT_INJECT": "sync-serve:kill"})
     newcomer = start({}, "--join-when", str(go))
@@ -250,14 +257,8 @@ def test_a_diloco_newcomer_fetches_again_from_the_member_left_when_one_dies(tmp_
     newcomer's constructor moves to the next world and fetches the state again from the
     survivor (it used to raise `AbortedError`), and both end with the same parameters."""
     master = eccl.Master(lease_ms=1000, heartbeat_ms=100)
-    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
-    script = str(EXAMPLES / "diloco.py")
+    start = diloco_starter(master, "--outer-steps", "40", "--step-ms", "20")
     go = tmp_path / "join"
-
-    def start(extra_env, *extra):
-        return spawn([sys.executable, script, "--outer-steps", "40", "--step-ms", "20", *extra],
-                     env=dict(env, **extra_env), stdout=subprocess.PIPE,
-                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     procs = [start({}, "--min-world", "2"),
              start({"ECCL_FAULT_INJECT": "sync-serve:kill"}, "--min-world", "2"),

@@ -39,134 +39,118 @@ fn every_call(
     comms: Vec<eccl::Communicator>,
     make: &(dyn Fn(usize) -> HostDevice + Sync),
 ) -> Vec<Outcome> {
-    let rt = tokio::runtime::Handle::current();
-    tokio::task::block_in_place(|| {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .map(|mut comm| {
-                    let rt = rt.clone();
-                    s.spawn(move || {
-                        let rank = comm.rank().unwrap().idx();
-                        let dev = Arc::new(make(rank));
-                        let mut ipc = IpcComm::new(dev.clone());
-                        let put = |v: &[f32]| {
-                            let b = to_bytes(v);
-                            let p = dev.alloc(b.len()).unwrap();
-                            unsafe { dev.upload(p, &b).unwrap() };
-                            p
-                        };
-                        let get = |p: u64, n: usize| {
-                            let mut b = vec![0u8; n * 4];
-                            unsafe { dev.download(&mut b, p).unwrap() };
-                            to_f32(&b)
-                        };
-                        let (dtype, count) = (DType::F32, COUNT);
-                        let mut run = |call: DeviceCall| unsafe {
-                            eccl::device::run(&mut comm, rt.clone(), &mut ipc, &call)
-                                .unwrap_or_else(|e| panic!("rank {rank}: {call:?}: {e}"))
-                        };
-                        let buf = put(&values(COUNT, rank));
-                        run(DeviceCall::AllReduce {
-                            buf,
-                            count,
-                            dtype,
-                            op: ReduceOp::Sum,
-                            keep: true,
-                        });
-                        let reduced = get(buf, COUNT);
-                        let send = put(&values(COUNT, rank));
-                        let recv = put(&vec![0.0; N * COUNT]);
-                        run(DeviceCall::AllGather {
-                            send,
-                            recv,
-                            count,
-                            dtype,
-                        });
-                        let gathered = get(recv, N * COUNT);
-                        let send = put(&values(N * COUNT, rank));
-                        let recv = put(&vec![0.0; COUNT]);
-                        run(DeviceCall::ReduceScatter {
-                            send,
-                            recv,
-                            count,
-                            dtype,
-                            op: ReduceOp::Sum,
-                        });
-                        let scattered = get(recv, COUNT);
-                        let buf = put(&values(COUNT, rank));
-                        run(DeviceCall::Broadcast {
-                            buf,
-                            count,
-                            dtype,
-                            root: 1,
-                        });
-                        let broadcast = get(buf, COUNT);
-                        // Uneven blocks: rank s sends rank t `block(s, t)` values.
-                        let send_counts: Vec<usize> = (0..N).map(|t| block(rank, t)).collect();
-                        let recv_counts: Vec<usize> = (0..N).map(|s| block(s, rank)).collect();
-                        let total = |c: &[usize]| c.iter().sum::<usize>();
-                        let send = put(&values(total(&send_counts), rank));
-                        let recv = put(&vec![0.0; total(&recv_counts)]);
-                        run(DeviceCall::AllToAll {
-                            send,
-                            recv,
-                            send_counts: send_counts.clone(),
-                            recv_counts: recv_counts.clone(),
-                            dtype,
-                        });
-                        let exchanged = get(recv, total(&recv_counts));
-                        // Gather to rank 2 (the others have no output), scatter from 0.
-                        let send = put(&values(COUNT, rank));
-                        let recv = if rank == 2 {
-                            put(&vec![0.0; N * COUNT])
-                        } else {
-                            0
-                        };
-                        run(DeviceCall::Gather {
-                            send,
-                            recv,
-                            count,
-                            dtype,
-                            root: 2,
-                        });
-                        let gathered_at_root = if rank == 2 {
-                            get(recv, N * COUNT)
-                        } else {
-                            vec![]
-                        };
-                        let send = if rank == 0 {
-                            put(&values(N * COUNT, 0))
-                        } else {
-                            0
-                        };
-                        let recv = put(&vec![0.0; COUNT]);
-                        run(DeviceCall::Scatter {
-                            send,
-                            recv,
-                            count,
-                            dtype,
-                            root: 0,
-                        });
-                        let from_root = get(recv, COUNT);
-                        drop(ipc);
-                        (
-                            vec![
-                                reduced,
-                                gathered,
-                                scattered,
-                                broadcast,
-                                exchanged,
-                                gathered_at_root,
-                                from_root,
-                            ],
-                            dev.reductions() + dev.copies(),
-                        )
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+    each(comms, make, &|rank, dev, comm, ipc, rt| {
+        let put = |v: &[f32]| {
+            let b = to_bytes(v);
+            let p = dev.alloc(b.len()).unwrap();
+            unsafe { dev.upload(p, &b).unwrap() };
+            p
+        };
+        let get = |p: u64, n: usize| {
+            let mut b = vec![0u8; n * 4];
+            unsafe { dev.download(&mut b, p).unwrap() };
+            to_f32(&b)
+        };
+        let (dtype, count) = (DType::F32, COUNT);
+        let mut run = |call: DeviceCall| unsafe {
+            eccl::device::run(comm, rt.clone(), ipc, &call)
+                .unwrap_or_else(|e| panic!("rank {rank}: {call:?}: {e}"))
+        };
+        let buf = put(&values(COUNT, rank));
+        run(DeviceCall::AllReduce {
+            buf,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: true,
+        });
+        let reduced = get(buf, COUNT);
+        let send = put(&values(COUNT, rank));
+        let recv = put(&vec![0.0; N * COUNT]);
+        run(DeviceCall::AllGather {
+            send,
+            recv,
+            count,
+            dtype,
+        });
+        let gathered = get(recv, N * COUNT);
+        let send = put(&values(N * COUNT, rank));
+        let recv = put(&vec![0.0; COUNT]);
+        run(DeviceCall::ReduceScatter {
+            send,
+            recv,
+            count,
+            dtype,
+            op: ReduceOp::Sum,
+        });
+        let scattered = get(recv, COUNT);
+        let buf = put(&values(COUNT, rank));
+        run(DeviceCall::Broadcast {
+            buf,
+            count,
+            dtype,
+            root: 1,
+        });
+        let broadcast = get(buf, COUNT);
+        // Uneven blocks: rank s sends rank t `block(s, t)` values.
+        let send_counts: Vec<usize> = (0..N).map(|t| block(rank, t)).collect();
+        let recv_counts: Vec<usize> = (0..N).map(|s| block(s, rank)).collect();
+        let total = |c: &[usize]| c.iter().sum::<usize>();
+        let send = put(&values(total(&send_counts), rank));
+        let recv = put(&vec![0.0; total(&recv_counts)]);
+        run(DeviceCall::AllToAll {
+            send,
+            recv,
+            send_counts: send_counts.clone(),
+            recv_counts: recv_counts.clone(),
+            dtype,
+        });
+        let exchanged = get(recv, total(&recv_counts));
+        // Gather to rank 2 (the others have no output), scatter from 0.
+        let send = put(&values(COUNT, rank));
+        let recv = if rank == 2 {
+            put(&vec![0.0; N * COUNT])
+        } else {
+            0
+        };
+        run(DeviceCall::Gather {
+            send,
+            recv,
+            count,
+            dtype,
+            root: 2,
+        });
+        let gathered_at_root = if rank == 2 {
+            get(recv, N * COUNT)
+        } else {
+            vec![]
+        };
+        let send = if rank == 0 {
+            put(&values(N * COUNT, 0))
+        } else {
+            0
+        };
+        let recv = put(&vec![0.0; COUNT]);
+        run(DeviceCall::Scatter {
+            send,
+            recv,
+            count,
+            dtype,
+            root: 0,
+        });
+        let from_root = get(recv, COUNT);
+        (
+            vec![
+                reduced,
+                gathered,
+                scattered,
+                broadcast,
+                exchanged,
+                gathered_at_root,
+                from_root,
+            ],
+            dev.reductions() + dev.copies(),
+        )
     })
 }
 

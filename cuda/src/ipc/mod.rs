@@ -40,10 +40,12 @@ use std::sync::Arc;
 
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{
-    DevPtr, Device, DeviceError, IpcMem, Reach, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH,
-};
+use crate::device::{DevPtr, Device, DeviceError, IpcMem, GPU_ID_BYTES, IPC_HANDLE_BYTES};
 use crate::kernels::MAX_PTRS;
+
+mod records;
+pub use records::{count_table, counts_record, IpcKind};
+use records::{get_mem, put_mem, Call, Meta, MEM_BYTES, NO_MEM, STATUS_BYTES, STATUS_MSG_BYTES};
 
 /// Most peer allocations kept mapped between calls.
 pub const MAX_MAPPINGS: usize = 64;
@@ -84,174 +86,33 @@ pub enum IpcError {
     NoPeerAccess(String),
 }
 
-const MAGIC: &[u8; 4] = b"ECIP";
-const VERSION: u8 = 5;
-/// Bytes of one rank's record.
-const META_BYTES: usize = 4 + 1 + 5 + 4 + 8 + 2 * MEM_BYTES + GPU_ID_BYTES + REACH_BYTES;
-/// A [`Reach`]: every GPU or not (1), how many ids (1), the ids.
-const REACH_BYTES: usize = 2 + MAX_REACH * GPU_ID_BYTES;
-const MEM_BYTES: usize = IPC_HANDLE_BYTES + 8 + 8;
-/// Bytes of one rank's status: ok flag, an owner's scratch chunk (keep), a message.
-const STATUS_BYTES: usize = 1 + MEM_BYTES + STATUS_MSG_BYTES;
-const STATUS_MSG_BYTES: usize = 240;
-
-/// The collectives of this module, as their records name them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IpcKind {
-    AllReduce = 0,
-    AllGather = 1,
-    ReduceScatter = 2,
-    Broadcast = 3,
-    AllToAll = 4,
-    Gather = 5,
-    Scatter = 6,
-}
-
-impl IpcKind {
-    fn from_u8(b: u8) -> Option<IpcKind> {
-        [
-            IpcKind::AllReduce,
-            IpcKind::AllGather,
-            IpcKind::ReduceScatter,
-            IpcKind::Broadcast,
-            IpcKind::AllToAll,
-            IpcKind::Gather,
-            IpcKind::Scatter,
-        ]
-        .into_iter()
-        .find(|k| *k as u8 == b)
-    }
-}
-
-/// What every rank must agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Call {
-    kind: IpcKind,
-    dtype: DType,
-    op: ReduceOp,
-    keep: bool,
-    root: u32,
-    count: u64,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Meta {
-    call: Call,
-    /// This rank refused its own arguments (buffers that overlap other than in NCCL's
-    /// in-place form): every rank fails the call, none touches anything.
-    refused: bool,
-    /// The buffer the call reads (all_reduce and broadcast: their one buffer).
-    send: IpcMem,
-    /// The buffer it writes, where that is another one (all_gather, reduce_scatter).
-    recv: IpcMem,
-    /// The physical GPU the rank runs on ([`Device::gpu_id`]).
-    gpu: [u8; GPU_ID_BYTES],
-    /// The GPUs whose memory its kernels reach ([`Device::reach`]).
-    reach: Reach,
-}
-
-fn put_mem(out: &mut Vec<u8>, m: &IpcMem) {
-    out.extend_from_slice(&m.handle);
-    out.extend_from_slice(&m.offset.to_le_bytes());
-    out.extend_from_slice(&m.alloc_len.to_le_bytes());
-}
-
-fn get_mem(b: &[u8]) -> IpcMem {
-    let mut handle = [0u8; IPC_HANDLE_BYTES];
-    handle.copy_from_slice(&b[..IPC_HANDLE_BYTES]);
-    let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    IpcMem {
-        handle,
-        offset: u(IPC_HANDLE_BYTES),
-        alloc_len: u(IPC_HANDLE_BYTES + 8),
-    }
-}
-
-const NO_MEM: IpcMem = IpcMem {
-    handle: [0; IPC_HANDLE_BYTES],
-    offset: 0,
-    alloc_len: 0,
-};
-
-impl Meta {
-    fn encode(&self) -> Vec<u8> {
-        let c = &self.call;
-        let mut out = Vec::with_capacity(META_BYTES);
-        out.extend_from_slice(MAGIC);
-        out.push(VERSION);
-        out.extend_from_slice(&[
-            c.kind as u8,
-            c.dtype as u8,
-            c.op as u8,
-            c.keep as u8,
-            self.refused as u8,
-        ]);
-        out.extend_from_slice(&c.root.to_le_bytes());
-        out.extend_from_slice(&c.count.to_le_bytes());
-        put_mem(&mut out, &self.send);
-        put_mem(&mut out, &self.recv);
-        out.extend_from_slice(&self.gpu);
-        let mut reach = [0u8; REACH_BYTES];
-        match &self.reach {
-            Reach::Every => reach[0] = 1,
-            Reach::Only(ids) => {
-                let ids = &ids[..ids.len().min(MAX_REACH)];
-                reach[1] = ids.len() as u8;
-                for (slot, id) in reach[2..].chunks_mut(GPU_ID_BYTES).zip(ids) {
-                    slot.copy_from_slice(id);
-                }
-            }
-        }
-        out.extend_from_slice(&reach);
-        out
-    }
-
-    fn decode(b: &[u8]) -> Result<Meta, String> {
-        if b.len() != META_BYTES || &b[..4] != MAGIC {
-            return Err("not an eccl IPC record".into());
-        }
-        if b[4] != VERSION {
-            return Err(format!("IPC record version {} (this is {VERSION})", b[4]));
-        }
-        let kind = IpcKind::from_u8(b[5]).ok_or("an unknown collective")?;
-        let dtype = DType::from_u8(b[6]).ok_or("an unknown dtype")?;
-        let op = ReduceOp::from_u8(b[7]).ok_or("an unknown op")?;
-        let m = 22;
-        Ok(Meta {
-            call: Call {
-                kind,
-                dtype,
-                op,
-                keep: b[8] != 0,
-                root: u32::from_le_bytes(b[10..14].try_into().expect("4 bytes")),
-                count: u64::from_le_bytes(b[14..22].try_into().expect("8 bytes")),
-            },
-            refused: b[9] != 0,
-            send: get_mem(&b[m..m + MEM_BYTES]),
-            recv: get_mem(&b[m + MEM_BYTES..m + 2 * MEM_BYTES]),
-            gpu: b[m + 2 * MEM_BYTES..m + 2 * MEM_BYTES + GPU_ID_BYTES]
-                .try_into()
-                .expect("GPU_ID_BYTES"),
-            reach: {
-                let r = &b[m + 2 * MEM_BYTES + GPU_ID_BYTES..];
-                match (r[0], r[1] as usize) {
-                    (1, _) => Reach::Every,
-                    (0, n) if n <= MAX_REACH => Reach::Only(
-                        r[2..2 + n * GPU_ID_BYTES]
-                            .chunks(GPU_ID_BYTES)
-                            .map(|c| c.try_into().expect("GPU_ID_BYTES"))
-                            .collect(),
-                    ),
-                    _ => return Err("a malformed list of reachable GPUs".into()),
-                }
-            },
-        })
-    }
-}
-
 /// Whether `[a, a + alen)` and `[b, b + blen)` share a byte.
 fn overlap(a: DevPtr, alen: usize, b: DevPtr, blen: usize) -> bool {
     alen > 0 && blen > 0 && a < b + blen as u64 && b < a + alen as u64
+}
+
+/// What a rank refuses of a gather or scatter (`call`, "to" or "from" its root): a root
+/// outside the world; on the root, no `whole` buffer (world × `bytes`, named for the
+/// errors), or its `part` (`bytes`) overlapping it other than as the root's own slice.
+fn rooted_refusal(
+    (call, dir): (&str, &str),
+    (rank, root, world, bytes): (usize, usize, usize, usize),
+    (whole_name, whole): (&str, DevPtr),
+    (part_name, part): (&str, DevPtr),
+) -> Option<String> {
+    let on_root = rank == root;
+    let own = whole + (rank * bytes) as u64;
+    if root >= world {
+        Some(format!("{call} {dir} rank {root} of a world of {world}"))
+    } else if on_root && bytes > 0 && whole == 0 {
+        Some(format!("{call}: the root's {whole_name} is a null pointer"))
+    } else if on_root && part != own && overlap(part, bytes, whole, world * bytes) {
+        Some(format!(
+            "{call}: the root's {part_name} overlaps its {whole_name} other than as its own slice"
+        ))
+    } else {
+        None
+    }
 }
 
 /// The element range `[start, end)` of rank `r`'s chunk: equal chunks, each a whole number
@@ -922,54 +783,29 @@ impl<D: Device> IpcComm<D> {
             count: 0,
         };
         let metas = self.begin(ex, call, (send, send_bytes), (recv, recv_bytes), refused)?;
-        // Every rank's counts: what it sends to each, then what it expects from each.
-        let mut mine = Vec::with_capacity(2 * world * 8);
-        for c in send_counts.iter().chain(recv_counts) {
-            mine.extend_from_slice(&(*c as u64).to_le_bytes());
-        }
-        let all = self.exchange(ex, &mine)?;
-        let count_at = |b: &[u8], i: usize| {
-            u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes")) as usize
-        };
-        let sends: Vec<Vec<usize>> = all
-            .iter()
-            .map(|b| (0..world).map(|t| count_at(b, t)).collect())
-            .collect();
-        let recvs: Vec<Vec<usize>> = all
-            .iter()
-            .map(|b| (0..world).map(|s| count_at(b, world + s)).collect())
-            .collect();
-        for s in 0..world {
-            for t in 0..world {
-                if sends[s][t] != recvs[t][s] {
-                    return Err(IpcError::Mismatch(format!(
-                        "all_to_all: rank {s} sends {} elements to rank {t}, which expects {} \
-                         from it",
-                        sends[s][t], recvs[t][s]
-                    )));
-                }
-            }
-        }
+        let records = self.exchange(ex, &counts_record(send_counts, recv_counts))?;
+        // sends[s][t]: what rank s sends rank t, which is also what t expects from s.
+        let sends = count_table(&records)?;
         if sends.iter().flatten().all(|&c| c == 0) {
             return Ok(());
         }
-        let prefix = |v: &[usize], i: usize| v[..i].iter().sum::<usize>() * size;
+        let bytes = |n: usize| (n * size) as u64;
         self.owners_work(ex, &metas, rank, |this, t| {
-            let into_t = recvs[t].iter().sum::<usize>() * size;
+            let into_t: usize = sends.iter().map(|of_s| of_s[t]).sum();
             if into_t == 0 {
                 return Ok(());
             }
-            let recv_t = this.at(&metas, rank, t, recv, |m| m.recv, into_t)?;
+            let recv_t = this.at(&metas, rank, t, recv, |m| m.recv, into_t * size)?;
+            let mut dst = recv_t;
             for (s, of_s) in sends.iter().enumerate() {
-                let n = of_s[t] * size;
-                if n == 0 {
-                    continue;
+                let n = of_s[t];
+                if n > 0 {
+                    let from_s = of_s.iter().sum::<usize>() * size;
+                    let send_s = this.at(&metas, rank, s, send, |m| m.send, from_s)?;
+                    let src = send_s + bytes(of_s[..t].iter().sum());
+                    this.dev.copy(dst, src, n * size)?;
                 }
-                let from_s = of_s.iter().sum::<usize>() * size;
-                let send_s = this.at(&metas, rank, s, send, |m| m.send, from_s)?;
-                let src = send_s + prefix(of_s, t) as u64;
-                let dst = recv_t + prefix(&recvs[t], s) as u64;
-                this.dev.copy(dst, src, n)?;
+                dst += bytes(n);
             }
             Ok(())
         })
@@ -997,16 +833,12 @@ impl<D: Device> IpcComm<D> {
         let (rank, world) = (ex.rank(), ex.world());
         let bytes = count * dtype.size();
         let is_root = rank == root;
-        let own = recv + (rank * bytes) as u64;
-        let refused = if root >= world {
-            Some(format!("gather to rank {root} of a world of {world}"))
-        } else if is_root && bytes > 0 && recv == 0 {
-            Some("gather: the root's output is a null pointer".into())
-        } else if is_root && send != own && overlap(send, bytes, recv, world * bytes) {
-            Some("gather: the root's input overlaps its output other than as its own slice".into())
-        } else {
-            None
-        };
+        let refused = rooted_refusal(
+            ("gather", "to"),
+            (rank, root, world, bytes),
+            ("output", recv),
+            ("input", send),
+        );
         let call = Call {
             kind: IpcKind::Gather,
             dtype,
@@ -1058,16 +890,12 @@ impl<D: Device> IpcComm<D> {
         let (rank, world) = (ex.rank(), ex.world());
         let bytes = count * dtype.size();
         let is_root = rank == root;
-        let own = send + (rank * bytes) as u64;
-        let refused = if root >= world {
-            Some(format!("scatter from rank {root} of a world of {world}"))
-        } else if is_root && bytes > 0 && send == 0 {
-            Some("scatter: the root's input is a null pointer".into())
-        } else if is_root && recv != own && overlap(recv, bytes, send, world * bytes) {
-            Some("scatter: the root's output overlaps its input other than as its own slice".into())
-        } else {
-            None
-        };
+        let refused = rooted_refusal(
+            ("scatter", "from"),
+            (rank, root, world, bytes),
+            ("input", send),
+            ("output", recv),
+        );
         let call = Call {
             kind: IpcKind::Scatter,
             dtype,
