@@ -238,7 +238,11 @@ fn each<R: Send>(
                         let rank = comm.rank().unwrap().idx();
                         let dev = Arc::new(make(rank));
                         let mut ipc = IpcComm::new(dev.clone());
-                        f(rank, &dev, &mut comm, &mut ipc, rt)
+                        let out = f(rank, &dev, &mut comm, &mut ipc, rt.clone());
+                        // Leaving, not dropping: a rank whose part of the last call ended
+                        // first must not look like a dead one to those still finishing it.
+                        let _ = rt.block_on(comm.leave());
+                        out
                     })
                 })
                 .collect();
