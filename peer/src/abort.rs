@@ -276,6 +276,14 @@ impl AbortHandle {
     pub fn revoke(&self, reason: &str) {
         self.0.revoke_here(reason)
     }
+
+    /// The error that broke the epoch this communicator runs now, if one did (a peer
+    /// that died or was evicted, an abort or revoke here or at another rank), seen
+    /// without a call: for waits that are not the communicator's calls (the torch
+    /// backend's one-sided windows).
+    pub fn broken(&self) -> Option<Error> {
+        self.0.check(self.0.current.load(Ordering::Acquire))
+    }
 }
 
 #[cfg(test)]

@@ -45,6 +45,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_TLS", "0", "peer", "1: TLS 1.3 on TCP links, and refuse plaintext ones"),
     v("ECCL_HOST_ID", "hostname, boot id, network namespace", "peer", "who can share memory with whom"),
     v("ECCL_SHM_SPIN_US", "100, or 2 when local peers outnumber cores", "peer", "how long a shared-memory wait, and a Python Work.wait(), spins before it sleeps"),
+    v("ECCL_SHM_POOL_MB", "1024", "torch", "most bytes of dropped `allocate_tensor` memory (host shared memory) a process keeps to hand out again at the same size; `0` keeps none"),
     v("ECCL_SOCKET_IFNAME", "all interfaces", "peer", "interface whose address peers listen on and advertise"),
     v("ECCL_BUFFSIZE", "1M", "peer", "bytes per frame (4 KiB to 64 MiB); a shared-memory slot is this, at least 1 MiB"),
     v("ECCL_NSTREAMS", "auto", "peer", "streams per TCP, TLS or QUIC link, frames dealt across them: N, or auto (one, and more on a TCP link that optimize_topology() found held back by its window)"),

@@ -251,6 +251,9 @@ class Communicator:
         """Aborts this peer's calls at once (torch's `ProcessGroup.abort()`); returns without waiting."""
     def revoke(self, reason: str = "revoke() was called") -> None:
         """Revokes this peer's epoch at once (NCCL's `ncclCommRevoke`); returns without waiting."""
+    def raise_if_broken(self) -> None:
+        """Raises the error that broke this communicator's current epoch (a dead or evicted peer, an abort,
+        a revoke), if one did, without waiting for its calls."""
     def leave(self) -> None:
         """Leaves the job on purpose; the others see it at their next update_topology()."""
 
@@ -495,6 +498,32 @@ class Master:
 # -- StoreClient (store.rs) --------------------------------------------------------------
 
 @final
+class SharedMemory:
+    """Host memory the processes of one host share: a sealed memfd, mapped; a writable buffer
+    (`torch.frombuffer`) and 8-byte counters at 8-aligned offsets. Another process maps it with
+    `SharedMemory.open(pid, fd, nbytes)` once told `pid` and `fd` over an authenticated link."""
+    def __init__(self, nbytes: int) -> None:
+        """A region of at least `nbytes` (whole pages): a dropped one of that size from the pool
+        (uninitialized), else a new zeroed one."""
+    @staticmethod
+    def open(pid: int, fd: int, nbytes: int) -> "SharedMemory": ...
+    def share(self) -> None:
+        """Marks the region as told to another process: never pooled for reuse when dropped."""
+    @property
+    def pid(self) -> int: ...
+    @property
+    def fd(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    def store(self, offset: int, value: int) -> None:
+        """Stores `value` at byte `offset` (a release: earlier writes are visible first)."""
+    def load(self, offset: int) -> int:
+        """The counter at byte `offset` (an acquire)."""
+    def wait_at_least(self, offset: int, value: int, timeout_s: float) -> int:
+        """Waits (GIL released) until the counter at `offset` is at least `value` or the time is up; returns it."""
+
 class StoreClient:
     """A session in the master's key-value store, with blocking methods (the GIL released while they wait); keys and
     values are `bytes`.

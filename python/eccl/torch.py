@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.overrides import has_torch_function
 
 import eccl
+from eccl import torch_window
 from eccl.torch_cuda import all_reduce_ipc, cuda_calls
 from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
 from eccl.torch_recovery import Recovery, recovering_calls
@@ -510,6 +511,33 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                             "most torch's timeout, %.0f s)", seen, self._job_size, live, limit)
             time.sleep(0.02)
 
+    # -- shared memory: allocate_tensor and one-sided windows (eccl.torch_window) ------
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        """Whether `allocate_tensor` places tensors of `device` (CPU ones: in host memory
+        the host's ranks share)."""
+        if isinstance(device, int):  # torch's C++ side asks by device index only
+            return False
+        return torch.device(device).type == "cpu"
+
+    def allocate_tensor(self, size: int, *, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """An uninitialized 1-D tensor of `size` elements in host shared memory (FSDP2 asks for
+        its communication buffers here after `set_allocate_memory_from_process_group`;
+        windows need their tensors from here)."""
+        if torch.device(device).type != "cpu":
+            raise eccl.InvalidArgumentError(
+                f"allocate_tensor: eccl places CPU tensors only, not {device}")
+        return torch_window.allocate(size, dtype)
+
+    @property
+    def supports_window(self) -> bool:
+        return True
+
+    def new_window(self, tensor: Optional[torch.Tensor] = None) -> Any:
+        """A one-sided window over host shared memory (collective), with `tensor` (from
+        `allocate_tensor`) registered if given."""
+        return torch_window.new_window(self, tensor)
+
     def shutdown(self, wait: bool = True) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the
         others' calls still in flight (a recv of what this rank sent) complete instead of
@@ -533,7 +561,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
 
 # torch's Backend trampoline forwards these capability queries to Python; left to the C++
 # base, each would call back into itself. These are the ones eccl does not do (yet).
-for _name in ("supports_coalescing", "_supports_time_estimate", "supports_window"):
+for _name in ("supports_coalescing", "_supports_time_estimate"):
     setattr(ProcessGroupEccl, _name, property(lambda self: False))
 
 

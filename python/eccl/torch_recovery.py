@@ -227,7 +227,7 @@ NOT_CALLS = frozenset({
     "rank", "size", "getBackendName", "abort", "revoke", "get_error", "shutdown", "split",
     "shrink",
     "reconfigure", "get_reconfigure_handle", "registerAbortHook", "unregisterAbortHook",
-    "monitored_barrier",
+    "monitored_barrier", "supports_tensor_alloc", "allocate_tensor",
 })
 
 # Marks a method that goes through `Recovery.before_call` first.

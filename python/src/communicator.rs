@@ -357,6 +357,17 @@ impl Communicator {
         self.submit(py, Call::AnnounceAbort, true).map(|_| ())
     }
 
+    /// Raises the error that broke this communicator's current epoch, if one did (a
+    /// peer that died or was evicted at its lease: `AbortedError` naming it; an abort or
+    /// a revoke), without waiting for its calls; returns None otherwise. For waits that
+    /// are not calls of the communicator (the torch backend's windows).
+    fn raise_if_broken(&self) -> PyResult<()> {
+        match self.aborter.broken() {
+            Some(e) => Err(crate::errors::to_py(&e)),
+            None => Ok(()),
+        }
+    }
+
     /// Leaves the job on purpose; the others see it at their next update_topology().
     fn leave(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.submit(py, Call::Leave, false)

@@ -23,6 +23,7 @@ mod master;
 mod results;
 mod runtime;
 mod seal;
+mod shared;
 mod store;
 mod work;
 
@@ -70,6 +71,7 @@ fn _eccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<results::PySyncInfo>()?;
     m.add_class::<master::Master>()?;
     m.add_class::<store::StoreClient>()?;
+    m.add_class::<shared::SharedMemory>()?;
     m.add_function(wrap_pyfunction!(runtime::_shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_of, m)?)?;
     m.add_function(wrap_pyfunction!(read_secret_file, m)?)?;

@@ -22,6 +22,9 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+mod region;
+pub use region::Region;
+
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 

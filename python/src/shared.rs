@@ -1,0 +1,244 @@
+//! `eccl._eccl.SharedMemory`: a shared-memory region ([`eccl_shm::Region`]) as Python
+//! sees it: a writable buffer (what `torch.frombuffer` makes tensors of, the region then
+//! living as long as they do) and counters that other processes of the host update and
+//! wait on. The torch backend's `allocate_tensor` places tensors in such regions and its
+//! one-sided windows are built of them (`eccl/torch_window.py`).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::os::raw::c_int;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::errors::invalid;
+
+#[pyclass(module = "eccl._eccl", frozen, weakref)]
+pub(crate) struct SharedMemory {
+    /// Always Some until Drop takes it (to the pool or away).
+    region: Option<eccl_shm::Region>,
+    /// Made here (not opened from a peer) and never told to another process: it may go
+    /// back to the pool when dropped.
+    poolable: AtomicBool,
+}
+
+/// Regions of this process that no tensor uses any more, by size, for the next of the
+/// same size: a fresh region costs a page fault per page on first touch, which FSDP2's
+/// buffers (allocated anew every step) would pay every step. Regions another process
+/// was told of are never pooled (it may still have them mapped).
+struct Pool {
+    free: HashMap<usize, Vec<eccl_shm::Region>>,
+    bytes: usize,
+}
+
+/// Most bytes the pool keeps (`ECCL_SHM_POOL_MB`, 1024 by default; 0 turns it off).
+fn pool_cap() -> usize {
+    static CAP: OnceLock<usize> = OnceLock::new();
+    *CAP.get_or_init(|| {
+        std::env::var("ECCL_SHM_POOL_MB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(1024)
+            .saturating_mul(1 << 20)
+    })
+}
+
+fn pool() -> MutexGuard<'static, Pool> {
+    static POOL: OnceLock<Mutex<Pool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        Mutex::new(Pool {
+            free: HashMap::new(),
+            bytes: 0,
+        })
+    })
+    .lock()
+    .unwrap_or_else(|p| p.into_inner())
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        let Some(region) = self.region.take() else {
+            return;
+        };
+        if !self.poolable.load(Ordering::Acquire) || region.pid() != std::process::id() {
+            return;
+        }
+        let mut p = pool();
+        if p.bytes + region.len() <= pool_cap() {
+            p.bytes += region.len();
+            p.free.entry(region.len()).or_default().push(region);
+        }
+    }
+}
+
+impl SharedMemory {
+    fn region(&self) -> &eccl_shm::Region {
+        self.region
+            .as_ref()
+            .expect("a SharedMemory holds its region until dropped")
+    }
+
+    fn counter(&self, offset: usize) -> PyResult<&AtomicU64> {
+        self.region().counter(offset).ok_or_else(|| {
+            invalid(format!(
+                "no counter at byte {offset} of a region of {} bytes (8-aligned, inside)",
+                self.region().len()
+            ))
+        })
+    }
+}
+
+#[pymethods]
+impl SharedMemory {
+    /// A region of at least `nbytes` bytes (whole pages) of this process: one that a
+    /// dropped `SharedMemory` of the same size left in the pool (its bytes as they were:
+    /// uninitialized, as `torch.empty`'s), else a new zeroed one.
+    #[new]
+    fn new(nbytes: usize) -> PyResult<Self> {
+        let len = nbytes.max(1).div_ceil(4096) * 4096;
+        let pooled = {
+            let mut p = pool();
+            let got = p.free.get_mut(&len).and_then(|v| v.pop());
+            if got.is_some() {
+                p.bytes -= len;
+            }
+            got
+        };
+        let region = match pooled {
+            Some(region) => region,
+            None => eccl_shm::Region::create(nbytes).map_err(|e| {
+                invalid(format!("cannot make {nbytes} bytes of shared memory: {e}"))
+            })?,
+        };
+        Ok(SharedMemory {
+            region: Some(region),
+            poolable: AtomicBool::new(true),
+        })
+    }
+
+    /// Maps `nbytes` of the region that process `pid` holds as descriptor `fd` (its
+    /// `pid` and `fd`, told over an authenticated link).
+    #[staticmethod]
+    fn open(pid: u32, fd: i32, nbytes: usize) -> PyResult<Self> {
+        let region = eccl_shm::Region::open(pid, fd, nbytes).map_err(invalid)?;
+        Ok(SharedMemory {
+            region: Some(region),
+            poolable: AtomicBool::new(false),
+        })
+    }
+
+    /// Marks this region as told to another process: it is unmapped when dropped, never
+    /// handed out again (the other process may still have it mapped).
+    fn share(&self) {
+        self.poolable.store(false, Ordering::Release);
+    }
+
+    /// The process another process opens this region by, with `fd`.
+    #[getter]
+    fn pid(&self) -> u32 {
+        self.region().pid()
+    }
+
+    #[getter]
+    fn fd(&self) -> i32 {
+        self.region().fd()
+    }
+
+    /// Bytes mapped.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.region().len()
+    }
+
+    /// The mapping's address in this process (what a tensor's `data_ptr()` is compared
+    /// with to find the region holding it).
+    #[getter]
+    fn address(&self) -> u64 {
+        self.region().base() as u64
+    }
+
+    /// Stores `value` in the counter at byte `offset`, after every write this thread made
+    /// before (a release).
+    fn store(&self, offset: usize, value: u64) -> PyResult<()> {
+        self.counter(offset)?.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    /// The counter at byte `offset`; what was written before the store of that value is
+    /// visible after (an acquire).
+    fn load(&self, offset: usize) -> PyResult<u64> {
+        Ok(self.counter(offset)?.load(Ordering::Acquire))
+    }
+
+    /// Waits, the GIL released, until the counter at byte `offset` is at least `value`
+    /// or `timeout_s` seconds have passed; returns the counter as last read (an acquire).
+    /// Spins briefly where the host has cores to spare, then sleeps in steps of at most
+    /// a millisecond.
+    fn wait_at_least(
+        &self,
+        py: Python<'_>,
+        offset: usize,
+        value: u64,
+        timeout_s: f64,
+    ) -> PyResult<u64> {
+        let counter = self.counter(offset)?;
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        Ok(py.detach(|| {
+            let ready = || counter.load(Ordering::Acquire) >= value;
+            if eccl::spin_until_within(ready, true, timeout.min(Duration::from_micros(50))) {
+                return counter.load(Ordering::Acquire);
+            }
+            let start = Instant::now();
+            let mut step = Duration::from_micros(20);
+            loop {
+                let now = counter.load(Ordering::Acquire);
+                let waited = start.elapsed();
+                if now >= value || waited >= timeout {
+                    return now;
+                }
+                std::thread::sleep(step.min(timeout - waited));
+                step = (step * 2).min(Duration::from_millis(1));
+            }
+        }))
+    }
+
+    /// The region's bytes as a writable buffer.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (base, len) = (slf.get().region().base(), slf.get().region().len());
+        // SAFETY: `view` is the buffer Python asks this object to fill; the memory is
+        // the region's live mapping, which the view keeps alive through `obj` (FillInfo
+        // takes a reference to `slf`), and shared memory is writable by design.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                base as *mut c_void,
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SharedMemory(pid={}, fd={}, nbytes={})",
+            self.region().pid(),
+            self.region().fd(),
+            self.region().len()
+        )
+    }
+}
