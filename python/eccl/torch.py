@@ -534,9 +534,12 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return True
 
     def new_window(self, tensor: Optional[torch.Tensor] = None) -> Any:
-        """A one-sided window over host shared memory (collective), with `tensor` (from
-        `allocate_tensor`) registered if given."""
-        return torch_window.new_window(self, tensor)
+        """A one-sided window over the ranks' CPU tensors (collective; see
+        `eccl.torch_window`), with `tensor` registered if given: ranks of one host write
+        each other's tensors directly where they come from `allocate_tensor`, others go
+        over the links."""
+        self._windows_made = getattr(self, "_windows_made", 0) + 1
+        return torch_window.new_window(self, tensor, self._windows_made)
 
     def shutdown(self, wait: bool = True) -> None:
         """`destroy_process_group()` calls this: leave the job on purpose, so that the

@@ -1,37 +1,44 @@
 """One-sided windows and shared-memory tensors for the torch backend (`eccl.torch`).
 
 `allocate_tensor` (torch's `Backend.allocate_tensor`, what FSDP2 asks a group for when
-`set_allocate_memory_from_process_group(True)`) places a CPU tensor in host memory that
-the processes of the host share (`eccl._eccl.SharedMemory`: a sealed memfd). A window
-(`dist._new_window(tensor, group)`, torch's one-sided API) registers such a tensor on
-every rank; each rank then maps every other rank's tensor, so that
+`set_allocate_memory_from_process_group_for_comm(True)`) places a CPU tensor in host
+memory that the processes of the host share (`eccl._eccl.SharedMemory`: a sealed memfd).
+A window (`dist._new_window(tensor, group)`, torch's one-sided API) registers one tensor
+per rank. Rank `a` reaches rank `b`'s tensor one of two ways, chosen per direction when
+the tensors are registered:
 
-- `put(tensor, dst, offset)` is one copy straight into rank `dst`'s tensor, followed by
-  a signal to it (as NCCL's `ncclPutSignal`, which torch's NCCL window uses: a put
-  cannot be told apart from put-then-signal there either);
-- `signal(peer)` adds one to a counter in `peer`'s shared memory, `wait_signal(peer)`
-  waits for the next signal from `peer` (each wait consumes one; extras stay counted);
-  a `put` is visible to `dst` once its `wait_signal` for the signal that put sent (or
-  any later one) returned;
-- `map_remote_tensor(rank)` is a tensor over rank `rank`'s window memory itself.
+- **mapped** (`a` and `b` on one host, `b`'s tensor from `allocate_tensor`): `a` maps
+  `b`'s tensor. `put(tensor, b, offset)` is one copy straight into it followed by a
+  signal, `signal(b)` adds one to a counter of `b`'s that only `a` writes (a release,
+  after `a`'s writes), `map_remote_tensor(b)` is `b`'s memory itself;
+- **over the link** (other hosts, or a tensor `b`'s peers cannot map): `put` sends the
+  elements to `b` over the job's authenticated link, `signal` sends a signal there, and
+  `b` applies what came, in order, when it waits for a signal from `a`
+  (`map_remote_tensor(b)` is refused: there is nothing to map).
 
-Where this cannot work, the call says why on every rank instead of moving anything: a
-tensor not placed by `allocate_tensor`, a CUDA tensor, ranks on other hosts (windows
-over the network links are not built yet). A peer that dies or is evicted at its lease
-(a hung one) breaks the epoch, and every window wait then fails with that
-`AbortedError`; every window call made after the world changed fails with
-`InvalidArgumentError` (the window belongs to the world it was made in).
+Either way a put carries a signal (as NCCL's `ncclPutSignal`, which torch's NCCL window
+uses), `wait_signal(a)` consumes the next signal from `a` (extras stay counted), and what
+`a` put into `b` before a signal is in `b`'s tensor once `b`'s wait for that signal has
+returned (torch's `get_attr` says UNIFIED for a mapped peer, SEPARATE otherwise).
+
+A peer that dies or is evicted at its lease (a hung one) breaks the epoch, and every
+window wait then fails with that `AbortedError`; every window call made after the world
+changed fails with `InvalidArgumentError` (a window belongs to the world it was made in).
+A bad call (a CUDA tensor, another dtype than the target's, elements past its end, a rank
+outside the group) fails with `InvalidArgumentError` before anything moves; a tensor one
+rank cannot register fails the registration on every rank.
 
 torch's Python backend trampoline casts what `new_window` returns to its C++ `Window`,
 which Python cannot make, so the window torch gets is a small C++ class that forwards
-each call to the `ShmWindow` here (`eccl/csrc/window.cpp`, compiled against the torch in
-use on first use with `torch.utils.cpp_extension`, which needs a C++ compiler and
+each call to the `HostWindow` here (`eccl/csrc/window.cpp`, compiled against the torch
+in use on first use with `torch.utils.cpp_extension`, which needs a C++ compiler and
 `ninja`, and cached by torch under `TORCH_EXTENSIONS_DIR`).
 """
-
 from __future__ import annotations
 
 import bisect
+import hashlib
+import logging
 import os
 import re
 import secrets
@@ -49,6 +56,8 @@ from torch.futures import Future
 
 import eccl
 from eccl import _eccl
+
+log = logging.getLogger("eccl.torch")
 
 # -- shared-memory tensors --------------------------------------------------------------
 
@@ -143,31 +152,41 @@ def shim() -> Any:
 
 # -- windows -----------------------------------------------------------------------------
 
-# Bytes per signal counter: one cache line each, so senders do not share lines.
+# Bytes per signal counter: one cache line each, so senders do not share lines. Counter r
+# (at (r + 1) * _SLOT) counts the signals rank r sent this rank; the first line holds a
+# nonce that proves a mapping is the region its owner announced.
 _SLOT = 64
-# What identifies this host's processes to each other: the kernel's boot and the pid
-# namespace (a pid means the same process only where both agree).
+# int64s per rank in a window's exchanges.
 _RECORD = 8
+# What a message over the link is (the first of its header's three int64s).
+_PUT, _SIGNAL = 1, 2
+# Tags of window traffic over the links: one per window of a group (p2p tags of users are
+# small numbers; these stay clear of them).
+_TAG_BASE = 0x5EC0_0000
 
 
-def _host_key() -> Tuple[int, int]:
+def _host_key() -> Tuple[int, int, int]:
+    """Who this process can share memory with by pid and fd: the same ECCL_HOST_ID (where
+    set: the user says which ranks are one host), the same kernel boot, the same pid
+    namespace."""
+    def h(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
     try:
-        boot = int(Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-                   .replace("-", "")[:15], 16)
-    except (OSError, ValueError):
+        boot = h(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    except OSError:
         boot = 0
     try:
         pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         pidns = 0
-    return boot, pidns
+    return h(os.environ.get("ECCL_HOST_ID", "")), boot, pidns
 
 
 class WindowWork(dist._Work):
-    """The Work of a window call: done at once (put, signal), or done by `wait()`
-    (an asynchronous `wait_signal`, which waits then)."""
+    """The Work of a window call: done at once, or done by `wait()` (an asynchronous
+    `wait_signal`, or a put over the link still being sent)."""
 
-    def __init__(self, wait: Optional[Callable[[float], None]] = None,
+    def __init__(self, wait: Optional[Callable[[Optional[float]], None]] = None,
                  ready: Optional[Callable[[], bool]] = None) -> None:
         super().__init__()
         self._wait = wait
@@ -213,49 +232,59 @@ class WindowWork(dist._Work):
         return self._future
 
 
-class ShmWindow:
-    """A window over host shared memory among the ranks of one host (see the module's
-    documentation). Made collectively by every rank of `backend`'s group."""
+class HostWindow:
+    """A window over the CPU tensors of a group's ranks (see the module's documentation).
+    Made collectively by every rank of `backend`'s group, the `index`-th of the group."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, index: int) -> None:
         self._backend = backend
         self._comm = backend.comm
         self._rank, self._size = backend.rank(), backend.size()
         self._epoch = self._comm.epoch
+        self._tag = _TAG_BASE + index % 0x10000
         self._signals = _eccl.SharedMemory(_SLOT * (self._size + 1))
         self._signals.share()
-        self._signals.store(_SLOT, 0)
+        nonce = secrets.randbits(62)
         for r in range(self._size):
             self._signals.store(_SLOT * (r + 1), 0)   # a pooled region is not zeroed
-        nonce = secrets.randbits(62)
         self._signals.store(0, nonce)
-        boot, pidns = _host_key()
-        mine = [self._signals.pid, self._signals.fd, self._signals.nbytes, nonce, boot, pidns,
-                0, 0]
-        table = self._exchange(mine)
-        for r in range(self._size):
-            if (int(table[r, 4]), int(table[r, 5])) != (boot, pidns):
-                raise eccl.InvalidArgumentError(
-                    f"a window needs every rank on one host (its memory is shared memory; "
-                    f"windows over the network links are not built yet): rank {r} runs on "
-                    f"another host than rank {self._rank}")
-        self._peer_signals: List[_eccl.SharedMemory] = []
+        key = _host_key()
+        table = self._exchange([self._signals.pid, self._signals.fd, self._signals.nbytes,
+                                nonce, *key, 0])
+        # Every same-host peer's counters, where this process could map them (and they
+        # are what the peer announced); None: that peer is reached over the link.
+        self._peer_signals: List[Optional[_eccl.SharedMemory]] = []
         for r in range(self._size):
             if r == self._rank:
                 self._peer_signals.append(self._signals)
-                continue
-            peer = _eccl.SharedMemory.open(int(table[r, 0]), int(table[r, 1]),
-                                           int(table[r, 2]))
-            if peer.load(0) != int(table[r, 3]):
-                raise eccl.InvalidArgumentError(
-                    f"rank {r}'s window memory is not what rank {r} announced (another "
-                    f"process answered to its pid)")
-            self._peer_signals.append(peer)
+            elif tuple(int(x) for x in table[r, 4:7]) != key:
+                self._peer_signals.append(None)
+            else:
+                peer = None
+                try:
+                    peer = _eccl.SharedMemory.open(int(table[r, 0]), int(table[r, 1]),
+                                                   int(table[r, 2]))
+                    ok = peer.load(0) == int(table[r, 3])
+                except eccl.EcclError:
+                    ok = False
+                if not ok:
+                    log.info("window: rank %d's memory cannot be mapped here; its part "
+                             "goes over the link", r)
+                self._peer_signals.append(peer if ok else None)
         self._sent = [0] * self._size
         self._seen = [0] * self._size
+        # Signals received over the link from each rank (puts count as signals).
+        self._arrived = [0] * self._size
         self._tensor: Optional[torch.Tensor] = None
         self._held: Optional[torch.Tensor] = None
+        self._region: Optional[_eccl.SharedMemory] = None
         self._remote: List[Optional[torch.Tensor]] = [None] * self._size
+        self._numel = [0] * self._size
+        self._dtypes: List[Optional[torch.dtype]] = [None] * self._size
+        # Per direction: whether this rank writes rank r's memory itself (out) and
+        # whether rank r writes this rank's (into).
+        self._out_mapped = [False] * self._size
+        self._in_mapped = [False] * self._size
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -289,63 +318,67 @@ class ShmWindow:
     # -- torch's Window --------------------------------------------------------------
 
     def tensor_register(self, tensor: torch.Tensor, owning: bool = True) -> None:
-        """Registers `tensor` (made by the group's `allocate_tensor`, contiguous) as this
-        rank's window memory; collective. Every rank learns every rank's size and dtype,
-        and a rank whose tensor cannot serve makes every rank raise the same error."""
+        """Registers `tensor` (a contiguous CPU tensor; from the group's `allocate_tensor`
+        for peers of this host to write it directly) as this rank's window memory;
+        collective. A rank whose tensor cannot serve makes every rank raise the same
+        error."""
         self._check_world()
         if self._tensor is not None:
             raise eccl.InvalidArgumentError(
                 "this window has a tensor already: tensor_deregister it first")
         problem = 0
-        found = None
         if tensor.device.type != "cpu":
             problem = 1
         elif not tensor.is_contiguous():
             problem = 2
         elif tensor.dtype not in _DTYPES:
-            problem = 4
-        else:
-            found = region_of(tensor)
-            if found is None:
-                problem = 3
+            problem = 3
+        found = region_of(tensor) if problem == 0 else None
         region, offset = found if found is not None else (None, 0)
-        if region is not None:
-            region.share()   # never pooled again: the other ranks map it now
         mine = [problem, region.pid if region else 0, region.fd if region else 0,
-                region.nbytes if region else 0, offset,
-                tensor.numel() * tensor.element_size(),
-                _DTYPES.index(tensor.dtype) if problem != 4 else 0, 0]
+                region.nbytes if region else 0, offset, tensor.numel(),
+                _DTYPES.index(tensor.dtype) if problem == 0 else 0, 0]
         table = self._exchange(mine)
         for r in range(self._size):
             why = int(table[r, 0])
             if why:
                 raise eccl.InvalidArgumentError(
                     f"window tensor_register: rank {r}'s tensor " + {
-                        1: "is not on the CPU (eccl's windows are host shared memory)",
+                        1: "is not on the CPU (eccl's windows hold host memory)",
                         2: "is not contiguous",
-                        3: "was not made by the group's allocate_tensor, so the other "
-                           "ranks cannot map it (allocate it with "
-                           "group._get_backend(torch.device('cpu')).allocate_tensor(n, "
-                           "dtype=..., device='cpu'))",
-                        4: "has a dtype windows do not take",
+                        3: "has a dtype windows do not take",
                     }[why])
-        remote: List[Optional[torch.Tensor]] = []
+        flat = tensor.reshape(-1)
+        remote: List[Optional[torch.Tensor]] = [None] * self._size
         for r in range(self._size):
-            dtype = _DTYPES[int(table[r, 6])]
+            self._numel[r] = int(table[r, 5])
+            self._dtypes[r] = _DTYPES[int(table[r, 6])]
             if r == self._rank:
-                remote.append(tensor.reshape(-1))
-                continue
-            nbytes = int(table[r, 5])
-            if nbytes == 0:
-                remote.append(torch.empty(0, dtype=dtype))
-                continue
-            peer = _eccl.SharedMemory.open(int(table[r, 1]), int(table[r, 2]),
-                                           int(table[r, 3]))
-            remote.append(torch.frombuffer(peer, dtype=torch.uint8, count=nbytes,
-                                           offset=int(table[r, 4])).view(dtype))
+                remote[r] = flat
+            elif self._peer_signals[r] is not None and int(table[r, 3]) > 0:
+                try:
+                    peer = _eccl.SharedMemory.open(int(table[r, 1]), int(table[r, 2]),
+                                                   int(table[r, 3]))
+                    itemsize = torch.empty((), dtype=self._dtypes[r]).element_size()
+                    remote[r] = torch.frombuffer(
+                        peer, dtype=torch.uint8, count=self._numel[r] * itemsize,
+                        offset=int(table[r, 4])).view(self._dtypes[r])
+                except (eccl.EcclError, ValueError) as e:
+                    log.info("window: rank %d's tensor cannot be mapped here (%s); puts "
+                             "to it go over the link", r, e)
+        # Who writes whose memory directly: each rank says which tensors it mapped.
+        mapped = [1 if (remote[r] is not None and r != self._rank) else 0
+                  for r in range(self._size)]
+        table = torch.empty((self._size, self._size), dtype=torch.int64)
+        self._comm.all_gather(table, torch.tensor(mapped, dtype=torch.int64))
+        if region is not None and int(table[:, self._rank].sum()) > 0:
+            region.share()   # never pooled again: other ranks map it now
+        self._out_mapped = [r == self._rank or bool(mapped[r]) for r in range(self._size)]
+        self._in_mapped = [r == self._rank or bool(table[r, self._rank])
+                           for r in range(self._size)]
         self._remote = remote
-        self._tensor = tensor.reshape(-1)
-        # The region stays mapped while the window lives either way; `owning` keeps the
+        self._tensor = flat
+        # The memory stays mapped while the window lives either way; `owning` keeps the
         # tensor object itself too.
         self._held = tensor if owning else None
         self._region = region
@@ -359,52 +392,101 @@ class ShmWindow:
         self._held = None
         self._region = None
         self._remote = [None] * self._size
+        self._out_mapped = [False] * self._size
+        self._in_mapped = [False] * self._size
 
     def put(self, tensor: torch.Tensor, dst: int, offset: int, async_op: bool,
             timeout: Optional[float] = None) -> WindowWork:
-        """Copies `tensor`'s elements into rank `dst`'s window memory from element
-        `offset` on, then signals `dst`. Done when it returns (the copy is this
-        process's own); `async_op` changes nothing."""
+        """Writes `tensor`'s elements into rank `dst`'s window memory from element
+        `offset` on, then signals `dst`. Into mapped memory it is done when it returns;
+        over the link, once the elements are handed to it (`async_op`: the Work's
+        `wait()`)."""
         self._check_world()
         self._registered()
         self.check_peer(dst)
-        target = self._remote[dst]
-        assert target is not None
         if tensor.device.type != "cpu":
             raise eccl.InvalidArgumentError(
-                f"window put: the tensor is on {tensor.device} (eccl's windows are host "
-                f"shared memory)")
-        if tensor.dtype != target.dtype:
+                f"window put: the tensor is on {tensor.device} (eccl's windows hold host "
+                f"memory)")
+        if tensor.dtype != self._dtypes[dst]:
             raise eccl.InvalidArgumentError(
                 f"window put: a {tensor.dtype} tensor into rank {dst}'s window of "
-                f"{target.dtype}")
+                f"{self._dtypes[dst]}")
         n = tensor.numel()
-        if offset < 0 or offset + n > target.numel():
+        if offset < 0 or offset + n > self._numel[dst]:
             raise eccl.InvalidArgumentError(
                 f"window put: elements {offset}..{offset + n} of rank {dst}'s window, "
-                f"which holds {target.numel()}")
-        target[offset:offset + n].copy_(tensor.reshape(-1))
-        self._signal(dst)
+                f"which holds {self._numel[dst]}")
+        if self._out_mapped[dst]:
+            target = self._remote[dst]
+            assert target is not None
+            target[offset:offset + n].copy_(tensor.reshape(-1))
+            self._signal_mapped(dst)
+            return WindowWork()
+        self._comm.send(torch.tensor([_PUT, offset, n], dtype=torch.int64), dst, self._tag)
+        work = self._comm.send(tensor.contiguous().reshape(-1), dst, self._tag,
+                               async_op=True)
+        if async_op:
+            return WindowWork(lambda t: work.wait(t), work.is_completed)
+        work.wait()
         return WindowWork()
 
-    def _signal(self, peer: int) -> None:
+    def _signal_mapped(self, peer: int) -> None:
+        counters = self._peer_signals[peer]
+        assert counters is not None
         self._sent[peer] += 1
-        self._peer_signals[peer].store(_SLOT * (self._rank + 1), self._sent[peer])
+        counters.store(_SLOT * (self._rank + 1), self._sent[peer])
 
     def signal(self, peer: int, async_op: bool, timeout: Optional[float] = None) -> WindowWork:
-        """Adds one to the signals `peer` has had from this rank, after every write this
-        rank made before (puts included)."""
+        """Sends `peer` one signal, after every write this rank made to it before (puts
+        included)."""
         self._check_world()
+        self._registered()
         self.check_peer(peer)
-        self._signal(peer)
+        if self._out_mapped[peer]:
+            self._signal_mapped(peer)
+        else:
+            self._comm.send(torch.tensor([_SIGNAL, 0, 0], dtype=torch.int64), peer, self._tag)
         return WindowWork()
+
+    def _arrive(self, peer: int, deadline: float) -> None:
+        """Receives the next message `peer` sent this window over the link, applies it
+        (a put's elements land in this rank's tensor) and counts its signal."""
+        header = torch.empty(3, dtype=torch.int64)
+        self._await(self._comm.recv(header, peer, self._tag, async_op=True), peer, deadline)
+        kind, offset, n = (int(x) for x in header)
+        if kind == _PUT:
+            tensor = self._tensor
+            assert tensor is not None
+            if offset < 0 or n < 0 or offset + n > tensor.numel():
+                self._comm.abort(f"window: rank {peer} put past the end of this window")
+                raise eccl.MismatchError(
+                    f"window: rank {peer} put elements {offset}..{offset + n} into this "
+                    f"rank's window of {tensor.numel()}")
+            self._await(self._comm.recv(tensor[offset:offset + n], peer, self._tag,
+                                        async_op=True), peer, deadline)
+        elif kind != _SIGNAL:
+            self._comm.abort(f"window: rank {peer} sent a message of kind {kind}")
+            raise eccl.MismatchError(f"window: rank {peer} sent a message of kind {kind}")
+        self._arrived[peer] += 1
+
+    def _await(self, work: Any, peer: int, deadline: float) -> None:
+        try:
+            work.wait(max(0.0, deadline - time.monotonic()))
+        except eccl.EcclTimeoutError:
+            # The receive would hold the communicator's queue until the peer sent: the
+            # epoch ends instead, as after a collective that timed out.
+            self._comm.abort(f"a window wait for rank {peer} timed out")
+            raise
 
     def wait_signal(self, peer: int, async_op: bool,
                     timeout: Optional[float] = None) -> WindowWork:
-        """Waits for the next signal from `peer` (what it wrote before is then visible
-        here). Fails with the epoch's `AbortedError` if a peer dies or is evicted, with
-        `EcclTimeoutError` after `timeout` seconds (the group's timeout by default)."""
+        """Waits for the next signal from `peer` (what it wrote before is then in this
+        rank's tensor). Fails with the epoch's `AbortedError` if a peer dies or is
+        evicted, with `EcclTimeoutError` after `timeout` seconds (the group's timeout by
+        default; over the link a timeout also ends the epoch)."""
         self._check_world()
+        self._registered()
         self.check_peer(peer)
         self._seen[peer] += 1
         target = self._seen[peer]
@@ -414,6 +496,10 @@ class ShmWindow:
         def wait(work_timeout: Optional[float]) -> None:
             budget = limit if work_timeout is None else min(limit, work_timeout)
             deadline = time.monotonic() + budget
+            if not self._in_mapped[peer]:
+                while self._arrived[peer] < target:
+                    self._arrive(peer, deadline)
+                return
             while True:
                 left = deadline - time.monotonic()
                 got = self._signals.wait_at_least(offset, target, max(0.0, min(left, 0.05)))
@@ -426,19 +512,33 @@ class ShmWindow:
                         f"{budget:.1f} s")
 
         if async_op:
-            return WindowWork(wait, lambda: self._signals.load(offset) >= target)
+            def ready() -> bool:
+                if self._in_mapped[peer]:
+                    return self._signals.load(offset) >= target
+                return self._arrived[peer] >= target
+            return WindowWork(wait, ready)
         wait(None)
         return WindowWork()
 
     def map_remote_tensor(self, rank: int) -> torch.Tensor:
         """Rank `rank`'s window memory as a 1-D tensor of its dtype, mapped here: reads
-        and writes go straight to that rank's memory (no signal is sent)."""
+        and writes go straight to that rank's memory (no signal is sent). Only for a
+        rank whose tensor this rank maps (one host, allocated by the group)."""
         self._check_world()
         self._registered()
         self.check_peer(rank)
         t = self._remote[rank]
-        assert t is not None
+        if t is None:
+            raise eccl.InvalidArgumentError(
+                f"rank {rank}'s window memory is not mapped here (another host, or a "
+                f"tensor the group did not allocate): use put")
         return t
+
+    def get_attr(self, peer: int) -> bool:
+        """Whether rank `peer`'s window is one coherent memory with this rank's view of it
+        (torch's UNIFIED: mapped) rather than reached over the link (SEPARATE)."""
+        self.check_peer(peer)
+        return self._out_mapped[peer]
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
@@ -446,11 +546,11 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.complex64, torch.complex128]
 
 
-def new_window(backend: Any, tensor: Optional[torch.Tensor]) -> Any:
+def new_window(backend: Any, tensor: Optional[torch.Tensor], index: int) -> Any:
     """torch's `new_window` for `backend` (collective): the C++ Window over a new
-    `ShmWindow`, with `tensor` registered when given."""
+    `HostWindow` (the group's `index`-th), with `tensor` registered when given."""
     module = shim()
-    impl = ShmWindow(backend)
+    impl = HostWindow(backend, index)
     if tensor is not None:
         impl.tensor_register(tensor)
     return module.ForwardingWindow(impl)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eccl.torch_window  # noqa: E402
 from procs import read_until, spawn, wait_stopped  # noqa: E402
-from test_torch_backend import _result, run_world, world_specs  # noqa: E402
+from test_torch_backend import _result, run_processes, run_world, world_specs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "window_script.py"
 
@@ -29,9 +29,14 @@ def shim():
     eccl.torch_window.shim()
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_put_signal_wait_and_remote_tensors_follow_torchs_window_contract(n):
-    res = run_world(n, ["basic"], script=SCRIPT)
+@pytest.mark.parametrize("n,links", [(2, False), (3, False), (3, True)],
+                         ids=["2-mapped", "3-mapped", "3-over-links"])
+def test_put_signal_wait_and_remote_tensors_follow_torchs_window_contract(n, links):
+    specs = world_specs(n, ["basic"], SCRIPT)
+    if links:   # every rank a host of its own: nothing mapped, TCP links
+        for r, (_, env) in enumerate(specs):
+            env.update(ECCL_HOST_ID=f"window-host-{r}", WINDOW_TEST_OVER_LINKS="1")
+    res = run_processes(specs)
     for r, out in enumerate(res):
         prev = (r - 1) % n
         assert out["supports_window"] is True
@@ -40,38 +45,56 @@ def test_put_signal_wait_and_remote_tensors_follow_torchs_window_contract(n):
         want = [0.0] * (4 * n)
         want[4 * prev:4 * prev + 4] = [prev + 1.0] * 4
         assert out["after_put"] == want, (r, out["after_put"])
-        # map_remote_tensor is the next rank's memory: this rank's put is there...
-        assert out["remote_len"] == 4 * n
-        assert out["remote_mine"] == [r + 1.0] * 4
-        # ...and the predecessor's write through it landed here, seen after its signal.
+        if links:
+            assert out["remote_error"].startswith("InvalidArgumentError"), out
+            assert out["attr"] == "WindowAccessType.SEPARATE"
+        else:
+            # map_remote_tensor is the next rank's memory: this rank's put is there...
+            assert out["remote_len"] == 4 * n
+            assert out["remote_mine"] == [r + 1.0] * 4
+            assert out["attr"] == "WindowAccessType.UNIFIED"
+        # ...and the predecessor's write landed here, seen after its signal.
         assert out["after_remote_write"] == 100.0 + prev
         assert out["put_async_completed"] is True
         assert out["after_async_put"] == -1.0
-        assert out["attr"] == "WindowAccessType.UNIFIED"
         errs = out["errors"]
         for name in ("wrong_dtype", "out_of_bounds", "bad_rank", "negative_offset"):
             assert errs[name] and errs[name].startswith("InvalidArgumentError"), (name, errs)
         assert "float32" in errs["wrong_dtype"] and "int32" in errs["wrong_dtype"]
-        assert errs["wait_timeout"].startswith("EcclTimeoutError"), errs
-        # One rank's tensor was not the group's: every rank says which and why.
-        assert out["plain_tensor"].startswith("InvalidArgumentError"), out["plain_tensor"]
-        assert f"rank {n - 1}'s tensor was not made by the group's allocate_tensor" in \
-            out["plain_tensor"]
+        # One rank's tensor could not serve: every rank says which and why.
+        assert out["bad_tensor"].startswith("InvalidArgumentError"), out["bad_tensor"]
+        assert "rank 0's tensor is not contiguous" in out["bad_tensor"]
+        # A plain tensor on the last rank: the others' puts reached it over the link.
+        if r == n - 1:
+            assert out["plain_window"] == [float(p + 1) for p in range(n)]
+            assert out["plain_attr"] == "WindowAccessType.UNIFIED"   # its own memory
+            assert out["plain_remote"] is None
+        else:
+            assert out["plain_attr"] == "WindowAccessType.SEPARATE"
+            assert out["plain_remote"].startswith("InvalidArgumentError"), out
         assert out["all_reduce_after"] == [float(n)] * 2
+        assert out["wait_timeout"].startswith("EcclTimeoutError"), out["wait_timeout"]
 
 
-def _fault_world(n):
+def _fault_world(n, links):
+    specs = world_specs(n, ["fault"], SCRIPT)
+    if links:
+        for r, (_, env) in enumerate(specs):
+            env.update(ECCL_HOST_ID=f"window-host-{r}")
     procs = [spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for argv, env in world_specs(n, ["fault"], SCRIPT)]
+             for argv, env in specs]
     for p in procs:
         assert "READY" in read_until(p, "READY", 90), "a rank did not make its window"
     return procs
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_a_dead_or_hung_peer_fails_window_waits_with_a_typed_error(how):
+@pytest.mark.parametrize("how,links", [("killed", False), ("stopped", False),
+                                       ("killed", True), ("stopped", True)],
+                         ids=["killed-mapped", "stopped-mapped", "killed-over-links",
+                              "stopped-over-links"])
+def test_a_dead_or_hung_peer_fails_window_waits_with_a_typed_error(how, links):
     n = 3
-    procs = _fault_world(n)
+    procs = _fault_world(n, links)
     try:
         time.sleep(0.5)   # the others are in wait_signal on the last rank by now
         start = time.monotonic()

@@ -29,6 +29,9 @@ def allocate(n, dtype=torch.float32):
 
 
 def basic(r, n):
+    """WINDOW_TEST_OVER_LINKS=1 (with a distinct ECCL_HOST_ID per rank): every rank is a
+    host of its own, so nothing is mapped and every put and signal goes over the links."""
+    links = bool(os.environ.get("WINDOW_TEST_OVER_LINKS"))
     out = {"supports_window": dist._supports_window()}
     buf = allocate(4 * n)
     win = dist._new_window(buf)
@@ -38,15 +41,28 @@ def basic(r, n):
     win.wait_signal(prev, False)
     out["after_put"] = buf.tolist()
     dist.barrier()   # every rank has read its window before any writes into another's
-    # map_remote_tensor: the next rank's memory itself; read what its predecessor (this
-    # rank) put there, then write into it and signal.
-    remote = win.map_remote_tensor(nxt)
-    out["remote_len"] = remote.numel()
-    out["remote_mine"] = remote[4 * r:4 * r + 4].tolist()
-    remote[0] = 100.0 + r
-    win.signal(nxt, False)
-    w = win.wait_signal(prev, True)
-    w.wait()
+    if links:
+        try:
+            win.map_remote_tensor(nxt)
+            out["remote_error"] = None
+        except Exception as e:  # noqa: BLE001 - the type is what is checked
+            out["remote_error"] = f"{type(e).__name__}: {e}"
+        win.put(torch.full((1,), 100.0 + r), nxt, 0, False)
+        win.signal(nxt, False)      # a second signal: the next wait consumes one only
+        win.wait_signal(prev, False)
+        w = win.wait_signal(prev, True)
+        w.wait()
+        out["remote_len"], out["remote_mine"] = None, None
+    else:
+        # map_remote_tensor: the next rank's memory itself; read what this rank put
+        # there, then write into it and signal.
+        remote = win.map_remote_tensor(nxt)
+        out["remote_len"] = remote.numel()
+        out["remote_mine"] = remote[4 * r:4 * r + 4].tolist()
+        remote[0] = 100.0 + r
+        win.signal(nxt, False)
+        w = win.wait_signal(prev, True)
+        w.wait()
     out["after_remote_write"] = buf[0].item()
     # async put and is_completed
     w = win.put(torch.full((1,), -1.0), nxt, 1, True)
@@ -60,25 +76,45 @@ def basic(r, n):
         ("out_of_bounds", lambda: win.put(torch.ones(5), nxt, 4 * n - 2, False)),
         ("bad_rank", lambda: win.put(torch.ones(1), n + 3, 0, False)),
         ("negative_offset", lambda: win.put(torch.ones(1), nxt, -1, False)),
-        ("wait_timeout", lambda: win.wait_signal(prev, False, _wait_opts(0.3))),
     ]:
         try:
             call()
             errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the type is what is checked
+        except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {e}"
     out["errors"] = errors
-    # A rank whose tensor the group did not allocate: every rank raises.
-    plain = allocate(3) if r != n - 1 else torch.zeros(3)
+    # A rank whose tensor cannot serve (not contiguous): every rank raises, naming it.
+    bad = allocate(8)[::2] if r == 0 else allocate(4)
     try:
-        dist._new_window(plain)
-        out["plain_tensor"] = None
+        dist._new_window(bad)
+        out["bad_tensor"] = None
     except Exception as e:  # noqa: BLE001
-        out["plain_tensor"] = f"{type(e).__name__}: {e}"
+        out["bad_tensor"] = f"{type(e).__name__}: {e}"
+    # The last rank's tensor is a plain one (not from allocate_tensor): the others' puts
+    # into it go over the link and land when it waits for their signals.
+    plain = allocate(n) if r != n - 1 else torch.zeros(n)
+    win2 = dist._new_window(plain)
+    win2.put(torch.full((1,), float(r + 1)), n - 1, r, False)
+    if r == n - 1:
+        for p in range(n):
+            win2.wait_signal(p, False)
+        out["plain_window"] = plain.tolist()
+    out["plain_attr"] = str(win2.get_attr(n - 1).access_type)
+    try:
+        win2.map_remote_tensor(n - 1)
+        out["plain_remote"] = None
+    except Exception as e:  # noqa: BLE001
+        out["plain_remote"] = f"{type(e).__name__}: {e}"
     # The group still works after all that.
     t = torch.ones(2)
     dist.all_reduce(t)
     out["all_reduce_after"] = t.tolist()
+    # Last, a wait that times out (over the links it ends the epoch).
+    try:
+        win.wait_signal(prev, False, _wait_opts(0.3))
+        out["wait_timeout"] = None
+    except Exception as e:  # noqa: BLE001
+        out["wait_timeout"] = f"{type(e).__name__}: {e}"
     return out
 
 

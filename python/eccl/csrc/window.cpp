@@ -1,5 +1,5 @@
 // eccl's one-sided window, as torch sees it: a c10d::Window whose operations are those of a
-// Python object (eccl.torch_window.ShmWindow). torch's Python backend trampoline casts what
+// Python object (eccl.torch_window.HostWindow). torch's Python backend trampoline casts what
 // a backend's `new_window` returns to the C++ `c10d::Window`, and torch gives Python no way
 // to make one, so this file (compiled against the torch in use, on first use; see
 // eccl/torch_window.py) is the only C++ in eccl's Python package. It holds no state of its
@@ -114,10 +114,12 @@ class ForwardingWindow : public c10d::Window {
 
   c10d::WindowAttr get_attr(int64_t peerRank) override {
     py::gil_scoped_acquire gil;
-    impl_.attr("check_peer")(peerRank);
-    // Every rank's window is host memory that each process maps: one coherent view.
+    // Mapped (one coherent memory) or reached over the link (written when the peer
+    // waits for the signal that follows).
     c10d::WindowAttr attr;
-    attr.access_type = c10d::WindowAccessType::UNIFIED;
+    attr.access_type = impl_.attr("get_attr")(peerRank).cast<bool>()
+        ? c10d::WindowAccessType::UNIFIED
+        : c10d::WindowAccessType::SEPARATE;
     return attr;
   }
 
