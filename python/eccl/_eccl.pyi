@@ -519,6 +519,8 @@ class SharedMemory:
     def address(self) -> int: ...
     def store(self, offset: int, value: int) -> None:
         """Stores `value` at byte `offset` (a release: earlier writes are visible first)."""
+    def add(self, offset: int, value: int) -> int:
+        """Adds `value` to the counter at byte `offset` (atomic; a release); returns the sum."""
     def load(self, offset: int) -> int:
         """The counter at byte `offset` (an acquire)."""
     def wait_at_least(self, offset: int, value: int, timeout_s: float) -> int:

@@ -61,7 +61,9 @@ log = logging.getLogger("eccl.torch")
 
 # -- shared-memory tensors --------------------------------------------------------------
 
-_regions_lock = threading.Lock()
+# Reentrant: a garbage collection that runs while the lock is held may drop a region,
+# whose callback (`_forget`) then takes it on the same thread.
+_regions_lock = threading.RLock()
 # Address of every live region this process made for a tensor -> the region (weakly:
 # the tensors made over it hold it; it leaves the table when the last one goes).
 _regions: Dict[int, "weakref.ref[_eccl.SharedMemory]"] = {}
@@ -86,8 +88,9 @@ def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     region = _eccl.SharedMemory(max(numel * itemsize, 1))
     address = region.address
+    ref = weakref.ref(region, lambda _: _forget(address))   # allocated outside the lock
     with _regions_lock:
-        _regions[address] = weakref.ref(region, lambda _: _forget(address))
+        _regions[address] = ref
         bisect.insort(_addresses, address)
     if numel == 0:
         return torch.frombuffer(region, dtype=torch.uint8, count=1)[:0].view(dtype)
@@ -120,7 +123,7 @@ _shim: Any = None
 def shim() -> Any:
     """The compiled module whose `ForwardingWindow(impl)` is a torch `Window` calling
     `impl`'s methods. Built on first use for this torch (some 20 s), then loaded from
-    torch's extension cache; `InvalidArgumentError` where it cannot be built."""
+    torch's extension cache; `RuntimeError` saying why where it cannot be built."""
     global _shim
     with _shim_lock:
         if _shim is not None:
@@ -134,7 +137,7 @@ def shim() -> Any:
         except ImportError:
             pass
         if shutil.which("ninja") is None:
-            raise eccl.InvalidArgumentError(
+            raise RuntimeError(
                 "eccl's one-sided windows compile a small C++ class against torch on first "
                 "use, which needs ninja (pip install ninja) and a C++ compiler")
         source = Path(__file__).with_name("csrc") / "window.cpp"
@@ -144,7 +147,7 @@ def shim() -> Any:
         try:
             _shim = cpp_extension.load(name=name, sources=[str(source)], verbose=False)
         except Exception as e:  # a compiler error, no compiler, no headers
-            raise eccl.InvalidArgumentError(
+            raise RuntimeError(
                 f"eccl's one-sided windows: building {source} against torch "
                 f"{torch.__version__} failed: {e}") from e
         return _shim
@@ -187,25 +190,28 @@ class WindowWork(dist._Work):
     `wait_signal`, or a put over the link still being sent)."""
 
     def __init__(self, wait: Optional[Callable[[Optional[float]], None]] = None,
-                 ready: Optional[Callable[[], bool]] = None) -> None:
+                 ready: Optional[Callable[[], bool]] = None, background: bool = True) -> None:
         super().__init__()
+        self._background = background
         self._wait = wait
         self._ready = ready
         self._error: Optional[BaseException] = None
         self._future: Optional[Future] = None
+        self._lock = threading.Lock()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        if self._wait is not None:
-            fn, self._wait = self._wait, None
-            try:
-                fn(timeout.total_seconds() if timeout else None)
-            except BaseException as e:
-                self._error = e
-        if self._future is not None and not self._future.done():
-            if self._error is None:
-                self._future.set_result([])
-            else:
-                self._future.set_exception(self._error)
+        with self._lock:
+            if self._wait is not None:
+                fn, self._wait = self._wait, None
+                try:
+                    fn(timeout.total_seconds() if timeout else None)
+                except BaseException as e:
+                    self._error = e
+            if self._future is not None and not self._future.done():
+                if self._error is None:
+                    self._future.set_result([])
+                else:
+                    self._future.set_exception(self._error)
         if self._error is not None:
             raise self._error
         return True
@@ -222,13 +228,25 @@ class WindowWork(dist._Work):
         return self._error
 
     def get_future(self) -> Future:
-        if self._future is None:
+        """Complete once the call is: a pending wait runs on a thread of its own then
+        (one over a link: at `wait()`)."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
             self._future = Future()
-            if self._wait is None:
+            pending = self._wait is not None
+            if not pending:
                 if self._error is None:
                     self._future.set_result([])
                 else:
                     self._future.set_exception(self._error)
+        if pending and self._background:
+            def run() -> None:
+                try:
+                    self.wait()
+                except BaseException:  # noqa: BLE001 - the future carries it
+                    pass
+            threading.Thread(target=run, name="eccl-window-wait", daemon=True).start()
         return self._future
 
 
@@ -236,7 +254,9 @@ class HostWindow:
     """A window over the CPU tensors of a group's ranks (see the module's documentation).
     Made collectively by every rank of `backend`'s group, the `index`-th of the group."""
 
-    def __init__(self, backend: Any, index: int) -> None:
+    def __init__(self, backend: Any, index: int, built: Optional[BaseException] = None) -> None:
+        """`built`: why this rank could not build the C++ Window (every rank raises then,
+        after the first exchange, rather than leave the others in it)."""
         self._backend = backend
         self._comm = backend.comm
         self._rank, self._size = backend.rank(), backend.size()
@@ -250,7 +270,13 @@ class HostWindow:
         self._signals.store(0, nonce)
         key = _host_key()
         table = self._exchange([self._signals.pid, self._signals.fd, self._signals.nbytes,
-                                nonce, *key, 0])
+                                nonce, *key, 1 if built is not None else 0])
+        if built is not None:
+            raise built
+        for r in range(self._size):
+            if int(table[r, 7]):
+                raise RuntimeError(f"rank {r} could not build eccl's C++ Window (see its "
+                                   f"error)")
         # Every same-host peer's counters, where this process could map them (and they
         # are what the peer announced); None: that peer is reached over the link.
         self._peer_signals: List[Optional[_eccl.SharedMemory]] = []
@@ -271,7 +297,6 @@ class HostWindow:
                     log.info("window: rank %d's memory cannot be mapped here; its part "
                              "goes over the link", r)
                 self._peer_signals.append(peer if ok else None)
-        self._sent = [0] * self._size
         self._seen = [0] * self._size
         # Signals received over the link from each rank (puts count as signals).
         self._arrived = [0] * self._size
@@ -434,8 +459,7 @@ class HostWindow:
     def _signal_mapped(self, peer: int) -> None:
         counters = self._peer_signals[peer]
         assert counters is not None
-        self._sent[peer] += 1
-        counters.store(_SLOT * (self._rank + 1), self._sent[peer])
+        counters.add(_SLOT * (self._rank + 1), 1)
 
     def signal(self, peer: int, async_op: bool, timeout: Optional[float] = None) -> WindowWork:
         """Sends `peer` one signal, after every write this rank made to it before (puts
@@ -494,6 +518,16 @@ class HostWindow:
         limit = self._timeout(timeout)
 
         def wait(work_timeout: Optional[float]) -> None:
+            try:
+                waiting(work_timeout)
+            except BaseException:
+                # Not consumed: the next wait is for the same signal (where no later
+                # wait was made meanwhile).
+                if self._seen[peer] == target:
+                    self._seen[peer] -= 1
+                raise
+
+        def waiting(work_timeout: Optional[float]) -> None:
             budget = limit if work_timeout is None else min(limit, work_timeout)
             deadline = time.monotonic() + budget
             if not self._in_mapped[peer]:
@@ -516,7 +550,9 @@ class HostWindow:
                 if self._in_mapped[peer]:
                     return self._signals.load(offset) >= target
                 return self._arrived[peer] >= target
-            return WindowWork(wait, ready)
+            # Over a link the wait receives through the communicator's queue, which must
+            # not hold calls made after this one: it runs at wait() only.
+            return WindowWork(wait, ready, background=self._in_mapped[peer])
         wait(None)
         return WindowWork()
 
@@ -549,8 +585,11 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 def new_window(backend: Any, tensor: Optional[torch.Tensor], index: int) -> Any:
     """torch's `new_window` for `backend` (collective): the C++ Window over a new
     `HostWindow` (the group's `index`-th), with `tensor` registered when given."""
-    module = shim()
-    impl = HostWindow(backend, index)
+    try:
+        module, built = shim(), None
+    except RuntimeError as e:
+        module, built = None, e
+    impl = HostWindow(backend, index, built)
     if tensor is not None:
         impl.tensor_register(tensor)
     return module.ForwardingWindow(impl)

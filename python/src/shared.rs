@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use pyo3::exceptions::PyOSError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
@@ -32,7 +33,12 @@ pub(crate) struct SharedMemory {
 struct Pool {
     free: HashMap<usize, Vec<eccl_shm::Region>>,
     bytes: usize,
+    /// Regions kept (each holds a file descriptor).
+    count: usize,
 }
+
+/// Most regions the pool keeps, whatever their size: each holds a file descriptor.
+const POOL_REGIONS: usize = 256;
 
 /// Most bytes the pool keeps (`ECCL_SHM_POOL_MB`, 1024 by default; 0 turns it off).
 fn pool_cap() -> usize {
@@ -52,6 +58,7 @@ fn pool() -> MutexGuard<'static, Pool> {
         Mutex::new(Pool {
             free: HashMap::new(),
             bytes: 0,
+            count: 0,
         })
     })
     .lock()
@@ -67,8 +74,9 @@ impl Drop for SharedMemory {
             return;
         }
         let mut p = pool();
-        if p.bytes + region.len() <= pool_cap() {
+        if p.bytes + region.len() <= pool_cap() && p.count < POOL_REGIONS {
             p.bytes += region.len();
+            p.count += 1;
             p.free.entry(region.len()).or_default().push(region);
         }
     }
@@ -95,22 +103,30 @@ impl SharedMemory {
 impl SharedMemory {
     /// A region of at least `nbytes` bytes (whole pages) of this process: one that a
     /// dropped `SharedMemory` of the same size left in the pool (its bytes as they were:
-    /// uninitialized, as `torch.empty`'s), else a new zeroed one.
+    /// uninitialized, as `torch.empty`'s), else a new zeroed one (`OSError` where the
+    /// system has no memory or descriptors left).
     #[new]
     fn new(nbytes: usize) -> PyResult<Self> {
         let len = nbytes.max(1).div_ceil(4096) * 4096;
         let pooled = {
             let mut p = pool();
-            let got = p.free.get_mut(&len).and_then(|v| v.pop());
-            if got.is_some() {
+            let mut got = None;
+            while let Some(region) = p.free.get_mut(&len).and_then(|v| v.pop()) {
                 p.bytes -= len;
+                p.count -= 1;
+                // A forked child inherits its parent's pool, whose pages it shares with
+                // the parent: those are dropped (unmapped here), never handed out.
+                if region.pid() == std::process::id() {
+                    got = Some(region);
+                    break;
+                }
             }
             got
         };
         let region = match pooled {
             Some(region) => region,
             None => eccl_shm::Region::create(nbytes).map_err(|e| {
-                invalid(format!("cannot make {nbytes} bytes of shared memory: {e}"))
+                PyOSError::new_err(format!("cannot make {nbytes} bytes of shared memory: {e}"))
             })?,
         };
         Ok(SharedMemory {
@@ -165,6 +181,15 @@ impl SharedMemory {
     fn store(&self, offset: usize, value: u64) -> PyResult<()> {
         self.counter(offset)?.store(value, Ordering::Release);
         Ok(())
+    }
+
+    /// Adds `value` to the counter at byte `offset` after every write this thread made
+    /// before (a release, atomic: threads adding at once each count); returns the sum.
+    fn add(&self, offset: usize, value: u64) -> PyResult<u64> {
+        Ok(self
+            .counter(offset)?
+            .fetch_add(value, Ordering::AcqRel)
+            .wrapping_add(value))
     }
 
     /// The counter at byte `offset`; what was written before the store of that value is

@@ -33,7 +33,7 @@ def basic(r, n):
     host of its own, so nothing is mapped and every put and signal goes over the links."""
     links = bool(os.environ.get("WINDOW_TEST_OVER_LINKS"))
     out = {"supports_window": dist._supports_window()}
-    buf = allocate(4 * n)
+    buf = allocate(4 * n).zero_()     # allocate_tensor's memory is uninitialized
     win = dist._new_window(buf)
     out["window_type"] = type(win).__mro__[1].__name__
     nxt, prev = (r + 1) % n, (r - 1) % n
@@ -92,7 +92,7 @@ def basic(r, n):
         out["bad_tensor"] = f"{type(e).__name__}: {e}"
     # The last rank's tensor is a plain one (not from allocate_tensor): the others' puts
     # into it go over the link and land when it waits for their signals.
-    plain = allocate(n) if r != n - 1 else torch.zeros(n)
+    plain = allocate(n).zero_() if r != n - 1 else torch.zeros(n)
     win2 = dist._new_window(plain)
     win2.put(torch.full((1,), float(r + 1)), n - 1, r, False)
     if r == n - 1:
@@ -109,6 +109,23 @@ def basic(r, n):
     t = torch.ones(2)
     dist.all_reduce(t)
     out["all_reduce_after"] = t.tolist()
+    # An asynchronous wait: not completed before its signal is sent, completed after;
+    # and one whose future completes without a wait().
+    w = win.wait_signal(prev, True)
+    out["pending_completed"] = w.is_completed()
+    w2 = win.wait_signal(prev, True)
+    # Mapped, the future completes on its own; over a link at wait() (its receive would
+    # otherwise hold the communicator's queue, the barrier below among them).
+    fut = w2.get_future()
+    dist.barrier()
+    win.signal(nxt, False)
+    win.signal(nxt, False)
+    w.wait()
+    out["done_completed"] = w.is_completed() and w.is_success()
+    if links:
+        w2.wait()
+    fut.wait()
+    out["future_done"] = fut.done()
     # Last, a wait that times out (over the links it ends the epoch).
     try:
         win.wait_signal(prev, False, _wait_opts(0.3))

@@ -32,20 +32,30 @@ class WorkHolder : public c10d::Work {
 
   ~WorkHolder() override {
     py::gil_scoped_acquire gil;
+    work_.reset();
     py_ = py::object();
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
     return work_->wait(timeout);
   }
+  // torch's trampoline for a Python Work passes only wait and get_future on to Python;
+  // these ask the Python object itself.
   bool isCompleted() override {
-    return work_->isCompleted();
+    py::gil_scoped_acquire gil;
+    return py_.attr("is_completed")().cast<bool>();
   }
   bool isSuccess() const override {
-    return work_->isSuccess();
+    py::gil_scoped_acquire gil;
+    return py_.attr("is_success")().cast<bool>();
   }
   std::exception_ptr exception() const override {
-    return work_->exception();
+    py::gil_scoped_acquire gil;
+    py::object e = py_.attr("exception")();
+    if (e.is_none()) {
+      return nullptr;
+    }
+    return std::make_exception_ptr(std::runtime_error(py::str(e).cast<std::string>()));
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return work_->getFuture();
