@@ -467,6 +467,30 @@ def test_in_place_all_gather_and_reduce_scatter_follow_nccl():
         assert res["after"] == [float(n)] * 2, (r, res)
 
 
+@pytest.mark.parametrize("n,mesh", [(3, "1d"), (4, "2d")])
+def test_dtensor_redistributions_match_gloo(n, mesh):
+    """DTensor over an eccl DeviceMesh: Shard/Replicate/Partial(sum, avg) redistributions
+    in every direction (all_gather, all_to_all, all_reduce, reduce_scatter underneath),
+    even and uneven shards, full_tensor and ops on sharded tensors, over a 1-D mesh of
+    three ranks and a 2 x 2 mesh of four: gloo's results, bit for bit (the inputs are
+    eighths, so sums are exact in any order); an inexact all_reduce has the same bits on
+    every eccl rank and gloo's values within rounding."""
+    script = HERE / "dtensor_script.py"
+    args = ["2d"] if mesh == "2d" else []
+    gloo = run_world(n, ["gloo", *args], script)
+    ours = run_world(n, ["eccl", *args], script)
+    inexact = "inexact partial->replicate"
+    for r in range(n):
+        assert set(ours[r]) == set(gloo[r])
+        for key in gloo[r]:
+            if key != inexact:
+                assert ours[r][key] == gloo[r][key], (r, key)
+    if mesh == "1d":
+        assert all(o[inexact] == ours[0][inexact] for o in ours)
+        torch = pytest.importorskip("torch")
+        assert torch.allclose(torch.tensor(ours[0][inexact]), torch.tensor(gloo[0][inexact]))
+
+
 def test_hsdp_over_a_two_dimensional_mesh_trains_as_with_gloo():
     """HSDP: `fully_shard` over a (replicate, shard) = (2, 2) CPU mesh of four ranks, so
     each step reduce-scatters within a shard group and all-reduces across replicas
