@@ -419,6 +419,16 @@ class Communicator:
         """
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> OpInfo | Work:
         """`output` holds world_size blocks of `input`'s size; block r is rank r's input."""
+    def all_gather_shared(self, output: Any, input: Any | None = None, *, async_op: bool = False) -> bool | Work:
+        """all_gather reading the other ranks' memory directly where every rank's source lies in eccl's shared
+        memory (a tensor from the torch backend's `allocate_tensor`), over the links otherwise; `input=None`: this
+        rank's block of `output` is its source. Returns (or `wait()` returns) whether the memory was read directly.
+        """
+    def reduce_scatter_shared(
+        self, output: Any, input: Any, op: Any | None = None, *, async_op: bool = False
+    ) -> bool | Work:
+        """reduce_scatter reading every rank's input directly where all lie in eccl's shared memory, over the
+        links otherwise. Returns (or `wait()` returns) whether the memory was read directly."""
     def reduce_scatter(
         self, output: Any, input: Any, op: Any | None = None, *, async_op: bool = False
     ) -> OpInfo | Work:

@@ -54,6 +54,14 @@ _OPS = [(getattr(dist.ReduceOp, torch_name), op)
         if hasattr(dist.ReduceOp, torch_name)]
 
 
+# all_gather_into_tensor and reduce_scatter_tensor of this many bytes or more read the
+# other ranks' memory directly where every rank's buffer lies in eccl's shared memory
+# (three small exchanges decide and end it: below this size they cost about what they
+# save, with four ranks on two cores; docs/measurements.md "Collectives on shared
+# tensors").
+SHARED_FROM = 1 << 20
+
+
 def _op_name(opts: Any) -> "eccl.ReduceOp":
     op = getattr(opts, "reduceOp", opts)
     for k, v in _OPS:
@@ -228,8 +236,19 @@ class ProcessGroupEccl(FaultTolerance, _Base):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         # NCCL's in-place form (FSDP2 uses it): the input is the output's slice at this
         # rank's offset. The gather reads a copy of it; any other overlap is refused.
-        ws = [self.comm.all_gather(_cpu(o), _input_of(o, i, self.rank()), async_op=True)
-              for o, i in zip(outputs, inputs)]
+        # From SHARED_FROM bytes on, the call reads the other ranks' memory directly
+        # where every rank's source lies in eccl's shared memory (`allocate_tensor`:
+        # FSDP2's buffers after set_allocate_memory_from_process_group_for_comm), in
+        # place included; the sizes are the same on every rank, so is the choice.
+        ws = []
+        for o, i in zip(outputs, inputs):
+            o = _cpu(o)
+            if o.numel() * o.element_size() >= SHARED_FROM and o.is_contiguous():
+                own = _own_slot(o, i, self.rank())
+                ws.append(self.comm.all_gather_shared(
+                    o, None if own else _cpu(i).contiguous(), async_op=True))
+            else:
+                ws.append(self.comm.all_gather(o, _input_of(o, i, self.rank()), async_op=True))
         return self._calls.submit(ws, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -253,7 +272,12 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             # call has succeeded (a failed call leaves both as they were); any other
             # overlap is refused.
             target = torch.empty_like(o) if _own_slot(i, o, self.rank()) else o
-            ws.append(self.comm.reduce_scatter(_cpu(target), i, op, async_op=True))
+            if i.numel() * i.element_size() >= SHARED_FROM and target.is_contiguous():
+                # Read straight from every rank's input where all lie in eccl's shared
+                # memory (see allgather_into_tensor_coalesced).
+                ws.append(self.comm.reduce_scatter_shared(_cpu(target), i, op, async_op=True))
+            else:
+                ws.append(self.comm.reduce_scatter(_cpu(target), i, op, async_op=True))
             results.append((o, target))
 
         def into_outputs() -> None:

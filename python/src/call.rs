@@ -36,6 +36,20 @@ pub(crate) enum Call {
         input: Option<HostBuffer>,
         output: Option<WritableBuffer>,
     },
+    /// All_gather that reads the other ranks' memory directly where every rank's source
+    /// lies in eccl's shared memory (`crate::direct`); `input: None`: this rank's block
+    /// of `output` is its source (NCCL's in-place form).
+    SharedAllGather {
+        output: WritableBuffer,
+        input: Option<HostBuffer>,
+    },
+    /// Reduce_scatter that reads the other ranks' inputs directly where every rank's
+    /// input lies in eccl's shared memory.
+    SharedReduceScatter {
+        op: ReduceOp,
+        output: WritableBuffer,
+        input: HostBuffer,
+    },
     /// All_reduce, broadcast or reduce on one buffer; `on_abort` says what a failure
     /// leaves in it.
     InPlace {
@@ -106,6 +120,8 @@ impl Call {
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
+            Call::SharedAllGather { input, output } => (input.iter().collect(), vec![output]),
+            Call::SharedReduceScatter { input, output, .. } => (vec![input], vec![output]),
             Call::InPlace { buf, .. } | Call::Recv { buf, .. } | Call::Quantized { buf, .. } => {
                 (vec![], vec![buf])
             }
@@ -366,6 +382,24 @@ async fn run(
             };
             comm.collective(args, inp, out).await.map(Done::Op)
         }
+        Call::SharedAllGather { output, input } => {
+            let dtype = input
+                .as_ref()
+                .map_or_else(|| output.read().dtype(), |b| b.dtype());
+            let inp = input.as_ref().map(|b| b.bytes());
+            crate::direct::all_gather(comm, output.bytes_mut(), inp, dtype)
+                .await
+                .map(Done::Flag)
+        }
+        Call::SharedReduceScatter { op, output, input } => crate::direct::reduce_scatter(
+            comm,
+            output.bytes_mut(),
+            input.bytes(),
+            input.dtype(),
+            *op,
+        )
+        .await
+        .map(Done::Flag),
         Call::InPlace {
             kind,
             op,

@@ -712,6 +712,52 @@ impl Communicator {
         )
     }
 
+    /// All_gather (`output`: world blocks of `input`'s size) in which the ranks read each
+    /// other's memory directly where every rank's source lies in eccl's shared memory
+    /// (a tensor from the torch backend's `allocate_tensor`), and over the links
+    /// otherwise (every rank takes the same way). `input=None`: this rank's block of
+    /// `output` is its source (NCCL's in-place form). After a failed call `output` is
+    /// undefined. `wait()` says whether the memory was read directly.
+    #[pyo3(signature = (output, input=None, *, async_op=false))]
+    fn all_gather_shared(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let output = WritableBuffer::extract(output, "output")?;
+        let input = input.map(|i| HostBuffer::extract(i, "input")).transpose()?;
+        if let Some(i) = &input {
+            same_dtype(i, &output)?;
+        }
+        self.submit(py, Call::SharedAllGather { output, input }, async_op)
+    }
+
+    /// Reduce_scatter (`input`: world blocks of `output`'s size) in which each rank
+    /// reduces its block straight from every rank's input where every rank's input lies
+    /// in eccl's shared memory, and over the links otherwise. After a failed call
+    /// `output` is undefined. `wait()` says whether the memory was read directly.
+    #[pyo3(signature = (output, input, op=None, *, async_op=false))]
+    fn reduce_scatter_shared(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let output = WritableBuffer::extract(output, "output")?;
+        let input = HostBuffer::extract(input, "input")?;
+        same_dtype(&input, &output)?;
+        let op = reduce_op(op)?;
+        self.submit(
+            py,
+            Call::SharedReduceScatter { op, output, input },
+            async_op,
+        )
+    }
+
     /// `input` holds world_size blocks of `output`'s size; rank r gets block r reduced.
     #[pyo3(signature = (output, input, op=None, *, async_op=false))]
     fn reduce_scatter(

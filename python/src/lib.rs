@@ -18,6 +18,7 @@
 mod buffer;
 mod call;
 mod communicator;
+mod direct;
 mod errors;
 mod master;
 mod results;

@@ -4,11 +4,11 @@
 //! wait on. The torch backend's `allocate_tensor` places tensors in such regions and its
 //! one-sided windows are built of them (`eccl/torch_window.py`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::c_void;
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyOSError;
@@ -65,11 +65,84 @@ fn pool() -> MutexGuard<'static, Pool> {
     .unwrap_or_else(|p| p.into_inner())
 }
 
+/// This process's regions that a `SharedMemory` holds now, by base address: where
+/// the collectives look up whether a buffer lies in shared memory (`crate::direct`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OwnRegion {
+    pub base: usize,
+    pub len: usize,
+    pub pid: u32,
+    pub fd: i32,
+    pub ino: u64,
+}
+
+fn live() -> MutexGuard<'static, BTreeMap<usize, OwnRegion>> {
+    static LIVE: OnceLock<Mutex<BTreeMap<usize, OwnRegion>>> = OnceLock::new();
+    LIVE.get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// The live region of this process holding `len` bytes at `addr`, and their offset in it.
+pub(crate) fn find_own(addr: usize, len: usize) -> Option<(OwnRegion, usize)> {
+    let live = live();
+    let (_, r) = live.range(..=addr).next_back()?;
+    let end = addr.checked_add(len)?;
+    (end <= r.base + r.len).then_some((*r, addr - r.base))
+}
+
+/// Other processes' regions this process mapped for the collectives, by (pid, inode),
+/// the oldest first out beyond [`PEER_MAPPINGS`] (each holds the peer's pages).
+struct PeerMaps {
+    by_key: HashMap<(u32, u64), Arc<eccl_shm::Region>>,
+    order: VecDeque<(u32, u64)>,
+}
+
+const PEER_MAPPINGS: usize = 64;
+
+/// Process `pid`'s region announced as descriptor `fd` with inode `ino`, at least `len`
+/// bytes, mapped here (once; later calls reuse the mapping).
+pub(crate) fn peer_region(
+    pid: u32,
+    fd: i32,
+    len: usize,
+    ino: u64,
+) -> Result<Arc<eccl_shm::Region>, String> {
+    static MAPS: OnceLock<Mutex<PeerMaps>> = OnceLock::new();
+    let maps = MAPS.get_or_init(|| {
+        Mutex::new(PeerMaps {
+            by_key: HashMap::new(),
+            order: VecDeque::new(),
+        })
+    });
+    let key = (pid, ino);
+    {
+        let m = maps.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = m.by_key.get(&key).filter(|r| r.len() >= len) {
+            return Ok(r.clone());
+        }
+    }
+    let region = Arc::new(eccl_shm::Region::open_checked(pid, fd, len, ino)?);
+    let mut m = maps.lock().unwrap_or_else(|p| p.into_inner());
+    if m.by_key.insert(key, region.clone()).is_none() {
+        m.order.push_back(key);
+    }
+    while m.order.len() > PEER_MAPPINGS {
+        if let Some(old) = m.order.pop_front() {
+            m.by_key.remove(&old);
+        }
+    }
+    Ok(region)
+}
+
 impl Drop for SharedMemory {
     fn drop(&mut self) {
         let Some(region) = self.region.take() else {
             return;
         };
+        if region.pid() == std::process::id() {
+            live().remove(&(region.base() as usize));
+        }
         if !self.poolable.load(Ordering::Acquire) || region.pid() != std::process::id() {
             return;
         }
@@ -129,6 +202,16 @@ impl SharedMemory {
                 PyOSError::new_err(format!("cannot make {nbytes} bytes of shared memory: {e}"))
             })?,
         };
+        live().insert(
+            region.base() as usize,
+            OwnRegion {
+                base: region.base() as usize,
+                len: region.len(),
+                pid: region.pid(),
+                fd: region.fd(),
+                ino: region.ino(),
+            },
+        );
         Ok(SharedMemory {
             region: Some(region),
             poolable: AtomicBool::new(true),

@@ -21,6 +21,9 @@ use crate::results::{PyOpInfo, PySyncInfo, PyWorldUpdate};
 pub(crate) enum Done {
     World(eccl::WorldUpdate),
     Pending(bool),
+    /// A yes-or-no result (the shared-memory collectives: whether they read the other
+    /// ranks' memory directly).
+    Flag(bool),
     Op(eccl::OpInfo),
     Sync(eccl::SyncInfo),
     Topology(eccl::TopologyUpdate),
@@ -277,7 +280,7 @@ impl Work {
 fn outcome_to_py(py: Python<'_>, o: Outcome) -> PyResult<Py<PyAny>> {
     match o.map_err(|e| to_py(&e))? {
         Done::World(w) => PyWorldUpdate(w).into_py_any(py),
-        Done::Pending(p) => p.into_py_any(py),
+        Done::Pending(p) | Done::Flag(p) => p.into_py_any(py),
         Done::Op(o) => PyOpInfo(o).into_py_any(py),
         Done::Sync(s) => PySyncInfo(s).into_py_any(py),
         Done::Topology(t) => {

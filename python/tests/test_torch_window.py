@@ -125,6 +125,32 @@ def test_a_dead_or_hung_peer_fails_window_waits_with_a_typed_error(how, links):
                 p.wait()
 
 
+@pytest.mark.parametrize("n,links", [(2, False), (3, False), (3, True)],
+                         ids=["2", "3", "3-over-links"])
+def test_all_gather_and_reduce_scatter_read_shared_tensors_directly(n, links):
+    """all_gather and reduce_scatter on tensors from allocate_tensor: every rank reads
+    the others' memory (wait() says so), in place too, through the communicator and
+    through torch; plain tensors and a mix of both go over the links, with the same
+    results; sizes that disagree are a MismatchError on every rank. Ranks on other hosts
+    (ECCL_HOST_ID apart) take the links whatever their tensors."""
+    specs = world_specs(n, [], Path(__file__).resolve().parent / "shared_script.py")
+    if links:
+        for r, (_, env) in enumerate(specs):
+            env.update(ECCL_HOST_ID=f"shared-host-{r}")
+    res = run_processes(specs)
+    for out in res:
+        direct = not links
+        assert out["shared"] == [direct, True], out
+        assert out["shared_in_place"] == [direct, True], out
+        assert out["plain"] == [False, True], out
+        assert out["mixed"] == [False, True], out
+        for op in ("sum", "max", "avg"):
+            assert out[f"rs_{op}"] == [direct, True], (op, out)
+        assert out["rs_plain"] == [False, True], out
+        assert out["mismatch"] == "MismatchError", out
+        assert out["torch_all_gather"] is True and out["torch_reduce_scatter"] is True, out
+
+
 def test_allocate_tensor_places_tensors_in_shared_memory_only_on_the_cpu():
     t = eccl.torch_window.allocate(10, torch.bfloat16)
     assert t.shape == (10,) and t.dtype == torch.bfloat16

@@ -24,6 +24,10 @@ pub struct Region {
     fd: OwnedFd,
     /// The process whose descriptor names the region (this one for an own region).
     pid: u32,
+    /// The file's inode: two live regions never share one, so a peer that opens
+    /// `/proc/<pid>/fd/<fd>` can tell whether it found the region it was told of (a
+    /// descriptor closed and reused meanwhile names another).
+    ino: u64,
 }
 
 // SAFETY: the mapping is plain shared memory that lives as long as the `Region`; what is
@@ -62,12 +66,14 @@ impl Region {
         let file_len = len.max(1).div_ceil(4096) * 4096;
         nix::unistd::ftruncate(&fd, file_len as libc::off_t)?;
         crate::seal(&fd)?;
+        let ino = nix::sys::stat::fstat(fd.as_raw_fd())?.st_ino;
         let base = map(&fd, file_len)?;
         Ok(Region {
             base,
             len: file_len,
             fd,
             pid: std::process::id(),
+            ino,
         })
     }
 
@@ -100,7 +106,26 @@ impl Region {
             len,
             fd: file,
             pid,
+            ino: st.st_ino,
         })
+    }
+
+    /// [`Region::open`], refusing a file other than the one whose inode is `ino`.
+    pub fn open_checked(pid: u32, fd: i32, len: usize, ino: u64) -> Result<Region, String> {
+        let r = Region::open(pid, fd, len)?;
+        if r.ino != ino {
+            return Err(format!(
+                "/proc/{pid}/fd/{fd} is no longer the region it was (inode {} where {ino} \
+                 was announced)",
+                r.ino
+            ));
+        }
+        Ok(r)
+    }
+
+    /// The file's inode (see the field).
+    pub fn ino(&self) -> u64 {
+        self.ino
     }
 
     /// The mapping's first byte in this process.
@@ -169,6 +194,12 @@ mod tests {
         unsafe { *own.base().add(5000) = 42 };
         assert_eq!(unsafe { *peer.base().add(5000) }, 42);
         own.counter(64).unwrap().store(7, Ordering::Release);
+        assert_eq!(peer.ino(), own.ino());
+        assert!(Region::open_checked(own.pid(), own.fd(), 4096, own.ino()).is_ok());
+        let e = Region::open_checked(own.pid(), own.fd(), 4096, own.ino() + 1)
+            .err()
+            .unwrap();
+        assert!(e.contains("no longer the region"), "{e}");
         assert_eq!(peer.counter(64).unwrap().load(Ordering::Acquire), 7);
         assert!(own.counter(3).is_none(), "unaligned");
         assert!(own.counter(12_288 - 4).is_none(), "past the end");
