@@ -62,12 +62,39 @@ _OPS = [(getattr(dist.ReduceOp, torch_name), op)
 SHARED_FROM = 1 << 20
 
 
+_PREMUL_SUM = getattr(dist.ReduceOp, "PREMUL_SUM", None)
+
+
 def _op_name(opts: Any) -> "eccl.ReduceOp":
     op = getattr(opts, "reduceOp", opts)
     for k, v in _OPS:
         if op == k:
             return v
     raise eccl.InvalidArgumentError(f"reduce op {op} is not supported by eccl")
+
+
+def _op_and_factor(opts: Any) -> "tuple[eccl.ReduceOp, Any]":
+    """The eccl op of a call's options, and the factor of torch's PREMUL_SUM (NCCL's
+    `ncclRedOpCreatePreMulSum`: every rank's input times the factor, then a sum; what
+    FSDP2 asks for with a gradient divide factor), else None. The caller multiplies."""
+    if opts is None:
+        return eccl.ReduceOp.SUM, None
+    op = getattr(opts, "reduceOp", opts)
+    if _PREMUL_SUM is not None and op == _PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise eccl.InvalidArgumentError("a PREMUL_SUM without its factor")
+        return eccl.ReduceOp.SUM, factor
+    return _op_name(opts), None
+
+
+def _premultiplied(t: torch.Tensor, factor: Any, in_place: bool) -> torch.Tensor:
+    """`t` times `factor` (a number or a one-element tensor): in `t` itself for torch's
+    in-place calls (whose tensors are undefined after a failure anyway), else a copy."""
+    if factor is None:
+        return t
+    f = factor.to(device=t.device) if isinstance(factor, torch.Tensor) else factor
+    return t.mul_(f) if in_place else t * f
 
 
 def _own_slot(whole: "torch.Tensor", part: "torch.Tensor", rank: int) -> bool:
@@ -187,21 +214,25 @@ class ProcessGroupEccl(FaultTolerance, _Base):
     # NCCL's and gloo's do; DDP drops a failed step's gradients): eccl works in the
     # tensor itself where the schedule allows, with no copy of it (`keep_on_abort`).
     def allreduce(self, tensors, opts=None):
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
-        ws = [self.comm.all_reduce(_cpu(t), op, async_op=True, keep_on_abort=False)
+        op, factor = _op_and_factor(opts)
+        ws = [self.comm.all_reduce(_premultiplied(_cpu(t), factor, True), op, async_op=True,
+                                   keep_on_abort=False)
               for t in tensors]
         return self._calls.submit(ws, tensors)
 
     def _all_reduce_cuda(self, tensors, opts=None):
         """all_reduce of CUDA tensors whose ranks all run on this host: over CUDA IPC,
         GPU to GPU (`eccl.torch_cuda`)."""
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+        op, factor = _op_and_factor(opts)
+        # The multiplication runs on the tensors' stream, which the call waits for.
+        tensors = [_premultiplied(t, factor, True) for t in tensors]
         return self._calls.submit(all_reduce_ipc(self.comm, tensors, op), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         # One collective over the list (eccl packs it into one buffer), as gloo does.
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
-        w = self.comm.all_reduce_coalesced([_cpu(t) for t in tensors], op, async_op=True)
+        op, factor = _op_and_factor(opts)
+        w = self.comm.all_reduce_coalesced(
+            [_premultiplied(_cpu(t), factor, True) for t in tensors], op, async_op=True)
         return self._calls.submit([w], tensors)
 
     def broadcast(self, tensors, opts):
@@ -210,8 +241,9 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit(ws, tensors)
 
     def reduce(self, tensors, opts):
-        ws = [self.comm.reduce(_cpu(t), opts.rootRank, _op_name(opts), async_op=True,
-                               keep_on_abort=False)
+        op, factor = _op_and_factor(opts)
+        ws = [self.comm.reduce(_premultiplied(_cpu(t), factor, True), opts.rootRank, op,
+                               async_op=True, keep_on_abort=False)
               for t in tensors]
         return self._calls.submit(ws, tensors)
 
@@ -252,10 +284,10 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit(ws, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+        op, factor = _op_and_factor(opts)
         works = []
         for out, ins in zip(output_tensors, input_tensors):
-            flat = torch.stack([_cpu(i) for i in ins]).contiguous()
+            flat = _premultiplied(torch.stack([_cpu(i) for i in ins]).contiguous(), factor, True)
             works.append(self.comm.reduce_scatter(_cpu(out), flat, op, async_op=True))
         return self._calls.submit(works, output_tensors)
 
@@ -263,10 +295,10 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+        op, factor = _op_and_factor(opts)
         ws, results = [], []
         for o, i in zip(outputs, inputs):
-            i = _cpu(i).contiguous()
+            i = _premultiplied(_cpu(i).contiguous(), factor, False)
             # NCCL's in-place form: the output is the input's slice at this rank's
             # offset. The result goes to a buffer of its own and into the output once the
             # call has succeeded (a failed call leaves both as they were); any other

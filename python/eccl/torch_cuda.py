@@ -244,9 +244,11 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
             return None
     op = None
     if not gather:
-        from eccl.torch import _op_name
+        from eccl.torch import _op_and_factor
         opts = args[2] if len(args) > 2 else None
-        op = _op_name(opts) if opts is not None else eccl.ReduceOp.SUM
+        op, factor = _op_and_factor(opts)
+        if factor is not None:
+            return None   # PREMUL_SUM: the host path multiplies a copy of the input
     works = after_streams(comm, outs + ins)
     for o, i in zip(outs, ins):
         dev = o.device.index or 0

@@ -8,6 +8,11 @@
                                     HSDP): four ranks, two replicas of two shards
     fsdp_script.py BACKEND inplace  NCCL's in-place forms of all_gather_into_tensor and
                                     reduce_scatter_tensor, and an overlap they do not allow
+    fsdp_script.py BACKEND divide   the 1-D training with a gradient divide factor of 3
+                                    (FSDP2 then reduce-scatters with PREMUL_SUM(1/3); gloo,
+                                    which has no PREMUL_SUM, with its sum-and-scale
+                                    fallback); with eccl first PREMUL_SUM collectives on
+                                    exact values
 
 `ECCL_TEST_DEVICE=cuda` puts the model, the data and every buffer on the GPU (two
 processes share one when there is one). Results are printed as JSON after "RESULT ".
@@ -57,6 +62,15 @@ def main():
     if sys.argv[2:] == ["inplace"]:
         return in_place()
     rank, n = dist.get_rank(), dist.get_world_size()
+    extra = {}
+    if sys.argv[2:] == ["divide"] and sys.argv[1] == "eccl":
+        premul = dist._make_nccl_premul_sum(0.5)
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, op=premul)
+        inp = torch.arange(2.0 * n) * (rank + 1)
+        out = torch.empty(2)
+        dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(0.25))
+        extra = {"premul_all_reduce": t.tolist(), "premul_reduce_scatter": out.tolist()}
     if sys.argv[2:] == ["hsdp"]:
         mesh = init_device_mesh(dev, (2, n // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -72,6 +86,12 @@ def main():
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if sys.argv[2:] == ["divide"]:
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(3.0)
+                if sys.argv[1] == "gloo":
+                    m.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
@@ -81,7 +101,7 @@ def main():
         opt.step()
         opt.zero_grad()
     params = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
-    print("RESULT " + json.dumps({"params": params, "loss": loss.item()}), flush=True)
+    print("RESULT " + json.dumps({"params": params, "loss": loss.item(), **extra}), flush=True)
     dist.destroy_process_group()
 
 

@@ -452,6 +452,27 @@ def test_fsdp2_trains_as_with_gloo():
         assert ours[r]["loss"] == gloo[r]["loss"], f"rank {r}"
 
 
+def test_premul_sum_and_fsdp2_with_a_gradient_divide_factor():
+    """torch's PREMUL_SUM (NCCL's pre-multiplied sum, what FSDP2 reduce-scatters with
+    once a gradient divide factor is set): all_reduce and reduce_scatter_tensor give the
+    exact sums of the scaled inputs; FSDP2 with a divide factor of 3 trains to gloo's
+    parameters (gloo has no PREMUL_SUM, so it sums and scales, which rounds differently:
+    close, not bit for bit)."""
+    script = HERE / "fsdp_script.py"
+    n = 2
+    gloo = run_world(n, ["gloo", "divide"], script)
+    ours = run_world(n, ["eccl", "divide"], script)
+    torch = pytest.importorskip("torch")
+    for r in range(n):
+        assert ours[r]["premul_all_reduce"] == [0.5 * sum(range(1, n + 1))] * 4
+        whole = [float(k) * 0.25 * sum(range(1, n + 1)) for k in range(2 * n)]
+        assert ours[r]["premul_reduce_scatter"] == whole[2 * r:2 * r + 2]
+        for k, v in gloo[r]["params"].items():
+            assert torch.allclose(torch.tensor(ours[r]["params"][k]), torch.tensor(v),
+                                  rtol=1e-5, atol=1e-6), (r, k)
+        assert abs(ours[r]["loss"] - gloo[r]["loss"]) < 1e-5
+
+
 def test_in_place_all_gather_and_reduce_scatter_follow_nccl():
     """all_gather_into_tensor with the input as the output's slice at the rank's offset,
     and reduce_scatter_tensor with the output as the input's slice, give the
