@@ -94,7 +94,14 @@ def _premultiplied(t: torch.Tensor, factor: Any, in_place: bool) -> torch.Tensor
     if factor is None:
         return t
     f = factor.to(device=t.device) if isinstance(factor, torch.Tensor) else factor
-    return t.mul_(f) if in_place else t * f
+    if in_place:
+        return t.mul_(f)
+    # A copy in shared memory where the input was there, so that a reduce-scatter of
+    # FSDP2's buffers still reads the ranks' memory directly.
+    shared = t.is_cpu and torch_window.region_of(t) is not None
+    out = (torch_window.allocate(t.numel(), t.dtype).view(t.shape) if shared
+           else torch.empty_like(t))
+    return torch.mul(t, f, out=out)
 
 
 def _own_slot(whole: "torch.Tensor", part: "torch.Tensor", rank: int) -> bool:

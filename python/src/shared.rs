@@ -83,19 +83,26 @@ fn live() -> MutexGuard<'static, BTreeMap<usize, OwnRegion>> {
         .unwrap_or_else(|p| p.into_inner())
 }
 
-/// The live region of this process holding `len` bytes at `addr`, and their offset in it.
+/// The live region of this process holding `len` bytes at `addr`, and their offset in it
+/// (never one a forked child inherited: its descriptor names the parent's file).
 pub(crate) fn find_own(addr: usize, len: usize) -> Option<(OwnRegion, usize)> {
     let live = live();
     let (_, r) = live.range(..=addr).next_back()?;
     let end = addr.checked_add(len)?;
-    (end <= r.base + r.len).then_some((*r, addr - r.base))
+    (end <= r.base + r.len && r.pid == std::process::id()).then_some((*r, addr - r.base))
 }
 
-/// Other processes' regions this process mapped for the collectives, by (pid, inode),
-/// the oldest first out beyond [`PEER_MAPPINGS`] (each holds the peer's pages).
+/// Other processes' regions this process mapped for the collectives, by (pid, fd): a
+/// descriptor announced with another inode than the mapping's names a new file (the
+/// owner closed the old one), and replaces it. Each mapping holds the peer's pages, so
+/// the least recently used go first beyond [`PEER_MAPPINGS`] or the pool's byte cap.
 struct PeerMaps {
-    by_key: HashMap<(u32, u64), Arc<eccl_shm::Region>>,
-    order: VecDeque<(u32, u64)>,
+    by_key: HashMap<(u32, i32), Arc<eccl_shm::Region>>,
+    /// Least recently used first.
+    order: VecDeque<(u32, i32)>,
+    bytes: usize,
+    /// (pid, inode) of regions that could not be mapped: not tried again.
+    failed: std::collections::HashSet<(u32, u64)>,
 }
 
 const PEER_MAPPINGS: usize = 64;
@@ -113,23 +120,54 @@ pub(crate) fn peer_region(
         Mutex::new(PeerMaps {
             by_key: HashMap::new(),
             order: VecDeque::new(),
+            bytes: 0,
+            failed: std::collections::HashSet::new(),
         })
     });
-    let key = (pid, ino);
+    let key = (pid, fd);
     {
-        let m = maps.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = m.by_key.get(&key).filter(|r| r.len() >= len) {
-            return Ok(r.clone());
+        let mut m = maps.lock().unwrap_or_else(|p| p.into_inner());
+        if m.failed.contains(&(pid, ino)) {
+            return Err(format!(
+                "process {pid}'s region {ino} could not be mapped before"
+            ));
+        }
+        if let Some(r) = m
+            .by_key
+            .get(&key)
+            .filter(|r| r.ino() == ino && r.len() >= len)
+        {
+            let r = r.clone();
+            m.order.retain(|k| *k != key);
+            m.order.push_back(key);
+            return Ok(r);
         }
     }
-    let region = Arc::new(eccl_shm::Region::open_checked(pid, fd, len, ino)?);
+    let region = match eccl_shm::Region::open_checked(pid, fd, len, ino) {
+        Ok(r) => Arc::new(r),
+        Err(e) => {
+            tracing::info!(target: "eccl::coll", "shared collectives: {e}; calls with this buffer go over the links");
+            let mut m = maps.lock().unwrap_or_else(|p| p.into_inner());
+            if m.failed.len() < 4096 {
+                m.failed.insert((pid, ino));
+            }
+            return Err(e);
+        }
+    };
     let mut m = maps.lock().unwrap_or_else(|p| p.into_inner());
-    if m.by_key.insert(key, region.clone()).is_none() {
-        m.order.push_back(key);
+    if let Some(old) = m.by_key.insert(key, region.clone()) {
+        m.bytes -= old.len();
+        m.order.retain(|k| *k != key);
     }
-    while m.order.len() > PEER_MAPPINGS {
-        if let Some(old) = m.order.pop_front() {
-            m.by_key.remove(&old);
+    m.bytes += region.len();
+    m.order.push_back(key);
+    let cap = pool_cap().max(region.len());
+    while m.order.len() > PEER_MAPPINGS || m.bytes > cap {
+        let Some(old) = m.order.pop_front() else {
+            break;
+        };
+        if let Some(r) = m.by_key.remove(&old) {
+            m.bytes -= r.len();
         }
     }
     Ok(region)
@@ -140,8 +178,12 @@ impl Drop for SharedMemory {
         let Some(region) = self.region.take() else {
             return;
         };
-        if region.pid() == std::process::id() {
-            live().remove(&(region.base() as usize));
+        {
+            let mut live = live();
+            let base = region.base() as usize;
+            if live.get(&base).is_some_and(|r| r.ino == region.ino()) {
+                live.remove(&base);
+            }
         }
         if !self.poolable.load(Ordering::Acquire) || region.pid() != std::process::id() {
             return;

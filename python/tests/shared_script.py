@@ -55,13 +55,43 @@ def main():
     out["rs_plain"] = [bool(direct),
                        bool(torch.equal(res, whole[r * m:(r + 1) * m] * sum(range(1, n + 1))))]
 
-    # Sizes that disagree: a MismatchError on every rank, and the group goes on.
-    try:
-        comm.all_gather_shared(shared(n * (m + r)), None)
-        out["mismatch"] = None
-    except eccl.EcclError as e:
-        out["mismatch"] = type(e).__name__
-        comm.update_topology()
+    # Calls that are wrong: the same error on every rank (no rank left waiting), and the
+    # group goes on after update_topology().
+    def wrong(name, call):
+        try:
+            call()
+            out[name] = None
+        except eccl.EcclError as e:
+            out[name] = type(e).__name__
+            comm.update_topology()
+    wrong("mismatch", lambda: comm.all_gather_shared(shared(n * (m + r)), None))
+    wrong("op_mismatch", lambda: comm.reduce_scatter_shared(
+        shared(m), shared(n * m), "sum" if r == 0 else "max"))
+    wrong("bad_on_one_rank", lambda: comm.all_gather_shared(
+        shared(n * m + (1 if r == 0 else 0)), None))
+    wrong("avg_of_ints", lambda: comm.reduce_scatter_shared(
+        shared(m, torch.int32), shared(n * m, torch.int32), "avg"))
+    wrong("kind_mismatch", lambda: (comm.all_gather_shared(shared(n * m), shared(m))
+                                    if r == 0 else
+                                    comm.reduce_scatter_shared(shared(m), shared(n * m))))
+
+    # The torch backend's calls take the shared way: what the communicator's calls said,
+    # seen through a stand-in that keeps their Works.
+    class Seen:
+        def __init__(self, inner):
+            self.inner, self.works = inner, []
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if name.endswith("_shared"):
+                def call(*a, **k):
+                    w = attr(*a, **k)
+                    self.works.append(w)
+                    return w
+                return call
+            return attr
+    seen = Seen(comm)
+    backend.comm = seen
 
     # Through torch: FSDP2's calls on its buffers (in place), and reduce_scatter_tensor.
     o = shared(n * m)
@@ -74,6 +104,12 @@ def main():
     dist.reduce_scatter_tensor(res, inp)
     out["torch_reduce_scatter"] = bool(
         torch.equal(res, whole[r * m:(r + 1) * m] * sum(range(1, n + 1))))
+    # PREMUL_SUM (FSDP2's with a divide factor) on a shared input stays shared.
+    dist.reduce_scatter_tensor(res, inp, op=dist._make_nccl_premul_sum(0.5))
+    out["torch_premul"] = bool(
+        torch.equal(res, whole[r * m:(r + 1) * m] * 0.5 * sum(range(1, n + 1))))
+    out["torch_direct"] = [bool(w.wait()) for w in seen.works]
+    backend.comm = comm
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 

@@ -148,7 +148,16 @@ def test_all_gather_and_reduce_scatter_read_shared_tensors_directly(n, links):
             assert out[f"rs_{op}"] == [direct, True], (op, out)
         assert out["rs_plain"] == [False, True], out
         assert out["mismatch"] == "MismatchError", out
+        assert out["op_mismatch"] == "MismatchError", out
+        # Over the links the ordinary collective's checks answer (the ranks' calls
+        # differ: a mismatch where the other ranks see it).
+        assert out["bad_on_one_rank"] in (
+            ("InvalidArgumentError", "MismatchError") if links else ("InvalidArgumentError",)), out
+        assert out["avg_of_ints"] == "InvalidArgumentError", out
+        assert out["kind_mismatch"] == "MismatchError", out
         assert out["torch_all_gather"] is True and out["torch_reduce_scatter"] is True, out
+        assert out["torch_premul"] is True, out
+        assert out["torch_direct"] == [direct] * 3, out
 
 
 def test_allocate_tensor_places_tensors_in_shared_memory_only_on_the_cpu():
