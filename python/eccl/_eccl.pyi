@@ -536,6 +536,7 @@ class SharedMemory:
     def wait_at_least(self, offset: int, value: int, timeout_s: float) -> int:
         """Waits (GIL released) until the counter at `offset` is at least `value` or the time is up; returns it."""
 
+@final
 class StoreClient:
     """A session in the master's key-value store, with blocking methods (the GIL released while they wait); keys and
     values are `bytes`.
