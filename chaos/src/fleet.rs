@@ -123,6 +123,7 @@ impl Fleet {
             lease_ms,
             heartbeat_ms,
             spec.verbose,
+            &[],
             tx.clone(),
         )?;
         let fleet = Fleet {

@@ -57,6 +57,10 @@ pub struct LoadArgs {
     /// Let the masters log to stderr (ECCL_DEBUG sets the level).
     #[arg(long)]
     verbose: bool,
+    /// CPUs the masters run on, comma-separated (their threads pinned there; run the
+    /// load generator on the others, e.g. under taskset); default: anywhere.
+    #[arg(long, value_delimiter = ',')]
+    master_cpus: Vec<usize>,
 }
 
 /// One step's figures.
@@ -106,6 +110,7 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         args.lease_ms,
         args.heartbeat_ms,
         args.verbose,
+        &args.master_cpus,
         tx,
     )?;
     let list = masters.list();
@@ -115,8 +120,16 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         .build()?;
     let secret = Secret::new(secret.into_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
     println!(
-        "# eccl-chaos load: {} master(s) at {list}, lease {} ms, heartbeat {} ms, worlds of {}",
-        args.masters, args.lease_ms, args.heartbeat_ms, args.world
+        "# eccl-chaos load: {} master(s) at {list}, lease {} ms, heartbeat {} ms, worlds of {}{}",
+        args.masters,
+        args.lease_ms,
+        args.heartbeat_ms,
+        args.world,
+        if args.master_cpus.is_empty() {
+            String::new()
+        } else {
+            format!(", masters on CPUs {:?}", args.master_cpus)
+        }
     );
     println!(
         "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>5}",

@@ -43,10 +43,36 @@ pub struct MasterArgs {
     masters: Option<String>,
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// CPUs this master's threads run on (comma-separated); default: anywhere.
+    #[arg(long, value_delimiter = ',')]
+    cpus: Vec<usize>,
+}
+
+/// Pins this thread, and every thread it starts afterwards, to `cpus`.
+fn pin(cpus: &[usize]) -> anyhow::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it for an
+    // index below CPU_SETSIZE (checked first); sched_setaffinity only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            anyhow::ensure!(c < libc::CPU_SETSIZE as usize, "no CPU {c}");
+            libc::CPU_SET(c, &mut set);
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            anyhow::bail!(
+                "cannot pin the master to CPUs {cpus:?}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    Ok(())
 }
 
 pub fn main(args: MasterArgs) -> anyhow::Result<()> {
     eccl::logging::init();
+    if !args.cpus.is_empty() {
+        pin(&args.cpus)?;
+    }
     let secret = eccl::config::secret_from_env()?
         .context("no job secret: the orchestrator passes one in ECCL_SECRET")?;
     let mut opts = MasterOptions::new(args.listen, secret);

@@ -32,6 +32,9 @@ pub struct MasterSet {
     lease_ms: u64,
     heartbeat_ms: u64,
     verbose: bool,
+    /// CPUs the masters' threads are pinned to (`eccl-chaos load --master-cpus`); empty:
+    /// wherever the scheduler puts them.
+    cpus: Vec<usize>,
     tx: Sender<Msg>,
     procs: Vec<MasterProc>,
 }
@@ -51,6 +54,7 @@ impl MasterSet {
         lease_ms: u64,
         heartbeat_ms: u64,
         verbose: bool,
+        cpus: &[usize],
         tx: Sender<Msg>,
     ) -> anyhow::Result<MasterSet> {
         let dir = std::env::temp_dir().join(format!("eccl-chaos-masters-{}", std::process::id()));
@@ -66,6 +70,7 @@ impl MasterSet {
             lease_ms,
             heartbeat_ms,
             verbose,
+            cpus: cpus.to_vec(),
             tx,
             procs: Vec::new(),
         };
@@ -128,6 +133,10 @@ impl MasterSet {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(child_stderr(self.verbose));
+        if !self.cpus.is_empty() {
+            let list: Vec<String> = self.cpus.iter().map(|c| c.to_string()).collect();
+            cmd.args(["--cpus", &list.join(",")]);
+        }
         if let Some(spec) = &self.spec {
             cmd.args(["--masters", spec])
                 .arg("--data-dir")
