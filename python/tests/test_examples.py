@@ -35,7 +35,8 @@ COVERED = {
 }
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "netlab.sh", "compare_transports.py", "kill_latency.py",
             "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py",
-            "catch_up.py", "compare_fsdp.py", "heal_cost.py"}
+            "catch_up.py", "compare_fsdp.py", "heal_cost.py", "shared_collectives.py",
+            "contract_times.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -122,10 +123,25 @@ def test_heal_cost():
 
 def test_compare_fsdp():
     out = run([sys.executable, str(EXAMPLES / "compare_fsdp.py"), "--nproc", "2", "--width", "64",
-               "--layers", "2", "--steps", "2", "--rounds", "1"], timeout=180)
+               "--layers", "2", "--steps", "2", "--rounds", "1", "--alloc"], timeout=180)
     assert re.search(r"^eccl\s+[\d.]+$", out, re.M) and re.search(r"^gloo\s+[\d.]+$", out, re.M), out
+    # FSDP2's buffers from allocate_tensor (the example fails if FSDP2 never asked).
+    assert re.search(r"^eccl-alloc\s+[\d.]+$", out, re.M), out
     # FSDP2 over eccl ends with gloo's loss, bit for bit.
     assert re.search(r"^# last loss: .*\(equal\)$", out, re.M), out
+
+
+def test_shared_collectives():
+    out = run([sys.executable, str(EXAMPLES / "shared_collectives.py"), "--ranks", "2",
+               "--sizes", "2M", "--iters", "2"], timeout=120)
+    assert re.search(r"^\s+2 MiB\s+all_gather plain\s+[\d.]+ ms shared\s+[\d.]+ ms", out, re.M), out
+
+
+def test_contract_times():
+    out = run([sys.executable, str(EXAMPLES / "contract_times.py"), "--rounds", "1",
+               "--scenarios", "basic"], timeout=120)
+    # Both backends ran the scenario (a failure prints "failed" instead of times).
+    assert re.search(r"^basic\s+[\d.]+-\s*[\d.]+\s+[\d.]+-\s*[\d.]+\s+[\d.]+", out, re.M), out
 
 
 def test_store_bench():
