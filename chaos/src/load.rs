@@ -97,6 +97,16 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         counts.first().is_some_and(|&n| n > 0),
         "--peers needs counts above 0"
     );
+    // Checked here too: a master that cannot pin itself says so on a stderr that is
+    // only shown with --verbose.
+    // SAFETY: sysconf only reads its argument.
+    let configured = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
+    if let Some(c) = args.master_cpus.iter().find(|&&c| c >= configured) {
+        anyhow::bail!(
+            "--master-cpus: this host has CPUs 0 to {}, not {c}",
+            configured - 1
+        );
+    }
     let exe = std::env::current_exe().context("cannot find this executable")?;
     let secret = eccl_master::secret::generate();
     let (tx, rx) = mpsc::channel();

@@ -50,8 +50,9 @@ pub struct MasterArgs {
 
 /// Pins this thread, and every thread it starts afterwards, to `cpus`.
 fn pin(cpus: &[usize]) -> anyhow::Result<()> {
-    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it for an
-    // index below CPU_SETSIZE (checked first); sched_setaffinity only reads it.
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes inside it and
+    // CPU_ISSET reads inside it for an index below CPU_SETSIZE (checked first);
+    // sched_setaffinity only reads the set, sched_getaffinity writes one of that size.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         for &c in cpus {
@@ -63,6 +64,14 @@ fn pin(cpus: &[usize]) -> anyhow::Result<()> {
                 "cannot pin the master to CPUs {cpus:?}: {}",
                 std::io::Error::last_os_error()
             );
+        }
+        // The kernel keeps only the CPUs this process may use and that are online:
+        // refuse rather than run on fewer than asked.
+        let mut got: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut got) == 0 {
+            if let Some(c) = cpus.iter().find(|&&c| !libc::CPU_ISSET(c, &got)) {
+                anyhow::bail!("CPU {c} is not one this master may run on");
+            }
         }
     }
     Ok(())

@@ -93,7 +93,12 @@ def _premultiplied(t: torch.Tensor, factor: Any, in_place: bool) -> torch.Tensor
     in-place calls (whose tensors are undefined after a failure anyway), else a copy."""
     if factor is None:
         return t
-    f = factor.to(device=t.device) if isinstance(factor, torch.Tensor) else factor
+    if not (t.is_floating_point() or t.is_complex()):
+        raise eccl.InvalidArgumentError(
+            f"PREMUL_SUM scales its inputs: a {t.dtype} tensor cannot be (as NCCL's, it "
+            f"takes floating types)")
+    f = (factor.to(device=t.device).reshape(()) if isinstance(factor, torch.Tensor)
+         else factor)
     if in_place:
         return t.mul_(f)
     # A copy in shared memory where the input was there, so that a reduce-scatter of
@@ -249,7 +254,10 @@ class ProcessGroupEccl(FaultTolerance, _Base):
 
     def reduce(self, tensors, opts):
         op, factor = _op_and_factor(opts)
-        ws = [self.comm.reduce(_premultiplied(_cpu(t), factor, True), opts.rootRank, op,
+        # PREMUL_SUM: the root's tensor is the result, scaled in place; every other
+        # rank's stays as it was (as NCCL leaves it), so theirs is scaled in a copy.
+        root = self.rank() == opts.rootRank
+        ws = [self.comm.reduce(_premultiplied(_cpu(t), factor, root), opts.rootRank, op,
                                async_op=True, keep_on_abort=False)
               for t in tensors]
         return self._calls.submit(ws, tensors)
@@ -305,12 +313,13 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         op, factor = _op_and_factor(opts)
         ws, results = [], []
         for o, i in zip(outputs, inputs):
-            i = _premultiplied(_cpu(i).contiguous(), factor, False)
+            i = _cpu(i).contiguous()
             # NCCL's in-place form: the output is the input's slice at this rank's
             # offset. The result goes to a buffer of its own and into the output once the
             # call has succeeded (a failed call leaves both as they were); any other
             # overlap is refused.
             target = torch.empty_like(o) if _own_slot(i, o, self.rank()) else o
+            i = _premultiplied(i, factor, False)
             if i.numel() * i.element_size() >= SHARED_FROM and target.is_contiguous():
                 # Read straight from every rank's input where all lie in eccl's shared
                 # memory (see allgather_into_tensor_coalesced).

@@ -360,6 +360,19 @@ def _rooted_ipc(backend: Any, name: str, outputs: Any, inputs: Any, opts: Any) -
     return works, outputs, copy_out
 
 
+def _premultiplies(name: str, args: Any, kwargs: Any) -> bool:
+    """Whether a reducing call's options are torch's PREMUL_SUM: the backend scales the
+    host copies on the caller's thread, so they must be complete before it runs (not
+    merely awaited by the communicator's task)."""
+    if "reduce" not in name:
+        return False
+    from eccl.torch import _op_and_factor
+    for opts in (*args, *kwargs.values()):
+        if hasattr(opts, "reduceOp"):
+            return _op_and_factor(opts)[1] is not None
+    return False
+
+
 def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a backend call) taking CUDA tensors through host copies."""
     @functools.wraps(fn)
@@ -392,7 +405,7 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         host_args = tuple(_to_host(a, moved) for a in args)
         # The copies to host run on the current stream, after its work on the tensors:
         # the call starts once they are done.
-        if name in HANDS_OVER:
+        if name in HANDS_OVER and not _premultiplies(name, args, kwargs):
             STAGING.waits = after_streams(self.comm, [d for d, _ in moved])
         else:
             for dev in {d.device for d, _ in moved}:

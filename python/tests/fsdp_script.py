@@ -68,9 +68,19 @@ def main():
         t = torch.full((4,), float(rank + 1))
         dist.all_reduce(t, op=premul)
         inp = torch.arange(2.0 * n) * (rank + 1)
+        kept = inp.clone()
         out = torch.empty(2)
         dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(0.25))
-        extra = {"premul_all_reduce": t.tolist(), "premul_reduce_scatter": out.tolist()}
+        r = torch.full((3,), float(rank + 1))
+        dist.reduce(r, dst=0, op=dist._make_nccl_premul_sum(torch.tensor([2.0])))
+        extra = {"premul_all_reduce": t.tolist(), "premul_reduce_scatter": out.tolist(),
+                 "premul_input_kept": bool(torch.equal(inp, kept)),
+                 "premul_reduce": r.tolist()}
+        try:
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=premul)
+            extra["premul_int"] = None
+        except Exception as e:  # noqa: BLE001 - the type is what is checked
+            extra["premul_int"] = type(e).__name__
     if sys.argv[2:] == ["hsdp"]:
         mesh = init_device_mesh(dev, (2, n // 2), mesh_dim_names=("replicate", "shard"))
     else:

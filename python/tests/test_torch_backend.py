@@ -467,6 +467,11 @@ def test_premul_sum_and_fsdp2_with_a_gradient_divide_factor():
         assert ours[r]["premul_all_reduce"] == [0.5 * sum(range(1, n + 1))] * 4
         whole = [float(k) * 0.25 * sum(range(1, n + 1)) for k in range(2 * n)]
         assert ours[r]["premul_reduce_scatter"] == whole[2 * r:2 * r + 2]
+        assert ours[r]["premul_input_kept"] is True
+        # reduce: the root has the scaled sum, every other rank its tensor as it was.
+        want = [2.0 * sum(range(1, n + 1))] * 3 if r == 0 else [float(r + 1)] * 3
+        assert ours[r]["premul_reduce"] == want, (r, ours[r]["premul_reduce"])
+        assert ours[r]["premul_int"] == "InvalidArgumentError"
         for k, v in gloo[r]["params"].items():
             assert torch.allclose(torch.tensor(ours[r]["params"][k]), torch.tensor(v),
                                   rtol=1e-5, atol=1e-6), (r, k)
