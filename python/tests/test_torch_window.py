@@ -75,7 +75,11 @@ def test_put_signal_wait_and_remote_tensors_follow_torchs_window_contract(n, lin
         assert out["all_reduce_after"] == [float(n)] * 2
         assert out["pending_completed"] is False
         assert out["done_completed"] is True and out["future_done"] is True
-        assert out["wait_timeout"].startswith("EcclTimeoutError"), out["wait_timeout"]
+        # Over the links a timed-out wait ends the epoch: a rank whose own wait had not
+        # timed out yet learns it from the first that did.
+        got = out["wait_timeout"]
+        assert got.startswith("EcclTimeoutError") or (
+            links and got.startswith("AbortedError") and "timed out" in got), got
 
 
 def _fault_world(n, links):
