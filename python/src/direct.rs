@@ -191,6 +191,30 @@ fn rank(comm: &Communicator) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument("this peer has no rank in a world yet".into()))
 }
 
+/// The ordinary collective over the links (the way taken where some rank's buffer is
+/// not shared, or the world spans hosts); its own checks judge the sizes.
+async fn over_links(
+    comm: &mut Communicator,
+    kind: CollectiveKind,
+    dtype: DType,
+    op: ReduceOp,
+    input: &[u8],
+    output: &mut [u8],
+) -> Result<bool> {
+    let elem = dtype.size();
+    let args = eccl::CollArgs::for_buffers(
+        kind,
+        dtype,
+        op,
+        Rank(0),
+        Some(input.len() / elem),
+        Some(output.len() / elem),
+        comm.world_size(),
+    );
+    comm.collective(args, input, output).await?;
+    Ok(false)
+}
+
 /// Where rank r's bytes are: this rank's own source, or the mapped region at `offset`.
 fn peer_ptr(maps: &[(Option<Arc<eccl_shm::Region>>, usize)], r: usize) -> Option<*const u8> {
     let (m, offset) = &maps[r];
@@ -238,16 +262,6 @@ pub(crate) async fn all_gather(
         None
     };
     let Some(maps) = maps else {
-        let count = nb / elem;
-        let args = eccl::CollArgs::for_buffers(
-            CollectiveKind::AllGather,
-            dtype,
-            ReduceOp::Sum,
-            Rank(0),
-            Some(count),
-            Some(output.len() / elem),
-            world as u32,
-        );
         let own;
         let inp = match input {
             Some(i) => i,
@@ -258,8 +272,15 @@ pub(crate) async fn all_gather(
             // Wrong sizes across hosts: the collective's own checks fail every rank.
             None => &[],
         };
-        comm.collective(args, inp, output).await?;
-        return Ok(false);
+        return over_links(
+            comm,
+            CollectiveKind::AllGather,
+            dtype,
+            ReduceOp::Sum,
+            inp,
+            output,
+        )
+        .await;
     };
     // Copies of whole blocks can take a while: the runtime's other tasks (the lease's
     // heartbeat, other communicators' links) move to another thread meanwhile.
@@ -319,18 +340,15 @@ pub(crate) async fn reduce_scatter(
         None
     };
     let Some(maps) = maps else {
-        let count = nb / dtype.size();
-        let args = eccl::CollArgs::for_buffers(
+        return over_links(
+            comm,
             CollectiveKind::ReduceScatter,
             dtype,
             op,
-            Rank(0),
-            Some(input.len() / dtype.size()),
-            Some(count),
-            world as u32,
-        );
-        comm.collective(args, input, output).await?;
-        return Ok(false);
+            input,
+            output,
+        )
+        .await;
     };
     let block = |r: usize| -> &[u8] {
         match peer_ptr(&maps, r) {

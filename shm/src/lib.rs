@@ -76,6 +76,19 @@ pub fn seal(fd: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// A new memfd of `len` bytes (zeroed), sealed against resizing: what a link's segment
+/// and a [`Region`] are made of.
+pub fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> std::io::Result<OwnedFd> {
+    let fd = nix::sys::memfd::memfd_create(
+        name,
+        nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC
+            | nix::sys::memfd::MemFdCreateFlag::MFD_ALLOW_SEALING,
+    )?;
+    nix::unistd::ftruncate(&fd, len as libc::off_t)?;
+    seal(&fd)?;
+    Ok(fd)
+}
+
 /// Checks a segment received from a peer: sealed against resizing, and of the size
 /// `geo` needs.
 pub fn check(fd: &OwnedFd, geo: Geometry) -> Result<(), String> {

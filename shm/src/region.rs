@@ -13,7 +13,6 @@ use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
-use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
@@ -59,13 +58,8 @@ fn map(fd: &OwnedFd, len: usize) -> std::io::Result<NonNull<u8>> {
 impl Region {
     /// A new zeroed region of `len` bytes (rounded up to whole pages in the file).
     pub fn create(len: usize) -> std::io::Result<Region> {
-        let fd = memfd_create(
-            c"eccl-region",
-            MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
-        )?;
         let file_len = len.max(1).div_ceil(4096) * 4096;
-        nix::unistd::ftruncate(&fd, file_len as libc::off_t)?;
-        crate::seal(&fd)?;
+        let fd = crate::sealed_memfd(c"eccl-region", file_len)?;
         let ino = nix::sys::stat::fstat(fd.as_raw_fd())?.st_ino;
         let base = map(&fd, file_len)?;
         Ok(Region {

@@ -7,12 +7,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-use super::segment::{seal, Geometry};
+use super::segment::{sealed_memfd, Geometry};
 
 /// What the dialer passes: the segment, and per ring the eventfd that wakes its receiver
 /// (`data`) and the one that wakes its sender (`space`).
@@ -32,12 +31,7 @@ fn eventfd() -> std::io::Result<OwnedFd> {
 impl LinkFds {
     /// A new sealed segment of `geo`'s size and four eventfds.
     pub fn create(geo: Geometry) -> std::io::Result<LinkFds> {
-        let segment = memfd_create(
-            c"eccl-shm-link",
-            MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
-        )?;
-        nix::unistd::ftruncate(&segment, geo.segment_bytes() as libc::off_t)?;
-        seal(&segment)?;
+        let segment = sealed_memfd(c"eccl-shm-link", geo.segment_bytes())?;
         Ok(LinkFds {
             segment,
             data: [eventfd()?, eventfd()?],
