@@ -190,7 +190,10 @@ plain=$(run -c)
 RUN_ENV=()
 echo "$plain" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/rank order: /"
 echo "$plain" | wrong
+# long-fat: rank 0's probe says what held its connection back (the striping verdict).
+[ "$SCENARIO" = long-fat ] && RUN_ENV=(ECCL_DEBUG=INFO)
 optimized=$(run -c --show-topology)
+RUN_ENV=()
 echo "$optimized" | grep -E "^#( topology| ring| keep| +from| +to)|^# eccl-bench|^ +[0-9]" | sed "s/^/optimized:  /"
 echo "$optimized" | wrong
 b0=$(echo "$plain" | busbw)
@@ -204,8 +207,9 @@ echo "# $SCENARIO: bus bandwidth rank order $b0 GB/s, optimized $b1 GB/s ($speed
 fractions="null null" qspeedup=null qrspeedup=null
 if [ "$SCENARIO" = long-fat ]; then
     # Rank order and the solved ring are one ring of two: the second run differs in its
-    # links, striped where optimize_topology() found one connection window-bound.
+    # links, striped where optimize_topology() found one connection held back by its windows.
     echo "$optimized" | grep -E "^# striped" || true
+    echo "$optimized" | sed -n 's/^.*\(link to rank [0-9]*: [0-9]* connection(s) spent .*\)$/# probe: \1/p'
     # Two ranks: each sends the whole buffer once per all_reduce (its bus bandwidth).
     rate() { awk -v bps="$FAST_BPS" '/^ +[0-9]/ { printf "%.3f", $1 * 8 / ($6 * 1e-6) / bps; exit }'; }
     fractions="$(echo "$optimized" | rate) $(echo "$plain" | rate)"

@@ -41,12 +41,17 @@ const WINDOW_BOUND: f64 = 0.5;
 const STRIPE_STEP: u16 = 4;
 
 /// The connections a link asks for after a probe: `share` of its `connections`' busy
-/// time was window-limited, over a path with round trip `rtt`. More where the window
-/// bound it on a long path (up to the master's cap), as many as it has otherwise: on a
-/// short one a full window means a receiver slower than the path, which more
-/// connections do not cure.
-pub(crate) fn stripes_wanted(connections: u16, share: f64, rtt: Duration) -> u16 {
-    if share > WINDOW_BOUND && rtt >= LONG_PATH_RTT {
+/// time was window-limited, the path `congested` or not (a retransmit or a queue:
+/// [`WindowStats::congested_since`](eccl_transport::link::tcp_info::WindowStats::congested_since)),
+/// its round trip `rtt`. On a long path, more (up to the master's cap) where the window
+/// bound the connections or nothing showed the path full (the connections were held
+/// back by their own congestion windows: slow start, which every idle connection starts
+/// over, is many round trips there; a busy host made the first verdict, the window's
+/// share alone, miss a long fat path two times in six); as many as it has otherwise: a
+/// congested path is full, and on a short one a full window means a receiver slower
+/// than the path, which more connections do not cure.
+pub(crate) fn stripes_wanted(connections: u16, share: f64, congested: bool, rtt: Duration) -> u16 {
+    if (share > WINDOW_BOUND || !congested) && rtt >= LONG_PATH_RTT {
         connections
             .saturating_mul(STRIPE_STEP)
             .min(eccl_protocol::MAX_STRIPES)
@@ -172,11 +177,17 @@ impl Communicator {
         }
         let mut size = SMALL_PROBE;
         let (bytes_per_s, window) = loop {
-            let before = self.window_stats(peer);
-            let payload = vec![0x5au8; size];
+            // A probe goes in two halves, the window counters read between them: the
+            // verdict is the second half's, after the connection left slow start (on a
+            // long path the first round trips of every probe are spent there, idle
+            // connections starting over, and would dilute the share).
+            let payload = vec![0x5au8; size / 2];
             let t = Instant::now();
             self.send_bytes(DType::U8, &(size as u64).to_le_bytes(), peer, PROBE_TAG)
                 .await?;
+            self.send_bytes(DType::U8, &payload, peer, PROBE_TAG)
+                .await?;
+            let before = self.window_stats(peer);
             self.send_bytes(DType::U8, &payload, peer, PROBE_TAG)
                 .await?;
             self.recv_bytes(DType::U8, &mut word, peer, PROBE_TAG)
@@ -200,11 +211,23 @@ impl Communicator {
         };
         self.send_bytes(DType::U8, &0u64.to_le_bytes(), peer, PROBE_TAG)
             .await?;
-        // TCP links only: how much of the last probe the window held back.
+        // TCP links only: how much of the last probe's second half the window held back.
         let streams = window.map_or(0, |(b, a)| {
             let share = b.limited_share(&a).unwrap_or(0.0);
-            let want = stripes_wanted(a.connections, share, rtt);
-            tracing::info!(target: "eccl::topology", "link to rank {peer}: {} connection(s) spent {:.0} % of the probe held back by the TCP window (round trip {:.1} ms): asks for {want}", a.connections, share * 100.0, rtt.as_secs_f64() * 1e3);
+            let congested = b.congested_since(&a);
+            let want = stripes_wanted(a.connections, share, congested, rtt);
+            tracing::info!(
+                target: "eccl::topology",
+                "link to rank {peer}: {} connection(s) spent {:.0} % of the probe held back by \
+                 the TCP window, the path {} ({} retransmits, smoothed round trip {:.1} ms over \
+                 a minimum of {:.1}): asks for {want}",
+                a.connections,
+                share * 100.0,
+                if congested { "congested" } else { "not congested" },
+                a.retransmits.saturating_sub(b.retransmits),
+                f64::from(a.rtt_us) / 1e3,
+                f64::from(a.min_rtt_us) / 1e3
+            );
             want
         });
         Ok(LinkMeasure {
@@ -237,14 +260,18 @@ impl Communicator {
             if size == 0 {
                 return Ok(());
             }
-            if size > MAX_PROBE {
+            if size > MAX_PROBE || !size.is_multiple_of(2) {
                 return Err(Error::InvalidArgument(format!(
-                    "rank {peer} announced a probe of {size} bytes (at most {MAX_PROBE})"
+                    "rank {peer} announced a probe of {size} bytes (an even count up to \
+                     {MAX_PROBE})"
                 )));
             }
-            let mut payload = vec![0u8; size];
-            self.recv_bytes(DType::U8, &mut payload, peer, PROBE_TAG)
-                .await?;
+            // In two halves (see `probe_send`).
+            let mut payload = vec![0u8; size / 2];
+            for _ in 0..2 {
+                self.recv_bytes(DType::U8, &mut payload, peer, PROBE_TAG)
+                    .await?;
+            }
             self.send_bytes(DType::U8, &word, peer, PROBE_TAG).await?;
         }
     }
@@ -255,22 +282,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_window_bound_long_path_asks_for_more_connections_and_nothing_else_does() {
+    fn a_long_path_held_back_by_windows_asks_for_more_connections_and_nothing_else_does() {
         let long = Duration::from_millis(100);
         let short = Duration::from_micros(50);
-        assert_eq!(stripes_wanted(1, 0.9, long), 4);
-        assert_eq!(stripes_wanted(4, 0.9, long), 16);
-        assert_eq!(stripes_wanted(16, 0.9, long), eccl_protocol::MAX_STRIPES);
-        assert_eq!(stripes_wanted(1, 0.2, long), 1);
+        for congested in [true, false] {
+            assert_eq!(stripes_wanted(1, 0.9, congested, long), 4);
+            assert_eq!(stripes_wanted(4, 0.9, congested, long), 16);
+            assert_eq!(
+                stripes_wanted(16, 0.9, congested, long),
+                eccl_protocol::MAX_STRIPES
+            );
+            assert_eq!(
+                stripes_wanted(1, 0.9, congested, short),
+                1,
+                "a slow receiver on a short path"
+            );
+            assert_eq!(stripes_wanted(1, 0.2, congested, short), 1);
+        }
+        assert_eq!(stripes_wanted(1, 0.2, true, long), 1, "a full path");
         assert_eq!(
-            stripes_wanted(4, 0.2, long),
+            stripes_wanted(4, 0.2, true, long),
             4,
-            "a striped link keeps its count"
+            "a striped link on a full path keeps its count"
         );
         assert_eq!(
-            stripes_wanted(1, 0.9, short),
-            1,
-            "a slow receiver on a short path"
+            stripes_wanted(1, 0.2, false, long),
+            4,
+            "held back by its congestion window on a path with room"
         );
     }
 

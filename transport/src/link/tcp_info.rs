@@ -16,6 +16,12 @@ pub struct WindowStats {
     pub busy_us: u64,
     /// Of those, microseconds the receive window or the send buffer held sending back.
     pub window_limited_us: u64,
+    /// Segments retransmitted over the connections' lives.
+    pub retransmits: u64,
+    /// The largest smoothed round trip and the smallest minimum round trip among them,
+    /// in microseconds (a smoothed round trip well over the minimum is a queue).
+    pub rtt_us: u32,
+    pub min_rtt_us: u32,
 }
 
 impl WindowStats {
@@ -28,6 +34,16 @@ impl WindowStats {
             .checked_sub(self.window_limited_us)?;
         (busy > 0).then(|| (limited as f64 / busy as f64).min(1.0))
     }
+
+    /// Whether the path showed congestion between `self` and a later snapshot `after`:
+    /// a segment retransmitted, or a queue on the path (a smoothed round trip a quarter
+    /// or more over the minimum). A connection held back neither by its window nor by a
+    /// congested path is held back by its own congestion window (slow start, which an
+    /// idle connection starts over): more connections carry more there too.
+    pub fn congested_since(&self, after: &WindowStats) -> bool {
+        after.retransmits > self.retransmits
+            || u64::from(after.rtt_us) * 4 >= u64::from(after.min_rtt_us) * 5
+    }
 }
 
 /// Byte offsets in `struct tcp_info` (include/uapi/linux/tcp.h) of the three counters,
@@ -36,6 +52,9 @@ const BUSY_TIME: usize = 168;
 const RWND_LIMITED: usize = 176;
 const SNDBUF_LIMITED: usize = 184;
 const NEEDED: usize = 192;
+const RTT: usize = 68;
+const TOTAL_RETRANS: usize = 100;
+const MIN_RTT: usize = 148;
 
 /// The connection `fd`'s counters, or `None` where the kernel does not report them.
 pub(crate) fn read(fd: RawFd) -> Option<WindowStats> {
@@ -56,10 +75,14 @@ pub(crate) fn read(fd: RawFd) -> Option<WindowStats> {
         return None;
     }
     let at = |off: usize| u64::from_ne_bytes(buf[off..off + 8].try_into().expect("8 bytes"));
+    let at32 = |off: usize| u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes"));
     Some(WindowStats {
         connections: 1,
         busy_us: at(BUSY_TIME),
         window_limited_us: at(RWND_LIMITED).saturating_add(at(SNDBUF_LIMITED)),
+        retransmits: u64::from(at32(TOTAL_RETRANS)),
+        rtt_us: at32(RTT),
+        min_rtt_us: at32(MIN_RTT),
     })
 }
 
@@ -74,6 +97,13 @@ pub(crate) fn read_all(fds: &[RawFd]) -> Option<WindowStats> {
             connections: acc.connections + 1,
             busy_us: acc.busy_us + s.busy_us,
             window_limited_us: acc.window_limited_us + s.window_limited_us,
+            retransmits: acc.retransmits + s.retransmits,
+            rtt_us: acc.rtt_us.max(s.rtt_us),
+            min_rtt_us: if acc.connections == 0 {
+                s.min_rtt_us
+            } else {
+                acc.min_rtt_us.min(s.min_rtt_us)
+            },
         })
     })
 }
@@ -114,13 +144,33 @@ mod tests {
             connections: 2,
             busy_us: 1000,
             window_limited_us: 100,
+            ..WindowStats::default()
         };
         let b = WindowStats {
             connections: 2,
             busy_us: 3000,
             window_limited_us: 1700,
+            ..WindowStats::default()
         };
         assert_eq!(a.limited_share(&b), Some(0.8));
         assert_eq!(a.limited_share(&a), None);
+    }
+
+    #[test]
+    fn a_retransmit_or_a_queue_is_congestion() {
+        let at = |retransmits, rtt_us, min_rtt_us| WindowStats {
+            connections: 1,
+            retransmits,
+            rtt_us,
+            min_rtt_us,
+            ..WindowStats::default()
+        };
+        let before = at(3, 100_000, 100_000);
+        assert!(!before.congested_since(&at(3, 103_000, 100_000)));
+        assert!(
+            before.congested_since(&at(4, 103_000, 100_000)),
+            "a retransmit"
+        );
+        assert!(before.congested_since(&at(3, 130_000, 100_000)), "a queue");
     }
 }

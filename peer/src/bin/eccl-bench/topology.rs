@@ -76,7 +76,7 @@ pub async fn show_topology(
             if let (Some(rx), Some(ry)) = (w.rank_of(x), w.rank_of(y)) {
                 let (a, b) = (rx.min(ry), rx.max(ry));
                 println!(
-                    "# striped: rank {a} <-> rank {b} over {k} connections (one was window-bound)"
+                    "# striped: rank {a} <-> rank {b} over {k} connections (one was held back by its windows)"
                 );
             }
         }
