@@ -9,7 +9,8 @@
 #  1. `eccl-bench probe cuda`: every generated kernel against the CPU, bit for bit, and
 #     the GPU's device-to-device and pinned host<->device copy rates;
 #  2. `eccl-bench all_reduce --device cuda`: two processes on the GPU over CUDA IPC,
-#     checked (-c), 1 MiB to 256 MiB, f32 and bf16, in both abort modes;
+#     checked (-c), 1 MiB to 256 MiB, f32 and bf16, in both abort modes; then with
+#     ECCL_CUDA_IPC=0, the staged pipeline through host memory (f32);
 #  3. python/tests/test_cuda.py: every collective and dtype x op through the torch
 #     backend on CUDA tensors (IPC and staged), DDP against gloo, typed errors;
 #  4. examples/ddp_cuda.py: dist.all_reduce and DDP on CUDA, eccl against gloo.
@@ -72,6 +73,11 @@ for mode in unchanged undefined; do
         -b 1M -e 256M -f 16 -d float,bfloat16 -c -n 20 -w 5 --on-abort "$mode" \
         --json "$OUT/all_reduce_$mode.json"
 done
+# The staged path's pipeline alone (ECCL_CUDA_IPC=0: host memory in 4 MiB chunks, the
+# copy lanes overlapping the host all_reduce).
+step all_reduce_staged 150 env ECCL_CUDA_IPC=0 "$BIN/eccl-bench" all_reduce --local 2 \
+    --device cuda -b 1M -e 256M -f 16 -d float -c -n 10 -w 3 --on-abort undefined \
+    --json "$OUT/all_reduce_staged.json"
 step pytest 300 "$PY" -m pytest -v -rfE -p no:cacheprovider --timeout "${GPU_CHECK_TEST_TIMEOUT:-100}" python/tests/test_cuda.py
 step allreduce_cuda 200 "$PY" examples/ddp_cuda.py --what allreduce --steps 10 \
     --json "$OUT/allreduce_cuda.json"
@@ -90,7 +96,8 @@ for m in re.finditer(r"^probe (cuda-[\w-]+) bytes (\d+) gbps ([\d.]+) median ([\
     res["probe"][m[1]] = {"bytes": int(m[2]), "best_gbps": float(m[3]), "median_gbps": float(m[4])}
 for m in re.finditer(r"^probe cuda-kernel (\w+) (\w+) wrong (\d+)", log, re.M):
     res["kernels_wrong"][f"{m[1]} {m[2]}"] = int(m[3])
-for f in ("all_reduce_unchanged", "all_reduce_undefined", "allreduce_cuda", "ddp_cuda"):
+for f in ("all_reduce_unchanged", "all_reduce_undefined", "all_reduce_staged", "allreduce_cuda",
+          "ddp_cuda"):
     p = out / f"{f}.json"
     if p.exists():
         res[f] = json.loads(p.read_text())
@@ -101,6 +108,9 @@ for f in ("all_reduce_unchanged", "all_reduce_undefined"):
     for row in res.get(f, {}).get("rows", []):
         if row["bytes"] == 256 << 20 and d2d:
             targets[f"{f} {row['dtype']} 256M busbw / d2d"] = row["busbw_gbps"] / d2d
+for row in res.get("all_reduce_staged", {}).get("rows", []):
+    if row["bytes"] == 256 << 20 and h2d:
+        targets["eccl-bench staged 256M f32 busbw / pinned h2d"] = row["busbw_gbps"] / h2d
 ar = res.get("allreduce_cuda", {}).get("runs", {})
 if "eccl-staged" in ar and h2d:
     us = ar["eccl-staged"]["256M f32"]

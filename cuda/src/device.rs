@@ -2,7 +2,9 @@
 //!
 //! Device memory is named by its address ([`DevPtr`], what `torch.Tensor.data_ptr()` gives
 //! and what the driver calls a `CUdeviceptr`). Every call is ordered on the device's one
-//! stream; [`Device::synchronize`] waits for what was queued. Two implementations:
+//! stream, but for the queued copies between host and device, which run on two copy lanes
+//! beside it (a staged pipeline's downloads, its uploads); [`Device::synchronize`] waits
+//! for what was queued. Two implementations:
 //! [`crate::HostDevice`], host memory, for testing the collectives' logic anywhere, and
 //! `CudaDevice` (feature `cuda`), the CUDA driver.
 
@@ -68,6 +70,17 @@ pub enum DeviceError {
 
 pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
 
+/// A copy queued on one of a device's copy lanes ([`Device::download_queued`],
+/// [`Device::upload_queued`]); [`Device::wait_copy`] returns once it and every copy
+/// queued on its lane before it are done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyMark {
+    /// 0: device to host, 1: host to device.
+    pub lane: u8,
+    /// The copy's place in its lane, from 1.
+    pub seq: u64,
+}
+
 /// What the same-host collectives need of a device.
 ///
 /// # Safety (for the `unsafe` methods)
@@ -111,8 +124,35 @@ pub trait Device: Send + Sync {
         count: usize,
         world: u32,
     ) -> Result<()>;
-    /// Waits for everything queued.
+    /// Waits for everything queued, on the device's stream and on its copy lanes.
     fn synchronize(&self) -> Result<()>;
+    /// Page-locked host memory of `bytes` (at least 1), which the copy lanes move to and
+    /// from without the driver staging it (`cuMemHostAlloc`; the host double: plain
+    /// memory).
+    fn host_alloc(&self, bytes: usize) -> Result<*mut u8>;
+    /// Frees what [`Device::host_alloc`] returned.
+    ///
+    /// # Safety
+    /// `ptr` came from `host_alloc` on this device with the same `bytes`, and no copy
+    /// that uses it is queued or to come.
+    unsafe fn host_free(&self, ptr: *mut u8, bytes: usize);
+    /// Queues a copy of `bytes` from the device at `src` to the host at `dst` on the
+    /// download lane, which runs beside the device's stream and the upload lane, in
+    /// order with the lane's earlier copies. `dst` holds the bytes once
+    /// [`Device::wait_copy`] returned for the mark (not before).
+    ///
+    /// # Safety
+    /// See the trait; `dst` is [`Device::host_alloc`] memory of at least `bytes` that
+    /// nothing else reads or writes until the mark is waited for.
+    unsafe fn download_queued(&self, dst: *mut u8, src: DevPtr, bytes: usize) -> Result<CopyMark>;
+    /// Queues a copy of `bytes` from the host at `src` to the device at `dst` on the
+    /// upload lane; `src` is read until [`Device::wait_copy`] returned for the mark.
+    ///
+    /// # Safety
+    /// As [`Device::download_queued`], `src` unchanged until the mark is waited for.
+    unsafe fn upload_queued(&self, dst: DevPtr, src: *const u8, bytes: usize) -> Result<CopyMark>;
+    /// Waits until the copy `mark` (and its lane's earlier ones) is done.
+    fn wait_copy(&self, mark: CopyMark) -> Result<()>;
     /// The handle another process maps `ptr`'s allocation with.
     fn ipc_export(&self, ptr: DevPtr) -> Result<IpcMem>;
     /// Maps a peer's allocation; returns its base address here.

@@ -12,7 +12,8 @@ use cudarc::nvrtc;
 use eccl_protocol::{DType, ReduceOp};
 
 use crate::device::{
-    DevPtr, Device, DeviceError, IpcMem, Reach, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH,
+    CopyMark, DevPtr, Device, DeviceError, IpcMem, Reach, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES,
+    MAX_REACH,
 };
 use crate::kernels::{self, MAX_PTRS};
 
@@ -263,6 +264,105 @@ pub struct CudaDevice {
     kernels: Mutex<Option<Kernels>>,
     /// What [`Device::reach`] answers, found on first use.
     reach: OnceLock<Reach>,
+    /// The copy lanes: downloads, uploads ([`CopyMark::lane`]).
+    lanes: [Lane; 2],
+}
+
+/// A copy lane: a stream of its own and an event recorded after each copy.
+struct Lane {
+    stream: sys::CUstream,
+    state: Mutex<LaneState>,
+}
+
+#[derive(Default)]
+struct LaneState {
+    /// The last mark given.
+    next: u64,
+    /// Events of copies not yet waited for, oldest first.
+    pending: std::collections::VecDeque<(u64, sys::CUevent)>,
+    /// Events to record again.
+    free: Vec<sys::CUevent>,
+}
+
+impl Lane {
+    fn new() -> Result<Lane> {
+        Ok(Lane {
+            stream: result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(drv("cuStreamCreate"))?,
+            state: Mutex::new(LaneState::default()),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records an event after what was just queued on the lane: the copy's mark.
+    fn mark(&self, lane: u8) -> Result<CopyMark> {
+        let mut st = self.state();
+        let ev = match st.free.pop() {
+            Some(e) => e,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(drv("cuEventCreate"))?,
+        };
+        // SAFETY: a live event and the lane's live stream, in the current context.
+        if let Err(e) = unsafe { result::event::record(ev, self.stream) } {
+            st.free.push(ev);
+            return Err(drv("cuEventRecord")(e));
+        }
+        st.next += 1;
+        let seq = st.next;
+        st.pending.push_back((seq, ev));
+        Ok(CopyMark { lane, seq })
+    }
+
+    /// Waits for copy `seq` and the lane's earlier copies; their events go back to the
+    /// free list.
+    fn wait(&self, seq: u64) -> Result<()> {
+        let mut st = self.state();
+        let mut last = None;
+        while st.pending.front().is_some_and(|&(s, _)| s <= seq) {
+            let (_, ev) = st.pending.pop_front().expect("a front");
+            if let Some(prev) = last.replace(ev) {
+                st.free.push(prev);
+            }
+        }
+        let Some(ev) = last else {
+            return Ok(()); // waited for already
+        };
+        // SAFETY: a live event recorded on the lane's stream.
+        let r = unsafe { result::event::synchronize(ev) }.map_err(drv("cuEventSynchronize"));
+        st.free.push(ev);
+        r
+    }
+
+    /// Waits for the lane's stream; drops the pending marks (they are done).
+    fn synchronize(&self) -> Result<()> {
+        // SAFETY: the lane's live stream.
+        unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"))?;
+        let mut st = self.state();
+        let done: Vec<_> = st.pending.drain(..).map(|(_, e)| e).collect();
+        st.free.extend(done);
+        Ok(())
+    }
+
+    /// Waits for the lane and destroys its stream and events (the device's drop).
+    fn destroy(&mut self) {
+        // SAFETY: the stream and events are the lane's own and are destroyed once, after
+        // their work.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            let _ = result::stream::destroy(self.stream);
+            let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+            for ev in st
+                .free
+                .drain(..)
+                .chain(st.pending.drain(..).map(|(_, e)| e))
+            {
+                let _ = result::event::destroy(ev);
+            }
+        }
+    }
 }
 
 // SAFETY: the context, stream, module and functions are driver handles, valid on any
@@ -306,6 +406,7 @@ impl CudaDevice {
             arch: format!("compute_{major}{minor}"),
             kernels: Mutex::new(None),
             reach: OnceLock::new(),
+            lanes: [Lane::new()?, Lane::new()?],
         })
     }
 
@@ -453,6 +554,9 @@ impl Drop for CudaDevice {
                 let _ = result::stream::synchronize(self.stream);
                 let _ = result::stream::destroy(self.stream);
             }
+            for lane in &mut self.lanes {
+                lane.destroy();
+            }
         }
         if let Ok(dev) = result::device::get(self.ordinal as i32) {
             // SAFETY: releases the reference `new` retained.
@@ -551,7 +655,51 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<()> {
         self.current()?;
         // SAFETY: the stream is live for the life of `self`.
-        unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"))
+        unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"))?;
+        for lane in &self.lanes {
+            lane.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn host_alloc(&self, bytes: usize) -> Result<*mut u8> {
+        self.current()?;
+        // SAFETY: a plain page-locked allocation, portable to every context.
+        unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map(|p| p.cast::<u8>())
+            .map_err(drv("cuMemHostAlloc"))
+    }
+
+    unsafe fn host_free(&self, ptr: *mut u8, _bytes: usize) {
+        if self.current().is_ok() {
+            let _ = result::free_host(ptr.cast::<c_void>());
+        }
+    }
+
+    unsafe fn download_queued(&self, dst: *mut u8, src: DevPtr, bytes: usize) -> Result<CopyMark> {
+        self.current()?;
+        let lane = &self.lanes[0];
+        sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, lane.stream)
+            .result()
+            .map_err(drv("cuMemcpyDtoHAsync"))?;
+        lane.mark(0)
+    }
+
+    unsafe fn upload_queued(&self, dst: DevPtr, src: *const u8, bytes: usize) -> Result<CopyMark> {
+        self.current()?;
+        let lane = &self.lanes[1];
+        sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, lane.stream)
+            .result()
+            .map_err(drv("cuMemcpyHtoDAsync"))?;
+        lane.mark(1)
+    }
+
+    fn wait_copy(&self, mark: CopyMark) -> Result<()> {
+        self.current()?;
+        self.lanes
+            .get(mark.lane as usize)
+            .ok_or_else(|| DeviceError::Invalid(format!("no copy lane {}", mark.lane)))?
+            .wait(mark.seq)
     }
 
     fn ipc_export(&self, ptr: DevPtr) -> Result<IpcMem> {

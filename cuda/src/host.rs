@@ -16,7 +16,8 @@ use eccl_algorithms::kernels;
 use eccl_protocol::{DType, ReduceOp};
 
 use crate::device::{
-    DevPtr, Device, DeviceError, IpcMem, Reach, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH,
+    CopyMark, DevPtr, Device, DeviceError, IpcMem, Reach, Result, GPU_ID_BYTES, IPC_HANDLE_BYTES,
+    MAX_REACH,
 };
 
 struct Alloc {
@@ -97,6 +98,37 @@ pub struct HostDevice {
     reach: Option<Vec<u32>>,
     reductions: AtomicU64,
     copies: AtomicU64,
+    /// Copies queued on the lanes so far.
+    queued: AtomicU64,
+    /// Queued copies beyond this many fail ([`HostDevice::failing_copies_after`]).
+    fail_after: Option<u64>,
+    lanes: Mutex<Lanes>,
+    /// Live [`Device::host_alloc`] memory: address → bytes.
+    host: Mutex<HashMap<usize, usize>>,
+}
+
+/// The copy lanes. A queued copy runs when its mark (or a later one of its lane) is
+/// waited for, or at [`Device::synchronize`]: as late as a real device may run it, so a
+/// caller that reads a download's memory before waiting for it, or reuses an upload's
+/// before it is done, gets stale bytes here rather than right ones by luck.
+#[derive(Default)]
+struct Lanes {
+    next: [u64; 2],
+    pending: [std::collections::VecDeque<(u64, Queued)>; 2],
+}
+
+#[derive(Clone, Copy)]
+enum Queued {
+    Down {
+        dst: usize,
+        src: DevPtr,
+        bytes: usize,
+    },
+    Up {
+        dst: DevPtr,
+        src: usize,
+        bytes: usize,
+    },
 }
 
 impl Default for HostDevice {
@@ -115,6 +147,85 @@ impl HostDevice {
             reach: None,
             reductions: AtomicU64::new(0),
             copies: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            fail_after: None,
+            lanes: Mutex::new(Lanes::default()),
+            host: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// This device failing every queued copy after the first `n` (a device fault in
+    /// the middle of a staged pipeline).
+    pub fn failing_copies_after(mut self, n: u64) -> HostDevice {
+        self.fail_after = Some(n);
+        self
+    }
+
+    /// Host-device copies queued on the copy lanes so far.
+    pub fn queued_copies(&self) -> u64 {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Checks that `[ptr, ptr + bytes)` lies in one live `host_alloc` allocation.
+    fn check_host(&self, ptr: usize, bytes: usize) -> Result<()> {
+        let host = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if host
+            .iter()
+            .any(|(&base, &len)| ptr >= base && ptr + bytes <= base + len)
+        {
+            Ok(())
+        } else {
+            Err(DeviceError::Invalid(format!(
+                "{bytes} bytes at host address {ptr:#x} are not inside one host_alloc \
+                 allocation"
+            )))
+        }
+    }
+
+    fn queue(&self, lane: u8, copy: Queued) -> Result<CopyMark> {
+        let before = self.queued.fetch_add(1, Ordering::Relaxed);
+        if self.fail_after.is_some_and(|n| before >= n) {
+            return Err(DeviceError::Invalid(format!(
+                "{}: a simulated copy failure (copy {})",
+                self.describe(),
+                before + 1
+            )));
+        }
+        let mut l = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        let i = lane as usize;
+        l.next[i] += 1;
+        let seq = l.next[i];
+        l.pending[i].push_back((seq, copy));
+        Ok(CopyMark { lane, seq })
+    }
+
+    /// Runs lane `lane`'s queued copies up to `seq`.
+    fn run_lane(&self, lane: usize, seq: u64) -> Result<()> {
+        loop {
+            let next = {
+                let mut l = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+                match l.pending[lane].front() {
+                    Some(&(s, _)) if s <= seq => l.pending[lane].pop_front(),
+                    _ => None,
+                }
+            };
+            let Some((_, copy)) = next else {
+                return Ok(());
+            };
+            match copy {
+                Queued::Down { dst, src, bytes } => {
+                    let data = memory().read(src, bytes)?;
+                    // SAFETY: `download_queued`'s caller keeps `dst` (checked to lie in
+                    // a live host allocation) for this copy until its mark is waited for.
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, bytes) };
+                }
+                Queued::Up { dst, src, bytes } => {
+                    // SAFETY: `upload_queued`'s caller keeps `src` (checked to lie in a
+                    // live host allocation) unchanged until its mark is waited for.
+                    let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) };
+                    memory().write(dst, data)?;
+                }
+            }
         }
     }
 
@@ -220,7 +331,74 @@ impl Device for HostDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
-        Ok(())
+        self.run_lane(0, u64::MAX)?;
+        self.run_lane(1, u64::MAX)
+    }
+
+    fn host_alloc(&self, bytes: usize) -> Result<*mut u8> {
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 64)
+            .map_err(|e| DeviceError::Invalid(format!("host_alloc of {bytes} bytes: {e}")))?;
+        // SAFETY: a layout of non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return Err(DeviceError::Invalid(format!(
+                "host_alloc of {bytes} bytes failed"
+            )));
+        }
+        self.host
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(p as usize, bytes.max(1));
+        Ok(p)
+    }
+
+    unsafe fn host_free(&self, ptr: *mut u8, bytes: usize) {
+        let known = self
+            .host
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&(ptr as usize));
+        assert_eq!(
+            known,
+            Some(bytes.max(1)),
+            "host_free of {ptr:?} ({bytes} bytes), which host_alloc did not give"
+        );
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 64).expect("as allocated");
+        // SAFETY: allocated by `host_alloc` with this layout (checked above), freed once.
+        unsafe { std::alloc::dealloc(ptr, layout) };
+    }
+
+    unsafe fn download_queued(&self, dst: *mut u8, src: DevPtr, bytes: usize) -> Result<CopyMark> {
+        self.check_host(dst as usize, bytes)?;
+        memory().find(src, bytes)?;
+        self.queue(
+            0,
+            Queued::Down {
+                dst: dst as usize,
+                src,
+                bytes,
+            },
+        )
+    }
+
+    unsafe fn upload_queued(&self, dst: DevPtr, src: *const u8, bytes: usize) -> Result<CopyMark> {
+        self.check_host(src as usize, bytes)?;
+        memory().find(dst, bytes)?;
+        self.queue(
+            1,
+            Queued::Up {
+                dst,
+                src: src as usize,
+                bytes,
+            },
+        )
+    }
+
+    fn wait_copy(&self, mark: CopyMark) -> Result<()> {
+        if mark.lane > 1 {
+            return Err(DeviceError::Invalid(format!("no copy lane {}", mark.lane)));
+        }
+        self.run_lane(mark.lane as usize, mark.seq)
     }
 
     fn ipc_export(&self, ptr: DevPtr) -> Result<IpcMem> {

@@ -19,7 +19,7 @@ pub mod host;
 pub mod ipc;
 pub mod kernels;
 
-pub use device::{DevPtr, Device, DeviceError, IpcMem, Reach, MAX_REACH};
+pub use device::{CopyMark, DevPtr, Device, DeviceError, IpcMem, Reach, MAX_REACH};
 #[cfg(feature = "cuda")]
 pub use driver::{compile, compile_cached, device_count, kernel_cache_dir, load_nvrtc, CudaDevice};
 #[cfg(feature = "cuda")]

@@ -937,3 +937,52 @@ fn gather_and_scatter_move_blocks_to_and_from_every_root() {
         }
     }
 }
+
+/// The copy lanes of the host double run a queued copy only when its mark (or a later
+/// one of its lane) is waited for: a staged pipeline that read a download's buffer early,
+/// or reused an upload's, would see stale bytes here.
+#[test]
+fn queued_copies_land_when_their_mark_is_waited_for_and_not_before() {
+    let dev = HostDevice::new();
+    let d = dev.alloc(64).unwrap();
+    unsafe { dev.upload(d, &[7u8; 64]).unwrap() };
+    let h = dev.host_alloc(64).unwrap();
+    let m = unsafe { dev.download_queued(h, d, 64) }.unwrap();
+    assert_eq!(unsafe { *h }, 0, "a download is not there before its mark");
+    dev.wait_copy(m).unwrap();
+    assert_eq!(unsafe { std::slice::from_raw_parts(h, 64) }, &[7u8; 64][..]);
+    unsafe { std::ptr::write_bytes(h, 9, 64) };
+    let a = unsafe { dev.upload_queued(d, h, 32) }.unwrap();
+    let b = unsafe { dev.upload_queued(d + 32, h, 32) }.unwrap();
+    assert_eq!((a.lane, b.lane, b.seq), (1, 1, a.seq + 1));
+    let mut back = [0u8; 64];
+    unsafe { dev.download(&mut back, d).unwrap() };
+    assert_eq!(back, [7u8; 64], "uploads are not there before their marks");
+    dev.wait_copy(b).unwrap();
+    unsafe { dev.download(&mut back, d).unwrap() };
+    assert_eq!(
+        back, [9u8; 64],
+        "a later mark covers the lane's earlier copies"
+    );
+    // Host memory host_alloc did not give, and ranges past either buffer, are refused.
+    let mut plain = [0u8; 8];
+    assert!(unsafe { dev.download_queued(plain.as_mut_ptr(), d, 8) }.is_err());
+    assert!(unsafe { dev.download_queued(h, d + 32, 64) }.is_err());
+    assert!(unsafe { dev.upload_queued(d, h.wrapping_add(32), 64) }.is_err());
+    // Synchronize runs whatever is queued.
+    let m = unsafe { dev.download_queued(h, d, 64) }.unwrap();
+    dev.synchronize().unwrap();
+    dev.wait_copy(m).unwrap();
+    assert_eq!(dev.queued_copies(), 4, "the refused ones are not queued");
+    unsafe { dev.host_free(h, 64) };
+    // A device failing its copies after the first two.
+    let dev = HostDevice::new().failing_copies_after(2);
+    let h = dev.host_alloc(64).unwrap();
+    let d = dev.alloc(64).unwrap();
+    for k in 0..3 {
+        let r = unsafe { dev.download_queued(h, d, 64) };
+        assert_eq!(r.is_ok(), k < 2, "copy {k}: {r:?}");
+    }
+    dev.synchronize().unwrap();
+    unsafe { dev.host_free(h, 64) };
+}

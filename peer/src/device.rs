@@ -122,6 +122,9 @@ pub unsafe fn run<D: Device>(
     call: &DeviceCall,
 ) -> Result<(), Error> {
     let epoch = comm.epoch();
+    // A world across hosts goes through host memory (every rank sees the same members,
+    // so every rank says so in its record, and none exports a handle).
+    ipc.set_world_spans_hosts(spans_hosts(comm));
     let direct = {
         let mut ex = CommExchange::new(comm, rt.clone());
         // SAFETY: the caller's promise.
@@ -191,10 +194,19 @@ pub unsafe fn run<D: Device>(
             }
             drop(said);
             // SAFETY: the caller's promise.
-            unsafe { staged(comm, &rt, ipc.device().as_ref(), call) }
+            unsafe { staged(comm, &rt, ipc, call) }
         }
         other => other.map_err(to_error),
     }
+}
+
+/// Whether the current world's members run on more than one host.
+fn spans_hosts(comm: &Communicator) -> bool {
+    comm.world().is_some_and(|w| {
+        w.members
+            .first()
+            .is_some_and(|m0| w.members.iter().any(|m| m.host != m0.host))
+    })
 }
 
 impl DeviceCall {
@@ -376,9 +388,21 @@ impl DeviceCall {
 unsafe fn staged<D: Device>(
     comm: &mut Communicator,
     rt: &tokio::runtime::Handle,
-    dev: &D,
+    ipc: &mut IpcComm<D>,
     call: &DeviceCall,
 ) -> Result<(), Error> {
+    if let DeviceCall::AllReduce {
+        buf,
+        count,
+        dtype,
+        op,
+        keep,
+    } = *call
+    {
+        // SAFETY: the caller's promise.
+        return unsafe { staged_all_reduce(comm, rt, ipc, buf, count, dtype, op, keep) };
+    }
+    let dev = ipc.device().as_ref();
     let rank = comm.rank().map_or(0, |r| r.idx());
     let Some((args, (src, n_in), (dst, n_out), in_place)) = call.host_form(comm.world_size(), rank)
     else {
@@ -423,6 +447,171 @@ unsafe fn staged<D: Device>(
         // SAFETY: as above, `dst` holds `n_out` elements the call writes.
         unsafe { dev.upload(dst, &output) }.map_err(dev_err)?;
     }
+    Ok(())
+}
+
+/// Copy lanes waited for and a keep-mode scratch buffer freed on every way out of a
+/// staged call, so no queued copy writes the caller's buffer (or reads a stage buffer)
+/// after the call returned.
+struct Settle<'a, D: Device> {
+    dev: &'a D,
+    scratch: Option<DevPtr>,
+}
+
+impl<D: Device> Drop for Settle<'_, D> {
+    fn drop(&mut self) {
+        if let Err(e) = self.dev.synchronize() {
+            tracing::warn!(
+                "eccl: {}: waiting for staged copies: {e}",
+                self.dev.describe()
+            );
+        }
+        if let Some(p) = self.scratch.take() {
+            // SAFETY: allocated by the staged call, nothing queued uses it (waited above).
+            unsafe { self.dev.free(p) };
+        }
+    }
+}
+
+/// An all_reduce through host memory as a pipeline of chunks
+/// ([`IpcComm::stage_bytes`] each, in three page-locked buffers): while the host
+/// all_reduce of chunk i runs over the links, the download lane copies chunks i+1 and
+/// i+2 to the host and the upload lane copies chunk i-1's result back, so the copies in
+/// both directions overlap the links. Each chunk is one host collective (every rank
+/// reached this with the same call: the records said so). With `keep` and more than
+/// one chunk the results go to a device scratch buffer, copied over `buf` once every
+/// chunk succeeded (G2: a failed call leaves `buf` as it was); a single chunk is
+/// uploaded only after its collective succeeded, so it needs none. A device error on
+/// this rank aborts the epoch (the other ranks, waiting in a chunk's collective for
+/// this one, fail at once instead of at their timeout) and fails the call with
+/// `Aborted`, naming it.
+///
+/// # Safety
+/// As [`run`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn staged_all_reduce<D: Device>(
+    comm: &mut Communicator,
+    rt: &tokio::runtime::Handle,
+    ipc: &mut IpcComm<D>,
+    buf: DevPtr,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    keep: bool,
+) -> Result<(), Error> {
+    // SAFETY: the caller's promise.
+    match unsafe { pipeline(comm, rt, ipc, buf, count, dtype, op, keep) } {
+        Ok(()) => Ok(()),
+        Err(Fail::Collective(e)) => Err(e),
+        Err(Fail::Device(e)) => {
+            let epoch = comm.epoch();
+            let cause = format!(
+                "{}: a staged all_reduce's copy failed: {e}",
+                ipc.device().describe()
+            );
+            comm.abort_handle().abort(&cause);
+            rt.block_on(comm.announce_abort());
+            Err(Error::Aborted { epoch, cause })
+        }
+    }
+}
+
+/// How a staged pipeline failed: in a host collective (the epoch's error, as every rank
+/// sees it) or on this rank's device.
+enum Fail {
+    Collective(Error),
+    Device(DeviceError),
+}
+
+impl From<DeviceError> for Fail {
+    fn from(e: DeviceError) -> Fail {
+        Fail::Device(e)
+    }
+}
+
+/// [`staged_all_reduce`]'s pipeline.
+///
+/// # Safety
+/// As [`run`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn pipeline<D: Device>(
+    comm: &mut Communicator,
+    rt: &tokio::runtime::Handle,
+    ipc: &mut IpcComm<D>,
+    buf: DevPtr,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    keep: bool,
+) -> Result<(), Fail> {
+    let size = dtype.size();
+    let total = count * size;
+    if total == 0 {
+        return Ok(());
+    }
+    let world = comm.world_size();
+    let chunk = (ipc.stage_bytes() / size).max(1) * size;
+    let chunks = total.div_ceil(chunk);
+    let slots = chunks.min(3);
+    let dev_arc = ipc.device().clone();
+    let dev = dev_arc.as_ref();
+    let stage = ipc.stage_buffers(slots)?.to_vec();
+    let mut settle = Settle { dev, scratch: None };
+    if keep && chunks > 1 {
+        settle.scratch = Some(dev.alloc(total)?);
+    }
+    let dst = settle.scratch.unwrap_or(buf);
+    let span = |i: usize| (i * chunk, chunk.min(total - i * chunk));
+    let mut downs = Vec::with_capacity(chunks);
+    let mut ups = Vec::with_capacity(chunks);
+    for (i, &host) in stage.iter().enumerate() {
+        let (off, len) = span(i);
+        // SAFETY: `buf` holds `total` bytes (the caller's promise); the stage buffer
+        // holds `stage_bytes` >= `len` and is ours until the mark is waited for.
+        downs.push(unsafe { dev.download_queued(host, buf + off as u64, len) }?);
+    }
+    for i in 0..chunks {
+        let (off, len) = span(i);
+        let host = stage[i % slots];
+        dev.wait_copy(downs[i])?;
+        // SAFETY: the stage buffer holds `len` bytes of chunk i (its download is done)
+        // and no copy uses it until the upload queued below.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(host, len) };
+        let elems = len / size;
+        let args = CollArgs::for_buffers(
+            CollectiveKind::AllReduce,
+            dtype,
+            op,
+            Rank(0),
+            Some(elems),
+            Some(elems),
+            world,
+        );
+        rt.block_on(comm.collective_inplace_with(args, bytes, OnAbort::Undefined))
+            .map_err(Fail::Collective)?;
+        // SAFETY: `dst` holds `total` bytes (the caller's buffer or our scratch); the
+        // stage buffer is left alone until the mark is waited for.
+        ups.push(unsafe { dev.upload_queued(dst + off as u64, host, len) }?);
+        // The previous chunk's buffer, once its upload is done, takes the chunk after
+        // those already downloading.
+        if i >= 1 && i - 1 + slots < chunks {
+            let next = i - 1 + slots;
+            dev.wait_copy(ups[i - 1])?;
+            let (noff, nlen) = span(next);
+            // SAFETY: as the first downloads; the slot's upload is done.
+            downs.push(unsafe {
+                dev.download_queued(stage[next % slots], buf + noff as u64, nlen)
+            }?);
+        }
+    }
+    if let Some(last) = ups.last() {
+        dev.wait_copy(*last)?;
+    }
+    if let Some(scratch) = settle.scratch {
+        // SAFETY: both hold `total` bytes; every upload into `scratch` is done.
+        unsafe { dev.copy(buf, scratch, total) }?;
+    }
+    dev.synchronize()?;
     Ok(())
 }
 

@@ -16,13 +16,19 @@ Two paths, picked per call:
   through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be contiguous and
   of a dtype eccl's device kernels know, with the shapes the call asks for; otherwise the
   call is staged.
-- **Staged** (every other collective and point-to-point call, and every call across
-  hosts): the CUDA tensors are copied to host memory (after the current stream's work),
-  the call runs on the host tensors as for CPU tensors once the copies are done (an event,
-  waited for on the communicator's task, not the caller's thread; the calls that rearrange
-  their host copies in Python first, such as a list-form reduce_scatter or all_to_all,
-  wait on the caller's thread), and the outputs are copied back to
-  the device before the Work completes, as gloo does with CUDA tensors.
+- **all_reduce across hosts** (or with `ECCL_CUDA_IPC=0`): the same device call, which
+  every rank then runs through host memory inside eccl as a pipeline of 4 MiB chunks in
+  page-locked buffers: while one chunk's host all_reduce runs over the links, the next
+  chunks are copied to the host and the previous one's result back to the device, on
+  copy streams of their own.
+- **Staged** (every other collective and point-to-point call across hosts, and calls
+  whose tensors do not fit the paths above): the CUDA tensors are copied to host memory
+  (after the current stream's work), the call runs on the host tensors as for CPU
+  tensors once the copies are done (an event, waited for on the communicator's task,
+  not the caller's thread; the calls that rearrange their host copies in Python first,
+  such as a list-form reduce_scatter or all_to_all, wait on the caller's thread), and
+  the outputs are copied back to the device before the Work completes, as gloo does
+  with CUDA tensors.
 
 A call that mixes CPU and CUDA tensors is refused with `InvalidArgumentError` before
 anything is sent. `ECCL_DEBUG=INFO` logs which path a call took, once per path.
@@ -391,9 +397,12 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             raise eccl.InvalidArgumentError(
                 f"{name}: a call mixes tensors on {sorted(kinds)}; eccl moves the "
                 "tensors of one call on one kind of device")
-        if (name == "allreduce" and ipc_wanted() and same_host(self.comm)
-                and len({t.device for t in _tensors(args[0])}) == 1):
-            _say("all_reduce over CUDA IPC (same host)")
+        if name == "allreduce" and _ipc_ok(_tensors(args[0])):
+            # eccl's device all_reduce: over CUDA IPC where every rank runs on this host
+            # and ECCL_CUDA_IPC is not 0, through host memory in pipelined chunks
+            # otherwise (every rank takes the same path, from the ranks' records).
+            _say("all_reduce on the device path (CUDA IPC on one host, else pipelined "
+                 "through host memory)")
             return self._all_reduce_cuda(*args, **kwargs)
         if name in IPC_CALLS and not kwargs and ipc_wanted() and same_host(self.comm):
             got = ipc_works(self, name, args)

@@ -137,6 +137,12 @@ pub fn owners(gpus: &[[u8; GPU_ID_BYTES]]) -> Vec<usize> {
 /// into buffers on its own GPU, so every owner must reach every GPU of the world. The
 /// same answer on every rank, from the same records.
 fn unreachable(metas: &[Meta]) -> Option<String> {
+    if let Some(r) = metas.iter().position(|m| m.host_only) {
+        return Some(format!(
+            "rank {r} keeps device collectives off CUDA IPC (ECCL_CUDA_IPC=0, or a world \
+             across hosts)"
+        ));
+    }
     let gpus: Vec<_> = metas.iter().map(|m| m.gpu).collect();
     for o in owners(&gpus) {
         for (t, m) in metas.iter().enumerate() {
@@ -179,7 +185,24 @@ pub struct IpcComm<D: Device> {
     order: VecDeque<[u8; IPC_HANDLE_BYTES]>,
     /// This rank's scratch chunk (keep mode): address, bytes, handle.
     scratch: Option<(DevPtr, usize, IpcMem)>,
+    /// `ECCL_CUDA_IPC=0`: every call of the world goes through host memory.
+    host_only: bool,
+    /// The current world's ranks run on more than one host: the same.
+    spans_hosts: bool,
+    /// Page-locked host buffers of the staged path ([`IpcComm::stage_buffers`]).
+    stage: Vec<*mut u8>,
+    /// Their size, and the size of a staged pipeline's chunk.
+    stage_bytes: usize,
 }
+
+/// The default chunk of a staged pipeline (host memory between device and links): large
+/// enough that a host collective's fixed cost is small beside its bytes, small enough
+/// that the copies of neighbouring chunks overlap it.
+pub const STAGE_BYTES: usize = 4 << 20;
+
+// SAFETY: the stage buffers are host memory this value owns alone (allocated and freed
+// through its device), used only through `&mut self`.
+unsafe impl<D: Device> Send for IpcComm<D> {}
 
 impl<D: Device> IpcComm<D> {
     pub fn new(dev: Arc<D>) -> IpcComm<D> {
@@ -190,6 +213,62 @@ impl<D: Device> IpcComm<D> {
             mapped: HashMap::new(),
             order: VecDeque::new(),
             scratch: None,
+            host_only: std::env::var("ECCL_CUDA_IPC").is_ok_and(|v| v.trim() == "0"),
+            spans_hosts: false,
+            stage: Vec::new(),
+            stage_bytes: STAGE_BYTES,
+        }
+    }
+
+    /// Sets the staged pipeline's chunk (bytes, at least 1 KiB; the next call that
+    /// stages allocates buffers of that size).
+    pub fn set_stage_bytes(&mut self, bytes: usize) {
+        if bytes.max(1024) != self.stage_bytes {
+            self.free_stage();
+            self.stage_bytes = bytes.max(1024);
+        }
+    }
+
+    /// Keeps this rank's calls off CUDA IPC (`ECCL_CUDA_IPC=0` sets it): every rank of
+    /// the world then runs the call through host memory.
+    pub fn with_host_only(mut self, host_only: bool) -> IpcComm<D> {
+        self.host_only = host_only;
+        self
+    }
+
+    /// Says whether the current world runs on more than one host (every rank of the
+    /// world says the same): its calls then go through host memory, and no handle is
+    /// exported.
+    pub fn set_world_spans_hosts(&mut self, spans: bool) {
+        self.spans_hosts = spans;
+    }
+
+    /// The staged pipeline's chunk in bytes.
+    pub fn stage_bytes(&self) -> usize {
+        self.stage_bytes
+    }
+
+    /// `slots` page-locked host buffers of [`IpcComm::stage_bytes`] each, kept for the
+    /// next call (allocating page-locked memory takes milliseconds).
+    pub fn stage_buffers(&mut self, slots: usize) -> Result<&[*mut u8], DeviceError> {
+        while self.stage.len() < slots {
+            let p = self.dev.host_alloc(self.stage_bytes)?;
+            self.stage.push(p);
+        }
+        Ok(&self.stage[..slots])
+    }
+
+    fn free_stage(&mut self) {
+        // Nothing queued uses them: every staged call waits for its copies.
+        if self.dev.synchronize().is_ok() {
+            for p in self.stage.drain(..) {
+                // SAFETY: allocated by `stage_buffers` with `stage_bytes`, no copy queued.
+                unsafe { self.dev.host_free(p, self.stage_bytes) };
+            }
+        } else {
+            // A device that cannot say its copies are done: leak them rather than free
+            // memory a copy may still write.
+            self.stage.clear();
         }
     }
 
@@ -307,8 +386,9 @@ impl<D: Device> IpcComm<D> {
         self.phases.calls += 1;
         // The caller's writes to its buffers are done before any peer reads them.
         self.dev.synchronize()?;
+        let host_only = self.host_only || self.spans_hosts;
         let export = |dev: &D, (ptr, bytes): (DevPtr, usize)| {
-            if bytes > 0 && refused.is_none() {
+            if bytes > 0 && refused.is_none() && !host_only {
                 dev.ipc_export(ptr)
             } else {
                 Ok(NO_MEM)
@@ -317,6 +397,7 @@ impl<D: Device> IpcComm<D> {
         let meta = Meta {
             call,
             refused: refused.is_some(),
+            host_only: self.host_only || self.spans_hosts,
             send: export(&self.dev, send)?,
             recv: export(&self.dev, recv)?,
             gpu: self.dev.gpu_id()?,
@@ -928,5 +1009,6 @@ impl<D: Device> Drop for IpcComm<D> {
             // SAFETY: every call synchronizes before it returns.
             unsafe { self.dev.free(ptr) };
         }
+        self.free_stage();
     }
 }

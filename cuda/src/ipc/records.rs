@@ -63,6 +63,9 @@ pub(super) struct Meta {
     /// This rank refused its own arguments (buffers that overlap other than in NCCL's
     /// in-place form): every rank fails the call, none touches anything.
     pub(super) refused: bool,
+    /// This rank keeps its device collectives off CUDA IPC (`ECCL_CUDA_IPC=0`): every
+    /// rank then takes the host-memory path.
+    pub(super) host_only: bool,
     /// The buffer the call reads (all_reduce and broadcast: their one buffer).
     pub(super) send: IpcMem,
     /// The buffer it writes, where that is another one (all_gather, reduce_scatter).
@@ -107,7 +110,7 @@ impl Meta {
             c.dtype as u8,
             c.op as u8,
             c.keep as u8,
-            self.refused as u8,
+            self.refused as u8 | (self.host_only as u8) << 1,
         ]);
         out.extend_from_slice(&c.root.to_le_bytes());
         out.extend_from_slice(&c.count.to_le_bytes());
@@ -149,7 +152,8 @@ impl Meta {
                 root: u32::from_le_bytes(b[10..14].try_into().expect("4 bytes")),
                 count: u64::from_le_bytes(b[14..22].try_into().expect("8 bytes")),
             },
-            refused: b[9] != 0,
+            refused: b[9] & 1 != 0,
+            host_only: b[9] & 2 != 0,
             send: get_mem(&b[m..m + MEM_BYTES]),
             recv: get_mem(&b[m + MEM_BYTES..m + 2 * MEM_BYTES]),
             gpu: b[m + 2 * MEM_BYTES..m + 2 * MEM_BYTES + GPU_ID_BYTES]

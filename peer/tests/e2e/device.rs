@@ -336,3 +336,137 @@ async fn a_host_memory_all_to_all_moves_blocks_larger_than_a_link_holds_and_chec
         );
     }
 }
+
+/// What one rank of a staged all_reduce saw: the call's outcome, its buffer after it,
+/// the copies it queued on its lanes, and its kernels and device copies.
+type Staged = (Result<(), eccl::Error>, Vec<f32>, u64, u64);
+
+/// An all_reduce of `count` f32 through host memory in chunks of 1 KiB (256 values).
+fn staged_all_reduce(
+    comms: Vec<eccl::Communicator>,
+    make: &(dyn Fn(usize) -> HostDevice + Sync),
+    count: usize,
+    keep: bool,
+) -> Vec<Staged> {
+    each(comms, make, &|rank, dev, comm, ipc, rt| {
+        ipc.set_stage_bytes(1024);
+        let buf = dev.alloc(count * 4).unwrap();
+        unsafe { dev.upload(buf, &to_bytes(&values(count, rank))).unwrap() };
+        let call = DeviceCall::AllReduce {
+            buf,
+            count,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            keep,
+        };
+        let r = unsafe { eccl::device::run(comm, rt, ipc, &call) };
+        let mut b = vec![0u8; count * 4];
+        unsafe { dev.download(&mut b, buf).unwrap() };
+        (
+            r,
+            to_f32(&b),
+            dev.queued_copies(),
+            dev.reductions() + dev.copies(),
+        )
+    })
+}
+
+/// Where the GPUs cannot reach each other, and in a world across hosts, an all_reduce
+/// goes through host memory as a pipeline of chunks over the copy lanes (whose host
+/// double runs a copy only when it is waited for, so a chunk read before its download
+/// or a buffer reused before its upload shows as a wrong result): exact results on
+/// every rank, with and without G2's scratch buffer, a ragged last chunk, and no
+/// reduction on the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_all_reduce_runs_as_a_pipeline_of_chunks() {
+    let m = start_master(&[]);
+    let count = 5000; // 20,000 bytes: 19 chunks of 1 KiB and one of 544 bytes
+    let chunks = 20;
+    let want: Vec<f32> = (0..count)
+        .map(|i| (0..N).map(|r| values(count, r)[i]).sum())
+        .collect();
+    for keep in [true, false] {
+        let comms = world(&m.addr, N as u32).await;
+        let res = staged_all_reduce(
+            comms,
+            &|r| HostDevice::on_gpu(r as u32).reaching(&[]),
+            count,
+            keep,
+        );
+        for (r, (res, out, queued, device)) in res.into_iter().enumerate() {
+            res.unwrap_or_else(|e| panic!("keep {keep} rank {r}: {e}"));
+            assert!(out == want, "keep {keep} rank {r}: wrong result");
+            assert_eq!(
+                queued,
+                2 * chunks,
+                "keep {keep} rank {r}: a download and an upload per chunk"
+            );
+            // keep: one device copy, scratch over the buffer; no reduction either way.
+            assert_eq!(device, u64::from(keep), "keep {keep} rank {r}");
+        }
+    }
+    // Every rank on one simulated GPU, which IPC would serve on one host; each rank on a
+    // host of its own: through host memory.
+    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let comms = world_with(&m.addr, N as u32, |c| {
+        c.host = format!(
+            "staged-host-{}",
+            HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        )
+    })
+    .await;
+    let res = staged_all_reduce(comms, &|_| HostDevice::on_gpu(9), count, false);
+    for (r, (res, out, queued, device)) in res.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("across hosts, rank {r}: {e}"));
+        assert!(out == want, "across hosts, rank {r}: wrong result");
+        assert_eq!(queued, 2 * chunks, "across hosts, rank {r}");
+        assert_eq!(device, 0, "across hosts, rank {r}: no device work");
+    }
+}
+
+/// A rank whose device fails a copy in the middle of a staged all_reduce aborts the
+/// epoch: the others fail at once (not at their collective timeout) with their buffers
+/// as they were (G2, `keep`), and the failing rank's error names its device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_fault_in_a_staged_all_reduce_aborts_the_others_with_their_buffers_kept() {
+    let m = start_master(&[]);
+    let count = 5000;
+    let comms = world(&m.addr, N as u32).await;
+    let t = std::time::Instant::now();
+    let res = staged_all_reduce(
+        comms,
+        &|r| {
+            let d = HostDevice::on_gpu(r as u32).reaching(&[]);
+            // Rank 2's seventh copy fails: three chunks reduced, the pipeline under way.
+            if r == 2 {
+                d.failing_copies_after(6)
+            } else {
+                d
+            }
+        },
+        count,
+        true,
+    );
+    let took = t.elapsed();
+    for (r, (res, out, _, _)) in res.into_iter().enumerate() {
+        match res {
+            Err(eccl::Error::Aborted { cause, .. }) => {
+                assert!(
+                    cause.contains("a simulated copy failure"),
+                    "rank {r}: {cause}"
+                );
+                if r == 2 {
+                    assert!(cause.contains("staged all_reduce"), "rank {r}: {cause}");
+                }
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+        if r < 2 {
+            assert!(out == values(count, r), "rank {r}: its buffer changed (G2)");
+        }
+    }
+    assert!(
+        took < std::time::Duration::from_secs(6),
+        "the others waited {took:?}: the abort did not reach them (collective timeout 8 s)"
+    );
+}

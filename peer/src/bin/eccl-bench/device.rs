@@ -85,13 +85,20 @@ impl OnDevice {
         let (buf, _) = self.buf.ok_or_else(|| dev_err("no buffer loaded"))?;
         let rt = tokio::runtime::Handle::current();
         let ipc = &mut self.ipc;
+        let call = eccl::device::DeviceCall::AllReduce {
+            buf,
+            count: a.count,
+            dtype: a.dtype,
+            op: a.op,
+            keep,
+        };
+        // Over CUDA IPC, or through host memory where the GPUs cannot reach each other,
+        // the world spans hosts, or ECCL_CUDA_IPC=0 (the staged pipeline).
         tokio::task::block_in_place(|| {
-            let mut ex = eccl::device::CommExchange::new(comm, rt);
             // SAFETY: `buf` is a live allocation of `count` elements on this rank's
             // device, used by nothing else during the call.
-            unsafe { ipc.all_reduce(&mut ex, buf, a.count, a.dtype, a.op, keep) }
+            unsafe { eccl::device::run(comm, rt, ipc, &call) }
         })
-        .map_err(dev_err)
     }
 
     /// Starts counting the calls' phases afresh.
