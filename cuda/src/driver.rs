@@ -297,9 +297,16 @@ impl Lane {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records an event after what was just queued on the lane: the copy's mark.
-    fn mark(&self, lane: u8) -> Result<CopyMark> {
+    /// Queues a copy on the lane (`queue`, given the lane's stream) and records an
+    /// event after it: the copy's mark. The lane's lock is held across both, so another
+    /// thread's copy cannot come between a copy and its event.
+    fn enqueue(
+        &self,
+        lane: u8,
+        queue: impl FnOnce(sys::CUstream) -> Result<()>,
+    ) -> Result<CopyMark> {
         let mut st = self.state();
+        queue(self.stream)?;
         let ev = match st.free.pop() {
             Some(e) => e,
             None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
@@ -338,9 +345,10 @@ impl Lane {
 
     /// Waits for the lane's stream; drops the pending marks (they are done).
     fn synchronize(&self) -> Result<()> {
+        // The lock keeps new copies out meanwhile: the marks pending now are done after.
+        let mut st = self.state();
         // SAFETY: the lane's live stream.
         unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"))?;
-        let mut st = self.state();
         let done: Vec<_> = st.pending.drain(..).map(|(_, e)| e).collect();
         st.free.extend(done);
         Ok(())
@@ -655,11 +663,13 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<()> {
         self.current()?;
         // SAFETY: the stream is live for the life of `self`.
-        unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"))?;
-        for lane in &self.lanes {
-            lane.synchronize()?;
-        }
-        Ok(())
+        let main =
+            unsafe { result::stream::synchronize(self.stream) }.map_err(drv("cuStreamSynchronize"));
+        // Every stream is waited for, whatever failed: a caller freeing memory after an
+        // error must not have copies still running on a lane.
+        let lanes: Vec<_> = self.lanes.iter().map(Lane::synchronize).collect();
+        main?;
+        lanes.into_iter().collect()
     }
 
     fn host_alloc(&self, bytes: usize) -> Result<*mut u8> {
@@ -678,20 +688,22 @@ impl Device for CudaDevice {
 
     unsafe fn download_queued(&self, dst: *mut u8, src: DevPtr, bytes: usize) -> Result<CopyMark> {
         self.current()?;
-        let lane = &self.lanes[0];
-        sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, lane.stream)
-            .result()
-            .map_err(drv("cuMemcpyDtoHAsync"))?;
-        lane.mark(0)
+        self.lanes[0].enqueue(0, |stream| {
+            // SAFETY: the caller's promise for `dst` and `src`; the lane's live stream.
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, bytes, stream) }
+                .result()
+                .map_err(drv("cuMemcpyDtoHAsync"))
+        })
     }
 
     unsafe fn upload_queued(&self, dst: DevPtr, src: *const u8, bytes: usize) -> Result<CopyMark> {
         self.current()?;
-        let lane = &self.lanes[1];
-        sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, lane.stream)
-            .result()
-            .map_err(drv("cuMemcpyHtoDAsync"))?;
-        lane.mark(1)
+        self.lanes[1].enqueue(1, |stream| {
+            // SAFETY: the caller's promise for `dst` and `src`; the lane's live stream.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast::<c_void>(), bytes, stream) }
+                .result()
+                .map_err(drv("cuMemcpyHtoDAsync"))
+        })
     }
 
     fn wait_copy(&self, mark: CopyMark) -> Result<()> {

@@ -102,6 +102,8 @@ pub struct HostDevice {
     queued: AtomicU64,
     /// Queued copies beyond this many fail ([`HostDevice::failing_copies_after`]).
     fail_after: Option<u64>,
+    /// Downloads run when queued ([`HostDevice::with_eager_downloads`]).
+    eager_downloads: bool,
     lanes: Mutex<Lanes>,
     /// Live [`Device::host_alloc`] memory: address → bytes.
     host: Mutex<HashMap<usize, usize>>,
@@ -149,6 +151,7 @@ impl HostDevice {
             copies: AtomicU64::new(0),
             queued: AtomicU64::new(0),
             fail_after: None,
+            eager_downloads: false,
             lanes: Mutex::new(Lanes::default()),
             host: Mutex::new(HashMap::new()),
         }
@@ -158,6 +161,14 @@ impl HostDevice {
     /// the middle of a staged pipeline).
     pub fn failing_copies_after(mut self, n: u64) -> HostDevice {
         self.fail_after = Some(n);
+        self
+    }
+
+    /// This device running each download as soon as it is queued (uploads still run
+    /// when waited for): the other order a real device may take, in which a download
+    /// into a buffer whose upload was not waited for overwrites what the upload reads.
+    pub fn with_eager_downloads(mut self) -> HostDevice {
+        self.eager_downloads = true;
         self
     }
 
@@ -195,38 +206,50 @@ impl HostDevice {
         let i = lane as usize;
         l.next[i] += 1;
         let seq = l.next[i];
-        l.pending[i].push_back((seq, copy));
+        if self.eager_downloads && lane == 0 {
+            // In order with the lane's earlier copies, which run first.
+            while let Some((_, earlier)) = l.pending[i].pop_front() {
+                Self::run_copy(earlier)?;
+            }
+            Self::run_copy(copy)?;
+        } else {
+            l.pending[i].push_back((seq, copy));
+        }
         Ok(CopyMark { lane, seq })
     }
 
-    /// Runs lane `lane`'s queued copies up to `seq`.
+    /// Runs lane `lane`'s queued copies up to `seq`, in order (the lanes' lock held
+    /// throughout, so concurrent waiters cannot run one lane's copies out of order).
     fn run_lane(&self, lane: usize, seq: u64) -> Result<()> {
+        let mut l = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            let next = {
-                let mut l = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-                match l.pending[lane].front() {
-                    Some(&(s, _)) if s <= seq => l.pending[lane].pop_front(),
-                    _ => None,
-                }
+            let next = match l.pending[lane].front() {
+                Some(&(s, _)) if s <= seq => l.pending[lane].pop_front(),
+                _ => None,
             };
             let Some((_, copy)) = next else {
                 return Ok(());
             };
-            match copy {
-                Queued::Down { dst, src, bytes } => {
-                    let data = memory().read(src, bytes)?;
-                    // SAFETY: `download_queued`'s caller keeps `dst` (checked to lie in
-                    // a live host allocation) for this copy until its mark is waited for.
-                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, bytes) };
-                }
-                Queued::Up { dst, src, bytes } => {
-                    // SAFETY: `upload_queued`'s caller keeps `src` (checked to lie in a
-                    // live host allocation) unchanged until its mark is waited for.
-                    let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) };
-                    memory().write(dst, data)?;
-                }
+            Self::run_copy(copy)?;
+        }
+    }
+
+    fn run_copy(copy: Queued) -> Result<()> {
+        match copy {
+            Queued::Down { dst, src, bytes } => {
+                let data = memory().read(src, bytes)?;
+                // SAFETY: `download_queued`'s caller keeps `dst` (checked to lie in
+                // a live host allocation) for this copy until its mark is waited for.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, bytes) };
+            }
+            Queued::Up { dst, src, bytes } => {
+                // SAFETY: `upload_queued`'s caller keeps `src` (checked to lie in a
+                // live host allocation) unchanged until its mark is waited for.
+                let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) };
+                memory().write(dst, data)?;
             }
         }
+        Ok(())
     }
 
     /// A simulated process on simulated GPU `gpu`: devices made with the same `gpu` share

@@ -461,10 +461,13 @@ struct Settle<'a, D: Device> {
 impl<D: Device> Drop for Settle<'_, D> {
     fn drop(&mut self) {
         if let Err(e) = self.dev.synchronize() {
+            // A device that cannot say its copies are done: the scratch buffer is
+            // leaked rather than freed under a copy that may still write it.
             tracing::warn!(
                 "eccl: {}: waiting for staged copies: {e}",
                 self.dev.describe()
             );
+            return;
         }
         if let Some(p) = self.scratch.take() {
             // SAFETY: allocated by the staged call, nothing queued uses it (waited above).
@@ -473,8 +476,8 @@ impl<D: Device> Drop for Settle<'_, D> {
     }
 }
 
-/// An all_reduce through host memory as a pipeline of chunks
-/// ([`IpcComm::stage_bytes`] each, in three page-locked buffers): while the host
+/// An all_reduce through host memory as a pipeline of chunks (about four, of 4 to 64
+/// MiB: [`IpcComm::stage_bytes`]; in three page-locked buffers): while the host
 /// all_reduce of chunk i runs over the links, the download lane copies chunks i+1 and
 /// i+2 to the host and the upload lane copies chunk i-1's result back, so the copies in
 /// both directions overlap the links. Each chunk is one host collective (every rank
@@ -550,12 +553,17 @@ unsafe fn pipeline<D: Device>(
         return Ok(());
     }
     let world = comm.world_size();
-    let chunk = (ipc.stage_bytes() / size).max(1) * size;
+    // About four chunks: every chunk is a collective whose fixed cost (a ring's 2(n-1)
+    // latencies) the copies it overlaps must outweigh, so a call is cut into a few
+    // large ones rather than many small ones; at most 16 times the smallest, so three
+    // buffers of page-locked memory stay bounded (192 MiB by default).
+    let least = ipc.stage_bytes();
+    let chunk = total.div_ceil(4).clamp(least, 16 * least).div_ceil(size) * size;
     let chunks = total.div_ceil(chunk);
     let slots = chunks.min(3);
     let dev_arc = ipc.device().clone();
     let dev = dev_arc.as_ref();
-    let stage = ipc.stage_buffers(slots)?.to_vec();
+    let stage = ipc.stage_buffers(slots, chunk)?.to_vec();
     let mut settle = Settle { dev, scratch: None };
     if keep && chunks > 1 {
         settle.scratch = Some(dev.alloc(total)?);
@@ -567,7 +575,7 @@ unsafe fn pipeline<D: Device>(
     for (i, &host) in stage.iter().enumerate() {
         let (off, len) = span(i);
         // SAFETY: `buf` holds `total` bytes (the caller's promise); the stage buffer
-        // holds `stage_bytes` >= `len` and is ours until the mark is waited for.
+        // holds at least `chunk` >= `len` bytes and is ours until the mark is waited for.
         downs.push(unsafe { dev.download_queued(host, buf + off as u64, len) }?);
     }
     for i in 0..chunks {

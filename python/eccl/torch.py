@@ -233,12 +233,21 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit(ws, tensors)
 
     def _all_reduce_cuda(self, tensors, opts=None):
-        """all_reduce of CUDA tensors whose ranks all run on this host: over CUDA IPC,
-        GPU to GPU (`eccl.torch_cuda`)."""
+        """all_reduce of CUDA tensors: eccl's device call, over CUDA IPC GPU to GPU where
+        every rank runs on this host, through host memory in pipelined chunks otherwise
+        (`eccl.torch_cuda`). A non-contiguous tensor goes through a contiguous copy (on
+        its stream, which the call waits for), copied back when the call is done."""
         op, factor = _op_and_factor(opts)
         # The multiplication runs on the tensors' stream, which the call waits for.
         tensors = [_premultiplied(t, factor, True) for t in tensors]
-        return self._calls.submit(all_reduce_ipc(self.comm, tensors, op), tensors)
+        flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        pairs = [(t, f) for t, f in zip(tensors, flat) if f is not t]
+
+        def copy_back() -> None:
+            for t, f in pairs:
+                t.copy_(f)
+        return self._calls.submit(all_reduce_ipc(self.comm, flat, op), tensors,
+                                  copy_back if pairs else None)
 
     def allreduce_coalesced(self, tensors, opts=None):
         # One collective over the list (eccl packs it into one buffer), as gloo does.

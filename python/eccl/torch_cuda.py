@@ -214,6 +214,14 @@ IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
              "gather", "scatter")
 
 
+def _device_all_reduce_ok(ts: List[torch.Tensor]) -> bool:
+    """Whether an all_reduce of `ts` goes to eccl's device call: from what every rank of a
+    correct call has alike (dtypes, one device), so every rank takes the same path; a
+    non-contiguous tensor goes through a contiguous copy (`_all_reduce_cuda`)."""
+    return (bool(ts) and all(t.dtype in IPC_DTYPES for t in ts)
+            and len({t.device for t in ts}) == 1)
+
+
 def _ipc_ok(ts: List[torch.Tensor]) -> bool:
     return (bool(ts) and all(t.is_contiguous() and t.dtype in IPC_DTYPES for t in ts)
             and len({t.device for t in ts}) == 1)
@@ -397,7 +405,7 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             raise eccl.InvalidArgumentError(
                 f"{name}: a call mixes tensors on {sorted(kinds)}; eccl moves the "
                 "tensors of one call on one kind of device")
-        if name == "allreduce" and _ipc_ok(_tensors(args[0])):
+        if name == "allreduce" and _device_all_reduce_ok(_tensors(args[0])):
             # eccl's device all_reduce: over CUDA IPC where every rank runs on this host
             # and ECCL_CUDA_IPC is not 0, through host memory in pipelined chunks
             # otherwise (every rank takes the same path, from the ranks' records).

@@ -218,3 +218,44 @@ def test_a_staged_calls_waits_for_its_copies_go_first_in_its_work():
         torch_cuda.STAGING.waits = []
     assert [w.name for w in work._works] == ["wait", "call"]
     assert [w.name for w in again._works] == ["next"]
+
+
+def test_every_rank_takes_the_device_all_reduce_from_what_ranks_share():
+    """all_reduce goes to eccl's device call (IPC on one host, the staged pipeline
+    elsewhere) by the tensors' dtypes and device alone, which every rank of a correct
+    call has alike; a layout does not change the path."""
+    ok = torch_cuda._device_all_reduce_ok
+    assert ok([torch.zeros(8)]) and ok([torch.zeros(4, 4).t()])
+    assert ok([torch.zeros(8, dtype=torch.bfloat16), torch.zeros(2)])
+    assert not ok([]) and not ok([torch.zeros(8, dtype=torch.bool)])
+    assert not ok([torch.zeros(8, dtype=torch.int16)])
+    assert not ok([torch.zeros(8), torch.zeros(8, device="meta")])
+
+
+def test_a_non_contiguous_all_reduce_goes_through_a_contiguous_copy():
+    """A non-contiguous tensor's all_reduce hands the device call a contiguous copy and
+    writes the result back into the tensor once the call is done."""
+    import types
+
+    from eccl.torch import ProcessGroupEccl
+
+    submitted = []
+    fake = types.SimpleNamespace(
+        comm=Comm(), _calls=types.SimpleNamespace(submit=lambda *a: submitted.append(a)))
+    t = torch.arange(16.0).view(4, 4).t()
+    ProcessGroupEccl._all_reduce_cuda(fake, [t], None)
+    name, args, kw = fake.comm.calls[1]
+    copy = kw["owner"]
+    assert name == "all_reduce_device" and copy.is_contiguous() and torch.equal(copy, t)
+    assert args[0] == copy.data_ptr() and args[1] == 16 and copy.data_ptr() != t.data_ptr()
+    (works, result, after), = submitted
+    assert result == [t] and after is not None
+    copy.fill_(3.0)
+    after()
+    assert bool((t == 3.0).all())
+    # A contiguous tensor goes as it is, with nothing to copy back.
+    submitted.clear()
+    u = torch.zeros(8)
+    fake.comm.calls.clear()
+    ProcessGroupEccl._all_reduce_cuda(fake, [u], None)
+    assert fake.comm.calls[1][2]["owner"] is u and submitted[0][2] is None

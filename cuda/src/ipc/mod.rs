@@ -189,15 +189,18 @@ pub struct IpcComm<D: Device> {
     host_only: bool,
     /// The current world's ranks run on more than one host: the same.
     spans_hosts: bool,
-    /// Page-locked host buffers of the staged path ([`IpcComm::stage_buffers`]).
+    /// Page-locked host buffers of the staged path ([`IpcComm::stage_buffers`]), each
+    /// of `stage_len` bytes.
     stage: Vec<*mut u8>,
-    /// Their size, and the size of a staged pipeline's chunk.
+    stage_len: usize,
+    /// The staged pipeline's smallest chunk.
     stage_bytes: usize,
 }
 
-/// The default chunk of a staged pipeline (host memory between device and links): large
-/// enough that a host collective's fixed cost is small beside its bytes, small enough
-/// that the copies of neighbouring chunks overlap it.
+/// The smallest chunk of a staged pipeline (host memory between device and links):
+/// large enough that a host collective's fixed cost is small beside its bytes, small
+/// enough that the copies of neighbouring chunks overlap it. A call is cut into about
+/// four chunks of at least this, and at most 16 times this.
 pub const STAGE_BYTES: usize = 4 << 20;
 
 // SAFETY: the stage buffers are host memory this value owns alone (allocated and freed
@@ -216,17 +219,17 @@ impl<D: Device> IpcComm<D> {
             host_only: std::env::var("ECCL_CUDA_IPC").is_ok_and(|v| v.trim() == "0"),
             spans_hosts: false,
             stage: Vec::new(),
+            stage_len: 0,
             stage_bytes: STAGE_BYTES,
         }
     }
 
-    /// Sets the staged pipeline's chunk (bytes, at least 1 KiB; the next call that
-    /// stages allocates buffers of that size).
+    /// Sets the staged pipeline's smallest chunk (bytes, at least 1 KiB; [`STAGE_BYTES`]
+    /// unless set). Every rank of a world must use the same (its chunks are collectives
+    /// that pair with the others'): a knob for tests, which stage small buffers in many
+    /// chunks.
     pub fn set_stage_bytes(&mut self, bytes: usize) {
-        if bytes.max(1024) != self.stage_bytes {
-            self.free_stage();
-            self.stage_bytes = bytes.max(1024);
-        }
+        self.stage_bytes = bytes.max(1024);
     }
 
     /// Keeps this rank's calls off CUDA IPC (`ECCL_CUDA_IPC=0` sets it): every rank of
@@ -243,16 +246,20 @@ impl<D: Device> IpcComm<D> {
         self.spans_hosts = spans;
     }
 
-    /// The staged pipeline's chunk in bytes.
+    /// The staged pipeline's smallest chunk in bytes.
     pub fn stage_bytes(&self) -> usize {
         self.stage_bytes
     }
 
-    /// `slots` page-locked host buffers of [`IpcComm::stage_bytes`] each, kept for the
-    /// next call (allocating page-locked memory takes milliseconds).
-    pub fn stage_buffers(&mut self, slots: usize) -> Result<&[*mut u8], DeviceError> {
+    /// `slots` page-locked host buffers of at least `bytes` each, kept for the next call
+    /// (allocating page-locked memory takes milliseconds; a larger size replaces them).
+    pub fn stage_buffers(&mut self, slots: usize, bytes: usize) -> Result<&[*mut u8], DeviceError> {
+        if bytes > self.stage_len {
+            self.free_stage();
+            self.stage_len = bytes;
+        }
         while self.stage.len() < slots {
-            let p = self.dev.host_alloc(self.stage_bytes)?;
+            let p = self.dev.host_alloc(self.stage_len)?;
             self.stage.push(p);
         }
         Ok(&self.stage[..slots])
@@ -262,8 +269,8 @@ impl<D: Device> IpcComm<D> {
         // Nothing queued uses them: every staged call waits for its copies.
         if self.dev.synchronize().is_ok() {
             for p in self.stage.drain(..) {
-                // SAFETY: allocated by `stage_buffers` with `stage_bytes`, no copy queued.
-                unsafe { self.dev.host_free(p, self.stage_bytes) };
+                // SAFETY: allocated by `stage_buffers` with `stage_len`, no copy queued.
+                unsafe { self.dev.host_free(p, self.stage_len) };
             }
         } else {
             // A device that cannot say its copies are done: leak them rather than free
@@ -373,11 +380,9 @@ impl<D: Device> IpcComm<D> {
         refused: Option<String>,
     ) -> Result<Vec<Meta>, IpcError> {
         let (rank, world) = (ex.rank(), ex.world());
-        if world > MAX_PTRS {
-            return Err(IpcError::Invalid(format!(
-                "the same-host path serves at most {MAX_PTRS} ranks ({world} here)"
-            )));
-        }
+        // More ranks than a kernel reads: through host memory (every rank knows the
+        // world's size, so every rank goes there), after the records are checked.
+        let too_many = world > MAX_PTRS;
         if self.epoch != Some(ex.epoch()) {
             self.release();
             self.epoch = Some(ex.epoch());
@@ -386,7 +391,7 @@ impl<D: Device> IpcComm<D> {
         self.phases.calls += 1;
         // The caller's writes to its buffers are done before any peer reads them.
         self.dev.synchronize()?;
-        let host_only = self.host_only || self.spans_hosts;
+        let host_only = self.host_only || self.spans_hosts || too_many;
         let export = |dev: &D, (ptr, bytes): (DevPtr, usize)| {
             if bytes > 0 && refused.is_none() && !host_only {
                 dev.ipc_export(ptr)
@@ -397,7 +402,7 @@ impl<D: Device> IpcComm<D> {
         let meta = Meta {
             call,
             refused: refused.is_some(),
-            host_only: self.host_only || self.spans_hosts,
+            host_only,
             send: export(&self.dev, send)?,
             recv: export(&self.dev, recv)?,
             gpu: self.dev.gpu_id()?,
@@ -438,6 +443,11 @@ impl<D: Device> IpcComm<D> {
         // Asked at every call, from the records every rank has: a verdict kept from an
         // earlier call would be one device's alone, and a rank calling on another device
         // would exchange while the others did not.
+        if too_many {
+            return Err(IpcError::NoPeerAccess(format!(
+                "the GPU to GPU path serves at most {MAX_PTRS} ranks ({world} here)"
+            )));
+        }
         if let Some(why) = unreachable(&metas) {
             return Err(IpcError::NoPeerAccess(why));
         }

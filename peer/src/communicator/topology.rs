@@ -47,11 +47,14 @@ const STRIPE_STEP: u16 = 4;
 /// bound the connections or nothing showed the path full (the connections were held
 /// back by their own congestion windows: slow start, which every idle connection starts
 /// over, is many round trips there; a busy host made the first verdict, the window's
-/// share alone, miss a long fat path two times in six); as many as it has otherwise: a
-/// congested path is full, and on a short one a full window means a receiver slower
-/// than the path, which more connections do not cure.
+/// share alone, miss a long fat path two times in six). That second reason stripes a
+/// single connection only: a striped link grows further only when its windows bound it
+/// (idle connections start slow on every probe, so "no congestion" alone would take
+/// every long path to the cap). As many as it has otherwise: a congested path is full,
+/// and on a short one a full window means a receiver slower than the path, which more
+/// connections do not cure.
 pub(crate) fn stripes_wanted(connections: u16, share: f64, congested: bool, rtt: Duration) -> u16 {
-    if (share > WINDOW_BOUND || !congested) && rtt >= LONG_PATH_RTT {
+    if (share > WINDOW_BOUND || (!congested && connections == 1)) && rtt >= LONG_PATH_RTT {
         connections
             .saturating_mul(STRIPE_STEP)
             .min(eccl_protocol::MAX_STRIPES)
@@ -309,6 +312,11 @@ mod tests {
             stripes_wanted(1, 0.2, false, long),
             4,
             "held back by its congestion window on a path with room"
+        );
+        assert_eq!(
+            stripes_wanted(4, 0.2, false, long),
+            4,
+            "a striped link grows only when its windows bound it"
         );
     }
 

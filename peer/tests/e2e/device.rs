@@ -341,7 +341,8 @@ async fn a_host_memory_all_to_all_moves_blocks_larger_than_a_link_holds_and_chec
 /// the copies it queued on its lanes, and its kernels and device copies.
 type Staged = (Result<(), eccl::Error>, Vec<f32>, u64, u64);
 
-/// An all_reduce of `count` f32 through host memory in chunks of 1 KiB (256 values).
+/// An all_reduce of `count` f32 through host memory, its smallest chunk 1 KiB (a call
+/// is cut into about four chunks of 1 to 16 KiB).
 fn staged_all_reduce(
     comms: Vec<eccl::Communicator>,
     make: &(dyn Fn(usize) -> HostDevice + Sync),
@@ -372,37 +373,52 @@ fn staged_all_reduce(
 }
 
 /// Where the GPUs cannot reach each other, and in a world across hosts, an all_reduce
-/// goes through host memory as a pipeline of chunks over the copy lanes (whose host
-/// double runs a copy only when it is waited for, so a chunk read before its download
-/// or a buffer reused before its upload shows as a wrong result): exact results on
-/// every rank, with and without G2's scratch buffer, a ragged last chunk, and no
-/// reduction on the device.
+/// goes through host memory as a pipeline of chunks over the copy lanes. The host
+/// double runs a copy only when it is waited for (so a chunk read before its download
+/// shows as a wrong result) or, in its other mode, a download at once (so a buffer
+/// refilled before its upload ran does): exact results on every rank in both, with and
+/// without G2's scratch buffer, a ragged last chunk, and no reduction on the device.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staged_all_reduce_runs_as_a_pipeline_of_chunks() {
     let m = start_master(&[]);
-    let count = 5000; // 20,000 bytes: 19 chunks of 1 KiB and one of 544 bytes
-    let chunks = 20;
+    let count = 50_000; // 200,000 bytes: 12 chunks of 16 KiB and one of 3,392 bytes
+    let chunks = 13;
+    let inputs: Vec<Vec<f32>> = (0..N).map(|r| values(count, r)).collect();
     let want: Vec<f32> = (0..count)
-        .map(|i| (0..N).map(|r| values(count, r)[i]).sum())
+        .map(|i| inputs.iter().map(|v| v[i]).sum())
         .collect();
-    for keep in [true, false] {
+    for (keep, eager) in [(true, false), (false, false), (true, true), (false, true)] {
         let comms = world(&m.addr, N as u32).await;
         let res = staged_all_reduce(
             comms,
-            &|r| HostDevice::on_gpu(r as u32).reaching(&[]),
+            &|r| {
+                let d = HostDevice::on_gpu(r as u32).reaching(&[]);
+                if eager {
+                    d.with_eager_downloads()
+                } else {
+                    d
+                }
+            },
             count,
             keep,
         );
         for (r, (res, out, queued, device)) in res.into_iter().enumerate() {
-            res.unwrap_or_else(|e| panic!("keep {keep} rank {r}: {e}"));
-            assert!(out == want, "keep {keep} rank {r}: wrong result");
+            res.unwrap_or_else(|e| panic!("keep {keep} eager {eager} rank {r}: {e}"));
+            assert!(
+                out == want,
+                "keep {keep} eager {eager} rank {r}: wrong result"
+            );
             assert_eq!(
                 queued,
                 2 * chunks,
-                "keep {keep} rank {r}: a download and an upload per chunk"
+                "keep {keep} eager {eager} rank {r}: a download and an upload per chunk"
             );
             // keep: one device copy, scratch over the buffer; no reduction either way.
-            assert_eq!(device, u64::from(keep), "keep {keep} rank {r}");
+            assert_eq!(
+                device,
+                u64::from(keep),
+                "keep {keep} eager {eager} rank {r}"
+            );
         }
     }
     // Every rank on one simulated GPU, which IPC would serve on one host; each rank on a

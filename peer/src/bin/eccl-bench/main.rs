@@ -389,7 +389,7 @@ async fn run_peer(
     };
     if show {
         if let Some(d) = &device {
-            println!("# device memory: {}, same-host CUDA IPC", d.describe());
+            println!("# device memory: {}, GPU to GPU over CUDA IPC on one host, else a pipeline through host memory", d.describe());
         }
     }
     let mut rows = Vec::new();
