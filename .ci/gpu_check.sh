@@ -120,9 +120,15 @@ ddp = res.get("ddp_cuda", {}).get("runs", {})
 if "eccl" in ddp:
     targets["ddp gloo/eccl step"] = ddp["eccl"].get("gloo_over_eccl")
     targets["ddp same params as gloo"] = ddp["eccl"].get("same_params_as_gloo")
+if "eccl-staged" in ddp:
+    targets["ddp staged gloo/eccl step"] = ddp["eccl-staged"].get("gloo_over_eccl")
+    targets["ddp staged same params as gloo"] = ddp["eccl-staged"].get("same_params_as_gloo")
 res["targets"] = targets
+# Two ranks: a sum of two is the same bits in any order, so both of eccl's paths must
+# end with gloo's parameters exactly.
 res["passed"] = all(s["exit"] == 0 for s in res["steps"].values()) and \
-    not any(res["kernels_wrong"].values())
+    not any(res["kernels_wrong"].values()) and \
+    all(ddp[n].get("same_params_as_gloo") is not False for n in ("eccl", "eccl-staged") if n in ddp)
 (out / "gpu-check.json").write_text(json.dumps(res, indent=1))
 print(json.dumps({"passed": res["passed"], "steps": res["steps"], "targets": targets}, indent=1))
 sys.exit(0 if res["passed"] else 1)

@@ -158,11 +158,13 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
+@pytest.mark.parametrize("path", ["ipc", "staged"])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_peer_lost_mid_call_fails_the_survivor_fast_with_its_tensor_unchanged(fault):
+def test_a_peer_lost_mid_call_fails_the_survivor_fast_with_its_tensor_unchanged(fault, path):
     """G2 on the device: with keep_on_abort=True a survivor's CUDA tensor is as it was
     before the failed call; a killed peer is noticed at once, a stopped one at its lease;
-    no hang."""
+    no hang. Over CUDA IPC, and through host memory (`ECCL_CUDA_IPC=0`: the staged
+    pipeline, 64 MiB in four chunks through a device scratch buffer)."""
     import json
     import signal
     import subprocess
@@ -170,9 +172,10 @@ def test_a_peer_lost_mid_call_fails_the_survivor_fast_with_its_tensor_unchanged(
 
     import eccl
     master = eccl.Master()
+    env = dict(os.environ, ECCL_CUDA_IPC="1" if path == "ipc" else "0")
     procs = [subprocess.Popen([sys.executable, "-c", FAULT_SCRIPT, str(r), fault, master.addr,
                                master.secret], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
+                              text=True, env=env) for r in range(2)]
     try:
         out, err = procs[0].communicate(timeout=90)
     finally:
