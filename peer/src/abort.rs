@@ -188,38 +188,67 @@ impl AbortState {
 
 /// Observes every link of a communicator on behalf of its current epoch: an Abort frame
 /// breaks the epoch it names only if that is the current one, so frames of an old
-/// epoch never disturb the new one, also on links kept across epochs.
+/// epoch never disturb the new one, also on links kept across epochs. A notice for an
+/// epoch this communicator has not entered yet (a peer that entered it first and
+/// failed its first call there at once, a wrong argument say) is kept and breaks that
+/// epoch when this one enters it: dropped, it would leave this rank waiting in that
+/// epoch's call for a peer that has moved on (found by a hang of the shared-memory
+/// collectives' test across hosts under load, 1 run in 6).
 pub(crate) struct EpochLinkObserver {
     pub state: Arc<AbortState>,
-    /// Rank in the current epoch of the peer at the other end of each link, by link name.
-    names: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    /// Held while the epoch moves, so a notice is judged against one epoch or the next,
+    /// never lost between them.
+    inner: std::sync::Mutex<Observed>,
 }
+
+#[derive(Default)]
+struct Observed {
+    /// Rank in the current epoch of the peer at the other end of each link, by link name.
+    names: std::collections::HashMap<String, u32>,
+    /// Notices for later epochs: link name, header, reason.
+    early: Vec<(String, FrameHeader, String)>,
+}
+
+/// Notices for later epochs kept at most (a peer sends one per epoch it breaks).
+const MAX_EARLY: usize = 64;
 
 impl EpochLinkObserver {
     pub fn new(state: Arc<AbortState>) -> EpochLinkObserver {
         EpochLinkObserver {
             state,
-            names: Default::default(),
+            inner: Default::default(),
         }
     }
 
-    /// Moves to `epoch`, whose members' links are named as in `names`.
+    fn observed(&self) -> std::sync::MutexGuard<'_, Observed> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves to `epoch`, whose members' links are named as in `names`; a notice that
+    /// came early for it breaks it now.
     pub fn enter(&self, epoch: u64, names: std::collections::HashMap<String, u32>) {
-        if let Ok(mut n) = self.names.lock() {
-            *n = names;
+        let now: Vec<_> = {
+            let mut o = self.observed();
+            o.names = names;
+            self.state.current.store(epoch, Ordering::Release);
+            self.state.local.store(0, Ordering::Release);
+            let early = std::mem::take(&mut o.early);
+            let (now, later): (Vec<_>, Vec<_>) = early
+                .into_iter()
+                .filter(|(_, h, _)| h.epoch >= epoch)
+                .partition(|(_, h, _)| h.epoch == epoch);
+            o.early = later;
+            now.into_iter()
+                .map(|(peer, h, reason)| (o.names.get(&peer).copied(), h, reason))
+                .collect()
+        };
+        for (rank, h, reason) in now {
+            self.raise(epoch, rank, &h, &reason);
         }
-        self.state.current.store(epoch, Ordering::Release);
-        self.state.local.store(0, Ordering::Release);
     }
-}
 
-impl LinkObserver for EpochLinkObserver {
-    fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str) {
-        let epoch = self.state.current.load(Ordering::Acquire);
-        if header.epoch != epoch {
-            return;
-        }
-        let rank = self.names.lock().ok().and_then(|n| n.get(peer).copied());
+    /// Breaks `epoch` for the notice `header` from the peer of rank `rank`.
+    fn raise(&self, epoch: u64, rank: Option<u32>, header: &FrameHeader, reason: &str) {
         let cause = AbortCause::from_u32(header.index);
         // The peer had done every collective before #seq (the module's comment); a
         // point-to-point failure breaks the epoch.
@@ -251,6 +280,27 @@ impl LinkObserver for EpochLinkObserver {
             },
         };
         self.state.raise_from(epoch, from_seq, error);
+    }
+}
+
+impl LinkObserver for EpochLinkObserver {
+    fn on_abort(&self, peer: &str, header: &FrameHeader, reason: &str) {
+        let (epoch, rank) = {
+            let mut o = self.observed();
+            let epoch = self.state.current.load(Ordering::Acquire);
+            if header.epoch > epoch {
+                if o.early.len() < MAX_EARLY {
+                    o.early
+                        .push((peer.to_string(), *header, reason.to_string()));
+                }
+                return;
+            }
+            if header.epoch != epoch {
+                return;
+            }
+            (epoch, o.names.get(peer).copied())
+        };
+        self.raise(epoch, rank, header, reason);
     }
 
     fn on_failure(&self, peer: &str, error: &TransportError) {
@@ -350,6 +400,36 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A notice for an epoch not entered yet breaks that epoch once it is entered (the
+    /// peer entered it first and failed its first call there at once), not the current
+    /// one; one for an epoch skipped over is dropped.
+    #[test]
+    fn a_notice_that_comes_before_its_epoch_breaks_it_when_entered() {
+        let a = AbortState::new();
+        let obs = EpochLinkObserver::new(a.clone());
+        obs.enter(3, [("p".to_string(), 1)].into_iter().collect());
+        let mut h = crate::executor::close_header(4);
+        h.index = AbortCause::InvalidArgument as u32;
+        obs.on_abort("p", &h, "rank 0: invalid argument: test");
+        let mut skipped = crate::executor::close_header(5);
+        skipped.index = AbortCause::EpochAborted as u32;
+        obs.on_abort("p", &skipped, "rank 0: aborted: test");
+        assert!(a.check(3).is_none(), "the current epoch goes on");
+        obs.enter(4, [("p".to_string(), 2)].into_iter().collect());
+        match a.check(4) {
+            Some(Error::Mismatch { rank, detail, .. }) => {
+                assert_eq!(rank, Some(2), "the peer's rank in the epoch it broke");
+                assert!(detail.contains("invalid argument"), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+        obs.enter(6, Default::default());
+        assert!(
+            a.check(6).is_none(),
+            "a notice for epoch 5, never entered, is dropped"
+        );
     }
 
     /// The race the torch contract's abort scenario lost about once in 13 runs on a

@@ -558,7 +558,11 @@ unsafe fn pipeline<D: Device>(
     // large ones rather than many small ones; at most 16 times the smallest, so three
     // buffers of page-locked memory stay bounded (192 MiB by default).
     let least = ipc.stage_bytes();
-    let chunk = total.div_ceil(4).clamp(least, 16 * least).div_ceil(size) * size;
+    let chunk = total
+        .div_ceil(4)
+        .clamp(least, least.saturating_mul(16))
+        .div_ceil(size)
+        * size;
     let chunks = total.div_ceil(chunk);
     let slots = chunks.min(3);
     let dev_arc = ipc.device().clone();

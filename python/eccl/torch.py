@@ -244,8 +244,12 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         pairs = [(t, f) for t, f in zip(tensors, flat) if f is not t]
 
         def copy_back() -> None:
+            # Done before the Work completes, whichever thread finishes it (whose current
+            # stream orders nothing for the caller's): then `f` may be freed.
             for t, f in pairs:
                 t.copy_(f)
+            for d in {t.device for t, _ in pairs if t.is_cuda}:
+                torch.cuda.current_stream(d).synchronize()
         return self._calls.submit(all_reduce_ipc(self.comm, flat, op), tensors,
                                   copy_back if pairs else None)
 

@@ -440,6 +440,27 @@ async fn a_staged_all_reduce_runs_as_a_pipeline_of_chunks() {
     }
 }
 
+/// A world of more ranks than one kernel reads (9 > 8) on one host, every GPU reaching
+/// every other: its calls go through host memory (the all_reduce as the pipeline), where
+/// they failed before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_world_of_more_ranks_than_a_kernel_reads_goes_through_host_memory() {
+    let m = start_master(&[]);
+    let n = 9;
+    let count = 5000;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| values(count, r)).collect();
+    let want: Vec<f32> = (0..count)
+        .map(|i| inputs.iter().map(|v| v[i]).sum())
+        .collect();
+    let comms = world(&m.addr, n as u32).await;
+    let res = staged_all_reduce(comms, &|_| HostDevice::on_gpu(3), count, true);
+    for (r, (res, out, queued, _)) in res.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r} of {n}: {e}"));
+        assert!(out == want, "rank {r} of {n}: wrong result");
+        assert_eq!(queued, 8, "rank {r}: four chunks down and up");
+    }
+}
+
 /// A rank whose device fails a copy in the middle of a staged all_reduce aborts the
 /// epoch: the others fail at once (not at their collective timeout) with their buffers
 /// as they were (G2, `keep`), and the failing rank's error names its device.
