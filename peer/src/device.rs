@@ -5,7 +5,7 @@
 //! [`run`], which takes a world whose GPUs cannot reach each other's memory through host
 //! memory instead.
 
-pub use eccl_cuda::{self as cuda, DevPtr, Device, DeviceError, IpcComm, IpcError};
+pub use eccl_cuda::{self as cuda, CopyMark, DevPtr, Device, DeviceError, IpcComm, IpcError};
 
 use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
 
@@ -210,6 +210,19 @@ fn spans_hosts(comm: &Communicator) -> bool {
 }
 
 impl DeviceCall {
+    /// The call's collective, as logs and errors name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeviceCall::AllReduce { .. } => "all_reduce",
+            DeviceCall::AllGather { .. } => "all_gather",
+            DeviceCall::ReduceScatter { .. } => "reduce_scatter",
+            DeviceCall::Broadcast { .. } => "broadcast",
+            DeviceCall::AllToAll { .. } => "all_to_all",
+            DeviceCall::Gather { .. } => "gather",
+            DeviceCall::Scatter { .. } => "scatter",
+        }
+    }
+
     /// Whether a buffer the call moves something through on every rank has the null
     /// address (a rooted call's buffer that only the root has is checked with the
     /// others' records, on every rank alike).
@@ -391,16 +404,14 @@ unsafe fn staged<D: Device>(
     ipc: &mut IpcComm<D>,
     call: &DeviceCall,
 ) -> Result<(), Error> {
-    if let DeviceCall::AllReduce {
-        buf,
-        count,
-        dtype,
-        op,
-        keep,
-    } = *call
-    {
+    if matches!(
+        call,
+        DeviceCall::AllReduce { .. }
+            | DeviceCall::AllGather { .. }
+            | DeviceCall::ReduceScatter { .. }
+    ) {
         // SAFETY: the caller's promise.
-        return unsafe { staged_all_reduce(comm, rt, ipc, buf, count, dtype, op, keep) };
+        return unsafe { staged_pipeline(comm, rt, ipc, call) };
     }
     let dev = ipc.device().as_ref();
     let rank = comm.rank().map_or(0, |r| r.idx());
@@ -476,41 +487,39 @@ impl<D: Device> Drop for Settle<'_, D> {
     }
 }
 
-/// An all_reduce through host memory as a pipeline of chunks (about four, of 4 to 64
-/// MiB: [`IpcComm::stage_bytes`]; in three page-locked buffers): while the host
-/// all_reduce of chunk i runs over the links, the download lane copies chunks i+1 and
-/// i+2 to the host and the upload lane copies chunk i-1's result back, so the copies in
-/// both directions overlap the links. Each chunk is one host collective (every rank
-/// reached this with the same call: the records said so). With `keep` and more than
-/// one chunk the results go to a device scratch buffer, copied over `buf` once every
-/// chunk succeeded (G2: a failed call leaves `buf` as it was); a single chunk is
-/// uploaded only after its collective succeeded, so it needs none. A device error on
-/// this rank aborts the epoch (the other ranks, waiting in a chunk's collective for
-/// this one, fail at once instead of at their timeout) and fails the call with
-/// `Aborted`, naming it.
+/// all_reduce, all_gather and reduce_scatter through host memory as a pipeline of
+/// chunks (about four, of 4 to 64 MiB: [`IpcComm::stage_bytes`]; in three slots of
+/// page-locked buffers): while the host collective of chunk i runs over the links, the
+/// download lane copies chunks i+1 and i+2 to the host and the upload lane copies chunk
+/// i-1's result back, so the copies in both directions overlap the links. Each chunk is
+/// one host collective (every rank reached this with the same call: the records said
+/// so): of an all_reduce, a slice of the buffer; of an all_gather or a reduce_scatter,
+/// the same slice of every rank's block (one copy down and one per rank up, or the
+/// other way round). With `keep` (all_reduce) and more than one chunk the results go to
+/// a device scratch buffer, copied over `buf` once every chunk succeeded (G2: a failed
+/// call leaves `buf` as it was); a single chunk is uploaded only after its collective
+/// succeeded, so it needs none. A device error on this rank aborts the epoch (the other
+/// ranks, waiting in a chunk's collective for this one, fail at once instead of at
+/// their timeout) and fails the call with `Aborted`, naming it.
 ///
 /// # Safety
 /// As [`run`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn staged_all_reduce<D: Device>(
+unsafe fn staged_pipeline<D: Device>(
     comm: &mut Communicator,
     rt: &tokio::runtime::Handle,
     ipc: &mut IpcComm<D>,
-    buf: DevPtr,
-    count: usize,
-    dtype: DType,
-    op: ReduceOp,
-    keep: bool,
+    call: &DeviceCall,
 ) -> Result<(), Error> {
     // SAFETY: the caller's promise.
-    match unsafe { pipeline(comm, rt, ipc, buf, count, dtype, op, keep) } {
+    match unsafe { pipeline(comm, rt, ipc, call) } {
         Ok(()) => Ok(()),
         Err(Fail::Collective(e)) => Err(e),
         Err(Fail::Device(e)) => {
             let epoch = comm.epoch();
             let cause = format!(
-                "{}: a staged all_reduce's copy failed: {e}",
-                ipc.device().describe()
+                "{}: a staged {}'s copy failed: {e}",
+                ipc.device().describe(),
+                call.name()
             );
             comm.abort_handle().abort(&cause);
             rt.block_on(comm.announce_abort());
@@ -532,96 +541,236 @@ impl From<DeviceError> for Fail {
     }
 }
 
-/// [`staged_all_reduce`]'s pipeline.
+/// One chunk of a staged pipeline: its host collective, the copies down into its slot's
+/// input buffer before it and up from its slot's output buffer after it (device
+/// address, offset in the slot's buffer, bytes).
+struct Piece {
+    args: CollArgs,
+    in_len: usize,
+    out_len: usize,
+    down: Vec<(DevPtr, usize, usize)>,
+    up: Vec<(DevPtr, usize, usize)>,
+}
+
+/// The pieces of `call` on a world of `n` (all_reduce: writing its results at `dst`),
+/// whether they run in place (one host buffer per slot), and the chunk size the slots'
+/// buffers need. `least`: the smallest chunk.
+fn pieces(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> (Vec<Piece>, bool, usize) {
+    // About four chunks of a call's largest host buffer: every chunk is a collective
+    // whose fixed cost (a ring's 2(n-1) latencies) the copies it overlaps must
+    // outweigh, so a few large ones rather than many small ones; at most 16 times the
+    // smallest, so three slots of page-locked memory stay bounded (192 MiB by default
+    // for an all_reduce).
+    let chunk_of = |total: usize| total.div_ceil(4).clamp(least, least.saturating_mul(16));
+    match *call {
+        DeviceCall::AllReduce {
+            buf,
+            count,
+            dtype,
+            op,
+            ..
+        } => {
+            let size = dtype.size();
+            let total = count * size;
+            let chunk = chunk_of(total).div_ceil(size) * size;
+            let pieces = (0..total.div_ceil(chunk))
+                .map(|k| {
+                    let (off, len) = (k * chunk, chunk.min(total - k * chunk));
+                    Piece {
+                        args: CollArgs::for_buffers(
+                            CollectiveKind::AllReduce,
+                            dtype,
+                            op,
+                            Rank(0),
+                            Some(len / size),
+                            Some(len / size),
+                            n as u32,
+                        ),
+                        in_len: len,
+                        out_len: len,
+                        down: vec![(buf + off as u64, 0, len)],
+                        up: vec![(dst + off as u64, 0, len)],
+                    }
+                })
+                .collect();
+            (pieces, true, chunk)
+        }
+        DeviceCall::AllGather {
+            send,
+            recv,
+            count,
+            dtype,
+        }
+        | DeviceCall::ReduceScatter {
+            send,
+            recv,
+            count,
+            dtype,
+            ..
+        } => {
+            let gather = matches!(call, DeviceCall::AllGather { .. });
+            let (kind, op) = match *call {
+                DeviceCall::ReduceScatter { op, .. } => (CollectiveKind::ReduceScatter, op),
+                _ => (CollectiveKind::AllGather, ReduceOp::Sum),
+            };
+            let size = dtype.size();
+            // A rank's block, and the slice of every block one chunk takes.
+            let nb = count * size;
+            let per = (chunk_of(n * nb) / n / size).max(1) * size;
+            let pieces = (0..nb.div_ceil(per))
+                .map(|k| {
+                    let (off, len) = (k * per, per.min(nb - k * per));
+                    let blocks: Vec<_> = (0..n)
+                        .map(|r| ((r * nb + off) as u64, r * len, len))
+                        .collect();
+                    let (small, big) = (len / size, n * len / size);
+                    if gather {
+                        Piece {
+                            args: CollArgs::for_buffers(
+                                kind,
+                                dtype,
+                                op,
+                                Rank(0),
+                                Some(small),
+                                Some(big),
+                                n as u32,
+                            ),
+                            in_len: len,
+                            out_len: n * len,
+                            down: vec![(send + off as u64, 0, len)],
+                            up: blocks.iter().map(|&(d, h, l)| (recv + d, h, l)).collect(),
+                        }
+                    } else {
+                        Piece {
+                            args: CollArgs::for_buffers(
+                                kind,
+                                dtype,
+                                op,
+                                Rank(0),
+                                Some(big),
+                                Some(small),
+                                n as u32,
+                            ),
+                            in_len: n * len,
+                            out_len: len,
+                            down: blocks.iter().map(|&(d, h, l)| (send + d, h, l)).collect(),
+                            up: vec![(recv + off as u64, 0, len)],
+                        }
+                    }
+                })
+                .collect();
+            (pieces, false, n * per)
+        }
+        _ => (Vec::new(), true, least),
+    }
+}
+
+/// [`staged_pipeline`]'s pipeline.
 ///
 /// # Safety
 /// As [`run`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn pipeline<D: Device>(
     comm: &mut Communicator,
     rt: &tokio::runtime::Handle,
     ipc: &mut IpcComm<D>,
-    buf: DevPtr,
-    count: usize,
-    dtype: DType,
-    op: ReduceOp,
-    keep: bool,
+    call: &DeviceCall,
 ) -> Result<(), Fail> {
-    let size = dtype.size();
-    let total = count * size;
-    if total == 0 {
-        return Ok(());
-    }
-    let world = comm.world_size();
-    // About four chunks: every chunk is a collective whose fixed cost (a ring's 2(n-1)
-    // latencies) the copies it overlaps must outweigh, so a call is cut into a few
-    // large ones rather than many small ones; at most 16 times the smallest, so three
-    // buffers of page-locked memory stay bounded (192 MiB by default).
-    let least = ipc.stage_bytes();
-    let chunk = total
-        .div_ceil(4)
-        .clamp(least, least.saturating_mul(16))
-        .div_ceil(size)
-        * size;
-    let chunks = total.div_ceil(chunk);
-    let slots = chunks.min(3);
+    let n = comm.world_size() as usize;
     let dev_arc = ipc.device().clone();
     let dev = dev_arc.as_ref();
-    let stage = ipc.stage_buffers(slots, chunk)?.to_vec();
     let mut settle = Settle { dev, scratch: None };
-    if keep && chunks > 1 {
-        settle.scratch = Some(dev.alloc(total)?);
+    let (mut plan, in_place, chunk) = pieces(call, n, ipc.stage_bytes(), 0);
+    if plan.is_empty() {
+        return Ok(()); // nothing to move (every rank: the records agreed on the counts)
     }
-    let dst = settle.scratch.unwrap_or(buf);
-    let span = |i: usize| (i * chunk, chunk.min(total - i * chunk));
+    if let DeviceCall::AllReduce {
+        buf,
+        count,
+        dtype,
+        keep: true,
+        ..
+    } = *call
+    {
+        if plan.len() > 1 {
+            let total = count * dtype.size();
+            let scratch = dev.alloc(total)?;
+            settle.scratch = Some(scratch);
+            plan = pieces(call, n, ipc.stage_bytes(), scratch).0;
+        } else {
+            plan = pieces(call, n, ipc.stage_bytes(), buf).0;
+        }
+    } else if let DeviceCall::AllReduce { buf, .. } = *call {
+        plan = pieces(call, n, ipc.stage_bytes(), buf).0;
+    }
+    let chunks = plan.len();
+    let slots = chunks.min(3);
+    let per_slot = if in_place { 1 } else { 2 };
+    let stage = ipc.stage_buffers(slots * per_slot, chunk)?.to_vec();
+    let input = |s: usize| stage[s * per_slot];
+    let output = |s: usize| stage[s * per_slot + per_slot - 1];
+    // Each piece's copies go in order on their lane: the last one's mark covers them.
+    let down = |i: usize| -> Result<Option<CopyMark>, Fail> {
+        let mut last = None;
+        for &(src, at, len) in &plan[i].down {
+            // SAFETY: `src` lies in the call's buffers (the caller's promise); the slot's
+            // input buffer holds `chunk` >= `at + len` bytes and is ours until the mark
+            // is waited for.
+            last = Some(unsafe { dev.download_queued(input(i % slots).add(at), src, len) }?);
+        }
+        Ok(last)
+    };
     let mut downs = Vec::with_capacity(chunks);
-    let mut ups = Vec::with_capacity(chunks);
-    for (i, &host) in stage.iter().enumerate() {
-        let (off, len) = span(i);
-        // SAFETY: `buf` holds `total` bytes (the caller's promise); the stage buffer
-        // holds at least `chunk` >= `len` bytes and is ours until the mark is waited for.
-        downs.push(unsafe { dev.download_queued(host, buf + off as u64, len) }?);
+    let mut ups: Vec<Option<CopyMark>> = Vec::with_capacity(chunks);
+    for i in 0..slots {
+        downs.push(down(i)?);
     }
     for i in 0..chunks {
-        let (off, len) = span(i);
-        let host = stage[i % slots];
-        dev.wait_copy(downs[i])?;
-        // SAFETY: the stage buffer holds `len` bytes of chunk i (its download is done)
-        // and no copy uses it until the upload queued below.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(host, len) };
-        let elems = len / size;
-        let args = CollArgs::for_buffers(
-            CollectiveKind::AllReduce,
-            dtype,
-            op,
-            Rank(0),
-            Some(elems),
-            Some(elems),
-            world,
-        );
-        rt.block_on(comm.collective_inplace_with(args, bytes, OnAbort::Undefined))
-            .map_err(Fail::Collective)?;
-        // SAFETY: `dst` holds `total` bytes (the caller's buffer or our scratch); the
-        // stage buffer is left alone until the mark is waited for.
-        ups.push(unsafe { dev.upload_queued(dst + off as u64, host, len) }?);
-        // The previous chunk's buffer, once its upload is done, takes the chunk after
+        let slot = i % slots;
+        let p = &plan[i];
+        if let Some(m) = downs[i] {
+            dev.wait_copy(m)?;
+        }
+        // SAFETY: the slot's buffers hold `chunk` bytes each; chunk i's download into the
+        // input is done, and no copy uses them until the uploads queued below.
+        let done = unsafe {
+            if in_place {
+                let bytes = std::slice::from_raw_parts_mut(input(slot), p.in_len);
+                rt.block_on(comm.collective_inplace_with(p.args, bytes, OnAbort::Undefined))
+            } else {
+                let inp = std::slice::from_raw_parts(input(slot), p.in_len);
+                let out = std::slice::from_raw_parts_mut(output(slot), p.out_len);
+                rt.block_on(comm.collective(p.args, inp, out))
+            }
+        };
+        done.map_err(Fail::Collective)?;
+        let mut last = None;
+        for &(dst, at, len) in &p.up {
+            // SAFETY: `dst` lies in the call's output (or our scratch); the slot's output
+            // buffer is left alone until the mark is waited for.
+            last = Some(unsafe { dev.upload_queued(dst, output(slot).add(at), len) }?);
+        }
+        ups.push(last);
+        // The previous chunk's slot, once its uploads are done, takes the chunk after
         // those already downloading.
         if i >= 1 && i - 1 + slots < chunks {
-            let next = i - 1 + slots;
-            dev.wait_copy(ups[i - 1])?;
-            let (noff, nlen) = span(next);
-            // SAFETY: as the first downloads; the slot's upload is done.
-            downs.push(unsafe {
-                dev.download_queued(stage[next % slots], buf + noff as u64, nlen)
-            }?);
+            if let Some(m) = ups[i - 1] {
+                dev.wait_copy(m)?;
+            }
+            downs.push(down(i - 1 + slots)?);
         }
     }
-    if let Some(last) = ups.last() {
+    if let Some(last) = ups.iter().rev().flatten().next() {
         dev.wait_copy(*last)?;
     }
-    if let Some(scratch) = settle.scratch {
-        // SAFETY: both hold `total` bytes; every upload into `scratch` is done.
-        unsafe { dev.copy(buf, scratch, total) }?;
+    if let (
+        Some(scratch),
+        DeviceCall::AllReduce {
+            buf, count, dtype, ..
+        },
+    ) = (settle.scratch, call)
+    {
+        // SAFETY: both hold the call's bytes; every upload into `scratch` is done.
+        unsafe { dev.copy(*buf, scratch, count * dtype.size()) }?;
     }
     dev.synchronize()?;
     Ok(())

@@ -16,11 +16,11 @@ Two paths, picked per call:
   through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be contiguous and
   of a dtype eccl's device kernels know, with the shapes the call asks for; otherwise the
   call is staged.
-- **all_reduce across hosts** (or with `ECCL_CUDA_IPC=0`): the same device call, which
-  every rank then runs through host memory inside eccl as a pipeline of 4 MiB chunks in
-  page-locked buffers: while one chunk's host all_reduce runs over the links, the next
-  chunks are copied to the host and the previous one's result back to the device, on
-  copy streams of their own.
+- **all_reduce, all_gather_into_tensor and reduce_scatter_tensor across hosts** (or
+  with `ECCL_CUDA_IPC=0`): the same device calls, which every rank then runs through
+  host memory inside eccl as a pipeline of chunks in page-locked buffers: while one
+  chunk's host collective runs over the links, the next chunks are copied to the host
+  and the previous one's results back to the device, on copy streams of their own.
 - **Staged** (every other collective and point-to-point call across hosts, and calls
   whose tensors do not fit the paths above): the CUDA tensors are copied to host memory
   (after the current stream's work), the call runs on the host tensors as for CPU
@@ -212,6 +212,12 @@ IPC_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch
 IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
              "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base",
              "gather", "scatter")
+
+
+# The IPC calls eccl's device path serves across hosts too (and with ECCL_CUDA_IPC=0),
+# through host memory as a pipeline of chunks: FSDP's all-gathers and reduce-scatters.
+DEVICE_EVERYWHERE = ("_allgather_base", "allgather_into_tensor_coalesced",
+                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced")
 
 
 def _device_all_reduce_ok(ts: List[torch.Tensor]) -> bool:
@@ -412,10 +418,12 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _say("all_reduce on the device path (CUDA IPC on one host, else pipelined "
                  "through host memory)")
             return self._all_reduce_cuda(*args, **kwargs)
-        if name in IPC_CALLS and not kwargs and ipc_wanted() and same_host(self.comm):
+        if name in IPC_CALLS and not kwargs and (
+                name in DEVICE_EVERYWHERE or (ipc_wanted() and same_host(self.comm))):
             got = ipc_works(self, name, args)
             if got is not None:
-                _say(f"{name} over CUDA IPC (same host)")
+                _say(f"{name} on the device path (CUDA IPC on one host, else pipelined "
+                     "through host memory)")
                 return self._calls.submit(*got)
         _say(f"staged through host memory ({name})")
         moved: List[Tuple[torch.Tensor, torch.Tensor]] = []

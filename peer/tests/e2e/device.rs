@@ -507,3 +507,97 @@ async fn a_device_fault_in_a_staged_all_reduce_aborts_the_others_with_their_buff
         "the others waited {took:?}: the abort did not reach them (collective timeout 8 s)"
     );
 }
+
+/// all_gather and reduce_scatter through host memory as pipelines too: each chunk takes
+/// the same slice of every rank's block (one copy down and one per rank up for the
+/// gather, the other way round for the scatter), out of place and in NCCL's in-place
+/// forms, with the host double's copies run late and (second mode) downloads at once:
+/// exact results, a ragged last chunk, the copies each chunk needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
+    let m = start_master(&[]);
+    let count = 5001; // a block of 20,004 bytes: chunks of 5,000 bytes per block, 5 of them
+    let chunks = 5u64;
+    let whole: Vec<Vec<f32>> = (0..N).map(|s| values(N * count, s)).collect();
+    for (in_place, eager) in [(false, false), (true, false), (false, true), (true, true)] {
+        let comms = world(&m.addr, N as u32).await;
+        let make = |r: usize| {
+            let d = HostDevice::on_gpu(r as u32).reaching(&[]);
+            if eager {
+                d.with_eager_downloads()
+            } else {
+                d
+            }
+        };
+        let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+            ipc.set_stage_bytes(1024);
+            let put = |v: &[f32]| {
+                let b = to_bytes(v);
+                let p = dev.alloc(b.len()).unwrap();
+                unsafe { dev.upload(p, &b).unwrap() };
+                p
+            };
+            let get = |p: u64, n: usize| {
+                let mut b = vec![0u8; n * 4];
+                unsafe { dev.download(&mut b, p).unwrap() };
+                to_f32(&b)
+            };
+            let nb = (count * 4) as u64;
+            let mut run = |call: DeviceCall| unsafe {
+                eccl::device::run(comm, rt.clone(), ipc, &call)
+                    .unwrap_or_else(|e| panic!("rank {rank}: {call:?}: {e}"))
+            };
+            // all_gather
+            let mine = values(count, rank);
+            let (send, recv) = if in_place {
+                let mut init = vec![0.0; N * count];
+                init[rank * count..(rank + 1) * count].copy_from_slice(&mine);
+                let recv = put(&init);
+                (recv + rank as u64 * nb, recv)
+            } else {
+                (put(&mine), put(&vec![0.0; N * count]))
+            };
+            let q0 = dev.queued_copies();
+            run(DeviceCall::AllGather {
+                send,
+                recv,
+                count,
+                dtype: DType::F32,
+            });
+            let gathered = (get(recv, N * count), dev.queued_copies() - q0);
+            // reduce_scatter
+            let send = put(&whole[rank]);
+            let recv = if in_place {
+                send + rank as u64 * nb
+            } else {
+                put(&vec![0.0; count])
+            };
+            let q0 = dev.queued_copies();
+            run(DeviceCall::ReduceScatter {
+                send,
+                recv,
+                count,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+            });
+            let scattered = (get(recv, count), dev.queued_copies() - q0);
+            (gathered, scattered, dev.reductions() + dev.copies())
+        });
+        let all: Vec<f32> = (0..N).flat_map(|s| values(count, s)).collect();
+        for (r, ((g, gq), (sc, sq), device)) in res.into_iter().enumerate() {
+            let case = format!("in place {in_place} eager {eager} rank {r}");
+            assert!(g == all, "{case}: all_gather");
+            let want: Vec<f32> = (r * count..(r + 1) * count)
+                .map(|i| whole.iter().map(|v| v[i]).sum())
+                .collect();
+            assert!(sc == want, "{case}: reduce_scatter");
+            assert_eq!(gq, chunks * (1 + N as u64), "{case}: all_gather's copies");
+            assert_eq!(
+                sq,
+                chunks * (1 + N as u64),
+                "{case}: reduce_scatter's copies"
+            );
+            assert_eq!(device, 0, "{case}: no device work");
+        }
+    }
+}
