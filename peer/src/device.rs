@@ -517,7 +517,7 @@ unsafe fn staged_pipeline<D: Device>(
         Err(Fail::Device(e)) => {
             let epoch = comm.epoch();
             let cause = format!(
-                "{}: a staged {}'s copy failed: {e}",
+                "{}: a staged {}'s device step failed: {e}",
                 ipc.device().describe(),
                 call.name()
             );
@@ -552,15 +552,24 @@ struct Piece {
     up: Vec<(DevPtr, usize, usize)>,
 }
 
-/// The pieces of `call` on a world of `n` (all_reduce: writing its results at `dst`),
-/// whether they run in place (one host buffer per slot), and the chunk size the slots'
-/// buffers need. `least`: the smallest chunk.
-fn pieces(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> (Vec<Piece>, bool, usize) {
+/// What a staged call is cut into: its pieces, whether they run in place (one host
+/// buffer per slot), and the most any piece's input and output take (out of place, a
+/// slot holds both, the output after the input).
+struct Plan {
+    pieces: Vec<Piece>,
+    in_place: bool,
+    in_cap: usize,
+    out_cap: usize,
+}
+
+/// The plan of `call` on a world of `n` (all_reduce: writing its results at `dst`).
+/// `least`: the smallest chunk.
+fn plan(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> Plan {
     // About four chunks of a call's largest host buffer: every chunk is a collective
     // whose fixed cost (a ring's 2(n-1) latencies) the copies it overlaps must
     // outweigh, so a few large ones rather than many small ones; at most 16 times the
-    // smallest, so three slots of page-locked memory stay bounded (192 MiB by default
-    // for an all_reduce).
+    // smallest, so three slots of page-locked memory stay bounded (192 MiB by default;
+    // an all_gather's or reduce_scatter's slot holds its input and output).
     let chunk_of = |total: usize| total.div_ceil(4).clamp(least, least.saturating_mul(16));
     match *call {
         DeviceCall::AllReduce {
@@ -593,7 +602,12 @@ fn pieces(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> (Vec<Piece>
                     }
                 })
                 .collect();
-            (pieces, true, chunk)
+            Plan {
+                pieces,
+                in_place: true,
+                in_cap: chunk,
+                out_cap: 0,
+            }
         }
         DeviceCall::AllGather {
             send,
@@ -614,9 +628,12 @@ fn pieces(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> (Vec<Piece>
                 _ => (CollectiveKind::AllGather, ReduceOp::Sum),
             };
             let size = dtype.size();
-            // A rank's block, and the slice of every block one chunk takes.
+            // A rank's block, and the slice of every block one chunk takes: the blocks
+            // cut into as many chunks as the whole would be, of equal size (whole
+            // elements) but the last.
             let nb = count * size;
-            let per = (chunk_of(n * nb) / n / size).max(1) * size;
+            let k = (n * nb).div_ceil(chunk_of(n * nb)).max(1);
+            let per = nb.div_ceil(k).div_ceil(size).max(1) * size;
             let pieces = (0..nb.div_ceil(per))
                 .map(|k| {
                     let (off, len) = (k * per, per.min(nb - k * per));
@@ -659,9 +676,24 @@ fn pieces(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> (Vec<Piece>
                     }
                 })
                 .collect();
-            (pieces, false, n * per)
+            let (in_cap, out_cap) = if gather {
+                (per, n * per)
+            } else {
+                (n * per, per)
+            };
+            Plan {
+                pieces,
+                in_place: false,
+                in_cap,
+                out_cap,
+            }
         }
-        _ => (Vec::new(), true, least),
+        _ => Plan {
+            pieces: Vec::new(),
+            in_place: true,
+            in_cap: 0,
+            out_cap: 0,
+        },
     }
 }
 
@@ -679,8 +711,8 @@ unsafe fn pipeline<D: Device>(
     let dev_arc = ipc.device().clone();
     let dev = dev_arc.as_ref();
     let mut settle = Settle { dev, scratch: None };
-    let (mut plan, in_place, chunk) = pieces(call, n, ipc.stage_bytes(), 0);
-    if plan.is_empty() {
+    let mut plan = plan(call, n, ipc.stage_bytes(), 0);
+    if plan.pieces.is_empty() {
         return Ok(()); // nothing to move (every rank: the records agreed on the counts)
     }
     if let DeviceCall::AllReduce {
@@ -691,23 +723,36 @@ unsafe fn pipeline<D: Device>(
         ..
     } = *call
     {
-        if plan.len() > 1 {
+        if plan.pieces.len() > 1 {
             let total = count * dtype.size();
             let scratch = dev.alloc(total)?;
             settle.scratch = Some(scratch);
-            plan = pieces(call, n, ipc.stage_bytes(), scratch).0;
+            plan = self::plan(call, n, ipc.stage_bytes(), scratch);
         } else {
-            plan = pieces(call, n, ipc.stage_bytes(), buf).0;
+            plan = self::plan(call, n, ipc.stage_bytes(), buf);
         }
     } else if let DeviceCall::AllReduce { buf, .. } = *call {
-        plan = pieces(call, n, ipc.stage_bytes(), buf).0;
+        plan = self::plan(call, n, ipc.stage_bytes(), buf);
     }
+    let Plan {
+        pieces: plan,
+        in_place,
+        in_cap,
+        out_cap,
+    } = plan;
     let chunks = plan.len();
     let slots = chunks.min(3);
-    let per_slot = if in_place { 1 } else { 2 };
-    let stage = ipc.stage_buffers(slots * per_slot, chunk)?.to_vec();
-    let input = |s: usize| stage[s * per_slot];
-    let output = |s: usize| stage[s * per_slot + per_slot - 1];
+    // A slot: its input, then (out of place) its output, in one buffer.
+    let stage = ipc.stage_buffers(slots, in_cap + out_cap)?.to_vec();
+    let input = |s: usize| stage[s];
+    let output = |s: usize| {
+        if in_place {
+            stage[s]
+        } else {
+            // SAFETY: the slot's buffer holds `in_cap + out_cap` bytes.
+            unsafe { stage[s].add(in_cap) }
+        }
+    };
     // Each piece's copies go in order on their lane: the last one's mark covers them.
     let down = |i: usize| -> Result<Option<CopyMark>, Fail> {
         let mut last = None;

@@ -234,9 +234,11 @@ def _ipc_ok(ts: List[torch.Tensor]) -> bool:
 
 
 def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
-    """The same-host path of the backend call `name` (one of `IPC_CALLS`): its eccl Works
-    and what torch's Work completes with, or None where the call's tensors do not fit it
-    (the call is then staged; every rank decides alike, from the call's shapes)."""
+    """The device path of the backend call `name` (one of `IPC_CALLS`: over CUDA IPC on
+    one host; all_gather and reduce_scatter also across hosts, pipelined through host
+    memory): its eccl Works and what torch's Work completes with (and a copy-back step),
+    or None where the call's tensors do not fit it (the call is then staged; every rank
+    decides alike, from the call's dtypes, devices and shapes)."""
     comm, world = backend.comm, backend.size()
     if name == "alltoall_base":
         return _all_to_all_ipc(comm, world, *args[:4])
@@ -256,7 +258,9 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         outs, ins = [outs], [ins]
     outs, ins = list(outs), list(ins)
     gather = "allgather" in name
-    if len(outs) != len(ins) or not _ipc_ok(outs + ins):
+    # Not by contiguity, which is one rank's own: a non-contiguous tensor goes through a
+    # contiguous copy (inputs before the call, outputs back after it).
+    if len(outs) != len(ins) or not _device_all_reduce_ok(outs + ins):
         return None
     for o, i in zip(outs, ins):
         small, big = (i, o) if gather else (o, i)
@@ -269,8 +273,15 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         op, factor = _op_and_factor(opts)
         if factor is not None:
             return None   # PREMUL_SUM: the host path multiplies a copy of the input
-    works = after_streams(comm, outs + ins)
-    for o, i in zip(outs, ins):
+    ins = [i.contiguous() for i in ins]
+    written, backs = [], []
+    for o in outs:
+        w, back = _contiguous_out(o)
+        written.append(w)
+        if back is not None:
+            backs.append(back)
+    works = after_streams(comm, written + ins)
+    for o, i in zip(written, ins):
         dev = o.device.index or 0
         if gather:
             works.append(comm.all_gather_device(
@@ -280,6 +291,11 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
             works.append(comm.reduce_scatter_device(
                 i.data_ptr(), o.data_ptr(), o.numel(), str(o.dtype), op, device=dev,
                 owner=(o, i), async_op=True))
+    if backs:
+        def copy_back() -> None:
+            for b in backs:
+                b()
+        return works, outs, copy_back
     return works, outs
 
 

@@ -516,13 +516,36 @@ async fn a_device_fault_in_a_staged_all_reduce_aborts_the_others_with_their_buff
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
     let m = start_master(&[]);
-    let count = 5001; // a block of 20,004 bytes: chunks of 5,000 bytes per block, 5 of them
-    let chunks = 5u64;
+    let count = 5001; // a block of 20,004 bytes: 4 chunks, 5,004 bytes of each block, the last 4,992
+    let chunks = 4u64;
     let whole: Vec<Vec<f32>> = (0..N).map(|s| values(N * count, s)).collect();
-    for (in_place, eager) in [(false, false), (true, false), (false, true), (true, true)] {
-        let comms = world(&m.addr, N as u32).await;
+    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    for (in_place, eager, cross) in [
+        (false, false, false),
+        (true, false, false),
+        (false, true, false),
+        (true, true, false),
+        (true, false, true),
+    ] {
+        // cross: every rank on one simulated GPU (IPC would serve it), each on a host of
+        // its own.
+        let comms = if cross {
+            world_with(&m.addr, N as u32, |c| {
+                c.host = format!(
+                    "ag-host-{}",
+                    HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                )
+            })
+            .await
+        } else {
+            world(&m.addr, N as u32).await
+        };
         let make = |r: usize| {
-            let d = HostDevice::on_gpu(r as u32).reaching(&[]);
+            let d = if cross {
+                HostDevice::on_gpu(7)
+            } else {
+                HostDevice::on_gpu(r as u32).reaching(&[])
+            };
             if eager {
                 d.with_eager_downloads()
             } else {
@@ -585,7 +608,7 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
         });
         let all: Vec<f32> = (0..N).flat_map(|s| values(count, s)).collect();
         for (r, ((g, gq), (sc, sq), device)) in res.into_iter().enumerate() {
-            let case = format!("in place {in_place} eager {eager} rank {r}");
+            let case = format!("in place {in_place} eager {eager} across hosts {cross} rank {r}");
             assert!(g == all, "{case}: all_gather");
             let want: Vec<f32> = (r * count..(r + 1) * count)
                 .map(|i| whole.iter().map(|v| v[i]).sum())
