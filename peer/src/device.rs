@@ -409,6 +409,7 @@ unsafe fn staged<D: Device>(
         DeviceCall::AllReduce { .. }
             | DeviceCall::AllGather { .. }
             | DeviceCall::ReduceScatter { .. }
+            | DeviceCall::Broadcast { .. }
     ) {
         // SAFETY: the caller's promise.
         return unsafe { staged_pipeline(comm, rt, ipc, call) };
@@ -487,7 +488,7 @@ impl<D: Device> Drop for Settle<'_, D> {
     }
 }
 
-/// all_reduce, all_gather and reduce_scatter through host memory as a pipeline of
+/// all_reduce, all_gather, reduce_scatter and broadcast through host memory as a pipeline of
 /// chunks (about four, of 4 to 64 MiB: [`IpcComm::stage_bytes`]; in three slots of
 /// page-locked buffers): while the host collective of chunk i runs over the links, the
 /// download lane copies chunks i+1 and i+2 to the host and the upload lane copies chunk
@@ -495,7 +496,7 @@ impl<D: Device> Drop for Settle<'_, D> {
 /// one host collective (every rank reached this with the same call: the records said
 /// so): of an all_reduce, a slice of the buffer; of an all_gather or a reduce_scatter,
 /// the same slice of every rank's block (one copy down and one per rank up, or the
-/// other way round). With `keep` (all_reduce) and more than one chunk the results go to
+/// other way round); of a broadcast, a slice the root copies down and the others up. With `keep` (all_reduce) and more than one chunk the results go to
 /// a device scratch buffer, copied over `buf` once every chunk succeeded (G2: a failed
 /// call leaves `buf` as it was); a single chunk is uploaded only after its collective
 /// succeeded, so it needs none. A device error on this rank aborts the epoch (the other
@@ -562,9 +563,9 @@ struct Plan {
     out_cap: usize,
 }
 
-/// The plan of `call` on a world of `n` (all_reduce: writing its results at `dst`).
-/// `least`: the smallest chunk.
-fn plan(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> Plan {
+/// The plan of `call` for rank `me` of a world of `n` (all_reduce: writing its results
+/// at `dst`). `least`: the smallest chunk.
+fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, dst: DevPtr) -> Plan {
     // About four chunks of a call's largest host buffer: every chunk is a collective
     // whose fixed cost (a ring's 2(n-1) latencies) the copies it overlaps must
     // outweigh, so a few large ones rather than many small ones; at most 16 times the
@@ -599,6 +600,45 @@ fn plan(call: &DeviceCall, n: usize, least: usize, dst: DevPtr) -> Plan {
                         out_len: len,
                         down: vec![(buf + off as u64, 0, len)],
                         up: vec![(dst + off as u64, 0, len)],
+                    }
+                })
+                .collect();
+            Plan {
+                pieces,
+                in_place: true,
+                in_cap: chunk,
+                out_cap: 0,
+            }
+        }
+        DeviceCall::Broadcast {
+            buf,
+            count,
+            dtype,
+            root,
+        } => {
+            // The root's chunks go down and nothing comes back to it; the others' come
+            // up and nothing goes down.
+            let size = dtype.size();
+            let total = count * size;
+            let chunk = chunk_of(total).div_ceil(size) * size;
+            let pieces = (0..total.div_ceil(chunk))
+                .map(|k| {
+                    let (off, len) = (k * chunk, chunk.min(total - k * chunk));
+                    let here = vec![(buf + off as u64, 0, len)];
+                    Piece {
+                        args: CollArgs::for_buffers(
+                            CollectiveKind::Broadcast,
+                            dtype,
+                            ReduceOp::Sum,
+                            Rank(root as u32),
+                            Some(len / size),
+                            Some(len / size),
+                            n as u32,
+                        ),
+                        in_len: len,
+                        out_len: len,
+                        down: if me == root { here.clone() } else { Vec::new() },
+                        up: if me == root { Vec::new() } else { here },
                     }
                 })
                 .collect();
@@ -711,7 +751,8 @@ unsafe fn pipeline<D: Device>(
     let dev_arc = ipc.device().clone();
     let dev = dev_arc.as_ref();
     let mut settle = Settle { dev, scratch: None };
-    let mut plan = plan(call, n, ipc.stage_bytes(), 0);
+    let me = comm.rank().map_or(0, |r| r.idx());
+    let mut plan = plan(call, me, n, ipc.stage_bytes(), 0);
     if plan.pieces.is_empty() {
         return Ok(()); // nothing to move (every rank: the records agreed on the counts)
     }
@@ -727,12 +768,12 @@ unsafe fn pipeline<D: Device>(
             let total = count * dtype.size();
             let scratch = dev.alloc(total)?;
             settle.scratch = Some(scratch);
-            plan = self::plan(call, n, ipc.stage_bytes(), scratch);
+            plan = self::plan(call, me, n, ipc.stage_bytes(), scratch);
         } else {
-            plan = self::plan(call, n, ipc.stage_bytes(), buf);
+            plan = self::plan(call, me, n, ipc.stage_bytes(), buf);
         }
     } else if let DeviceCall::AllReduce { buf, .. } = *call {
-        plan = self::plan(call, n, ipc.stage_bytes(), buf);
+        plan = self::plan(call, me, n, ipc.stage_bytes(), buf);
     }
     let Plan {
         pieces: plan,

@@ -16,7 +16,7 @@ Two paths, picked per call:
   through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be contiguous and
   of a dtype eccl's device kernels know, with the shapes the call asks for; otherwise the
   call is staged.
-- **all_reduce, all_gather_into_tensor and reduce_scatter_tensor across hosts** (or
+- **all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor across hosts** (or
   with `ECCL_CUDA_IPC=0`): the same device calls, which every rank then runs through
   host memory inside eccl as a pipeline of chunks in page-locked buffers: while one
   chunk's host collective runs over the links, the next chunks are copied to the host
@@ -215,9 +215,10 @@ IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
 
 
 # The IPC calls eccl's device path serves across hosts too (and with ECCL_CUDA_IPC=0),
-# through host memory as a pipeline of chunks: FSDP's all-gathers and reduce-scatters.
+# through host memory as a pipeline of chunks: FSDP's all-gathers and reduce-scatters,
+# and broadcast (DDP's first step).
 DEVICE_EVERYWHERE = ("_allgather_base", "allgather_into_tensor_coalesced",
-                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced")
+                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "broadcast")
 
 
 def _device_all_reduce_ok(ts: List[torch.Tensor]) -> bool:
@@ -235,8 +236,8 @@ def _ipc_ok(ts: List[torch.Tensor]) -> bool:
 
 def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     """The device path of the backend call `name` (one of `IPC_CALLS`: over CUDA IPC on
-    one host; all_gather and reduce_scatter also across hosts, pipelined through host
-    memory): its eccl Works and what torch's Work completes with (and a copy-back step),
+    one host; broadcast, all_gather and reduce_scatter also across hosts, pipelined
+    through host memory): its eccl Works and what torch's Work completes with (and a copy-back step),
     or None where the call's tensors do not fit it (the call is then staged; every rank
     decides alike, from the call's dtypes, devices and shapes)."""
     comm, world = backend.comm, backend.size()
@@ -246,12 +247,23 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         return _rooted_ipc(backend, name, *args[:3])
     if name == "broadcast":
         tensors, opts = args[0], args[1]
-        if not _ipc_ok(tensors):
+        if not _device_all_reduce_ok(tensors):
             return None
-        works = after_streams(comm, tensors)
+        # A non-contiguous tensor through a contiguous copy (the root's data in it),
+        # copied back on every rank.
+        flat = [t.contiguous() for t in tensors]
+        pairs = [(t, f) for t, f in zip(tensors, flat) if f is not t]
+        works = after_streams(comm, flat)
         works += [comm.broadcast_device(t.data_ptr(), t.numel(), str(t.dtype), opts.rootRank,
                                         device=t.device.index or 0, owner=t, async_op=True)
-                  for t in tensors]
+                  for t in flat]
+        if pairs:
+            def copy_back() -> None:
+                for t, f in pairs:
+                    t.copy_(f)
+                for d in {t.device for t, _ in pairs if t.is_cuda}:
+                    torch.cuda.current_stream(d).synchronize()
+            return works, tensors, copy_back
         return works, tensors
     outs, ins = args[0], args[1]
     if name.endswith("_base"):

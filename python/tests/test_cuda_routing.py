@@ -214,6 +214,19 @@ def test_non_contiguous_all_gather_and_reduce_scatter_go_through_contiguous_copi
     assert len(got) == 2 and b.comm.calls[1][2]["owner"] == (out, inp)
 
 
+def test_a_non_contiguous_broadcast_goes_through_a_contiguous_copy():
+    b = Backend(2, 1)
+    t = torch.arange(16.0).view(4, 4).t()
+    works, result, copy_back = torch_cuda.ipc_works(b, "broadcast", ([t], opts(rootRank=0)))
+    name, args, kw = b.comm.calls[1]
+    flat = kw["owner"]
+    assert name == "broadcast_device" and flat.is_contiguous() and torch.equal(flat, t)
+    assert args[0] == flat.data_ptr() and args[3] == 0 and result == [t]
+    flat.fill_(4.0)
+    copy_back()
+    assert bool((t == 4.0).all())
+
+
 def test_a_staged_calls_waits_for_its_copies_go_first_in_its_work():
     """The waits queued for a staged call's copies to host (`STAGING.waits`) go first in
     the Work of the call submitted next, so a failed wait is that Work's error, and they

@@ -624,3 +624,54 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
         }
     }
 }
+
+/// A broadcast through host memory as a pipeline: the root's chunks go down and the
+/// others' come up (nothing else moves), in both of the double's modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_broadcast_runs_as_a_pipeline() {
+    let m = start_master(&[]);
+    let count = 50_000; // 13 chunks, as the all_reduce's
+    let root = 1;
+    for eager in [false, true] {
+        let comms = world(&m.addr, N as u32).await;
+        let make = |r: usize| {
+            let d = HostDevice::on_gpu(r as u32).reaching(&[]);
+            if eager {
+                d.with_eager_downloads()
+            } else {
+                d
+            }
+        };
+        let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+            ipc.set_stage_bytes(1024);
+            let init = if rank == root {
+                values(count, root)
+            } else {
+                vec![0.0; count]
+            };
+            let buf = dev.alloc(count * 4).unwrap();
+            unsafe { dev.upload(buf, &to_bytes(&init)).unwrap() };
+            let call = DeviceCall::Broadcast {
+                buf,
+                count,
+                dtype: DType::F32,
+                root,
+            };
+            unsafe { eccl::device::run(comm, rt, ipc, &call) }
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            let mut b = vec![0u8; count * 4];
+            unsafe { dev.download(&mut b, buf).unwrap() };
+            (to_f32(&b), dev.queued_copies())
+        });
+        for (r, (out, queued)) in res.into_iter().enumerate() {
+            assert!(
+                out == values(count, root),
+                "eager {eager} rank {r}: wrong result"
+            );
+            assert_eq!(
+                queued, 13,
+                "eager {eager} rank {r}: one copy per chunk, down or up"
+            );
+        }
+    }
+}
