@@ -100,14 +100,16 @@ pub fn to_error(e: IpcError) -> Error {
     }
 }
 
-/// Runs `call` among the world's ranks, which all run on this host: over CUDA IPC, GPU to
-/// GPU ([`IpcComm`]), or, where a GPU of the world cannot reach another's memory (no
-/// peer access between them, or one hidden from another's process by
-/// `CUDA_VISIBLE_DEVICES`; every rank learns it from the same records, before anything
-/// is written), through host memory over the world's links: this rank's buffer is copied
-/// to the host, the host collective runs, and the result is copied back (nothing is
-/// written to the device if the host collective fails). `ECCL_DEBUG=INFO` says which,
-/// once per world.
+/// Runs `call` among the world's ranks: over CUDA IPC, GPU to GPU ([`IpcComm`]), where
+/// they all run on this host and reach each other's memory; otherwise (a world across
+/// hosts, `ECCL_CUDA_IPC=0` on a rank, more than 8 ranks, no peer access between two
+/// GPUs, or one hidden from another's process by `CUDA_VISIBLE_DEVICES`; every rank
+/// learns it from the same records, before anything is written) through host memory
+/// over the world's links: all_reduce, broadcast, all_gather and reduce_scatter as a
+/// pipeline of chunks ([`staged_pipeline`]), the others whole. After a failed call the
+/// outputs are as over IPC: an all_reduce with `keep` leaves its buffer as it was, other
+/// outputs are undefined (a root's broadcast buffer is never written).
+/// `ECCL_DEBUG=INFO` says which path, once per world.
 ///
 /// Blocks the calling thread: call it outside the runtime `rt` belongs to, or inside
 /// `tokio::task::block_in_place` on one of its workers.
@@ -393,8 +395,9 @@ impl DeviceCall {
     }
 }
 
-/// `call` through host memory: copy in, the host collective, copy out (nothing is
-/// written to the device if the host collective fails).
+/// `call` through host memory: all_reduce, broadcast, all_gather and reduce_scatter as a
+/// pipeline ([`staged_pipeline`]); the others whole: copy in, the host collective, copy
+/// out (nothing is written to the device if the host collective fails).
 ///
 /// # Safety
 /// As [`run`].

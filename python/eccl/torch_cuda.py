@@ -13,9 +13,9 @@ Two paths, picked per call:
   processes on one GPU are served too (NCCL refuses them). Where the ranks' GPUs cannot
   map each other's memory (no peer access, or hidden from each other by
   `CUDA_VISIBLE_DEVICES`), every rank learns it from the same records and the call goes
-  through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be contiguous and
-  of a dtype eccl's device kernels know, with the shapes the call asks for; otherwise the
-  call is staged.
+  through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be
+  of a dtype eccl's device kernels know, with the shapes the call asks for (a
+  non-contiguous one goes through a contiguous copy); otherwise the call is staged.
 - **all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor across hosts** (or
   with `ECCL_CUDA_IPC=0`): the same device calls, which every rank then runs through
   host memory inside eccl as a pipeline of chunks in page-locked buffers: while one
@@ -252,7 +252,9 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         # A non-contiguous tensor through a contiguous copy (the root's data in it),
         # copied back on every rank.
         flat = [t.contiguous() for t in tensors]
-        pairs = [(t, f) for t, f in zip(tensors, flat) if f is not t]
+        # The root's tensors are never written: nothing to copy back there.
+        pairs = ([] if backend.rank() == opts.rootRank
+                 else [(t, f) for t, f in zip(tensors, flat) if f is not t])
         works = after_streams(comm, flat)
         works += [comm.broadcast_device(t.data_ptr(), t.numel(), str(t.dtype), opts.rootRank,
                                         device=t.device.index or 0, owner=t, async_op=True)

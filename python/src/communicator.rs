@@ -517,9 +517,10 @@ impl Communicator {
         self.device_call(py, device, call, owner, async_op)
     }
 
-    /// Broadcast of device memory from rank `root` among ranks that all run on this
-    /// host: `count` elements of `dtype` at `ptr`, copied GPU to GPU over CUDA IPC. After a
-    /// failed call a non-root buffer is undefined; the root's is never written.
+    /// Broadcast of device memory from rank `root`: `count` elements of `dtype` at `ptr`,
+    /// copied GPU to GPU over CUDA IPC among ranks on this host, through host memory in
+    /// pipelined chunks otherwise (as `all_reduce_device`). After a failed call a non-root
+    /// buffer is undefined; the root's is never written.
     /// Readiness and `owner` as for `all_reduce_device`.
     #[pyo3(signature = (ptr, count, dtype, root, *, device, owner=None, async_op=false))]
     #[allow(clippy::too_many_arguments)]

@@ -225,6 +225,10 @@ def test_a_non_contiguous_broadcast_goes_through_a_contiguous_copy():
     flat.fill_(4.0)
     copy_back()
     assert bool((t == 4.0).all())
+    # At the root, whose tensor the call never writes, nothing is copied back.
+    root = Backend(2, 0)
+    got = torch_cuda.ipc_works(root, "broadcast", ([t], opts(rootRank=0)))
+    assert len(got) == 2 and root.comm.calls[1][0] == "broadcast_device"
 
 
 def test_a_staged_calls_waits_for_its_copies_go_first_in_its_work():
