@@ -29,7 +29,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl import torch_window
-from eccl.torch_cuda import all_reduce_ipc, cuda_calls
+from eccl.torch_cuda import all_reduce_ipc, copy_back, cuda_calls
 from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
 from eccl.torch_recovery import Recovery, recovering_calls
 from eccl.torch_setup import (
@@ -242,16 +242,8 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         tensors = [_premultiplied(t, factor, True) for t in tensors]
         flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         pairs = [(t, f) for t, f in zip(tensors, flat) if f is not t]
-
-        def copy_back() -> None:
-            # Done before the Work completes, whichever thread finishes it (whose current
-            # stream orders nothing for the caller's): then `f` may be freed.
-            for t, f in pairs:
-                t.copy_(f)
-            for d in {t.device for t, _ in pairs if t.is_cuda}:
-                torch.cuda.current_stream(d).synchronize()
         return self._calls.submit(all_reduce_ipc(self.comm, flat, op), tensors,
-                                  copy_back if pairs else None)
+                                  functools.partial(copy_back, pairs) if pairs else None)
 
     def allreduce_coalesced(self, tensors, opts=None):
         # One collective over the list (eccl packs it into one buffer), as gloo does.

@@ -158,11 +158,13 @@ STAGING = Staging()
 
 
 def copy_back(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copies each host result into its device tensor and waits for the copies, so the
-    Work completes with the device tensors holding the result."""
+    """Copies each result (a host copy, or a contiguous stand-in) into its tensor and
+    waits for the copies, so the Work completes with the tensors holding the result
+    whichever thread finishes it (whose current stream orders nothing for the
+    caller's), and the stand-ins may be freed."""
     for d, h in pairs:
         d.copy_(h, non_blocking=True)
-    for dev in {d.device for d, _ in pairs}:
+    for dev in {d.device for d, _ in pairs if d.is_cuda}:
         torch.cuda.current_stream(dev).synchronize()
 
 
@@ -260,12 +262,7 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
                                         device=t.device.index or 0, owner=t, async_op=True)
                   for t in flat]
         if pairs:
-            def copy_back() -> None:
-                for t, f in pairs:
-                    t.copy_(f)
-                for d in {t.device for t, _ in pairs if t.is_cuda}:
-                    torch.cuda.current_stream(d).synchronize()
-            return works, tensors, copy_back
+            return works, tensors, functools.partial(copy_back, pairs)
         return works, tensors
     outs, ins = args[0], args[1]
     if name.endswith("_base"):
@@ -306,10 +303,10 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
                 i.data_ptr(), o.data_ptr(), o.numel(), str(o.dtype), op, device=dev,
                 owner=(o, i), async_op=True))
     if backs:
-        def copy_back() -> None:
+        def copy_outs() -> None:
             for b in backs:
                 b()
-        return works, outs, copy_back
+        return works, outs, copy_outs
     return works, outs
 
 

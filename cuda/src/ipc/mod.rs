@@ -232,13 +232,6 @@ impl<D: Device> IpcComm<D> {
         self.stage_bytes = bytes.max(1024);
     }
 
-    /// Keeps this rank's calls off CUDA IPC (`ECCL_CUDA_IPC=0` sets it): every rank of
-    /// the world then runs the call through host memory.
-    pub fn with_host_only(mut self, host_only: bool) -> IpcComm<D> {
-        self.host_only = host_only;
-        self
-    }
-
     /// Says whether the current world runs on more than one host (every rank of the
     /// world says the same): its calls then go through host memory, and no handle is
     /// exported.

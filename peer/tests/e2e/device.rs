@@ -30,6 +30,32 @@ fn to_f32(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// `v` in a new allocation of `dev`.
+fn put(dev: &HostDevice, v: &[f32]) -> u64 {
+    let b = to_bytes(v);
+    let p = dev.alloc(b.len()).unwrap();
+    unsafe { dev.upload(p, &b).unwrap() };
+    p
+}
+
+/// `n` values at `p` on `dev`.
+fn get(dev: &HostDevice, p: u64, n: usize) -> Vec<f32> {
+    let mut b = vec![0u8; n * 4];
+    unsafe { dev.download(&mut b, p).unwrap() };
+    to_f32(&b)
+}
+
+/// A rank on simulated GPU `gpu` that reaches no other GPU, in the double's eager mode
+/// (downloads at once) or not.
+fn unreaching(gpu: usize, eager: bool) -> HostDevice {
+    let d = HostDevice::on_gpu(gpu as u32).reaching(&[]);
+    if eager {
+        d.with_eager_downloads()
+    } else {
+        d
+    }
+}
+
 /// Each rank's results of all_reduce, all_gather, reduce_scatter, broadcast (root 1), an
 /// uneven all_to_all, gather (root 2) and scatter (root 0), and the kernels and device
 /// copies its device ran.
@@ -40,17 +66,8 @@ fn every_call(
     make: &(dyn Fn(usize) -> HostDevice + Sync),
 ) -> Vec<Outcome> {
     each(comms, make, &|rank, dev, comm, ipc, rt| {
-        let put = |v: &[f32]| {
-            let b = to_bytes(v);
-            let p = dev.alloc(b.len()).unwrap();
-            unsafe { dev.upload(p, &b).unwrap() };
-            p
-        };
-        let get = |p: u64, n: usize| {
-            let mut b = vec![0u8; n * 4];
-            unsafe { dev.download(&mut b, p).unwrap() };
-            to_f32(&b)
-        };
+        let put = |v: &[f32]| put(dev, v);
+        let get = |p: u64, n: usize| get(dev, p, n);
         let (dtype, count) = (DType::F32, COUNT);
         let mut run = |call: DeviceCall| unsafe {
             eccl::device::run(comm, rt.clone(), ipc, &call)
@@ -351,8 +368,7 @@ fn staged_all_reduce(
 ) -> Vec<Staged> {
     each(comms, make, &|rank, dev, comm, ipc, rt| {
         ipc.set_stage_bytes(1024);
-        let buf = dev.alloc(count * 4).unwrap();
-        unsafe { dev.upload(buf, &to_bytes(&values(count, rank))).unwrap() };
+        let buf = put(dev, &values(count, rank));
         let call = DeviceCall::AllReduce {
             buf,
             count,
@@ -361,11 +377,9 @@ fn staged_all_reduce(
             keep,
         };
         let r = unsafe { eccl::device::run(comm, rt, ipc, &call) };
-        let mut b = vec![0u8; count * 4];
-        unsafe { dev.download(&mut b, buf).unwrap() };
         (
             r,
-            to_f32(&b),
+            get(dev, buf, count),
             dev.queued_copies(),
             dev.reductions() + dev.copies(),
         )
@@ -389,19 +403,7 @@ async fn a_staged_all_reduce_runs_as_a_pipeline_of_chunks() {
         .collect();
     for (keep, eager) in [(true, false), (false, false), (true, true), (false, true)] {
         let comms = world(&m.addr, N as u32).await;
-        let res = staged_all_reduce(
-            comms,
-            &|r| {
-                let d = HostDevice::on_gpu(r as u32).reaching(&[]);
-                if eager {
-                    d.with_eager_downloads()
-                } else {
-                    d
-                }
-            },
-            count,
-            keep,
-        );
+        let res = staged_all_reduce(comms, &|r| unreaching(r, eager), count, keep);
         for (r, (res, out, queued, device)) in res.into_iter().enumerate() {
             res.unwrap_or_else(|e| panic!("keep {keep} eager {eager} rank {r}: {e}"));
             assert!(
@@ -554,17 +556,8 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
         };
         let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
             ipc.set_stage_bytes(1024);
-            let put = |v: &[f32]| {
-                let b = to_bytes(v);
-                let p = dev.alloc(b.len()).unwrap();
-                unsafe { dev.upload(p, &b).unwrap() };
-                p
-            };
-            let get = |p: u64, n: usize| {
-                let mut b = vec![0u8; n * 4];
-                unsafe { dev.download(&mut b, p).unwrap() };
-                to_f32(&b)
-            };
+            let put = |v: &[f32]| put(dev, v);
+            let get = |p: u64, n: usize| get(dev, p, n);
             let nb = (count * 4) as u64;
             let mut run = |call: DeviceCall| unsafe {
                 eccl::device::run(comm, rt.clone(), ipc, &call)
@@ -634,14 +627,7 @@ async fn a_staged_broadcast_runs_as_a_pipeline() {
     let root = 1;
     for eager in [false, true] {
         let comms = world(&m.addr, N as u32).await;
-        let make = |r: usize| {
-            let d = HostDevice::on_gpu(r as u32).reaching(&[]);
-            if eager {
-                d.with_eager_downloads()
-            } else {
-                d
-            }
-        };
+        let make = |r: usize| unreaching(r, eager);
         let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
             ipc.set_stage_bytes(1024);
             let init = if rank == root {
@@ -649,8 +635,7 @@ async fn a_staged_broadcast_runs_as_a_pipeline() {
             } else {
                 vec![0.0; count]
             };
-            let buf = dev.alloc(count * 4).unwrap();
-            unsafe { dev.upload(buf, &to_bytes(&init)).unwrap() };
+            let buf = put(dev, &init);
             let call = DeviceCall::Broadcast {
                 buf,
                 count,
@@ -659,9 +644,7 @@ async fn a_staged_broadcast_runs_as_a_pipeline() {
             };
             unsafe { eccl::device::run(comm, rt, ipc, &call) }
                 .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            let mut b = vec![0u8; count * 4];
-            unsafe { dev.download(&mut b, buf).unwrap() };
-            (to_f32(&b), dev.queued_copies())
+            (get(dev, buf, count), dev.queued_copies())
         });
         for (r, (out, queued)) in res.into_iter().enumerate() {
             assert!(

@@ -1,0 +1,385 @@
+//! The staged pipeline: all_reduce, broadcast, all_gather and reduce_scatter of device
+//! memory through host memory in chunks whose copies overlap the host collectives (see
+//! [`staged_pipeline`]).
+
+use eccl_protocol::{CollectiveKind, Rank, ReduceOp};
+
+use super::{CopyMark, DevPtr, Device, DeviceCall, DeviceError, IpcComm};
+use crate::{CollArgs, Communicator, Error, OnAbort};
+
+/// Copy lanes waited for and a keep-mode scratch buffer freed on every way out of a
+/// staged call, so no queued copy writes the caller's buffer (or reads a stage buffer)
+/// after the call returned.
+struct Settle<'a, D: Device> {
+    dev: &'a D,
+    scratch: Option<DevPtr>,
+}
+
+impl<D: Device> Drop for Settle<'_, D> {
+    fn drop(&mut self) {
+        if let Err(e) = self.dev.synchronize() {
+            // A device that cannot say its copies are done: the scratch buffer is
+            // leaked rather than freed under a copy that may still write it.
+            tracing::warn!(
+                "eccl: {}: waiting for staged copies: {e}",
+                self.dev.describe()
+            );
+            return;
+        }
+        if let Some(p) = self.scratch.take() {
+            // SAFETY: allocated by the staged call, nothing queued uses it (waited above).
+            unsafe { self.dev.free(p) };
+        }
+    }
+}
+
+/// all_reduce, all_gather, reduce_scatter and broadcast through host memory as a pipeline of
+/// chunks (about four, of 4 to 64 MiB: [`IpcComm::stage_bytes`]; in three slots of
+/// page-locked buffers): while the host collective of chunk i runs over the links, the
+/// download lane copies chunks i+1 and i+2 to the host and the upload lane copies chunk
+/// i-1's result back, so the copies in both directions overlap the links. Each chunk is
+/// one host collective (every rank reached this with the same call: the records said
+/// so): of an all_reduce, a slice of the buffer; of an all_gather or a reduce_scatter,
+/// the same slice of every rank's block (one copy down and one per rank up, or the
+/// other way round); of a broadcast, a slice the root copies down and the others up. With `keep` (all_reduce) and more than one chunk the results go to
+/// a device scratch buffer, copied over `buf` once every chunk succeeded (G2: a failed
+/// call leaves `buf` as it was); a single chunk is uploaded only after its collective
+/// succeeded, so it needs none. A device error on this rank aborts the epoch (the other
+/// ranks, waiting in a chunk's collective for this one, fail at once instead of at
+/// their timeout) and fails the call with `Aborted`, naming it.
+///
+/// # Safety
+/// As [`run`].
+pub(super) unsafe fn staged_pipeline<D: Device>(
+    comm: &mut Communicator,
+    rt: &tokio::runtime::Handle,
+    ipc: &mut IpcComm<D>,
+    call: &DeviceCall,
+) -> Result<(), Error> {
+    // SAFETY: the caller's promise.
+    match unsafe { pipeline(comm, rt, ipc, call) } {
+        Ok(()) => Ok(()),
+        Err(Fail::Collective(e)) => Err(e),
+        Err(Fail::Device(e)) => {
+            let epoch = comm.epoch();
+            let cause = format!(
+                "{}: a staged {}'s device step failed: {e}",
+                ipc.device().describe(),
+                call.name()
+            );
+            comm.abort_handle().abort(&cause);
+            rt.block_on(comm.announce_abort());
+            Err(Error::Aborted { epoch, cause })
+        }
+    }
+}
+
+/// How a staged pipeline failed: in a host collective (the epoch's error, as every rank
+/// sees it) or on this rank's device.
+enum Fail {
+    Collective(Error),
+    Device(DeviceError),
+}
+
+impl From<DeviceError> for Fail {
+    fn from(e: DeviceError) -> Fail {
+        Fail::Device(e)
+    }
+}
+
+/// One chunk of a staged pipeline: its host collective, the copies down into its slot's
+/// input buffer before it and up from its slot's output buffer after it (device
+/// address, offset in the slot's buffer, bytes).
+struct Piece {
+    args: CollArgs,
+    in_len: usize,
+    out_len: usize,
+    down: Vec<(DevPtr, usize, usize)>,
+    up: Vec<(DevPtr, usize, usize)>,
+}
+
+/// What a staged call is cut into: its pieces, whether they run in place (one host
+/// buffer per slot), and the most any piece's input and output take (out of place, a
+/// slot holds both, the output after the input).
+struct Plan {
+    pieces: Vec<Piece>,
+    in_place: bool,
+    in_cap: usize,
+    out_cap: usize,
+}
+
+/// The plan of `call` for rank `me` of a world of `n`. `least`: the smallest chunk.
+fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
+    // About four chunks of a call's largest host buffer: every chunk is a collective
+    // whose fixed cost (a ring's 2(n-1) latencies) the copies it overlaps must
+    // outweigh, so a few large ones rather than many small ones; at most 16 times the
+    // smallest, so three slots of page-locked memory stay bounded (192 MiB by default;
+    // an all_gather's or reduce_scatter's slot holds its input and output).
+    let chunk_of = |total: usize| total.div_ceil(4).clamp(least, least.saturating_mul(16));
+    // One buffer, in place: all_reduce (every rank's chunks go down and come back up),
+    // broadcast (the root's go down, the others' come up: `root`).
+    let in_place = match *call {
+        DeviceCall::AllReduce {
+            buf,
+            count,
+            dtype,
+            op,
+            ..
+        } => Some((CollectiveKind::AllReduce, buf, count, dtype, op, None)),
+        DeviceCall::Broadcast {
+            buf,
+            count,
+            dtype,
+            root,
+        } => Some((
+            CollectiveKind::Broadcast,
+            buf,
+            count,
+            dtype,
+            ReduceOp::Sum,
+            Some(root),
+        )),
+        _ => None,
+    };
+    if let Some((kind, buf, count, dtype, op, root)) = in_place {
+        let size = dtype.size();
+        let total = count * size;
+        let chunk = chunk_of(total).div_ceil(size) * size;
+        let pieces = (0..total.div_ceil(chunk))
+            .map(|k| {
+                let (off, len) = (k * chunk, chunk.min(total - k * chunk));
+                let here = || vec![(buf + off as u64, 0, len)];
+                Piece {
+                    args: CollArgs::for_buffers(
+                        kind,
+                        dtype,
+                        op,
+                        Rank(root.unwrap_or(0) as u32),
+                        Some(len / size),
+                        Some(len / size),
+                        n as u32,
+                    ),
+                    in_len: len,
+                    out_len: len,
+                    down: if root.is_none_or(|r| r == me) {
+                        here()
+                    } else {
+                        Vec::new()
+                    },
+                    up: if root == Some(me) { Vec::new() } else { here() },
+                }
+            })
+            .collect();
+        return Plan {
+            pieces,
+            in_place: true,
+            in_cap: chunk,
+            out_cap: 0,
+        };
+    }
+    // Two buffers: all_gather (one rank's slice down, every rank's slices up) and
+    // reduce_scatter (every rank's slices down, one up).
+    let (kind, send, recv, count, dtype, op) = match *call {
+        DeviceCall::AllGather {
+            send,
+            recv,
+            count,
+            dtype,
+        } => (
+            CollectiveKind::AllGather,
+            send,
+            recv,
+            count,
+            dtype,
+            ReduceOp::Sum,
+        ),
+        DeviceCall::ReduceScatter {
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+        } => (CollectiveKind::ReduceScatter, send, recv, count, dtype, op),
+        _ => {
+            return Plan {
+                pieces: Vec::new(),
+                in_place: true,
+                in_cap: 0,
+                out_cap: 0,
+            }
+        }
+    };
+    let gather = kind == CollectiveKind::AllGather;
+    let size = dtype.size();
+    // A rank's block, and the slice of every block one chunk takes: the blocks cut into
+    // as many chunks as the whole would be, of equal size (whole elements) but the last.
+    let nb = count * size;
+    let k = (n * nb).div_ceil(chunk_of(n * nb)).max(1);
+    let per = nb.div_ceil(k).div_ceil(size).max(1) * size;
+    let pieces = (0..nb.div_ceil(per))
+        .map(|k| {
+            let (off, len) = (k * per, per.min(nb - k * per));
+            let one = |base: DevPtr| vec![(base + off as u64, 0, len)];
+            let every = |base: DevPtr| -> Vec<_> {
+                (0..n)
+                    .map(|r| (base + (r * nb + off) as u64, r * len, len))
+                    .collect()
+            };
+            let (small, big) = (len, n * len);
+            let (in_len, out_len, down, up) = if gather {
+                (small, big, one(send), every(recv))
+            } else {
+                (big, small, every(send), one(recv))
+            };
+            Piece {
+                args: CollArgs::for_buffers(
+                    kind,
+                    dtype,
+                    op,
+                    Rank(0),
+                    Some(in_len / size),
+                    Some(out_len / size),
+                    n as u32,
+                ),
+                in_len,
+                out_len,
+                down,
+                up,
+            }
+        })
+        .collect();
+    let (in_cap, out_cap) = if gather {
+        (per, n * per)
+    } else {
+        (n * per, per)
+    };
+    Plan {
+        pieces,
+        in_place: false,
+        in_cap,
+        out_cap,
+    }
+}
+
+/// [`staged_pipeline`]'s pipeline.
+///
+/// # Safety
+/// As [`run`].
+unsafe fn pipeline<D: Device>(
+    comm: &mut Communicator,
+    rt: &tokio::runtime::Handle,
+    ipc: &mut IpcComm<D>,
+    call: &DeviceCall,
+) -> Result<(), Fail> {
+    let n = comm.world_size() as usize;
+    let dev_arc = ipc.device().clone();
+    let dev = dev_arc.as_ref();
+    let mut settle = Settle { dev, scratch: None };
+    let me = comm.rank().map_or(0, |r| r.idx());
+    let mut plan = plan(call, me, n, ipc.stage_bytes());
+    if plan.pieces.is_empty() {
+        return Ok(()); // nothing to move (every rank: the records agreed on the counts)
+    }
+    if let DeviceCall::AllReduce {
+        buf,
+        count,
+        dtype,
+        keep: true,
+        ..
+    } = *call
+    {
+        if plan.pieces.len() > 1 {
+            // G2: the results go to a scratch buffer, copied over `buf` at the end.
+            let scratch = dev.alloc(count * dtype.size())?;
+            settle.scratch = Some(scratch);
+            for (dst, _, _) in plan.pieces.iter_mut().flat_map(|p| p.up.iter_mut()) {
+                *dst = scratch + (*dst - buf);
+            }
+        }
+    }
+    let Plan {
+        pieces: plan,
+        in_place,
+        in_cap,
+        out_cap,
+    } = plan;
+    let chunks = plan.len();
+    let slots = chunks.min(3);
+    // A slot: its input, then (out of place) its output, in one buffer.
+    let stage = ipc.stage_buffers(slots, in_cap + out_cap)?.to_vec();
+    let input = |s: usize| stage[s];
+    let output = |s: usize| {
+        if in_place {
+            stage[s]
+        } else {
+            // SAFETY: the slot's buffer holds `in_cap + out_cap` bytes.
+            unsafe { stage[s].add(in_cap) }
+        }
+    };
+    // Each piece's copies go in order on their lane: the last one's mark covers them.
+    let down = |i: usize| -> Result<Option<CopyMark>, Fail> {
+        let mut last = None;
+        for &(src, at, len) in &plan[i].down {
+            // SAFETY: `src` lies in the call's buffers (the caller's promise); the slot's
+            // input buffer holds `chunk` >= `at + len` bytes and is ours until the mark
+            // is waited for.
+            last = Some(unsafe { dev.download_queued(input(i % slots).add(at), src, len) }?);
+        }
+        Ok(last)
+    };
+    let mut downs = Vec::with_capacity(chunks);
+    let mut ups: Vec<Option<CopyMark>> = Vec::with_capacity(chunks);
+    for i in 0..slots {
+        downs.push(down(i)?);
+    }
+    for i in 0..chunks {
+        let slot = i % slots;
+        let p = &plan[i];
+        if let Some(m) = downs[i] {
+            dev.wait_copy(m)?;
+        }
+        // SAFETY: the slot's buffers hold `chunk` bytes each; chunk i's download into the
+        // input is done, and no copy uses them until the uploads queued below.
+        let done = unsafe {
+            if in_place {
+                let bytes = std::slice::from_raw_parts_mut(input(slot), p.in_len);
+                rt.block_on(comm.collective_inplace_with(p.args, bytes, OnAbort::Undefined))
+            } else {
+                let inp = std::slice::from_raw_parts(input(slot), p.in_len);
+                let out = std::slice::from_raw_parts_mut(output(slot), p.out_len);
+                rt.block_on(comm.collective(p.args, inp, out))
+            }
+        };
+        done.map_err(Fail::Collective)?;
+        let mut last = None;
+        for &(dst, at, len) in &p.up {
+            // SAFETY: `dst` lies in the call's output (or our scratch); the slot's output
+            // buffer is left alone until the mark is waited for.
+            last = Some(unsafe { dev.upload_queued(dst, output(slot).add(at), len) }?);
+        }
+        ups.push(last);
+        // The previous chunk's slot, once its uploads are done, takes the chunk after
+        // those already downloading.
+        if i >= 1 && i - 1 + slots < chunks {
+            if let Some(m) = ups[i - 1] {
+                dev.wait_copy(m)?;
+            }
+            downs.push(down(i - 1 + slots)?);
+        }
+    }
+    if let Some(last) = ups.iter().rev().flatten().next() {
+        dev.wait_copy(*last)?;
+    }
+    if let (
+        Some(scratch),
+        DeviceCall::AllReduce {
+            buf, count, dtype, ..
+        },
+    ) = (settle.scratch, call)
+    {
+        // SAFETY: both hold the call's bytes; every upload into `scratch` is done.
+        unsafe { dev.copy(*buf, scratch, count * dtype.size()) }?;
+    }
+    dev.synchronize()?;
+    Ok(())
+}
