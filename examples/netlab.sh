@@ -194,11 +194,13 @@ echo "$plain" | wrong
 [ "$SCENARIO" = long-fat ] && RUN_ENV=(ECCL_DEBUG=INFO)
 optimized=$(run -c --show-topology)
 RUN_ENV=()
-echo "$optimized" | grep -E "^#( topology| ring| keep| +from| +to)|^# eccl-bench|^ +[0-9]" | sed "s/^/optimized:  /"
+echo "$optimized" | grep -E "^#( topology| ring| algorithms| +from| +to)|^# eccl-bench|^ +[0-9]" | sed "s/^/optimized:  /"
 echo "$optimized" | wrong
 b0=$(echo "$plain" | busbw)
 b1=$(echo "$optimized" | busbw)
 ring=$(echo "$optimized" | sed -n 's/^# ring \[\([0-9, ]*\)\].*/\1/p' | head -1)
+# What the master's model of the measured links chose for each collective and size.
+algorithms=$(echo "$optimized" | sed -n 's/^# algorithms from the measured links: //p' | head -1)
 # From the times: the bus bandwidths are printed to three decimals only.
 t0=$(echo "$plain" | usec)
 t1=$(echo "$optimized" | usec)
@@ -223,9 +225,10 @@ elif [ "$COLL" = all_reduce ]; then
     tq=$(echo "$quantized" | usec)
     qspeedup=$(awk -v a="$t0" -v b="$tq" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
     echo "# $SCENARIO: int8 on the wire ${qspeedup} x rank order's time"
-    # The same after optimize_topology(): the master finds the links off the solved ring
-    # much slower than its own (World.keep_to_ring), so the all_to_all relays the codes
-    # around the ring (its all_gather follows the ring anyway).
+    # The same after optimize_topology(): the master's model of the measured links finds
+    # an all_to_all straight across the slow links slower than relaying around the solved
+    # ring (World.tuned), so the codes go around the ring (its all_gather follows the ring
+    # anyway).
     qring=$(run --quantize int8 --show-topology)
     echo "$qring" | grep -E "^# ring|^# eccl-bench|^ +[0-9]" | sed "s/^/int8 ring:  /"
     tqr=$(echo "$qring" | usec)
@@ -233,6 +236,6 @@ elif [ "$COLL" = all_reduce ]; then
     echo "# $SCENARIO: int8 on the wire over the solved ring ${qrspeedup} x rank order's time"
 fi
 if [ -n "$JSON" ]; then
-    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_ring_speedup": %s, "quantized_max_rel_error": null}\n' \
-        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" "$qrspeedup" >"$JSON"
+    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_ring_speedup": %s, "quantized_max_rel_error": null, "algorithms": "%s"}\n' \
+        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" "$qrspeedup" "$algorithms" >"$JSON"
 fi

@@ -13,6 +13,7 @@ pub mod element;
 mod in_place;
 pub mod kernels;
 pub mod mem;
+pub mod model;
 pub mod quant;
 pub mod schedule;
 pub mod tuner;

@@ -6,7 +6,7 @@
 //! link. A forced algorithm (`ECCL_ALGO`, or an API argument) wins when the collective
 //! has it; otherwise the default is used and the reason says so, as NCCL does.
 
-use eccl_protocol::{Algo, CollectiveKind};
+use eccl_protocol::{Algo, CollectiveKind, Tuned};
 
 /// Messages up to this size are latency-bound on TCP: 64 KiB is a few socket-buffer
 /// round trips, below which the ring's `2(n-1)` hops cost more than the extra bytes of
@@ -51,28 +51,35 @@ pub fn available_algos(kind: CollectiveKind) -> &'static [Algo] {
 /// convention: the buffer for all_reduce, broadcast and reduce; one rank's block for
 /// all_gather and reduce_scatter (their whole buffer is `bytes * world`).
 pub fn choose_algo(kind: CollectiveKind, bytes: usize, world: u32, forced: Option<Algo>) -> Choice {
-    choose_algo_in(kind, bytes, world, forced, false)
+    choose_algo_in(kind, bytes, world, forced, None)
 }
 
-/// [`choose_algo`] in a world whose links off the solved ring are much slower than the
-/// ring's own (`keep_to_ring`, the master's finding from measured links): every
-/// collective that has a ring algorithm takes it, whatever its size (a direct or tree
-/// algorithm would cross the slow links; all_to_all's ring relays around the ring).
+/// [`choose_algo`] in a world whose links were measured: `tuned` is what the master's
+/// model of those links chose for this kind and size ([`eccl_protocol::World::tuned_algo`]:
+/// it plays every algorithm's schedule on the measured latencies and bandwidths, see
+/// [`crate::model`]). An algorithm the kind lacks, or a world of two or fewer, is ignored.
 pub fn choose_algo_in(
     kind: CollectiveKind,
     bytes: usize,
     world: u32,
     forced: Option<Algo>,
-    keep_to_ring: bool,
+    tuned: Option<Tuned>,
 ) -> Choice {
-    let default = match keep_to_ring && world > 2 && available_algos(kind).contains(&Algo::Ring) {
-        true => Choice {
-            algo: Algo::Ring,
-            reason: format!(
-                "{kind}: ring (links off the solved ring are slower than a quarter of its slowest)"
-            ),
-        },
-        false => default_algo(kind, bytes, world),
+    let default = match tuned {
+        Some(t) if world > 2 && available_algos(kind).contains(&t.algo) => {
+            let upto = match t.up_to {
+                u64::MAX => "any size".to_string(),
+                n => format!("up to {n} B"),
+            };
+            Choice {
+                algo: t.algo,
+                reason: format!(
+                    "{kind}: {} (the master's model of the measured links, {upto})",
+                    t.algo
+                ),
+            }
+        }
+        _ => default_algo(kind, bytes, world),
     };
     match forced {
         Some(algo) if available_algos(kind).contains(&algo) => Choice {
@@ -162,32 +169,55 @@ mod tests {
     use CollectiveKind::*;
 
     #[test]
-    fn keeping_to_the_ring_takes_the_ring_where_there_is_one() {
-        use CollectiveKind::*;
-        let c = |k, b, w, f| choose_algo_in(k, b, w, f, true).algo;
-        for k in [
-            AllReduce,
-            Broadcast,
-            Reduce,
-            AllGather,
-            ReduceScatter,
-            AllToAll,
-        ] {
-            for b in [8, 64 << 10, 1 << 30] {
-                assert_eq!(c(k, b, 4, None), Algo::Ring, "{k} {b}");
-            }
-        }
-        for k in [Scatter, Gather] {
-            assert_eq!(c(k, 1 << 20, 4, None), Algo::Direct);
-        }
-        assert_eq!(c(Barrier, 0, 4, None), Algo::Direct);
-        // Forced still wins; two ranks have no links off the ring.
-        assert_eq!(c(AllReduce, 1 << 30, 4, Some(Algo::Tree)), Algo::Tree);
+    fn a_tuned_algorithm_wins_over_the_default_where_the_kind_has_it() {
+        let t = |kind, algo| {
+            Some(Tuned {
+                kind,
+                up_to: u64::MAX,
+                algo,
+            })
+        };
+        let c = |k, b, w, f, tuned| choose_algo_in(k, b, w, f, tuned);
+        let ch = c(AllReduce, 8, 4, None, t(AllReduce, Algo::Ring));
+        assert_eq!(ch.algo, Algo::Ring);
+        assert!(
+            ch.reason.contains("model") && ch.reason.contains("any size"),
+            "{}",
+            ch.reason
+        );
         assert_eq!(
-            c(AllReduce, 8, 2, None),
+            c(AllToAll, 1 << 20, 4, None, t(AllToAll, Algo::Ring)).algo,
+            Algo::Ring
+        );
+        // An algorithm the kind lacks is ignored; forced still wins; two ranks have no
+        // links off the ring.
+        assert_eq!(
+            c(Scatter, 1 << 20, 4, None, t(Scatter, Algo::Ring)).algo,
+            Algo::Direct
+        );
+        assert_eq!(
+            c(AllGather, 8, 4, None, t(AllGather, Algo::Tree)).algo,
+            Algo::Direct
+        );
+        assert_eq!(
+            c(
+                AllReduce,
+                1 << 30,
+                4,
+                Some(Algo::Tree),
+                t(AllReduce, Algo::Ring)
+            )
+            .algo,
+            Algo::Tree
+        );
+        assert_eq!(
+            c(AllReduce, 8, 2, None, t(AllReduce, Algo::Ring)).algo,
             choose_algo(AllReduce, 8, 2, None).algo
         );
-        assert_eq!(c(AllToAll, 1 << 20, 2, None), Algo::Direct);
+        assert_eq!(
+            c(AllReduce, 8, 4, None, None),
+            choose_algo(AllReduce, 8, 4, None)
+        );
     }
 
     #[test]

@@ -19,7 +19,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::topology::{link_cost, solve_ring, CostMatrix, SOLVE_MAX};
-use eccl_protocol::{LinkMeasure, Member, PeerId, World};
+use eccl_algorithms::model;
+use eccl_protocol::{LinkMeasure, Member, PeerId, Tuned, World};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -325,18 +326,21 @@ impl Registry {
     /// large to solve. A link not measured costs what the worst measured one does; two
     /// members on one host without a measurement cost what the best one does (shared
     /// memory).
-    /// Also whether some measured link costs more than [`eccl_protocol::KEEP_TO_RING`]
-    /// times the ring's slowest ([`eccl_protocol::World::keep_to_ring`]).
-    fn solve_ring(&self, members: &[PeerId]) -> (Vec<u32>, bool) {
+    /// Also the algorithms collectives take in that world ([`World::tuned`]): up to
+    /// [`eccl_algorithms::model::MODEL_MAX_WORLD`] members, from a model of the measured
+    /// links (the ring is turned so that the rootless trees sit on fast links too); in a
+    /// larger world, the ring at every size for every kind that has one where some
+    /// measured link costs more than [`eccl_protocol::KEEP_TO_RING`] times the ring's
+    /// slowest.
+    fn solve_ring(&self, members: &[PeerId]) -> (Vec<u32>, Vec<Tuned>) {
         let n = members.len();
         if !(3..=SOLVE_MAX).contains(&n) {
-            return (Vec::new(), false);
+            return (Vec::new(), Vec::new());
         }
         let chunk = RING_REFERENCE_BYTES / n as f64;
+        let link = |i: usize, j: usize| self.links.get(&(members[i], members[j]));
         let measured = |i: usize, j: usize| {
-            self.links
-                .get(&(members[i], members[j]))
-                .map(|&(bw, ns, _)| link_cost(bw as f64, ns as f64 * 1e-9, chunk))
+            link(i, j).map(|&(bw, ns, _)| link_cost(bw as f64, ns as f64 * 1e-9, chunk))
         };
         let known: Vec<f64> = (0..n)
             .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
@@ -344,26 +348,51 @@ impl Registry {
             .filter(|c| c.is_finite())
             .collect();
         if known.is_empty() {
-            return (Vec::new(), false);
+            return (Vec::new(), Vec::new());
         }
         let worst = known.iter().copied().fold(0.0, f64::max);
         let best = known.iter().copied().fold(f64::INFINITY, f64::min);
         let host = |i: usize| self.peers.get(&members[i]).map(|r| r.host.as_str());
+        let same_host = |i: usize, j: usize| host(i).is_some() && host(i) == host(j);
         let m = CostMatrix::from_fn(n, |i, j| {
-            measured(i, j).unwrap_or(if host(i).is_some() && host(i) == host(j) {
-                best
-            } else {
-                worst
-            })
+            measured(i, j).unwrap_or(if same_host(i, j) { best } else { worst })
         });
         let ring = solve_ring(&m);
+        let order: Vec<u32> = ring.order.iter().map(|&k| k as u32).collect();
+        if n <= model::MODEL_MAX_WORLD {
+            // A link not measured is as the slowest measured one (the fastest between
+            // two members on one host), as for the ring.
+            let usable: Vec<(f64, f64)> = (0..n)
+                .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+                .filter_map(|(i, j)| link(i, j))
+                .map(|&(bw, ns, _)| (bw as f64, ns as f64 * 1e-9))
+                .filter(|&(bw, _)| bw > 0.0)
+                .collect();
+            let slowest = usable
+                .iter()
+                .fold((f64::INFINITY, 0.0f64), |a, b| (a.0.min(b.0), a.1.max(b.1)));
+            let fastest = usable
+                .iter()
+                .fold((0.0f64, f64::INFINITY), |a, b| (a.0.max(b.0), a.1.min(b.1)));
+            let links = model::Links::from_fn(n, |i, j| match link(i, j) {
+                Some(&(bw, ns, _)) => (bw as f64, ns as f64 * 1e-9),
+                None if same_host(i, j) => fastest,
+                None => slowest,
+            });
+            let order = model::rotate_for_trees(&order, &links);
+            let tuned = model::tune(Some(&order), &links);
+            return (order, tuned);
+        }
         // Unusable links (no bandwidth measured: an infinite cost) count as the slowest.
         let slowest = (0..n)
             .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
             .filter_map(|(i, j)| measured(i, j))
             .fold(worst, f64::max);
-        let keep = slowest > eccl_protocol::KEEP_TO_RING * ring.bottleneck;
-        (ring.order.iter().map(|&k| k as u32).collect(), keep)
+        let tuned = match slowest > eccl_protocol::KEEP_TO_RING * ring.bottleneck {
+            true => model::keep_to_ring(),
+            false => Vec::new(),
+        };
+        (order, tuned)
     }
 
     /// The links among `members` striped over more than one connection: for each pair,
@@ -544,7 +573,7 @@ impl Registry {
     /// member of it.
     fn new_world(&mut self, members: &[PeerId], by_reconfigure: bool) -> World {
         self.epoch += 1;
-        let (ring, keep_to_ring) = self.solve_ring(members);
+        let (ring, tuned) = self.solve_ring(members);
         let world = World {
             epoch: self.epoch,
             members: members
@@ -565,11 +594,11 @@ impl Registry {
                 .collect(),
             ring,
             stripes: self.stripes_among(members),
-            keep_to_ring,
+            tuned,
         };
         if !world.ring.is_empty() {
-            tracing::info!(target: "eccl::master", "epoch {}: ring {:?} solved from measured links{}", world.epoch, world.ring,
-                if world.keep_to_ring { "; links off it are slower than a quarter of its slowest: collectives keep to it" } else { "" });
+            tracing::info!(target: "eccl::master", "epoch {}: ring {:?} solved from measured links; algorithms {}", world.epoch, world.ring,
+                model::describe(&world.tuned));
         }
         self.worlds.insert(
             self.epoch,

@@ -30,7 +30,7 @@ pub use config::{Config, Transport, TransportChoice};
 pub use eccl_algorithms::{buffer_lens, Element};
 pub use eccl_protocol::{
     auth::Secret, Algo, CollectiveKind, DType, Descriptor, Member, NumClass, OpDomain, PeerId,
-    Rank, ReduceOp, World, KEEP_TO_RING, MAX_WORLD_SIZE,
+    Rank, ReduceOp, Tuned, World, KEEP_TO_RING, MAX_WORLD_SIZE,
 };
 pub use error::{Error, ErrorKind, Result};
 

@@ -39,7 +39,9 @@ pub const STATE_CHUNK: usize = 1 << 20;
 /// 2: typed point-to-point tags in the frame header.
 /// 3: a member's link proofs as one byte string; the world in a master's answer as one
 /// byte string holding its encoding.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: the world names the algorithms the master chose from measured links
+/// (`World::tuned`) where it said only whether to keep to the ring.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Largest payload of one data frame. A header announcing more closes the link.
 pub const MAX_FRAME_PAYLOAD: usize = 64 << 20;

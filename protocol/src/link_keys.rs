@@ -226,7 +226,7 @@ mod tests {
                 .collect(),
             ring: vec![],
             stripes: vec![],
-            keep_to_ring: false,
+            tuned: vec![],
         };
         let all = WorldKeys::new(&master, &world);
         for me in ids.iter().copied().chain([1, 50]).map(crate::PeerId) {

@@ -119,7 +119,7 @@ impl<'de> Deserialize<'de> for SharedWorld {
 mod tests {
     use super::*;
     use crate::codec::{decode, encode};
-    use crate::{Member, PeerId, Rank};
+    use crate::{Member, PeerId, Rank, Tuned};
 
     fn world(n: u32) -> World {
         World {
@@ -136,7 +136,11 @@ mod tests {
                 .collect(),
             ring: (0..n).rev().collect(),
             stripes: vec![(PeerId(100), PeerId(101), 4)],
-            keep_to_ring: true,
+            tuned: vec![Tuned {
+                kind: crate::CollectiveKind::AllReduce,
+                up_to: u64::MAX,
+                algo: crate::Algo::Ring,
+            }],
         }
     }
 

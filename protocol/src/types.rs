@@ -442,15 +442,29 @@ pub struct World {
     /// (`optimize_topology()`): `(smaller peer id, larger, connections)`, sorted; a pair
     /// not named has one. Both ends of a link read the same count here.
     pub stripes: Vec<(PeerId, PeerId, u16)>,
-    /// Some measured link off the solved ring costs more than [`KEEP_TO_RING`] times the
-    /// ring's slowest: collectives then keep to the ring (ring algorithms where the
-    /// collective has one, all_to_all relayed) rather than send straight across such
-    /// links. False without a solved ring.
-    pub keep_to_ring: bool,
+    /// The algorithm each collective takes at each size in this world, chosen by the
+    /// master from the measured links (it plays every algorithm's schedule on them):
+    /// for each kind, entries by growing [`Tuned::up_to`]; a kind not named, or a world
+    /// without them, takes the tuner's defaults. Empty without a solved ring.
+    pub tuned: Vec<Tuned>,
 }
 
+/// One entry of [`World::tuned`]: calls of `kind` moving at most `up_to` bytes (the
+/// tuner's count convention: `count * dtype size`), and more than the kind's entry
+/// before, take `algo`; the kind's last entry also takes every larger call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tuned {
+    pub kind: CollectiveKind,
+    pub up_to: u64,
+    pub algo: Algo,
+}
+
+/// Most entries of [`World::tuned`] (a kind has at most one per size the master models).
+pub const MAX_TUNED: usize = 128;
+
 /// How much slower than the solved ring's slowest link a link must be for collectives
-/// to keep to the ring ([`World::keep_to_ring`]).
+/// to keep to the ring in a world too large for the master to model every algorithm
+/// (every kind with a ring algorithm takes it at every size).
 pub const KEEP_TO_RING: f64 = 4.0;
 
 /// Most connections the master stripes one link over.
@@ -508,8 +522,22 @@ impl World {
                     &self.ring[..self.ring.len().min(16)]
                 ));
             }
-        } else if self.keep_to_ring {
-            return Err("keep_to_ring without a solved ring".into());
+        } else if !self.tuned.is_empty() {
+            return Err("algorithms tuned without a solved ring".into());
+        }
+        if self.tuned.len() > MAX_TUNED {
+            return Err(format!(
+                "{} tuned algorithms (at most {MAX_TUNED})",
+                self.tuned.len()
+            ));
+        }
+        for w in self.tuned.windows(2) {
+            if w[0].kind == w[1].kind && w[0].up_to >= w[1].up_to {
+                return Err(format!(
+                    "tuned algorithms for {} are not by growing size",
+                    w[0].kind
+                ));
+            }
         }
         let mut seen = std::collections::HashSet::new();
         for (i, m) in self.members.iter().enumerate() {
@@ -532,6 +560,20 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// The algorithm [`World::tuned`] names for a call of `kind` moving `bytes`; `None`
+    /// where it names none for the kind.
+    pub fn tuned_algo(&self, kind: CollectiveKind, bytes: u64) -> Option<Tuned> {
+        let mut of_kind = self.tuned.iter().filter(|t| t.kind == kind);
+        let mut last = None;
+        for t in of_kind.by_ref() {
+            if bytes <= t.up_to {
+                return Some(*t);
+            }
+            last = Some(*t);
+        }
+        last
     }
 
     /// Connections the master striped the link between `a` and `b` over; `None`: not
@@ -568,17 +610,31 @@ mod tests {
             members: (0..3).map(member).collect(),
             ring: vec![],
             stripes,
-            keep_to_ring: false,
+            tuned: vec![],
         };
         let (a, b, c) = (PeerId(10), PeerId(11), PeerId(12));
         let w = world(vec![(a, b, 4), (a, c, 2)]);
         assert_eq!(w.validate(), Ok(()));
-        // Keeping to the ring needs a ring.
+        // Tuned algorithms need a ring, and come by growing size within a kind.
+        let tuned = |kind, up_to, algo| Tuned { kind, up_to, algo };
         let mut k = world(vec![]);
-        k.keep_to_ring = true;
+        k.tuned = vec![
+            tuned(CollectiveKind::AllReduce, 1024, Algo::Direct),
+            tuned(CollectiveKind::AllReduce, 65536, Algo::Tree),
+            tuned(CollectiveKind::Broadcast, 16, Algo::Ring),
+        ];
         assert!(k.validate().is_err());
         k.ring = vec![2, 0, 1];
         assert_eq!(k.validate(), Ok(()));
+        let algo = |kind, bytes| k.tuned_algo(kind, bytes).map(|t| t.algo);
+        assert_eq!(algo(CollectiveKind::AllReduce, 0), Some(Algo::Direct));
+        assert_eq!(algo(CollectiveKind::AllReduce, 1024), Some(Algo::Direct));
+        assert_eq!(algo(CollectiveKind::AllReduce, 1025), Some(Algo::Tree));
+        assert_eq!(algo(CollectiveKind::AllReduce, 1 << 40), Some(Algo::Tree));
+        assert_eq!(algo(CollectiveKind::Broadcast, 1 << 20), Some(Algo::Ring));
+        assert_eq!(algo(CollectiveKind::AllGather, 8), None);
+        k.tuned.swap(0, 1);
+        assert!(k.validate().is_err());
         assert_eq!(w.stripes_between(c, a), Some(2));
         assert_eq!(w.stripes_between(b, c), None);
         for bad in [

@@ -61,7 +61,14 @@ fn world(n: u32) -> World {
         } else {
             vec![]
         },
-        keep_to_ring: n >= 3,
+        tuned: match n >= 3 {
+            true => vec![Tuned {
+                kind: CollectiveKind::AllToAll,
+                up_to: u64::MAX,
+                algo: Algo::Ring,
+            }],
+            false => vec![],
+        },
     }
 }
 

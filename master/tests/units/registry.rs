@@ -202,7 +202,7 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
     let mut r = Registry::default();
     let (p, w) = first_world(&mut r, 5);
     assert!(w.ring.is_empty(), "rank order until something is measured");
-    assert!(!w.keep_to_ring);
+    assert!(w.tuned.is_empty());
     // Fast (10 GB/s) only between ranks two apart (0-2-4-1-3-0); every other link is
     // 100 times slower, including all of rank order's.
     let fast = |i: usize, j: usize| (i + 2) % 5 == j || (j + 2) % 5 == i;
@@ -247,8 +247,23 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
         let (a, b) = (ring[k] as usize, ring[(k + 1) % 5] as usize);
         assert!(fast(a, b), "ring {ring:?} uses the slow link {a}->{b}");
     }
-    // Links off the ring are 100 times slower than its slowest: collectives keep to it.
-    assert!(w2.keep_to_ring);
+    // Links off the ring are 100 times slower than its slowest: the master's model
+    // sends calls that would cross them (a 64 KiB all_reduce's tree, any all_to_all)
+    // around the ring.
+    use eccl_protocol::{Algo, CollectiveKind};
+    let algo = |w: &eccl_protocol::World, k, b| w.tuned_algo(k, b).map(|t| t.algo);
+    assert_eq!(
+        algo(&w2, CollectiveKind::AllReduce, 64 << 10),
+        Some(Algo::Ring)
+    );
+    assert_eq!(
+        algo(&w2, CollectiveKind::AllReduce, 1 << 30),
+        Some(Algo::Ring)
+    );
+    assert_eq!(
+        algo(&w2, CollectiveKind::AllToAll, 1 << 20),
+        Some(Algo::Ring)
+    );
     assert_eq!(r.links_among(&p).len(), 20);
     // Rank 2 leaves: the four left are solved again from what was measured (the
     // departed peer's links are forgotten).
@@ -262,9 +277,8 @@ fn measured_links_give_the_next_epoch_a_ring_that_avoids_the_slow_ones() {
     };
     assert_eq!(w3.size(), 4);
     assert_eq!(w3.ring.len(), 4);
-    // No ring of the four avoids every slow link (ranks 0 and 4 have one fast link
-    // each): the ring's slowest is as slow as any, nothing to keep to.
-    assert!(!w3.keep_to_ring);
+    // Solved again for the four: a table of their own (the model of four ranks).
+    assert!(!w3.tuned.is_empty());
     w3.validate().unwrap();
     assert_eq!(
         r.links_among(&p).len(),

@@ -168,8 +168,9 @@ impl Communicator {
         let seq = c.seq;
         c.seq += 1;
         let elem = args.dtype.size();
-        let keep = c.world.keep_to_ring;
-        let choice = choose_algo_in(args.kind, args.count.saturating_mul(elem), world, forced, keep);
+        let bytes = args.count.saturating_mul(elem);
+        let tuned = c.world.tuned_algo(args.kind, bytes as u64);
+        let choice = choose_algo_in(args.kind, bytes, world, forced, tuned);
         let desc = Descriptor {
             kind: args.kind,
             dtype: args.dtype,

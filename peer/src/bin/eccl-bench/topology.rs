@@ -80,10 +80,10 @@ pub async fn show_topology(
                 );
             }
         }
-        if w.keep_to_ring {
+        if !w.tuned.is_empty() {
             println!(
-                "# keep to the ring: links off it are over {}x slower than its slowest; every collective with a ring algorithm takes it",
-                eccl::KEEP_TO_RING
+                "# algorithms from the measured links: {}",
+                eccl_algorithms::model::describe(&w.tuned)
             );
         }
     }
