@@ -25,6 +25,8 @@
 use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp, Tuned};
 
 use crate::schedule::{Prim, Schedule};
+#[cfg(test)]
+use crate::tuner::GATHER_SMALL_BYTES;
 use crate::tuner::{available_algos, choose_algo};
 
 /// Measured links of a world of `n` ranks: bandwidth (bytes per second) and one-way
@@ -101,8 +103,9 @@ impl Links {
 pub const PIECE_BYTES: f64 = (1u64 << 20) as f64;
 
 /// Sizes the master models, in bytes (the tuner's convention, `count * dtype size`):
-/// 256 B to 1 GiB by factors of 4. The tuner's own thresholds (64 KiB, 256 KiB) are
-/// among them, so its default is one algorithm over each band between two of them.
+/// 256 B to 1 GiB by factors of 4, and for each kind the sizes where the tuner's
+/// default changes in the world at hand ([`samples`]), so that the default is one
+/// algorithm over each band between two of them.
 pub const TUNE_SIZES: [u64; 12] = [
     1 << 8,
     1 << 10,
@@ -168,8 +171,9 @@ fn schedules(
 }
 
 /// The count [`tune`] builds its schedules for, played at every size by scaling the
-/// bytes of an element (a schedule's shape does not change with its size, and a count
-/// this large cuts into even chunks in every world the model plays).
+/// bytes of an element (a schedule's shape does not change with its size, and at this
+/// count the chunks of any world the model plays differ by at most one element in
+/// about 16,000).
 const TUNE_COUNT: u64 = 1 << 20;
 
 /// The model's time of the schedules (one per rank) on `links`.
@@ -315,6 +319,36 @@ fn roots(kind: CollectiveKind, world: usize) -> Vec<u32> {
     r
 }
 
+/// The sizes [`tune`] models `kind` at in a world of `world`: [`TUNE_SIZES`], and the
+/// last size before each change of the tuner's default (all_gather's and
+/// reduce_scatter's depend on the world: 256 KiB in all), so that the default is one
+/// algorithm over every band `(previous, size]` (the first from 0).
+fn samples(kind: CollectiveKind, world: u32) -> Vec<u64> {
+    let default = |b: u64| choose_algo(kind, b as usize, world, None).algo;
+    let mut s = TUNE_SIZES.to_vec();
+    let (mut i, mut lo) = (0, 0u64);
+    while i < s.len() {
+        let hi = s[i];
+        let first = default(lo);
+        if default(hi) != first {
+            // The last size of the band with the band's first algorithm: bisection
+            // (the default is a step function of the size).
+            let (mut a, mut b) = (lo, hi);
+            while b - a > 1 {
+                let m = a + (b - a) / 2;
+                match default(m) == first {
+                    true => a = m,
+                    false => b = m,
+                }
+            }
+            s.insert(i, a);
+        }
+        lo = s[i] + 1;
+        i += 1;
+    }
+    s
+}
+
 /// The algorithm each collective should take at each size on `links` with the ring
 /// `ring` (a world of three to [`MODEL_MAX_WORLD`] ranks; empty otherwise): for every
 /// kind with more than one algorithm and every size of [`TUNE_SIZES`] (barrier: once),
@@ -338,9 +372,9 @@ pub fn tune(ring: Option<&[u32]>, links: &Links) -> Vec<Tuned> {
         if algos.len() < 2 {
             continue;
         }
-        let sizes: &[u64] = match kind {
-            CollectiveKind::Barrier => &[0],
-            _ => &TUNE_SIZES,
+        let sizes = match kind {
+            CollectiveKind::Barrier => vec![0],
+            _ => samples(kind, n as u32),
         };
         let built: Vec<(Algo, Vec<Vec<Schedule>>)> = algos
             .iter()
@@ -353,7 +387,7 @@ pub fn tune(ring: Option<&[u32]>, links: &Links) -> Vec<Tuned> {
             })
             .collect();
         let mut entries: Vec<Tuned> = Vec::new();
-        for &size in sizes {
+        for size in sizes {
             let elem = size as f64 / TUNE_COUNT as f64;
             let time = |algo: Algo, links: &Links| match built.iter().find(|b| b.0 == algo) {
                 Some((_, each)) if !each.is_empty() => {
@@ -546,21 +580,39 @@ mod tests {
 
     #[test]
     fn on_uniform_fast_links_the_table_keeps_the_measured_defaults() {
-        // Loopback-like: 3 GB/s, 20 us.
-        for n in [3, 4, 8] {
-            let l = links(n, 3e9, 20e-6, &[], 1.0);
-            let ring: Vec<u32> = (0..n as u32).collect();
-            let table = tune(Some(&ring), &l);
+        // Loopback-like: 3 GB/s, 20 us. Every size, not only the modelled ones: a band
+        // must not carry its upper end's choice over a change of the default inside it
+        // (all_gather's at 256 KiB in all: 32 KiB blocks at 8 ranks, 85 KiB at 3).
+        let mut sizes: Vec<u64> = vec![0, 1, 255, 256, 257];
+        let mut b = 1.0f64;
+        while b < 4e9 {
+            sizes.extend([b as u64, b as u64 + 1]);
+            b *= 1.07;
+        }
+        for n in [3u32, 4, 5, 8, 12] {
+            sizes.extend([
+                GATHER_SMALL_BYTES as u64 / n as u64,
+                GATHER_SMALL_BYTES as u64 / n as u64 + 1,
+            ]);
+            let l = links(n as usize, 3e9, 20e-6, &[], 1.0);
+            let ring: Vec<u32> = (0..n).collect();
+            let world = eccl_protocol::World {
+                epoch: 1,
+                members: Vec::new(),
+                ring: ring.clone(),
+                stripes: Vec::new(),
+                tuned: tune(Some(&ring), &l),
+            };
+            assert!(!world.tuned.is_empty());
             for kind in CollectiveKind::ALL {
-                for size in TUNE_SIZES {
-                    let Some(t) = table.iter().find(|t| t.kind == kind && size <= t.up_to) else {
+                for &size in &sizes {
+                    let Some(t) = world.tuned_algo(kind, size) else {
                         continue;
                     };
-                    let default = choose_algo(kind, size as usize, n as u32, None).algo;
-                    assert_eq!(t.algo, default, "{n} ranks, {size} B: {t:?}");
+                    let default = choose_algo(kind, size as usize, n, None).algo;
+                    assert_eq!(t.algo, default, "{n} ranks, {kind} of {size} B: {t:?}");
                 }
             }
-            assert!(!table.is_empty());
         }
     }
 
@@ -623,13 +675,13 @@ mod tests {
             started.elapsed(),
             describe(&table)
         );
-        // Direct sends straight across the sites: the ring (two crossings) or the tree
-        // (a few) take small all_reduces.
+        // A small all_reduce keeps its tree, which crosses between the sites once per
+        // level that does: the ring's 126 steps would each wait for the 5 ms link.
         let small = table
             .iter()
             .find(|t| t.kind == AllReduce && 1024 <= t.up_to)
             .unwrap();
-        assert_ne!(small.algo, Algo::Direct);
+        assert_eq!(small.algo, Algo::Tree);
         assert!(table
             .iter()
             .all(|t| available_algos(t.kind).contains(&t.algo)));

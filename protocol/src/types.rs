@@ -531,12 +531,17 @@ impl World {
                 self.tuned.len()
             ));
         }
-        for w in self.tuned.windows(2) {
-            if w[0].kind == w[1].kind && w[0].up_to >= w[1].up_to {
-                return Err(format!(
-                    "tuned algorithms for {} are not by growing size",
-                    w[0].kind
-                ));
+        let mut last: Vec<(CollectiveKind, u64)> = Vec::new();
+        for t in &self.tuned {
+            match last.iter_mut().find(|(k, _)| *k == t.kind) {
+                Some((_, up_to)) if *up_to >= t.up_to => {
+                    return Err(format!(
+                        "tuned algorithms for {} are not by growing size",
+                        t.kind
+                    ));
+                }
+                Some((_, up_to)) => *up_to = t.up_to,
+                None => last.push((t.kind, t.up_to)),
             }
         }
         let mut seen = std::collections::HashSet::new();
@@ -634,6 +639,11 @@ mod tests {
         assert_eq!(algo(CollectiveKind::Broadcast, 1 << 20), Some(Algo::Ring));
         assert_eq!(algo(CollectiveKind::AllGather, 8), None);
         k.tuned.swap(0, 1);
+        assert!(k.validate().is_err());
+        // Not only neighbours: a kind's entries grow wherever they are.
+        k.tuned.swap(0, 1);
+        k.tuned
+            .push(tuned(CollectiveKind::AllReduce, 512, Algo::Ring));
         assert!(k.validate().is_err());
         assert_eq!(w.stripes_between(c, a), Some(2));
         assert_eq!(w.stripes_between(b, c), None);
