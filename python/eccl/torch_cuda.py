@@ -218,9 +218,11 @@ IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
 
 # The IPC calls eccl's device path serves across hosts too (and with ECCL_CUDA_IPC=0),
 # through host memory as a pipeline of chunks: FSDP's all-gathers and reduce-scatters,
-# and broadcast (DDP's first step).
+# broadcast (DDP's first step), and all_to_all_single (MoE's dispatch: even blocks as a
+# pipeline, uneven ones through host memory whole, inside eccl).
 DEVICE_EVERYWHERE = ("_allgather_base", "allgather_into_tensor_coalesced",
-                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "broadcast")
+                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "broadcast",
+                     "alltoall_base")
 
 
 def _device_all_reduce_ok(ts: List[torch.Tensor]) -> bool:

@@ -398,9 +398,10 @@ impl DeviceCall {
     }
 }
 
-/// `call` through host memory: all_reduce, broadcast, all_gather and reduce_scatter as a
-/// pipeline ([`staged_pipeline`]); the others whole: copy in, the host collective, copy
-/// out (nothing is written to the device if the host collective fails).
+/// `call` through host memory: all_reduce, broadcast, all_gather, reduce_scatter and an
+/// all_to_all of even blocks as a pipeline ([`staged_pipeline`]); the others whole: copy
+/// in, the host collective, copy out (nothing is written to the device if the host
+/// collective fails).
 ///
 /// # Safety
 /// As [`run`].
@@ -420,32 +421,16 @@ unsafe fn staged<D: Device>(
         // SAFETY: the caller's promise.
         return unsafe { staged_pipeline(comm, rt, ipc, call) };
     }
-    let dev = ipc.device().as_ref();
     let rank = comm.rank().map_or(0, |r| r.idx());
     let Some((args, (src, n_in), (dst, n_out), in_place)) = call.host_form(comm.world_size(), rank)
     else {
-        let DeviceCall::AllToAll {
-            send,
-            recv,
-            send_counts,
-            recv_counts,
-            dtype,
-        } = call
-        else {
+        if !matches!(call, DeviceCall::AllToAll { .. }) {
             return Err(Error::InvalidArgument(format!("{call:?} has no host form")));
-        };
+        }
         // SAFETY: as above.
-        return unsafe {
-            staged_all_to_all(
-                comm,
-                rt,
-                dev,
-                (*send, send_counts),
-                (*recv, recv_counts),
-                *dtype,
-            )
-        };
+        return unsafe { staged_all_to_all(comm, rt, ipc, call) };
     };
+    let dev = ipc.device().as_ref();
     let size = args.dtype.size();
     let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
     let mut input = vec![0u8; n_in * size];
@@ -471,22 +456,35 @@ unsafe fn staged<D: Device>(
 /// An all_to_all through host memory. Every rank first learns every rank's counts (one
 /// small all_gather, in step on every rank: they all took this path from the same
 /// records), so counts that disagree are the same `Mismatch` on every rank before
-/// anything moves, as on the direct path. The blocks then go through one host
-/// all_to_all, each padded to the largest block of the call (the collective engine's
-/// flow control, not point-to-point sends whose whole blocks a link could not hold), and
-/// the received blocks are copied out (nothing is written to the device if an exchange
-/// fails).
+/// anything moves, as on the direct path. Where every block of the call has one size
+/// (torch's `all_to_all_single` without splits, MoE's even dispatch), every rank then
+/// runs it as a pipeline of chunks ([`staged_pipeline`]: the same slice of every block
+/// per chunk). Otherwise the blocks go through one host all_to_all, each padded to the
+/// largest block of the call (the collective engine's flow control, not point-to-point
+/// sends whose whole blocks a link could not hold), and the received blocks are copied
+/// out (nothing is written to the device if an exchange fails).
 ///
 /// # Safety
 /// As [`run`]: `send` holds the sum of its counts, and `recv` of its counts, elements.
 unsafe fn staged_all_to_all<D: Device>(
     comm: &mut Communicator,
     rt: &tokio::runtime::Handle,
-    dev: &D,
-    (send, send_counts): (DevPtr, &[usize]),
-    (recv, recv_counts): (DevPtr, &[usize]),
-    dtype: DType,
+    ipc: &mut IpcComm<D>,
+    call: &DeviceCall,
 ) -> Result<(), Error> {
+    let DeviceCall::AllToAll {
+        send,
+        recv,
+        send_counts,
+        recv_counts,
+        dtype,
+    } = call
+    else {
+        return Err(Error::InvalidArgument(format!(
+            "{call:?} is not an all_to_all"
+        )));
+    };
+    let (send, recv, dtype) = (*send, *recv, *dtype);
     let n = comm.world_size() as usize;
     // The direct path's first record refused counts of another length on every rank
     // before any rank came here; this only keeps the indexing below safe.
@@ -510,6 +508,14 @@ unsafe fn staged_all_to_all<D: Device>(
     if widest == 0 {
         return Ok(());
     }
+    // The same table on every rank, so the same choice: even blocks (every rank's
+    // counts all `widest`, checked against what each receiver expects) as a pipeline.
+    if sends.iter().flatten().all(|&c| c == widest) {
+        // SAFETY: the caller's promise.
+        return unsafe { staged_pipeline(comm, rt, ipc, call) };
+    }
+    let dev_arc = ipc.device().clone();
+    let dev = dev_arc.as_ref();
     let size = dtype.size();
     let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
     let mut input = vec![0u8; send_counts.iter().sum::<usize>() * size];

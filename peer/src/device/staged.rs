@@ -1,6 +1,6 @@
-//! The staged pipeline: all_reduce, broadcast, all_gather and reduce_scatter of device
-//! memory through host memory in chunks whose copies overlap the host collectives (see
-//! [`staged_pipeline`]).
+//! The staged pipeline: all_reduce, broadcast, all_gather, reduce_scatter and all_to_all
+//! (of even blocks) of device memory through host memory in chunks whose copies overlap
+//! the host collectives (see [`staged_pipeline`]).
 
 use eccl_protocol::{CollectiveKind, Rank, ReduceOp};
 
@@ -33,7 +33,7 @@ impl<D: Device> Drop for Settle<'_, D> {
     }
 }
 
-/// all_reduce, all_gather, reduce_scatter and broadcast through host memory as a pipeline of
+/// all_reduce, all_gather, reduce_scatter, all_to_all and broadcast through host memory as a pipeline of
 /// chunks (about four, of 4 to 64 MiB: [`IpcComm::stage_bytes`]; in three slots of
 /// page-locked buffers): while the host collective of chunk i runs over the links, the
 /// download lane copies chunks i+1 and i+2 to the host and the upload lane copies chunk
@@ -41,7 +41,9 @@ impl<D: Device> Drop for Settle<'_, D> {
 /// one host collective (every rank reached this with the same call: the records said
 /// so): of an all_reduce, a slice of the buffer; of an all_gather or a reduce_scatter,
 /// the same slice of every rank's block (one copy down and one per rank up, or the
-/// other way round); of a broadcast, a slice the root copies down and the others up. With `keep` (all_reduce) and more than one chunk the results go to
+/// other way round); of an all_to_all of even blocks, the same slice of every block,
+/// one copy per rank each way; of a broadcast, a slice the root copies down and the
+/// others up. With `keep` (all_reduce) and more than one chunk the results go to
 /// a device scratch buffer, copied over `buf` once every chunk succeeded (G2: a failed
 /// call leaves `buf` as it was); a single chunk is uploaded only after its collective
 /// succeeded, so it needs none. A device error on this rank aborts the epoch (the other
@@ -177,9 +179,24 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
             out_cap: 0,
         };
     }
-    // Two buffers: all_gather (one rank's slice down, every rank's slices up) and
-    // reduce_scatter (every rank's slices down, one up).
+    // Two buffers: all_gather (one rank's slice down, every rank's slices up),
+    // reduce_scatter (every rank's slices down, one up) and an all_to_all of even blocks
+    // (every rank's slices down and up; `staged_all_to_all` sends only those here).
     let (kind, send, recv, count, dtype, op) = match *call {
+        DeviceCall::AllToAll {
+            send,
+            recv,
+            ref send_counts,
+            dtype,
+            ..
+        } => (
+            CollectiveKind::AllToAll,
+            send,
+            recv,
+            send_counts.first().copied().unwrap_or(0),
+            dtype,
+            ReduceOp::Sum,
+        ),
         DeviceCall::AllGather {
             send,
             recv,
@@ -209,7 +226,12 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
             }
         }
     };
-    let gather = kind == CollectiveKind::AllGather;
+    // Whether a chunk moves every block's slice down, and up (else this rank's own).
+    let (every_down, every_up) = match kind {
+        CollectiveKind::AllGather => (false, true),
+        CollectiveKind::ReduceScatter => (true, false),
+        _ => (true, true),
+    };
     let size = dtype.size();
     // A rank's block, and the slice of every block one chunk takes: the blocks cut into
     // as many chunks as the whole would be, of equal size (whole elements) but the last.
@@ -225,11 +247,13 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
                     .map(|r| (base + (r * nb + off) as u64, r * len, len))
                     .collect()
             };
-            let (small, big) = (len, n * len);
-            let (in_len, out_len, down, up) = if gather {
-                (small, big, one(send), every(recv))
-            } else {
-                (big, small, every(send), one(recv))
+            let (in_len, down) = match every_down {
+                true => (n * len, every(send)),
+                false => (len, one(send)),
+            };
+            let (out_len, up) = match every_up {
+                true => (n * len, every(recv)),
+                false => (len, one(recv)),
             };
             Piece {
                 args: CollArgs::for_buffers(
@@ -248,11 +272,8 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
             }
         })
         .collect();
-    let (in_cap, out_cap) = if gather {
-        (per, n * per)
-    } else {
-        (n * per, per)
-    };
+    let cap = |every: bool| if every { n * per } else { per };
+    let (in_cap, out_cap) = (cap(every_down), cap(every_up));
     Plan {
         pieces,
         in_place: false,

@@ -618,6 +618,92 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
     }
 }
 
+/// An all_to_all of even blocks through host memory runs as a pipeline (the same slice
+/// of every block per chunk, one copy per rank each way), in both of the double's modes,
+/// on GPUs that cannot reach each other and across hosts: exact blocks, a ragged last
+/// chunk, the copies each chunk needs. One uneven block anywhere, and every rank takes
+/// the whole path (one host all_to_all of padded blocks: two copies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_all_to_all_of_even_blocks_runs_as_a_pipeline() {
+    let m = start_master(&[]);
+    let count = 5001; // blocks of 20,004 bytes: 4 chunks, 5,004 bytes of each, the last 4,992
+    let chunks = 4u64;
+    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    for (eager, cross) in [(false, false), (true, false), (false, true)] {
+        let comms = if cross {
+            world_with(&m.addr, N as u32, |c| {
+                c.host = format!(
+                    "a2a-host-{}",
+                    HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                )
+            })
+            .await
+        } else {
+            world(&m.addr, N as u32).await
+        };
+        let make = |r: usize| {
+            let d = if cross {
+                HostDevice::on_gpu(7)
+            } else {
+                HostDevice::on_gpu(r as u32).reaching(&[])
+            };
+            if eager {
+                d.with_eager_downloads()
+            } else {
+                d
+            }
+        };
+        let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+            ipc.set_stage_bytes(1024);
+            // `longer` sends blocks one element longer than the others'.
+            let mut run = |longer: Option<usize>| {
+                let block = |s: usize| count + usize::from(longer == Some(s));
+                let sends = vec![block(rank); N];
+                let recvs: Vec<usize> = (0..N).map(block).collect();
+                let (ns, nr) = (sends.iter().sum::<usize>(), recvs.iter().sum::<usize>());
+                let send = put(dev, &values(ns, rank));
+                let recv = put(dev, &vec![0.0; nr]);
+                let q0 = dev.queued_copies();
+                let call = DeviceCall::AllToAll {
+                    send,
+                    recv,
+                    send_counts: sends,
+                    recv_counts: recvs,
+                    dtype: DType::F32,
+                };
+                unsafe { eccl::device::run(comm, rt.clone(), ipc, &call) }
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                (get(dev, recv, nr), dev.queued_copies() - q0)
+            };
+            let even = run(None);
+            // Rank 1's blocks are one element longer: uneven, on every rank's table.
+            let uneven = run(Some(1));
+            (even, uneven, dev.reductions() + dev.copies())
+        });
+        for (t, ((even, eq), (uneven, uq), device)) in res.into_iter().enumerate() {
+            let case = format!("eager {eager} across hosts {cross} rank {t}");
+            let want: Vec<f32> = (0..N)
+                .flat_map(|s| values(N * count, s)[t * count..(t + 1) * count].to_vec())
+                .collect();
+            assert!(even == want, "{case}: the blocks it received differ");
+            assert_eq!(eq, chunks * 2 * N as u64, "{case}: the pipeline's copies");
+            let block = |s: usize| count + usize::from(s == 1);
+            let want: Vec<f32> = (0..N)
+                .flat_map(|s| values(N * block(s), s)[t * block(s)..(t + 1) * block(s)].to_vec())
+                .collect();
+            assert!(
+                uneven == want,
+                "{case}: the uneven blocks it received differ"
+            );
+            assert_eq!(
+                uq, 0,
+                "{case}: uneven blocks go whole, not through the lanes"
+            );
+            assert_eq!(device, 0, "{case}: no device work");
+        }
+    }
+}
+
 /// A broadcast through host memory as a pipeline: the root's chunks go down and the
 /// others' come up (nothing else moves), in both of the double's modes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
