@@ -16,11 +16,13 @@ Two paths, picked per call:
   through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be
   of a dtype eccl's device kernels know, with the shapes the call asks for (a
   non-contiguous one goes through a contiguous copy); otherwise the call is staged.
-- **all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor across hosts** (or
-  with `ECCL_CUDA_IPC=0`): the same device calls, which every rank then runs through
-  host memory inside eccl as a pipeline of chunks in page-locked buffers: while one
-  chunk's host collective runs over the links, the next chunks are copied to the host
-  and the previous one's results back to the device, on copy streams of their own.
+- **all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor and
+  all_to_all_single across hosts** (or with `ECCL_CUDA_IPC=0`): the same device calls,
+  which every rank then runs through host memory inside eccl as a pipeline of chunks in
+  page-locked buffers: while one chunk's host collective runs over the links, the next
+  chunks are copied to the host and the previous one's results back to the device, on
+  copy streams of their own (an all_to_all_single whose blocks differ in size goes
+  through host memory whole, inside eccl too).
 - **Staged** (every other collective and point-to-point call across hosts, and calls
   whose tensors do not fit the paths above): the CUDA tensors are copied to host memory
   (after the current stream's work), the call runs on the host tensors as for CPU
@@ -240,10 +242,11 @@ def _ipc_ok(ts: List[torch.Tensor]) -> bool:
 
 def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     """The device path of the backend call `name` (one of `IPC_CALLS`: over CUDA IPC on
-    one host; broadcast, all_gather and reduce_scatter also across hosts, pipelined
-    through host memory): its eccl Works and what torch's Work completes with (and a copy-back step),
-    or None where the call's tensors do not fit it (the call is then staged; every rank
-    decides alike, from the call's dtypes, devices and shapes)."""
+    one host; broadcast, all_gather, reduce_scatter and all_to_all_single also across
+    hosts, through host memory inside eccl, pipelined): its eccl Works and what torch's
+    Work completes with (and a copy-back step), or None where the call's tensors do not
+    fit it (the call is then staged; every rank decides alike, from the call's dtypes,
+    devices and shapes)."""
     comm, world = backend.comm, backend.size()
     if name == "alltoall_base":
         return _all_to_all_ipc(comm, world, *args[:4])

@@ -544,7 +544,8 @@ impl Communicator {
         self.device_call(py, device, call, owner, async_op)
     }
 
-    /// All_to_all of device memory among ranks that all run on this host:
+    /// All_to_all of device memory (GPU to GPU over CUDA IPC among ranks that all run on
+    /// this host; otherwise through host memory, a pipeline of chunks for even blocks):
     /// `send_counts[t]` elements of `dtype` from `send` (blocks in rank order) to rank t,
     /// `recv_counts[s]` from rank s into `recv` (blocks in rank order), copied GPU to GPU
     /// over CUDA IPC (torch's `all_to_all_single` with its split sizes). Every rank checks

@@ -54,16 +54,22 @@ def main() -> None:
         w2 = dist.all_gather_into_tensor(g, mine, async_op=True)
         res[f"{path}_call_ms"] = (time.monotonic() - t0) * 1e3
         # Calls that rearrange their host copies before queuing anything (a list-form
-        # reduce_scatter, an all_to_all with splits): they wait for the copies first.
+        # reduce_scatter, a list-form all_to_all): they wait for the copies first. An
+        # all_to_all_single with splits goes to eccl's device path on both legs (in the
+        # staged leg, through host memory as a pipeline: even blocks).
         scattered = torch.zeros(4, device=dev)
         w3 = dist.reduce_scatter(scattered, parts, async_op=True)
         exchanged = torch.zeros(2 * n, device=dev)
         w4 = dist.all_to_all_single(exchanged, sendbuf, [2] * n, [2] * n, async_op=True)
-        for w in (w1, w2, w3, w4):
+        outs = [torch.zeros(2, device=dev) for _ in range(n)]
+        ins = [torch.full((2,), float(rank + 1), device=dev) for _ in range(n)]
+        w5 = dist.all_to_all(outs, ins, async_op=True)
+        for w in (w1, w2, w3, w4, w5):
             w.wait()
         torch.cuda.synchronize()
         res[f"{path}_scattered"] = scattered.tolist()
         res[f"{path}_exchanged"] = exchanged.tolist()
+        res[f"{path}_exchanged_list"] = torch.cat(outs).tolist()
         res[f"{path}_done_ms"] = (time.monotonic() - t0) * 1e3
         res[f"{path}_sum"] = sorted(set(t.tolist()))
         res[f"{path}_gathered"] = g.tolist()

@@ -114,6 +114,7 @@ def test_a_collective_is_ordered_after_the_stream_without_blocking_the_caller():
             assert x[f"{path}_gathered"] == [1.0] * 4 + [2.0] * 4, (r, path, x)
             assert x[f"{path}_scattered"] == [3.0] * 4, (r, path, x)
             assert x[f"{path}_exchanged"] == [1.0, 1.0, 2.0, 2.0], (r, path, x)
+            assert x[f"{path}_exchanged_list"] == [1.0, 1.0, 2.0, 2.0], (r, path, x)
             # Blocking on the stream would cost the whole sleep (at least 500 ms).
             assert x[f"{path}_call_ms"] < 150, (r, path, x)
             assert x[f"{path}_done_ms"] > 400, (r, path, x)

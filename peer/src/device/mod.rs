@@ -108,8 +108,9 @@ pub fn to_error(e: IpcError) -> Error {
 /// hosts, `ECCL_CUDA_IPC=0` on a rank, more than 8 ranks, no peer access between two
 /// GPUs, or one hidden from another's process by `CUDA_VISIBLE_DEVICES`; every rank
 /// learns it from the same records, before anything is written) through host memory
-/// over the world's links: all_reduce, broadcast, all_gather and reduce_scatter as a
-/// pipeline of chunks ([`staged_pipeline`]), the others whole. After a failed call the
+/// over the world's links: all_reduce, broadcast, all_gather, reduce_scatter and an
+/// all_to_all of even blocks as a pipeline of chunks ([`staged_pipeline`]), the others
+/// whole. After a failed call the
 /// outputs are as over IPC: an all_reduce with `keep` leaves its buffer as it was, other
 /// outputs are undefined (a root's broadcast buffer is never written).
 /// `ECCL_DEBUG=INFO` says which path, once per world.

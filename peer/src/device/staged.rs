@@ -236,7 +236,11 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
     // A rank's block, and the slice of every block one chunk takes: the blocks cut into
     // as many chunks as the whole would be, of equal size (whole elements) but the last.
     let nb = count * size;
-    let k = (n * nb).div_ceil(chunk_of(n * nb)).max(1);
+    // A slot holds a chunk's input and output: an all_to_all's are both every rank's
+    // slices, so its chunks are cut from twice the buffer (half as large), and its three
+    // slots stay within what the others' take.
+    let largest = n * nb * if every_down && every_up { 2 } else { 1 };
+    let k = largest.div_ceil(chunk_of(largest)).max(1);
     let per = nb.div_ceil(k).div_ceil(size).max(1) * size;
     let pieces = (0..nb.div_ceil(per))
         .map(|k| {

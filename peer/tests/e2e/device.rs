@@ -626,8 +626,10 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staged_all_to_all_of_even_blocks_runs_as_a_pipeline() {
     let m = start_master(&[]);
-    let count = 5001; // blocks of 20,004 bytes: 4 chunks, 5,004 bytes of each, the last 4,992
-    let chunks = 4u64;
+    // Blocks of 20,004 bytes: a slot holds every block's slice in and out, so chunks are
+    // cut from twice the 60,012 bytes: 8 chunks, 2,504 bytes of each block, the last 2,476.
+    let count = 5001;
+    let chunks = 8u64;
     static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     for (eager, cross) in [(false, false), (true, false), (false, true)] {
         let comms = if cross {
