@@ -229,7 +229,8 @@ class Communicator:
     def optimize_topology(self, *, async_op: bool = False) -> dict[str, Any] | Work:
         """Measures the links to every other member and has the master solve the ring order from them; returns at the
         new epoch that uses it (same members and ranks): {"epoch", "ring", "links": [{"rank", "bytes_per_s",
-        "latency_us"}]}. A collective call: every member makes it.
+        "latency_us"}], "algorithms": [{"collective", "up_to_bytes", "algo"}]} (what the master chose from everyone's
+        measurements; up_to_bytes None: every larger call). A collective call: every member makes it.
         """
     def reconfigure(
         self,

@@ -283,7 +283,10 @@ impl Communicator {
     /// talks to one other) and has the master solve the ring order from them: returns
     /// at the new epoch that uses it, same members and ranks. A collective call: every
     /// member makes it. Returns `{"epoch", "ring": [ranks around the ring], "links":
-    /// [{"rank", "bytes_per_s", "latency_us"}, ...]}` (this member's measurements).
+    /// [{"rank", "bytes_per_s", "latency_us"}, ...]` (this member's measurements),
+    /// `"algorithms": [{"collective", "up_to_bytes", "algo"}, ...]}` (what the master
+    /// chose from everyone's measurements, by collective and size: `up_to_bytes` None is
+    /// every larger call; empty: the defaults).
     #[pyo3(signature = (*, async_op=false))]
     fn optimize_topology(&self, py: Python<'_>, async_op: bool) -> PyResult<Py<PyAny>> {
         self.submit(py, Call::OptimizeTopology, async_op)

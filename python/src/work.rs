@@ -296,6 +296,16 @@ fn outcome_to_py(py: Python<'_>, o: Outcome) -> PyResult<Py<PyAny>> {
                 links.append(l)?;
             }
             d.set_item("links", links)?;
+            let algorithms = pyo3::types::PyList::empty(py);
+            for t in t.tuned {
+                let a = pyo3::types::PyDict::new(py);
+                a.set_item("collective", t.kind.name())?;
+                // The kind's last entry takes every larger call: None, no bound.
+                a.set_item("up_to_bytes", (t.up_to != u64::MAX).then_some(t.up_to))?;
+                a.set_item("algo", t.algo.name())?;
+                algorithms.append(a)?;
+            }
+            d.set_item("algorithms", algorithms)?;
             d.into_py_any(py)
         }
         Done::Left => Ok(py.None()),

@@ -316,6 +316,14 @@ def test_optimize_topology_solves_a_ring_and_keeps_ranks():
         assert sorted(link["rank"] for link in r["t"]["links"]) == \
             sorted({0, 1, 2} - {r["after"][1]}), r
         assert all(link["bytes_per_s"] > 0 and link["latency_us"] > 0 for link in r["t"]["links"])
+        # What the master chose from the measurements: one table for every rank, each
+        # collective's sizes growing to an open end.
+        algos = r["t"]["algorithms"]
+        assert algos == res[0]["t"]["algorithms"] and algos, r
+        for name in {a["collective"] for a in algos}:
+            bounds = [a["up_to_bytes"] for a in algos if a["collective"] == name]
+            assert bounds[-1] is None and bounds[:-1] == sorted(bounds[:-1]), algos
+        assert {a["algo"] for a in algos} <= {"ring", "direct", "tree"}, algos
         assert r["ok"], r
 
 

@@ -72,6 +72,9 @@ pub struct TopologyUpdate {
     pub ring: Vec<u32>,
     /// This member's measurements of its links to the others, by their rank.
     pub links: Vec<(Rank, LinkMeasure)>,
+    /// The algorithms the master chose for this world from everyone's measurements
+    /// ([`eccl_protocol::World::tuned`]; empty: the tuner's defaults).
+    pub tuned: Vec<eccl_protocol::Tuned>,
 }
 
 /// The partner of `me` in round `round` of a round-robin tournament of `n` players
@@ -140,11 +143,13 @@ impl Communicator {
                 epoch,
                 cause: "no world".into(),
             })?;
-            tracing::info!(target: "eccl::topology", "epoch {}: ring {:?}", c.world.epoch, c.world.ring);
+            tracing::info!(target: "eccl::topology", "epoch {}: ring {:?}; algorithms {}", c.world.epoch, c.world.ring,
+                eccl_algorithms::model::describe(&c.world.tuned));
             Ok(TopologyUpdate {
                 epoch: c.world.epoch,
                 ring: c.world.ring.clone(),
                 links,
+                tuned: c.world.tuned.clone(),
             })
         }
         .boxed()
