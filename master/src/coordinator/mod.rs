@@ -261,6 +261,35 @@ impl Coordinator {
         }
     }
 
+    /// Whether a quorum confirms this master's leadership now (a linearizable read), asked
+    /// again while the quorum is short for up to an election timeout (a busy follower's
+    /// late acknowledgement is not a lost quorum). A leader cut off from its followers
+    /// still believes it leads until it hears otherwise; an answer that reports the
+    /// replicated state as it stands (an epoch that stays) must come from one that a
+    /// quorum still follows.
+    pub(super) async fn leads_now(&self) -> bool {
+        use openraft::error::{CheckIsLeaderError, RaftError};
+        let patience = Duration::from_millis(self.raft.raft.config().election_timeout_max);
+        let until = Instant::now() + patience;
+        loop {
+            if !self.raft.is_leader() {
+                return false;
+            }
+            match self.raft.raft.ensure_linearizable().await {
+                Ok(_) => return true,
+                Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(_)))
+                    if Instant::now() < until =>
+                {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => {
+                    tracing::info!(target: "eccl::master", "leadership not confirmed: {e}");
+                    return false;
+                }
+            }
+        }
+    }
+
     pub(super) fn not_leader(&self) -> MasterReply {
         MasterReply::NotLeader {
             leader: self.raft.leader().map(|(_, a)| a),

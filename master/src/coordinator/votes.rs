@@ -188,10 +188,19 @@ impl Coordinator {
             .any(|m| st.votes.get(m).is_some_and(|v| v.aborted));
         if pending.is_empty() && !lost_members && !aborted {
             // Every voter left is in this epoch (the ones behind were answered above)
-            // and has its world: it hears only that the epoch stays.
+            // and has its world: it hears only that the epoch stays, from a leader a
+            // quorum still follows (one whose followers died would say so without
+            // anyone to agree; a commit below fails there by itself).
+            let reply = match self.leads_now().await {
+                true => MasterReply::Unchanged { epoch },
+                false => MasterReply::Error {
+                    code: ErrorCode::NotLeader,
+                    message: "this master lost its quorum: membership cannot be decided".into(),
+                },
+            };
             for m in &members {
                 if let Some(v) = st.votes.remove(m) {
-                    v.reply.send(MasterReply::Unchanged { epoch });
+                    v.reply.send(reply.clone());
                 }
             }
             return;

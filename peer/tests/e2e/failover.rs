@@ -117,6 +117,42 @@ async fn without_a_quorum_membership_fails_in_time_and_resumes_with_it() {
     all_reduce_rounds(&mut comms, 3).await;
 }
 
+/// A leader whose only follower dies after electing it still believes it leads: it must
+/// not answer a round of votes as if it could decide (that the epoch stays), however
+/// quickly, but fail it as without a quorum. (CI once saw this order of deaths: the
+/// leader killed, the two left elected one, then its follower killed; the lone leader
+/// answered "unchanged".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_left_without_its_quorum_decides_no_round() {
+    let mut cl = Cluster::start("lone-leader");
+    let list = cl.list();
+    let first = cl.leader(Duration::from_secs(10)).expect("a leader");
+    let mut comms = members(&list, 2).await;
+    cl.kill(first);
+    // The two left elect one of them; the peers find it (their heartbeats attach).
+    let lone = cl.leader(Duration::from_secs(15)).expect("a new leader");
+    assert_ne!(lone, first);
+    all_reduce_rounds(&mut comms, 3).await;
+    for r in update_all(&mut comms).await {
+        r.expect("a round the new leader and its follower decide");
+    }
+    let follower = (0..3).find(|i| *i != first && *i != lone).unwrap();
+    cl.kill(follower);
+    let start = Instant::now();
+    for r in update_all(&mut comms).await {
+        match r {
+            Err(Error::MasterUnavailable { .. }) => {}
+            other => panic!("expected MasterUnavailable, got {other:?}"),
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+    all_reduce_rounds(&mut comms, 3).await;
+}
+
 #[test]
 fn a_bad_master_list_is_refused_with_the_reason() {
     for bad in ["", " , ", "127.0.0.1", "a:1,b"] {
