@@ -219,46 +219,27 @@ impl Coordinator {
     ///
     /// One check runs at a time (the others wait for its answer), and a check that a
     /// quorum did not answer in time is made again while this master still leads, for up
-    /// to an election timeout: a leader busy with a large epoch change (1,000 members'
+    /// to an election timeout ([`Coordinator::leads_now`]): a leader busy with a large epoch change (1,000 members'
     /// answers) saw its followers' acknowledgements come later than openraft's per-RPC
     /// limit (the raft heartbeat), and answered "not the leader" while naming itself to
     /// hundreds of requests; its peers left it as told, and it evicted each for the
     /// closed connection (`eccl-chaos load --masters 3`).
     pub(super) async fn caught_up(&self) -> bool {
-        use openraft::error::{CheckIsLeaderError, RaftError};
         use std::sync::atomic::Ordering;
-        let term = || self.raft.term();
-        if self.caught_up_term.load(Ordering::Acquire) == term() {
+        let term = self.raft.term();
+        if self.caught_up_term.load(Ordering::Acquire) == term {
             return true;
         }
         let _one_at_a_time = self.caught_up_check.lock().await;
-        let patience = Duration::from_millis(self.raft.raft.config().election_timeout_max);
-        let until = Instant::now() + patience;
-        loop {
-            let t = term();
-            if self.caught_up_term.load(Ordering::Acquire) == t {
-                return true;
-            }
-            if !self.raft.is_leader() {
-                return false;
-            }
-            match self.raft.raft.ensure_linearizable().await {
-                Ok(_) => {
-                    self.caught_up_term.store(t, Ordering::Release);
-                    return true;
-                }
-                Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(e)))
-                    if Instant::now() < until =>
-                {
-                    tracing::debug!(target: "eccl::master", "leadership not confirmed yet ({e}); checking again");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                Err(e) => {
-                    tracing::info!(target: "eccl::master", "leadership not confirmed: {e}");
-                    return false;
-                }
-            }
+        let term = self.raft.term();
+        if self.caught_up_term.load(Ordering::Acquire) == term {
+            return true;
         }
+        let confirmed = self.leads_now().await;
+        if confirmed {
+            self.caught_up_term.store(term, Ordering::Release);
+        }
+        confirmed
     }
 
     /// Whether a quorum confirms this master's leadership now (a linearizable read), asked
@@ -277,9 +258,10 @@ impl Coordinator {
             }
             match self.raft.raft.ensure_linearizable().await {
                 Ok(_) => return true,
-                Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(_)))
+                Err(RaftError::APIError(CheckIsLeaderError::QuorumNotEnough(e)))
                     if Instant::now() < until =>
                 {
+                    tracing::debug!(target: "eccl::master", "leadership not confirmed yet ({e}); checking again");
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
                 Err(e) => {

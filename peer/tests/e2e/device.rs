@@ -56,6 +56,29 @@ fn unreaching(gpu: usize, eager: bool) -> HostDevice {
     }
 }
 
+/// A world of `N` whose ranks each run on a host of their own (through host memory,
+/// whatever their GPUs reach).
+async fn hosts_apart(addr: &str) -> Vec<eccl::Communicator> {
+    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    world_with(addr, N as u32, |c| {
+        c.host = format!(
+            "staged-host-{}",
+            HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        )
+    })
+    .await
+}
+
+/// Rank `r`'s device in a staged test: across hosts every rank on one simulated GPU
+/// (which IPC would serve on one host), else GPUs that reach no other.
+fn staged_device(r: usize, cross: bool, eager: bool) -> HostDevice {
+    match cross {
+        true if eager => HostDevice::on_gpu(7).with_eager_downloads(),
+        true => HostDevice::on_gpu(7),
+        false => unreaching(r, eager),
+    }
+}
+
 /// Each rank's results of all_reduce, all_gather, reduce_scatter, broadcast (root 1), an
 /// uneven all_to_all, gather (root 2) and scatter (root 0), and the kernels and device
 /// copies its device ran.
@@ -425,14 +448,7 @@ async fn a_staged_all_reduce_runs_as_a_pipeline_of_chunks() {
     }
     // Every rank on one simulated GPU, which IPC would serve on one host; each rank on a
     // host of its own: through host memory.
-    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let comms = world_with(&m.addr, N as u32, |c| {
-        c.host = format!(
-            "staged-host-{}",
-            HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        )
-    })
-    .await;
+    let comms = hosts_apart(&m.addr).await;
     let res = staged_all_reduce(comms, &|_| HostDevice::on_gpu(9), count, false);
     for (r, (res, out, queued, device)) in res.into_iter().enumerate() {
         res.unwrap_or_else(|e| panic!("across hosts, rank {r}: {e}"));
@@ -521,7 +537,6 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
     let count = 5001; // a block of 20,004 bytes: 4 chunks, 5,004 bytes of each block, the last 4,992
     let chunks = 4u64;
     let whole: Vec<Vec<f32>> = (0..N).map(|s| values(N * count, s)).collect();
-    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     for (in_place, eager, cross) in [
         (false, false, false),
         (true, false, false),
@@ -532,28 +547,11 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
         // cross: every rank on one simulated GPU (IPC would serve it), each on a host of
         // its own.
         let comms = if cross {
-            world_with(&m.addr, N as u32, |c| {
-                c.host = format!(
-                    "ag-host-{}",
-                    HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                )
-            })
-            .await
+            hosts_apart(&m.addr).await
         } else {
             world(&m.addr, N as u32).await
         };
-        let make = |r: usize| {
-            let d = if cross {
-                HostDevice::on_gpu(7)
-            } else {
-                HostDevice::on_gpu(r as u32).reaching(&[])
-            };
-            if eager {
-                d.with_eager_downloads()
-            } else {
-                d
-            }
-        };
+        let make = |r: usize| staged_device(r, cross, eager);
         let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
             ipc.set_stage_bytes(1024);
             let put = |v: &[f32]| put(dev, v);
@@ -630,31 +628,13 @@ async fn a_staged_all_to_all_of_even_blocks_runs_as_a_pipeline() {
     // cut from twice the 60,012 bytes: 8 chunks, 2,504 bytes of each block, the last 2,476.
     let count = 5001;
     let chunks = 8u64;
-    static HOST: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     for (eager, cross) in [(false, false), (true, false), (false, true)] {
         let comms = if cross {
-            world_with(&m.addr, N as u32, |c| {
-                c.host = format!(
-                    "a2a-host-{}",
-                    HOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                )
-            })
-            .await
+            hosts_apart(&m.addr).await
         } else {
             world(&m.addr, N as u32).await
         };
-        let make = |r: usize| {
-            let d = if cross {
-                HostDevice::on_gpu(7)
-            } else {
-                HostDevice::on_gpu(r as u32).reaching(&[])
-            };
-            if eager {
-                d.with_eager_downloads()
-            } else {
-                d
-            }
-        };
+        let make = |r: usize| staged_device(r, cross, eager);
         let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
             ipc.set_stage_bytes(1024);
             // `longer` sends blocks one element longer than the others'.

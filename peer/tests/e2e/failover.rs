@@ -73,6 +73,23 @@ async fn peers_follow_the_next_leader_when_the_leader_dies() {
     assert!(comms.iter().all(|c| c.world_size() == 4));
 }
 
+/// Every member's `update_topology()` fails with `MasterUnavailable`, in time: the
+/// deadline (connect_timeout, 4 s) bounds it, with the raft proposal timeout.
+async fn updates_fail_unavailable_in_time(comms: &mut [eccl::Communicator]) {
+    let start = Instant::now();
+    for r in update_all(comms).await {
+        match r {
+            Err(Error::MasterUnavailable { .. }) => {}
+            other => panic!("expected MasterUnavailable, got {other:?}"),
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_quorum_membership_fails_in_time_and_resumes_with_it() {
     let mut cl = Cluster::start("quorum");
@@ -85,19 +102,7 @@ async fn without_a_quorum_membership_fails_in_time_and_resumes_with_it() {
     cl.kill(leader);
     cl.kill(other);
     all_reduce_rounds(&mut comms, 10).await;
-    let start = Instant::now();
-    for r in update_all(&mut comms).await {
-        match r {
-            Err(Error::MasterUnavailable { .. }) => {}
-            other => panic!("expected MasterUnavailable, got {other:?}"),
-        }
-    }
-    // The deadline (connect_timeout, 4 s) bounds it, with the raft proposal timeout.
-    assert!(
-        start.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        start.elapsed()
-    );
+    updates_fail_unavailable_in_time(&mut comms).await;
     all_reduce_rounds(&mut comms, 5).await;
 
     // The two come back from their data directories; service resumes.
@@ -138,18 +143,7 @@ async fn a_leader_left_without_its_quorum_decides_no_round() {
     }
     let follower = (0..3).find(|i| *i != first && *i != lone).unwrap();
     cl.kill(follower);
-    let start = Instant::now();
-    for r in update_all(&mut comms).await {
-        match r {
-            Err(Error::MasterUnavailable { .. }) => {}
-            other => panic!("expected MasterUnavailable, got {other:?}"),
-        }
-    }
-    assert!(
-        start.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        start.elapsed()
-    );
+    updates_fail_unavailable_in_time(&mut comms).await;
     all_reduce_rounds(&mut comms, 3).await;
 }
 
