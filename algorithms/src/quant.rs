@@ -11,12 +11,13 @@
 //!   its smallest subnormal.
 //!
 //! The quantized all_reduce (the peer's `all_reduce_quantized`, torchft's and PCCL's
-//! shape): every rank encodes its buffer in `world` segments and sends segment `r` to
-//! rank `r` (all_to_all); rank `r` decodes what it got and adds it up in f32, in rank
-//! order; it encodes that sum once and every rank gathers every sum (all_gather) and
-//! decodes the same bytes, so that every rank ends with the same bits (G3). Error per
-//! element: at most `Σ_j step_j / 2` from the inputs' blocks plus `step_sum / 2` from the
-//! sum's, each `step` the range of its block over 255 (documented with the call).
+//! shape): every rank cuts its buffer in `world` segments and sends segment `r`, encoded,
+//! to rank `r` (all_to_all); rank `r` decodes what it got and adds it up in f32 with its
+//! own segment's values (as they are), in rank order ([`sum_parts`]); it encodes that sum
+//! once and every rank gathers every sum (all_gather) and decodes the same bytes, so that
+//! every rank ends with the same bits (G3). Error per element: at most `Σ_j step_j / 2`
+//! from the other ranks' blocks plus `step_sum / 2` from the sum's, each `step` the range
+//! of its block over 255 (documented with the call).
 //!
 //! A block holding a NaN or an infinity has no range: it is sent as a NaN step and
 //! decodes to NaN everywhere (as an unquantized sum with a NaN would give NaN), on every
@@ -275,6 +276,7 @@ fn blocks<'a>(
 }
 
 /// Hands every decoded value of `enc` to `f` with its slot of `out`.
+#[inline(always)]
 fn decode_with(codec: Codec, enc: &[u8], out: &mut [f32], f: impl Fn(&mut f32, f32)) {
     let table = &*E4M3_ALL;
     for (base, step, codes, dst) in blocks(enc, out) {
@@ -300,7 +302,155 @@ pub fn decode_add(codec: Codec, enc: &[u8], acc: &mut [f32]) {
 
 /// The `out.len()` values encoded in `enc`.
 pub fn decode(codec: Codec, enc: &[u8], out: &mut [f32]) {
-    decode_with(codec, enc, out, |o, v| *o = v);
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { decode_avx2(codec, enc, out) };
+        return;
+    }
+    decode_blocks(codec, enc, out);
+}
+
+/// [`decode`] compiled for AVX2: the same operations (none fused), eight lanes wide.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_avx2(codec: Codec, enc: &[u8], out: &mut [f32]) {
+    decode_blocks(codec, enc, out);
+}
+
+/// [`decode`]'s arithmetic with each whole block's length known to the compiler.
+#[inline(always)]
+fn decode_blocks(codec: Codec, enc: &[u8], out: &mut [f32]) {
+    assert_eq!(
+        enc.len(),
+        encoded_len(out.len()),
+        "quant::decode: input size"
+    );
+    let table = &*E4M3_ALL;
+    let whole = out.len() / BLOCK;
+    let (full, rest) = out.split_at_mut(whole * BLOCK);
+    for (src, dst) in enc
+        .chunks_exact(HEADER + BLOCK)
+        .zip(full.chunks_exact_mut(BLOCK))
+    {
+        let dst: &mut [f32; BLOCK] = dst.try_into().expect("a whole block");
+        let base = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+        let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
+        let codes: &[u8; BLOCK] = src[HEADER..].try_into().expect("a block");
+        match codec {
+            Codec::Int8 => {
+                for i in 0..BLOCK {
+                    dst[i] = base + codes[i] as f32 * step;
+                }
+            }
+            Codec::Fp8 => {
+                for i in 0..BLOCK {
+                    dst[i] = table[codes[i] as usize] * step;
+                }
+            }
+        }
+    }
+    if !rest.is_empty() {
+        decode_with(codec, &enc[whole * (HEADER + BLOCK)..], rest, |o, v| *o = v);
+    }
+}
+
+/// One rank's share of an owner's sum: its codes, or (the owner's own) its values.
+#[derive(Clone, Copy, Debug)]
+pub enum Part<'a> {
+    /// `encoded_len(n)` bytes of codes for `n` values.
+    Encoded(&'a [u8]),
+    /// `n` values as they are.
+    Values(&'a [f32]),
+}
+
+/// `out` = the parts' values added in their order, starting from 0: the bits of
+/// `out.fill(0.0)` followed by [`decode_add`] (or a plain addition) of each part in turn,
+/// computed one block at a time so that the block of `out` stays in the cache while every
+/// part is added to it (one pass over `out` instead of one per part).
+pub fn sum_parts(codec: Codec, parts: &[Part<'_>], out: &mut [f32]) {
+    for part in parts {
+        match part {
+            Part::Encoded(enc) => assert_eq!(
+                enc.len(),
+                encoded_len(out.len()),
+                "quant::sum_parts: codes' size"
+            ),
+            Part::Values(v) => assert_eq!(v.len(), out.len(), "quant::sum_parts: values"),
+        }
+    }
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { sum_parts_avx2(codec, parts, out) };
+        return;
+    }
+    sum_blocks(codec, parts, out);
+}
+
+/// [`sum_blocks`] compiled for AVX2: the same operations (none fused), eight lanes wide.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_parts_avx2(codec: Codec, parts: &[Part<'_>], out: &mut [f32]) {
+    sum_blocks(codec, parts, out);
+}
+
+#[inline(always)]
+fn sum_blocks(codec: Codec, parts: &[Part<'_>], out: &mut [f32]) {
+    let table = &*E4M3_ALL;
+    let whole = out.len() / BLOCK;
+    let (full, rest) = out.split_at_mut(whole * BLOCK);
+    for (b, dst) in full.chunks_exact_mut(BLOCK).enumerate() {
+        let dst: &mut [f32; BLOCK] = dst.try_into().expect("a whole block");
+        *dst = [0.0; BLOCK];
+        for part in parts {
+            match *part {
+                Part::Values(v) => {
+                    let v: &[f32; BLOCK] = v[b * BLOCK..][..BLOCK].try_into().expect("a block");
+                    for i in 0..BLOCK {
+                        dst[i] += v[i];
+                    }
+                }
+                Part::Encoded(enc) => {
+                    let src = &enc[b * (HEADER + BLOCK)..][..HEADER + BLOCK];
+                    let base = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+                    let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
+                    let codes: &[u8; BLOCK] = src[HEADER..].try_into().expect("a block");
+                    match codec {
+                        Codec::Int8 => {
+                            for i in 0..BLOCK {
+                                dst[i] += base + codes[i] as f32 * step;
+                            }
+                        }
+                        Codec::Fp8 => {
+                            for i in 0..BLOCK {
+                                dst[i] += table[codes[i] as usize] * step;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if !rest.is_empty() {
+        rest.fill(0.0);
+        for part in parts {
+            match *part {
+                Part::Values(v) => {
+                    for (o, &x) in rest.iter_mut().zip(&v[whole * BLOCK..]) {
+                        *o += x;
+                    }
+                }
+                Part::Encoded(enc) => decode_add(codec, &enc[whole * (HEADER + BLOCK)..], rest),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -457,6 +607,55 @@ mod tests {
         }
         assert!(supported(DType::BF16) && !supported(DType::F64) && !supported(DType::I32));
     }
+
+    #[test]
+    fn a_sum_of_parts_has_the_bits_of_one_part_at_a_time() {
+        // A ragged last block, a NaN block in one part, values as they are in another.
+        let n = 3 * BLOCK + 37;
+        let input = |r: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 31 + r * 7) % 97) as f32 * 0.37 - 11.0 + r as f32 * 1e-3)
+                .collect()
+        };
+        for codec in [Codec::Int8, Codec::Fp8] {
+            let mut inputs: Vec<Vec<f32>> = (0..4).map(input).collect();
+            inputs[2][BLOCK + 5] = f32::NAN;
+            let encs: Vec<Vec<u8>> = inputs
+                .iter()
+                .map(|v| {
+                    let mut e = vec![0u8; encoded_len(n)];
+                    encode(codec, v, &mut e);
+                    e
+                })
+                .collect();
+            let own = 1;
+            let mut want = vec![0f32; n];
+            for (r, e) in encs.iter().enumerate() {
+                if r == own {
+                    want.iter_mut().zip(&inputs[r]).for_each(|(w, v)| *w += v);
+                } else {
+                    decode_add(codec, e, &mut want);
+                }
+            }
+            let parts: Vec<Part<'_>> = (0..4)
+                .map(|r| {
+                    if r == own {
+                        Part::Values(&inputs[r])
+                    } else {
+                        Part::Encoded(&encs[r])
+                    }
+                })
+                .collect();
+            let mut got = vec![7f32; n];
+            sum_parts(codec, &parts, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{codec:?}");
+            assert!(
+                got[BLOCK..2 * BLOCK].iter().all(|x| x.is_nan()),
+                "{codec:?}"
+            );
+        }
+    }
 }
 
 #[cfg(test)]
@@ -498,6 +697,18 @@ mod speed {
             time(&format!("{codec:?} decode_add"), &mut || {
                 decode_add(codec, &enc, &mut out)
             });
+            // Per value of each part: four parts, one of them values as they are.
+            let parts = [
+                Part::Encoded(&enc),
+                Part::Values(&values),
+                Part::Encoded(&enc),
+                Part::Encoded(&enc),
+            ];
+            let mut sum = vec![0f32; n];
+            time(
+                &format!("{codec:?} sum_parts of 4 (per value of all 4)"),
+                &mut || sum_parts(codec, &parts, &mut sum),
+            );
         }
         time("widen f32", &mut || {
             wide.clear();

@@ -2,7 +2,8 @@
 //! more than arithmetic (DiLoCo's outer step across sites). The scheme and its error bound
 //! are `eccl_algorithms::quant`'s: each rank's segment of the buffer goes to its owner as
 //! 8-bit codes with a minimum and a step per block of 256 (all_to_all), the owner adds them
-//! up in f32 in rank order and encodes the sum once, and every rank decodes every sum from
+//! up in f32 in rank order (its own segment's values as they are) and encodes the sum
+//! once, and every rank decodes every sum from
 //! the same bytes (all_gather): the same bits on every rank (G3), a quarter of an f32 ring
 //! all_reduce's bytes (half of a bf16 one's). The buffer is written only when both calls
 //! succeeded: a failure leaves it as it was (G2).
@@ -48,17 +49,65 @@ impl Quantize {
     }
 }
 
-/// The buffers of a quantized all_reduce, kept between calls (about 1.75 times the
-/// largest call's values as f32, per communicator). `send` and `all` are doubled: one
+/// The buffers of a quantized all_reduce, kept between calls (per communicator, about
+/// 1.75 times the largest call's values as f32 beside `wide`, which only calls on f16
+/// and bf16, or on f32 not aligned for it, use). `send` and `all` are doubled: one
 /// piece's codec works in one while the other piece's collective uses the other.
 #[derive(Default)]
 pub(crate) struct Scratch {
+    /// The buffer widened to f32 (f16, bf16, unaligned f32).
+    wide: Vec<f32>,
+    /// The decoded result where it cannot go straight into the caller's buffer: the
+    /// pieces decoded before the call's last collective succeeded (G2), or all of them
+    /// when the buffer is not f32.
     values: Vec<f32>,
     send: [Vec<u8>; 2],
     recv: Vec<u8>,
     sum: Vec<f32>,
     mine: Vec<u8>,
     all: [Vec<u8>; 2],
+    /// A segment's piece padded past the buffer's end (the last segments).
+    tail: Vec<f32>,
+}
+
+/// `src[lo..hi]`, padded with `src`'s last value (0 if empty) where `hi` runs past its
+/// end: padding that leaves the last block's range (and so its step) as it was.
+fn padded<'a>(src: &'a [f32], lo: usize, hi: usize, tail: &'a mut Vec<f32>) -> &'a [f32] {
+    if hi <= src.len() {
+        return &src[lo..hi];
+    }
+    tail.clear();
+    tail.extend_from_slice(&src[lo.min(src.len())..]);
+    tail.resize(hi - lo, src.last().copied().unwrap_or(0.0));
+    tail
+}
+
+/// Decodes `enc` (`n` ranks' codes of `values` values each, one after the other) into
+/// `out[k * seg + start..][..values]` for each rank `k`, clipped to `out`'s length.
+#[allow(clippy::too_many_arguments)]
+fn decode_segments(
+    codec: quant::Codec,
+    enc: &[u8],
+    n: usize,
+    seg: usize,
+    start: usize,
+    values: usize,
+    out: &mut [f32],
+    tail: &mut Vec<f32>,
+) {
+    let e = quant::encoded_len(values);
+    for (k, part) in enc.chunks(e).take(n).enumerate() {
+        let (lo, hi) = (k * seg + start, k * seg + start + values);
+        if hi <= out.len() {
+            quant::decode(codec, part, &mut out[lo..hi]);
+        } else if lo < out.len() {
+            tail.clear();
+            tail.resize(values, 0.0);
+            quant::decode(codec, part, tail);
+            let end = out.len();
+            out[lo..].copy_from_slice(&tail[..end - lo]);
+        }
+    }
 }
 
 /// Values of each rank's segment that one round of the pipeline moves (whole blocks):
@@ -83,7 +132,8 @@ impl Communicator {
     /// All_reduce in place of `buf` (elements of `dtype`: f32, f16 or bf16; `Sum` or
     /// `Avg`) with quantized values on the wire; every rank gets the same bits. The
     /// result differs from an exact all_reduce, per element, by at most the sum of one
-    /// encoding error for each rank's value and one for the sum's: `Int8`, half a step
+    /// encoding error for each other rank's value (a segment's owner adds its own values
+    /// as they are) and one for the sum's: `Int8`, half a step
     /// of the block (its range over 255); `Fp8`, `max(|v| / 16, scale / 1024)` with
     /// `scale` the block's largest magnitude over 448. A block with a NaN or an infinity
     /// comes back NaN.
@@ -121,18 +171,28 @@ impl Communicator {
             ));
         }
         let count = buf.len() / dtype.size();
+        let me = self.rank().map_or(0, |r| r.0 as usize);
         // The buffers of the last call, reused: fresh ones cost a page fault a page (a
         // quarter of a 16 MiB call on four ranks). Taken out for the call (the
         // collectives below borrow the communicator); a call that fails drops them.
         let mut s = std::mem::take(&mut self.quant_scratch);
-        // Every rank owns one segment; the last is padded with the buffer's last value,
-        // which leaves its block's range (and so its step) as it was; what the padding
-        // sums to is dropped.
+        let Scratch {
+            wide,
+            values,
+            send,
+            recv,
+            sum,
+            mine,
+            all,
+            tail,
+        } = &mut s;
+        // Every rank owns one segment; the last is padded with the buffer's last value
+        // (`padded`), and what the padding sums to is dropped. f32 aligned for it is read
+        // where it is and the last piece's result decoded into it (two copies of the
+        // buffer fewer than widening and narrowing: a tenth of the call on a 1 Gbit/s
+        // ring of four); other buffers are widened to f32 first.
         let seg = count.div_ceil(n).max(1);
-        s.values.clear();
-        quant::widen(dtype, buf, &mut s.values);
-        s.values
-            .resize(seg * n, s.values.last().copied().unwrap_or(0.0));
+        let direct = dtype == DType::F32 && bytemuck::try_cast_slice::<u8, f32>(buf).is_ok();
         // The segments go in pieces of whole blocks (so each block is encoded exactly
         // as in one pass: the same bytes, the same bits), and the codec of one piece
         // runs while the collective of another is on the wire: the all_to_all of piece
@@ -143,56 +203,69 @@ impl Communicator {
         let pieces = seg.div_ceil(piece);
         let range = |p: usize| (p * piece)..((p + 1) * piece).min(seg);
         let emax = quant::encoded_len(piece);
-        for b in s.send.iter_mut().chain(s.all.iter_mut()) {
+        for b in send.iter_mut().chain(all.iter_mut()) {
             b.resize(emax * n, 0);
         }
-        s.recv.resize(emax * n, 0);
-        s.sum.resize(piece, 0.0);
-        s.mine.resize(emax, 0);
-        let Scratch {
-            values,
-            send,
-            recv,
-            sum,
-            mine,
-            all,
-        } = &mut s;
+        recv.resize(emax * n, 0);
+        sum.resize(piece, 0.0);
+        mine.resize(emax, 0);
+        // Where the pieces before the last are decoded (all of them for a widened
+        // buffer): kept at its largest size, since its contents are always written
+        // before they are read.
+        let decoded = if direct && pieces == 1 { 0 } else { seg * n };
+        if values.len() < decoded {
+            values.resize(decoded, 0.0);
+        }
+        let src: &[f32] = if direct {
+            bytemuck::cast_slice(&*buf)
+        } else {
+            wide.clear();
+            quant::widen(dtype, buf, wide);
+            wide
+        };
         // Bytes of each rank's part of piece p on the wire.
         let enc_len = |p: usize| quant::encoded_len(range(p).len());
-        let encode_piece = |values: &[f32], p: usize, out: &mut [u8]| {
+        // Rank k's values of piece p go to rank k as codes; this rank's own part stays
+        // here (its owner adds its values as they are), so its slot is not written.
+        let encode_piece = |p: usize, out: &mut [u8], tail: &mut Vec<f32>| {
             let r = range(p);
             for (k, o) in out.chunks_mut(enc_len(p)).take(n).enumerate() {
-                quant::encode(codec, &values[k * seg + r.start..k * seg + r.end], o);
+                if k != me {
+                    let v = padded(src, k * seg + r.start, k * seg + r.end, tail);
+                    quant::encode(codec, v, o);
+                }
             }
         };
-        let decode_piece = |values: &mut [f32], p: usize, enc: &[u8]| {
-            let r = range(p);
-            for (k, part) in enc.chunks(enc_len(p)).take(n).enumerate() {
-                quant::decode(codec, part, &mut values[k * seg + r.start..k * seg + r.end]);
-            }
-        };
-        encode_piece(values, 0, &mut send[0]);
+        encode_piece(0, &mut send[0], tail);
         let mut info = None;
         for p in 0..pieces {
             let e = enc_len(p);
             let [s0, s1] = &mut *send;
             let (cur, next) = if p % 2 == 0 { (&*s0, s1) } else { (&*s1, s0) };
-            let values_ro: &[f32] = values.as_slice();
             let (r, ()) = futures::join!(
                 self.all_to_all_into(&cur[..e * n], &mut recv[..e * n]),
                 async {
                     if p + 1 < pieces {
-                        encode_piece(values_ro, p + 1, next);
+                        encode_piece(p + 1, next, tail);
                     }
                 }
             );
             r?;
-            // This rank's part of piece p: every rank's values of it, added in rank order.
-            let acc = &mut sum[..range(p).len()];
-            acc.fill(0.0);
-            for part in recv[..e * n].chunks(e) {
-                quant::decode_add(codec, part, acc);
-            }
+            // This rank's part of piece p: every rank's values of it added in rank
+            // order (block by block, each block of the sum in the cache meanwhile).
+            let rp = range(p);
+            let acc = &mut sum[..rp.len()];
+            let own = padded(src, me * seg + rp.start, me * seg + rp.end, tail);
+            let parts: Vec<quant::Part<'_>> = (0..n)
+                .map(|k| {
+                    if k == me {
+                        quant::Part::Values(own)
+                    } else {
+                        quant::Part::Encoded(&recv[k * e..(k + 1) * e])
+                    }
+                })
+                .collect();
+            quant::sum_parts(codec, &parts, acc);
             if op == ReduceOp::Avg {
                 let k = n as f32;
                 acc.iter_mut().for_each(|x| *x /= k);
@@ -200,18 +273,32 @@ impl Communicator {
             quant::encode(codec, acc, &mut mine[..e]);
             let [a0, a1] = &mut *all;
             let (cur, prev) = if p % 2 == 0 { (a0, &*a1) } else { (a1, &*a0) };
-            let values_rw: &mut [f32] = values.as_mut_slice();
             let (r, ()) =
                 futures::join!(self.all_gather_into(&mine[..e], &mut cur[..e * n]), async {
                     if p > 0 {
-                        decode_piece(values_rw, p - 1, prev);
+                        let r = range(p - 1);
+                        decode_segments(codec, prev, n, seg, r.start, r.len(), values, tail);
                     }
                 });
             info = Some(r?);
         }
-        decode_piece(values, pieces - 1, &all[(pieces - 1) % 2]);
         let info = info.expect("at least one piece");
-        quant::narrow(dtype, &s.values[..count], buf);
+        // Both collectives of every piece succeeded: the buffer may be written now.
+        let last = range(pieces - 1);
+        let codes = &all[(pieces - 1) % 2][..enc_len(pieces - 1) * n];
+        if direct {
+            let out: &mut [f32] = bytemuck::cast_slice_mut(buf);
+            for k in 0..n {
+                let (lo, hi) = (k * seg, (k * seg + last.start).min(count));
+                if lo < hi {
+                    out[lo..hi].copy_from_slice(&values[lo..hi]);
+                }
+            }
+            decode_segments(codec, codes, n, seg, last.start, last.len(), out, tail);
+        } else {
+            decode_segments(codec, codes, n, seg, last.start, last.len(), values, tail);
+            quant::narrow(dtype, &values[..count], buf);
+        }
         self.quant_scratch = s;
         Ok(info)
     }
