@@ -12,7 +12,7 @@
 //!
 //! The quantized all_reduce (the peer's `all_reduce_quantized`, torchft's and PCCL's
 //! shape): every rank cuts its buffer in `world` segments and sends segment `r`, encoded,
-//! to rank `r` (all_to_all); rank `r` decodes what it got and adds it up in f32 with its
+//! to rank `r` (all_to_all; its own segment stays with it, unencoded); rank `r` decodes what it got and adds it up in f32 with its
 //! own segment's values (as they are), in rank order ([`sum_parts`]); it encodes that sum
 //! once and every rank gathers every sum (all_gather) and decodes the same bytes, so that
 //! every rank ends with the same bits (G3). Error per element: at most `Σ_j step_j / 2`
@@ -401,6 +401,8 @@ unsafe fn sum_parts_avx2(codec: Codec, parts: &[Part<'_>], out: &mut [f32]) {
     sum_blocks(codec, parts, out);
 }
 
+/// [`sum_parts`]'s arithmetic with each whole block's length known to the compiler (the
+/// ragged last block as [`decode_add`] does it).
 #[inline(always)]
 fn sum_blocks(codec: Codec, parts: &[Part<'_>], out: &mut [f32]) {
     let table = &*E4M3_ALL;

@@ -149,7 +149,7 @@ class ElasticDDP:
     `"fp16"` sends floating-point gradients in that type (the sum is still the same on
     every rank); `"int8"` sends them as 8-bit values with a minimum and step per block of
     256 (the all_reduce's `quantize="int8"`: a quarter of f32's bytes, the same bits on
-    every rank, within half a step per rank's block plus half of the sum's); `"fp8"` as
+    every rank, within half a step per other rank's block plus half of the sum's); `"fp8"` as
     E4M3 scaled per block (`quantize="fp8"`).
     `with job.no_sync():` around forward and backward accumulates gradients locally for
     the next `train_step`.

@@ -469,7 +469,7 @@ def test_a_secret_file_others_may_read_is_refused(tmp_path):
 
 def test_quantized_all_reduce_and_diloco_int8_give_every_rank_the_same_bits():
     """`all_reduce(..., quantize="int8")` (and "fp8") from Python: the same bits on every rank, within
-    the bound of the exact sum (half a step per rank's block of 256 plus half of the sum's:
+    the bound of the exact sum (half a step per other rank's block of 256 plus half of the sum's:
     under 0.05 for these ranges) and not exact; an integer buffer is refused by name.
     DiLoCo(compression="int8") quantizes its outer all_reduce and keeps its members'
     models identical."""

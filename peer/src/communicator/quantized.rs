@@ -1,10 +1,9 @@
 //! All_reduce with 8-bit values on the wire ([`Quantize`]): for links where bytes cost
 //! more than arithmetic (DiLoCo's outer step across sites). The scheme and its error bound
-//! are `eccl_algorithms::quant`'s: each rank's segment of the buffer goes to its owner as
-//! 8-bit codes with a minimum and a step per block of 256 (all_to_all), the owner adds them
-//! up in f32 in rank order (its own segment's values as they are) and encodes the sum
-//! once, and every rank decodes every sum from
-//! the same bytes (all_gather): the same bits on every rank (G3), a quarter of an f32 ring
+//! are `eccl_algorithms::quant`'s: each segment of a rank's buffer goes to the segment's
+//! owner as 8-bit codes with a minimum and a step per block of 256 (all_to_all), the owner
+//! adds them up in f32 in rank order (its own segment's values as they are) and encodes
+//! the sum once, and every rank decodes every sum from the same bytes (all_gather): the same bits on every rank (G3), a quarter of an f32 ring
 //! all_reduce's bytes (half of a bf16 one's). The buffer is written only when both calls
 //! succeeded: a failure leaves it as it was (G2).
 
@@ -59,7 +58,7 @@ pub(crate) struct Scratch {
     wide: Vec<f32>,
     /// The decoded result where it cannot go straight into the caller's buffer: the
     /// pieces decoded before the call's last collective succeeded (G2), or all of them
-    /// when the buffer is not f32.
+    /// when the buffer is not f32 aligned for it.
     values: Vec<f32>,
     send: [Vec<u8>; 2],
     recv: Vec<u8>,
@@ -165,13 +164,14 @@ impl Communicator {
             )));
         }
         let n = self.world_size() as usize;
-        if n == 0 {
+        let Some(me) = self.rank().filter(|_| n > 0) else {
             return Err(Error::InvalidArgument(
                 "no world yet: call update_topology() first".into(),
             ));
-        }
+        };
+        // This rank's segment: the block all_to_all keeps here (blocks go by rank).
+        let me = me.0 as usize;
         let count = buf.len() / dtype.size();
-        let me = self.rank().map_or(0, |r| r.0 as usize);
         // The buffers of the last call, reused: fresh ones cost a page fault a page (a
         // quarter of a 16 MiB call on four ranks). Taken out for the call (the
         // collectives below borrow the communicator); a call that fails drops them.

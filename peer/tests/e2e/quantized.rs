@@ -126,6 +126,11 @@ async fn a_quantized_all_reduce_in_pieces_gives_the_bits_of_one_pass() {
                     return v;
                 }
                 let mut bytes = vec![0u8; count * 4 + 1];
+                assert_ne!(
+                    bytes[1..].as_ptr() as usize % 4,
+                    0,
+                    "bytes not aligned for f32"
+                );
                 bytes[1..].copy_from_slice(bytemuck::cast_slice(&v));
                 c.all_reduce_quantized_bytes(eccl::DType::F32, &mut bytes[1..], op, q)
                     .await
@@ -148,6 +153,66 @@ async fn a_quantized_all_reduce_in_pieces_gives_the_bits_of_one_pass() {
                 );
             }
         }
+    }
+}
+
+/// G2 in the middle of the pipeline: ranks 0 and 1 call with three pieces a segment,
+/// rank 2 with one (so the collectives of its one piece are those of their first), and
+/// then it leaves. Their calls fail in the second piece's all_to_all, after the first
+/// piece's sums were gathered (and its decoding was next), and their buffers hold what
+/// they held before the call; the two go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quantized_all_reduce_failing_after_its_first_piece_leaves_the_buffer_as_it_was() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, 3).await;
+    comms.sort_by_key(|c| c.rank().unwrap().0);
+    let piece = eccl::QUANT_PIECE_VALUES;
+    let mut third = comms.pop().expect("rank 2");
+    let (survivors, ()) = tokio::join!(
+        join_all(comms.iter_mut().map(|c| async move {
+            let r = c.rank().unwrap().idx();
+            let orig: Vec<f32> = (0..3 * piece * 3).map(|k| value(r, k)).collect();
+            let mut b = orig.clone();
+            let out = c
+                .all_reduce_quantized(&mut b, ReduceOp::Sum, Quantize::Int8)
+                .await;
+            (r, out, b == orig)
+        })),
+        async {
+            let mut b: Vec<f32> = (0..3 * piece).map(|k| value(2, k)).collect();
+            third
+                .all_reduce_quantized(&mut b, ReduceOp::Sum, Quantize::Int8)
+                .await
+                .expect("one piece: the collectives of the others' first");
+            drop(third);
+        }
+    );
+    for (r, out, unchanged) in &survivors {
+        assert!(
+            out.is_err(),
+            "rank {r}: the second piece cannot end: {out:?}"
+        );
+        assert!(
+            unchanged,
+            "rank {r}: G2: the failed quantized call left its buffer changed"
+        );
+    }
+    let epochs = join_all(comms.iter_mut().map(|c| c.update_topology())).await;
+    assert!(
+        epochs
+            .iter()
+            .all(|e| e.as_ref().is_ok_and(|t| t.world_size == 2)),
+        "{epochs:?}"
+    );
+    let sums = join_all(comms.iter_mut().map(|c| async move {
+        let mut b = vec![1.5f32; 1000];
+        c.all_reduce_quantized(&mut b, ReduceOp::Sum, Quantize::Int8)
+            .await
+            .map(|_| b)
+    }))
+    .await;
+    for s in sums {
+        assert!(s.expect("the two go on").iter().all(|x| *x == 3.0));
     }
 }
 
