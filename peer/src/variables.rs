@@ -58,7 +58,7 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_FAULT_INJECT", "—", "peer", "POINT:ACTION[@n]: kill or stop this process, or hold it delayMS milliseconds, at a point of the protocol (eccl-chaos --inject sets it)"),
     v("ECCL_KERNEL_CACHE", "$XDG_CACHE_HOME/eccl/kernels, else ~/.cache/eccl/kernels", "peer", "folder of the compiled device kernels, one file per architecture and NVRTC version; off: compile in every process"),
     v("ECCL_NVRTC_LIB", "the loader's path, then pip's nvidia wheels", "peer", "the libnvrtc that compiles the device kernels on first use"),
-    v("ECCL_CUDA_IPC", "1", "peer, torch", "0: device collectives on one host go through host memory instead of GPU to GPU over CUDA IPC (all_reduce, broadcast, all_gather, reduce_scatter and all_to_all of even blocks as a pipeline of chunks, and for these and every all_to_all_single any rank setting it decides for the world; the torch backend's gather and scatter follow each rank's own setting)"),
+    v("ECCL_CUDA_IPC", "1", "peer, torch", "0: device collectives on one host go through host memory instead of GPU to GPU over CUDA IPC (every device collective as a pipeline of chunks; any rank setting it decides for the world)"),
     v("ECCL_LEASE_MS", "800", "master, torch", "a peer silent for this long is evicted (eccl-master --lease-ms; the torch backend's embedded master)"),
     v("ECCL_HEARTBEAT_MS", "200", "master, torch", "how often peers renew their lease (eccl-master --heartbeat-ms)"),
     v("ECCL_MASTER_LISTEN", "127.0.0.1:48148", "master", "eccl-master --listen"),

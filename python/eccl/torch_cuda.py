@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from typing import Any, Callable, List, Tuple
 
@@ -187,15 +186,6 @@ def swap_result(result: Any, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> 
     return result
 
 
-def same_host(comm: Any) -> bool:
-    """Whether every rank of the world runs on this host (every link is shared memory)."""
-    return comm.transport in ("shm", "local")
-
-
-def ipc_wanted() -> bool:
-    return os.environ.get("ECCL_CUDA_IPC", "1") != "0"
-
-
 def all_reduce_ipc(comm: Any, tensors: List[torch.Tensor], op: Any) -> List[Any]:
     """The same-host path: one device all_reduce per tensor, after the tensors' streams."""
     for t in tensors:
@@ -213,18 +203,14 @@ def all_reduce_ipc(comm: Any, tensors: List[torch.Tensor], op: Any) -> List[Any]
 # The dtypes eccl's device kernels and records know (its DType list, as torch names them).
 IPC_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
               torch.uint8, torch.int32, torch.int64}
+# The backend calls eccl's device path serves: over CUDA IPC on one host, else (across
+# hosts, or with ECCL_CUDA_IPC=0 on any rank: one decision for the world, from eccl's
+# records) through host memory as a pipeline of chunks inside eccl: FSDP's all-gathers
+# and reduce-scatters, broadcast (DDP's first step), all_to_all_single (MoE's dispatch,
+# even or uneven splits), gather and scatter.
 IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
              "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base",
              "gather", "scatter")
-
-
-# The IPC calls eccl's device path serves across hosts too (and with ECCL_CUDA_IPC=0),
-# through host memory as a pipeline of chunks: FSDP's all-gathers and reduce-scatters,
-# broadcast (DDP's first step), and all_to_all_single (MoE's dispatch: even blocks as a
-# pipeline, uneven ones through host memory whole, inside eccl).
-DEVICE_EVERYWHERE = ("_allgather_base", "allgather_into_tensor_coalesced",
-                     "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "broadcast",
-                     "alltoall_base")
 
 
 def _device_all_reduce_ok(ts: List[torch.Tensor]) -> bool:
@@ -242,8 +228,7 @@ def _ipc_ok(ts: List[torch.Tensor]) -> bool:
 
 def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     """The device path of the backend call `name` (one of `IPC_CALLS`: over CUDA IPC on
-    one host; broadcast, all_gather, reduce_scatter and all_to_all_single also across
-    hosts, through host memory inside eccl, pipelined): its eccl Works and what torch's
+    one host, across hosts through host memory inside eccl, pipelined): its eccl Works and what torch's
     Work completes with (and a copy-back step), or None where the call's tensors do not
     fit it (the call is then staged; every rank decides alike, from the call's dtypes,
     devices and shapes)."""
@@ -450,8 +435,7 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _say("all_reduce on the device path (CUDA IPC on one host, else pipelined "
                  "through host memory)")
             return self._all_reduce_cuda(*args, **kwargs)
-        if name in IPC_CALLS and not kwargs and (
-                name in DEVICE_EVERYWHERE or (ipc_wanted() and same_host(self.comm))):
+        if name in IPC_CALLS and not kwargs:
             got = ipc_works(self, name, args)
             if got is not None:
                 _say(f"{name} on the device path (CUDA IPC on one host, else pipelined "

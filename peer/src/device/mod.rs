@@ -9,7 +9,7 @@ pub use eccl_cuda::{self as cuda, CopyMark, DevPtr, Device, DeviceError, IpcComm
 
 use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
 
-use crate::{CollArgs, Communicator, Error, OnAbort};
+use crate::{CollArgs, Communicator, Error};
 
 mod staged;
 use staged::staged_pipeline;
@@ -108,9 +108,8 @@ pub fn to_error(e: IpcError) -> Error {
 /// hosts, `ECCL_CUDA_IPC=0` on a rank, more than 8 ranks, no peer access between two
 /// GPUs, or one hidden from another's process by `CUDA_VISIBLE_DEVICES`; every rank
 /// learns it from the same records, before anything is written) through host memory
-/// over the world's links: all_reduce, broadcast, all_gather, reduce_scatter and an
-/// all_to_all of even blocks as a pipeline of chunks ([`staged_pipeline`]), the others
-/// whole. After a failed call the
+/// over the world's links, as a pipeline of chunks ([`staged_pipeline`]). After a failed
+/// call the
 /// outputs are as over IPC: an all_reduce with `keep` leaves its buffer as it was, other
 /// outputs are undefined (a root's broadcast buffer is never written).
 /// `ECCL_DEBUG=INFO` says which path, once per world.
@@ -258,151 +257,10 @@ impl DeviceCall {
         };
         count > 0 && ptrs.contains(&0)
     }
-
-    /// The host collective that does this call's work on rank `rank` of a world of
-    /// `world` ranks: its arguments, the buffer it reads and the one it writes (address,
-    /// elements: none where a rooted call's rank has no such buffer), and whether it runs
-    /// in place (the two are one buffer). None for an all_to_all, whose blocks may differ
-    /// in size ([`staged_all_to_all`]).
-    #[allow(clippy::type_complexity)]
-    fn host_form(
-        &self,
-        world: u32,
-        rank: usize,
-    ) -> Option<(CollArgs, (DevPtr, usize), (DevPtr, usize), bool)> {
-        let n = world as usize;
-        let args = |kind, dtype, op, root: usize, input, output| {
-            CollArgs::for_buffers(
-                kind,
-                dtype,
-                op,
-                Rank(root as u32),
-                Some(input),
-                Some(output),
-                world,
-            )
-        };
-        Some(match self.clone() {
-            DeviceCall::AllReduce {
-                buf,
-                count,
-                dtype,
-                op,
-                ..
-            } => (
-                args(CollectiveKind::AllReduce, dtype, op, 0, count, count),
-                (buf, count),
-                (buf, count),
-                true,
-            ),
-            DeviceCall::Broadcast {
-                buf,
-                count,
-                dtype,
-                root,
-            } => (
-                args(
-                    CollectiveKind::Broadcast,
-                    dtype,
-                    ReduceOp::Sum,
-                    root,
-                    count,
-                    count,
-                ),
-                (buf, count),
-                (buf, count),
-                true,
-            ),
-            DeviceCall::AllGather {
-                send,
-                recv,
-                count,
-                dtype,
-            } => (
-                args(
-                    CollectiveKind::AllGather,
-                    dtype,
-                    ReduceOp::Sum,
-                    0,
-                    count,
-                    n * count,
-                ),
-                (send, count),
-                (recv, n * count),
-                false,
-            ),
-            DeviceCall::ReduceScatter {
-                send,
-                recv,
-                count,
-                dtype,
-                op,
-            } => (
-                args(
-                    CollectiveKind::ReduceScatter,
-                    dtype,
-                    op,
-                    0,
-                    n * count,
-                    count,
-                ),
-                (send, n * count),
-                (recv, count),
-                false,
-            ),
-            DeviceCall::AllToAll { .. } => return None,
-            DeviceCall::Gather {
-                send,
-                recv,
-                count,
-                dtype,
-                root,
-            } => {
-                let out = if rank == root { n * count } else { 0 };
-                (
-                    args(
-                        CollectiveKind::Gather,
-                        dtype,
-                        ReduceOp::Sum,
-                        root,
-                        count,
-                        out,
-                    ),
-                    (send, count),
-                    (recv, out),
-                    false,
-                )
-            }
-            DeviceCall::Scatter {
-                send,
-                recv,
-                count,
-                dtype,
-                root,
-            } => {
-                let inp = if rank == root { n * count } else { 0 };
-                (
-                    args(
-                        CollectiveKind::Scatter,
-                        dtype,
-                        ReduceOp::Sum,
-                        root,
-                        inp,
-                        count,
-                    ),
-                    (send, inp),
-                    (recv, count),
-                    false,
-                )
-            }
-        })
-    }
 }
 
-/// `call` through host memory: all_reduce, broadcast, all_gather, reduce_scatter and an
-/// all_to_all of even blocks as a pipeline ([`staged_pipeline`]); the others whole: copy
-/// in, the host collective, copy out (nothing is written to the device if the host
-/// collective fails).
+/// `call` through host memory, as a pipeline of chunks ([`staged_pipeline`]); an
+/// all_to_all first learns every rank's counts ([`staged_all_to_all`]).
 ///
 /// # Safety
 /// As [`run`].
@@ -412,58 +270,24 @@ unsafe fn staged<D: Device>(
     ipc: &mut IpcComm<D>,
     call: &DeviceCall,
 ) -> Result<(), Error> {
-    if matches!(
-        call,
-        DeviceCall::AllReduce { .. }
-            | DeviceCall::AllGather { .. }
-            | DeviceCall::ReduceScatter { .. }
-            | DeviceCall::Broadcast { .. }
-    ) {
+    if matches!(call, DeviceCall::AllToAll { .. }) {
         // SAFETY: the caller's promise.
-        return unsafe { staged_pipeline(comm, rt, ipc, call) };
-    }
-    let rank = comm.rank().map_or(0, |r| r.idx());
-    let Some((args, (src, n_in), (dst, n_out), in_place)) = call.host_form(comm.world_size(), rank)
-    else {
-        if !matches!(call, DeviceCall::AllToAll { .. }) {
-            return Err(Error::InvalidArgument(format!("{call:?} has no host form")));
-        }
-        // SAFETY: as above.
         return unsafe { staged_all_to_all(comm, rt, ipc, call) };
-    };
-    let dev = ipc.device().as_ref();
-    let size = args.dtype.size();
-    let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
-    let mut input = vec![0u8; n_in * size];
-    if !input.is_empty() {
-        // SAFETY: `run`'s caller promises `src` holds the call's input, `n_in` elements.
-        unsafe { dev.download(&mut input, src) }.map_err(dev_err)?;
     }
-    let output = if in_place {
-        rt.block_on(comm.collective_inplace_with(args, &mut input, OnAbort::Undefined))?;
-        input
-    } else {
-        let mut output = vec![0u8; n_out * size];
-        rt.block_on(comm.collective(args, &input, &mut output))?;
-        output
-    };
-    if !output.is_empty() {
-        // SAFETY: as above, `dst` holds `n_out` elements the call writes.
-        unsafe { dev.upload(dst, &output) }.map_err(dev_err)?;
-    }
-    Ok(())
+    // SAFETY: the caller's promise.
+    unsafe { staged_pipeline(comm, rt, ipc, call, 0) }
 }
 
 /// An all_to_all through host memory. Every rank first learns every rank's counts (one
 /// small all_gather, in step on every rank: they all took this path from the same
 /// records), so counts that disagree are the same `Mismatch` on every rank before
-/// anything moves, as on the direct path. Where every block of the call has one size
-/// (torch's `all_to_all_single` without splits, MoE's even dispatch), every rank then
-/// runs it as a pipeline of chunks ([`staged_pipeline`]: the same slice of every block
-/// per chunk). Otherwise the blocks go through one host all_to_all, each padded to the
-/// largest block of the call (the collective engine's flow control, not point-to-point
-/// sends whose whole blocks a link could not hold), and the received blocks are copied
-/// out (nothing is written to the device if an exchange fails).
+/// anything moves, as on the direct path. Then every rank runs it as a pipeline of
+/// chunks ([`staged_pipeline`]: the same slice of every block per chunk), each block
+/// padded to the widest of the call (in the table every rank shares, so every rank runs
+/// as many chunks): an all_to_all of even blocks (torch's `all_to_all_single` without
+/// splits, MoE's even dispatch) has no padding; uneven blocks move the widest block's
+/// bytes per pair, as one padded host all_to_all would (the collective engine's flow
+/// control, not point-to-point sends whose whole blocks a link could not hold).
 ///
 /// # Safety
 /// As [`run`]: `send` holds the sum of its counts, and `recv` of its counts, elements.
@@ -474,18 +298,15 @@ unsafe fn staged_all_to_all<D: Device>(
     call: &DeviceCall,
 ) -> Result<(), Error> {
     let DeviceCall::AllToAll {
-        send,
-        recv,
         send_counts,
         recv_counts,
-        dtype,
+        ..
     } = call
     else {
         return Err(Error::InvalidArgument(format!(
             "{call:?} is not an all_to_all"
         )));
     };
-    let (send, recv, dtype) = (*send, *recv, *dtype);
     let n = comm.world_size() as usize;
     // The direct path's first record refused counts of another length on every rank
     // before any rank came here; this only keeps the indexing below safe.
@@ -509,48 +330,8 @@ unsafe fn staged_all_to_all<D: Device>(
     if widest == 0 {
         return Ok(());
     }
-    // The same table on every rank, so the same choice: even blocks (every rank's
-    // counts all `widest`, checked against what each receiver expects) as a pipeline.
-    if sends.iter().flatten().all(|&c| c == widest) {
-        // SAFETY: the caller's promise.
-        return unsafe { staged_pipeline(comm, rt, ipc, call) };
-    }
-    let dev_arc = ipc.device().clone();
-    let dev = dev_arc.as_ref();
-    let size = dtype.size();
-    let dev_err = |e: DeviceError| Error::InvalidArgument(format!("{}: {e}", dev.describe()));
-    let mut input = vec![0u8; send_counts.iter().sum::<usize>() * size];
-    if !input.is_empty() {
-        // SAFETY: the caller's promise.
-        unsafe { dev.download(&mut input, send) }.map_err(dev_err)?;
-    }
-    let slot = widest * size;
-    let mut padded = vec![0u8; n * slot];
-    let mut at = 0;
-    for (t, c) in send_counts.iter().enumerate() {
-        padded[t * slot..t * slot + c * size].copy_from_slice(&input[at..at + c * size]);
-        at += c * size;
-    }
-    let mut received = vec![0u8; n * slot];
-    let args = CollArgs::for_buffers(
-        CollectiveKind::AllToAll,
-        dtype,
-        ReduceOp::Sum,
-        Rank(0),
-        Some(n * widest),
-        Some(n * widest),
-        n as u32,
-    );
-    rt.block_on(comm.collective(args, &padded, &mut received))?;
-    let mut output = Vec::with_capacity(recv_counts.iter().sum::<usize>() * size);
-    for (s, c) in recv_counts.iter().enumerate() {
-        output.extend_from_slice(&received[s * slot..s * slot + c * size]);
-    }
-    if !output.is_empty() {
-        // SAFETY: the caller's promise.
-        unsafe { dev.upload(recv, &output) }.map_err(dev_err)?;
-    }
-    Ok(())
+    // SAFETY: the caller's promise.
+    unsafe { staged_pipeline(comm, rt, ipc, call, widest) }
 }
 
 /// [`eccl_cuda::Exchange`] over a communicator, for code that runs on a tokio worker

@@ -1,8 +1,8 @@
-//! The staged pipeline: all_reduce, broadcast, all_gather, reduce_scatter and all_to_all
-//! (of even blocks) of device memory through host memory in chunks whose copies overlap
-//! the host collectives (see [`staged_pipeline`]).
+//! The staged pipeline: every collective of device memory (all_reduce, broadcast,
+//! all_gather, reduce_scatter, all_to_all, gather, scatter) through host memory in chunks
+//! whose copies overlap the host collectives (see [`staged_pipeline`]).
 
-use eccl_protocol::{CollectiveKind, Rank, ReduceOp};
+use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
 
 use super::{CopyMark, DevPtr, Device, DeviceCall, DeviceError, IpcComm};
 use crate::{CollArgs, Communicator, Error, OnAbort};
@@ -33,7 +33,7 @@ impl<D: Device> Drop for Settle<'_, D> {
     }
 }
 
-/// all_reduce, all_gather, reduce_scatter, all_to_all and broadcast through host memory as a pipeline of
+/// Every collective of device memory through host memory as a pipeline of
 /// chunks (about four, of 4 to 64 MiB: [`IpcComm::stage_bytes`]; in three slots of
 /// page-locked buffers): while the host collective of chunk i runs over the links, the
 /// download lane copies chunks i+1 and i+2 to the host and the upload lane copies chunk
@@ -41,9 +41,11 @@ impl<D: Device> Drop for Settle<'_, D> {
 /// one host collective (every rank reached this with the same call: the records said
 /// so): of an all_reduce, a slice of the buffer; of an all_gather or a reduce_scatter,
 /// the same slice of every rank's block (one copy down and one per rank up, or the
-/// other way round); of an all_to_all of even blocks, the same slice of every block,
-/// one copy per rank each way; of a broadcast, a slice the root copies down and the
-/// others up. With `keep` (all_reduce) and more than one chunk the results go to
+/// other way round); of a gather or a scatter, the same, with the root's every-rank side;
+/// of an all_to_all, the same slice of every block, one copy per rank each way, each
+/// block padded to `a2a_block` elements (the call's widest, from every rank's counts:
+/// the padding is zeroed, never copied up); of a broadcast, a slice the root copies down
+/// and the others up. With `keep` (all_reduce) and more than one chunk the results go to
 /// a device scratch buffer, copied over `buf` once every chunk succeeded (G2: a failed
 /// call leaves `buf` as it was); a single chunk is uploaded only after its collective
 /// succeeded, so it needs none. A device error on this rank aborts the epoch (the other
@@ -57,9 +59,10 @@ pub(super) unsafe fn staged_pipeline<D: Device>(
     rt: &tokio::runtime::Handle,
     ipc: &mut IpcComm<D>,
     call: &DeviceCall,
+    a2a_block: usize,
 ) -> Result<(), Error> {
     // SAFETY: the caller's promise.
-    match unsafe { pipeline(comm, rt, ipc, call) } {
+    match unsafe { pipeline(comm, rt, ipc, call, a2a_block) } {
         Ok(()) => Ok(()),
         Err(Fail::Collective(e)) => Err(e),
         Err(Fail::Device(e)) => {
@@ -97,6 +100,9 @@ struct Piece {
     in_len: usize,
     out_len: usize,
     down: Vec<(DevPtr, usize, usize)>,
+    /// Ranges of the slot's input (offset, bytes) that no copy fills: an all_to_all's
+    /// blocks shorter than the call's widest, zeroed before the collective.
+    pad: Vec<(usize, usize)>,
     up: Vec<(DevPtr, usize, usize)>,
 }
 
@@ -110,8 +116,10 @@ struct Plan {
     out_cap: usize,
 }
 
-/// The plan of `call` for rank `me` of a world of `n`. `least`: the smallest chunk.
-fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
+/// The plan of `call` for rank `me` of a world of `n`. `least`: the smallest chunk;
+/// `a2a_block`: an all_to_all's widest block in elements, the same on every rank (from
+/// the table of every rank's counts).
+fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) -> Plan {
     // About four chunks of a call's largest host buffer: every chunk is a collective
     // whose fixed cost (a ring's 2(n-1) latencies) the copies it overlaps must
     // outweigh, so a few large ones rather than many small ones; at most 16 times the
@@ -168,6 +176,7 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
                     } else {
                         Vec::new()
                     },
+                    pad: Vec::new(),
                     up: if root == Some(me) { Vec::new() } else { here() },
                 }
             })
@@ -180,22 +189,30 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
         };
     }
     // Two buffers: all_gather (one rank's slice down, every rank's slices up),
-    // reduce_scatter (every rank's slices down, one up) and an all_to_all of even blocks
-    // (every rank's slices down and up; `staged_all_to_all` sends only those here).
-    let (kind, send, recv, count, dtype, op) = match *call {
+    // reduce_scatter (every rank's slices down, one up), gather (one down; every rank's
+    // up at the root), scatter (every rank's down at the root; one up) and all_to_all
+    // (every block's slice down and up, each block padded to the call's widest).
+    let size = |d: DType| d.size();
+    // (kind, send, recv, dtype, op, root, the host block in elements, this rank's
+    // blocks to send and to receive in elements: one each where the rank moves its
+    // own block only, none where it moves nothing that way).
+    let (kind, send, recv, dtype, op, root, block, sends, recvs) = match *call {
         DeviceCall::AllToAll {
             send,
             recv,
             ref send_counts,
+            ref recv_counts,
             dtype,
-            ..
         } => (
             CollectiveKind::AllToAll,
             send,
             recv,
-            send_counts.first().copied().unwrap_or(0),
             dtype,
             ReduceOp::Sum,
+            0,
+            a2a_block,
+            send_counts.clone(),
+            recv_counts.clone(),
         ),
         DeviceCall::AllGather {
             send,
@@ -206,9 +223,12 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
             CollectiveKind::AllGather,
             send,
             recv,
-            count,
             dtype,
             ReduceOp::Sum,
+            0,
+            count,
+            vec![count],
+            vec![count; n],
         ),
         DeviceCall::ReduceScatter {
             send,
@@ -216,7 +236,59 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
             count,
             dtype,
             op,
-        } => (CollectiveKind::ReduceScatter, send, recv, count, dtype, op),
+        } => (
+            CollectiveKind::ReduceScatter,
+            send,
+            recv,
+            dtype,
+            op,
+            0,
+            count,
+            vec![count; n],
+            vec![count],
+        ),
+        DeviceCall::Gather {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        } => (
+            CollectiveKind::Gather,
+            send,
+            recv,
+            dtype,
+            ReduceOp::Sum,
+            root,
+            count,
+            vec![count],
+            if me == root {
+                vec![count; n]
+            } else {
+                Vec::new()
+            },
+        ),
+        DeviceCall::Scatter {
+            send,
+            recv,
+            count,
+            dtype,
+            root,
+        } => (
+            CollectiveKind::Scatter,
+            send,
+            recv,
+            dtype,
+            ReduceOp::Sum,
+            root,
+            count,
+            if me == root {
+                vec![count; n]
+            } else {
+                Vec::new()
+            },
+            vec![count],
+        ),
         _ => {
             return Plan {
                 pieces: Vec::new(),
@@ -226,45 +298,61 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
             }
         }
     };
-    // Whether a chunk moves every block's slice down, and up (else this rank's own).
-    let (every_down, every_up) = match kind {
-        CollectiveKind::AllGather => (false, true),
-        CollectiveKind::ReduceScatter => (true, false),
-        _ => (true, true),
-    };
-    let size = dtype.size();
-    // A rank's block, and the slice of every block one chunk takes: the blocks cut into
-    // as many chunks as the whole would be, of equal size (whole elements) but the last.
-    let nb = count * size;
+    let size = size(dtype);
+    // A block of the host collective, and the slice of every block one chunk takes: the
+    // blocks cut into as many chunks as the whole would be, of equal size (whole
+    // elements) but the last. The count of chunks follows from what every rank knows
+    // alike (the world, the block, the kind), so every rank runs as many collectives.
+    let nb = block * size;
     // A slot holds a chunk's input and output: an all_to_all's are both every rank's
     // slices, so its chunks are cut from twice the buffer (half as large), and its three
     // slots stay within what the others' take.
-    let largest = n * nb * if every_down && every_up { 2 } else { 1 };
+    let both = matches!(kind, CollectiveKind::AllToAll);
+    let largest = n * nb * if both { 2 } else { 1 };
     let k = largest.div_ceil(chunk_of(largest)).max(1);
     let per = nb.div_ceil(k).div_ceil(size).max(1) * size;
+    // Where each block starts in its buffer (blocks in rank order, back to back).
+    let starts = |counts: &[usize]| -> Vec<usize> {
+        counts
+            .iter()
+            .scan(0, |at, c| {
+                let here = *at;
+                *at += c * size;
+                Some(here)
+            })
+            .collect()
+    };
+    let (send_at, recv_at) = (starts(&sends), starts(&recvs));
+    // The copies of chunk [off, off + len) of each block: (device address, offset in
+    // the slot's buffer, bytes), the part of the slice the block holds (all of it but
+    // where a block is shorter than the host block); the rest of the slot's slice is
+    // padding (zeroed before the collective, so nothing stale goes out) or not read.
+    let copies = |base: DevPtr, counts: &[usize], at: &[usize], off: usize, len: usize| {
+        let mut v = Vec::new();
+        let mut pad = Vec::new();
+        for (r, (&c, &a)) in counts.iter().zip(at).enumerate() {
+            let here = (c * size).saturating_sub(off).min(len);
+            if here > 0 {
+                v.push((base + (a + off) as u64, r * len, here));
+            }
+            if here < len {
+                pad.push((r * len + here, len - here));
+            }
+        }
+        (v, pad)
+    };
     let pieces = (0..nb.div_ceil(per))
         .map(|k| {
             let (off, len) = (k * per, per.min(nb - k * per));
-            let one = |base: DevPtr| vec![(base + off as u64, 0, len)];
-            let every = |base: DevPtr| -> Vec<_> {
-                (0..n)
-                    .map(|r| (base + (r * nb + off) as u64, r * len, len))
-                    .collect()
-            };
-            let (in_len, down) = match every_down {
-                true => (n * len, every(send)),
-                false => (len, one(send)),
-            };
-            let (out_len, up) = match every_up {
-                true => (n * len, every(recv)),
-                false => (len, one(recv)),
-            };
+            let (down, pad) = copies(send, &sends, &send_at, off, len);
+            let (up, _) = copies(recv, &recvs, &recv_at, off, len);
+            let (in_len, out_len) = (sends.len() * len, recvs.len() * len);
             Piece {
                 args: CollArgs::for_buffers(
                     kind,
                     dtype,
                     op,
-                    Rank(0),
+                    Rank(root as u32),
                     Some(in_len / size),
                     Some(out_len / size),
                     n as u32,
@@ -272,17 +360,16 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize) -> Plan {
                 in_len,
                 out_len,
                 down,
+                pad,
                 up,
             }
         })
         .collect();
-    let cap = |every: bool| if every { n * per } else { per };
-    let (in_cap, out_cap) = (cap(every_down), cap(every_up));
     Plan {
         pieces,
         in_place: false,
-        in_cap,
-        out_cap,
+        in_cap: sends.len() * per,
+        out_cap: recvs.len() * per,
     }
 }
 
@@ -295,13 +382,14 @@ unsafe fn pipeline<D: Device>(
     rt: &tokio::runtime::Handle,
     ipc: &mut IpcComm<D>,
     call: &DeviceCall,
+    a2a_block: usize,
 ) -> Result<(), Fail> {
     let n = comm.world_size() as usize;
     let dev_arc = ipc.device().clone();
     let dev = dev_arc.as_ref();
     let mut settle = Settle { dev, scratch: None };
     let me = comm.rank().map_or(0, |r| r.idx());
-    let mut plan = plan(call, me, n, ipc.stage_bytes());
+    let mut plan = plan(call, me, n, ipc.stage_bytes(), a2a_block);
     if plan.pieces.is_empty() {
         return Ok(()); // nothing to move (every rank: the records agreed on the counts)
     }
@@ -363,6 +451,12 @@ unsafe fn pipeline<D: Device>(
         if let Some(m) = downs[i] {
             dev.wait_copy(m)?;
         }
+        for &(at, len) in &p.pad {
+            // SAFETY: the slot's input buffer holds `in_cap` >= `at + len` bytes, no
+            // copy touches this range (the chunk's downloads fill the rest of it, and
+            // are done), and nothing else uses the slot until its collective.
+            unsafe { std::ptr::write_bytes(input(slot).add(at), 0, len) };
+        }
         // SAFETY: the slot's buffers hold `chunk` bytes each; chunk i's download into the
         // input is done, and no copy uses them until the uploads queued below.
         let done = unsafe {
@@ -407,4 +501,120 @@ unsafe fn pipeline<D: Device>(
     }
     dev.synchronize()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every chunk's copies down and its padding tile the chunk's input exactly (each
+    /// byte once), the copies down and up take each block's bytes exactly once over the
+    /// chunks, and every rank cuts the call into as many chunks.
+    #[test]
+    fn an_uneven_all_to_all_is_cut_into_tiled_chunks_of_its_widest_block() {
+        // What rank s sends rank t, in f32 elements: one block empty, one the widest.
+        let table = [[5usize, 0, 1700], [900, 3, 0], [0, 1101, 2]];
+        let n = table.len();
+        let widest = *table.iter().flatten().max().unwrap();
+        let (send, recv) = (1u64 << 40, 1u64 << 41);
+        let mut chunks = Vec::new();
+        for (me, row) in table.iter().enumerate() {
+            let send_counts = row.to_vec();
+            let recv_counts: Vec<usize> = (0..n).map(|s| table[s][me]).collect();
+            let call = DeviceCall::AllToAll {
+                send,
+                recv,
+                send_counts: send_counts.clone(),
+                recv_counts: recv_counts.clone(),
+                dtype: DType::F32,
+            };
+            let plan = plan(&call, me, n, 1024, widest);
+            assert!(!plan.in_place);
+            chunks.push(plan.pieces.len());
+            let mut sent = vec![0u32; send_counts.iter().sum::<usize>() * 4];
+            let mut got = vec![0u32; recv_counts.iter().sum::<usize>() * 4];
+            for p in &plan.pieces {
+                assert_eq!(p.in_len, p.out_len);
+                assert!(p.in_len <= plan.in_cap && p.out_len <= plan.out_cap);
+                let mut tiles = vec![0u32; p.in_len];
+                for &(src, at, len) in &p.down {
+                    tiles[at..at + len].iter_mut().for_each(|t| *t += 1);
+                    let from = (src - send) as usize;
+                    sent[from..from + len].iter_mut().for_each(|b| *b += 1);
+                }
+                for &(at, len) in &p.pad {
+                    tiles[at..at + len].iter_mut().for_each(|t| *t += 1);
+                }
+                assert!(
+                    tiles.iter().all(|&t| t == 1),
+                    "rank {me}: down and padding tile"
+                );
+                for &(dst, at, len) in &p.up {
+                    assert!(at + len <= p.out_len);
+                    let to = (dst - recv) as usize;
+                    got[to..to + len].iter_mut().for_each(|b| *b += 1);
+                }
+            }
+            assert!(
+                sent.iter().all(|&b| b == 1),
+                "rank {me}: every byte sent once"
+            );
+            assert!(
+                got.iter().all(|&b| b == 1),
+                "rank {me}: every byte received once"
+            );
+        }
+        assert!(
+            chunks.iter().all(|&c| c == chunks[0] && c > 1),
+            "{chunks:?}"
+        );
+    }
+
+    /// A gather's and a scatter's root moves every rank's slice of a chunk, the others
+    /// their own, in as many chunks on every rank.
+    #[test]
+    fn gather_and_scatter_chunks_move_the_roots_every_block() {
+        let (n, count, root) = (3, 5001, 1);
+        for scatter in [false, true] {
+            let mut chunks = Vec::new();
+            for me in 0..n {
+                let (send, recv) = (1u64 << 40, 1u64 << 41);
+                let dtype = DType::F32;
+                let call = match scatter {
+                    false => DeviceCall::Gather {
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        root,
+                    },
+                    true => DeviceCall::Scatter {
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        root,
+                    },
+                };
+                let plan = plan(&call, me, n, 1024, 0);
+                chunks.push(plan.pieces.len());
+                let every = if me == root { n } else { 0 };
+                let (downs, ups) = if scatter { (every, 1) } else { (1, every) };
+                let (mut down, mut up) = (0, 0);
+                for p in &plan.pieces {
+                    assert_eq!(p.down.len(), downs, "scatter {scatter} rank {me}");
+                    assert_eq!(p.up.len(), ups, "scatter {scatter} rank {me}");
+                    assert!(p.pad.is_empty());
+                    down += p.down.iter().map(|d| d.2).sum::<usize>();
+                    up += p.up.iter().map(|u| u.2).sum::<usize>();
+                }
+                assert_eq!(down, downs * count * 4);
+                assert_eq!(up, ups * count * 4);
+            }
+            assert!(
+                chunks.iter().all(|&c| c == chunks[0] && c > 1),
+                "{chunks:?}"
+            );
+        }
+    }
 }

@@ -616,18 +616,24 @@ async fn staged_all_gather_and_reduce_scatter_run_as_pipelines() {
     }
 }
 
-/// An all_to_all of even blocks through host memory runs as a pipeline (the same slice
-/// of every block per chunk, one copy per rank each way), in both of the double's modes,
-/// on GPUs that cannot reach each other and across hosts: exact blocks, a ragged last
-/// chunk, the copies each chunk needs. One uneven block anywhere, and every rank takes
-/// the whole path (one host all_to_all of padded blocks: two copies).
+/// An all_to_all through host memory runs as a pipeline (the same slice of every block
+/// per chunk, one copy per rank each way), in both of the double's modes, on GPUs that
+/// cannot reach each other and across hosts: even blocks, blocks one element longer
+/// from one rank (the chunks cut from the widest, the others' padded: the same eight
+/// chunks, every slice copied), and blocks of very different sizes, some empty (only
+/// the bytes a block holds are copied): exact blocks each time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_staged_all_to_all_of_even_blocks_runs_as_a_pipeline() {
+async fn a_staged_all_to_all_runs_as_a_pipeline_even_or_not() {
     let m = start_master(&[]);
     // Blocks of 20,004 bytes: a slot holds every block's slice in and out, so chunks are
     // cut from twice the 60,012 bytes: 8 chunks, 2,504 bytes of each block, the last 2,476.
     let count = 5001;
     let chunks = 8u64;
+    // What rank s sends rank t in each case (elements).
+    let even = |_: usize, _: usize| count;
+    let longer = |s: usize, _: usize| count + usize::from(s == 1);
+    let skewed = |s: usize, t: usize| block(s, t) * 300;
+    let cases: [&(dyn Fn(usize, usize) -> usize + Sync); 3] = [&even, &longer, &skewed];
     for (eager, cross) in [(false, false), (true, false), (false, true)] {
         let comms = if cross {
             hosts_apart(&m.addr).await
@@ -637,11 +643,9 @@ async fn a_staged_all_to_all_of_even_blocks_runs_as_a_pipeline() {
         let make = |r: usize| staged_device(r, cross, eager);
         let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
             ipc.set_stage_bytes(1024);
-            // `longer` sends blocks one element longer than the others'.
-            let mut run = |longer: Option<usize>| {
-                let block = |s: usize| count + usize::from(longer == Some(s));
-                let sends = vec![block(rank); N];
-                let recvs: Vec<usize> = (0..N).map(block).collect();
+            let mut run = |block: &dyn Fn(usize, usize) -> usize| {
+                let sends: Vec<usize> = (0..N).map(|t| block(rank, t)).collect();
+                let recvs: Vec<usize> = (0..N).map(|s| block(s, rank)).collect();
                 let (ns, nr) = (sends.iter().sum::<usize>(), recvs.iter().sum::<usize>());
                 let send = put(dev, &values(ns, rank));
                 let recv = put(dev, &vec![0.0; nr]);
@@ -657,30 +661,119 @@ async fn a_staged_all_to_all_of_even_blocks_runs_as_a_pipeline() {
                     .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 (get(dev, recv, nr), dev.queued_copies() - q0)
             };
-            let even = run(None);
-            // Rank 1's blocks are one element longer: uneven, on every rank's table.
-            let uneven = run(Some(1));
-            (even, uneven, dev.reductions() + dev.copies())
+            let out: Vec<_> = cases.iter().map(|b| run(*b)).collect();
+            (out, dev.reductions() + dev.copies())
         });
-        for (t, ((even, eq), (uneven, uq), device)) in res.into_iter().enumerate() {
-            let case = format!("eager {eager} across hosts {cross} rank {t}");
-            let want: Vec<f32> = (0..N)
-                .flat_map(|s| values(N * count, s)[t * count..(t + 1) * count].to_vec())
-                .collect();
-            assert!(even == want, "{case}: the blocks it received differ");
-            assert_eq!(eq, chunks * 2 * N as u64, "{case}: the pipeline's copies");
-            let block = |s: usize| count + usize::from(s == 1);
-            let want: Vec<f32> = (0..N)
-                .flat_map(|s| values(N * block(s), s)[t * block(s)..(t + 1) * block(s)].to_vec())
-                .collect();
-            assert!(
-                uneven == want,
-                "{case}: the uneven blocks it received differ"
-            );
+        for (t, (out, device)) in res.into_iter().enumerate() {
+            for (c, (block, (got, copies))) in cases.iter().zip(out).enumerate() {
+                let case = format!("eager {eager} across hosts {cross} rank {t} case {c}");
+                // Rank s's values: its blocks back to back, the one for t after those
+                // for ranks before it.
+                let want: Vec<f32> = (0..N)
+                    .flat_map(|s| {
+                        let at: usize = (0..t).map(|u| block(s, u)).sum();
+                        let all: usize = (0..N).map(|u| block(s, u)).sum();
+                        values(all, s)[at..at + block(s, t)].to_vec()
+                    })
+                    .collect();
+                assert!(got == want, "{case}: the blocks it received differ");
+                if c < 2 {
+                    assert_eq!(
+                        copies,
+                        chunks * 2 * N as u64,
+                        "{case}: the pipeline's copies"
+                    );
+                } else {
+                    assert!(copies > chunks, "{case}: the pipeline's copies: {copies}");
+                }
+            }
             assert_eq!(
-                uq, 0,
-                "{case}: uneven blocks go whole, not through the lanes"
+                device, 0,
+                "eager {eager} across hosts {cross} rank {t}: no device work"
             );
+        }
+    }
+}
+
+/// gather and scatter through host memory as pipelines: each chunk takes the same slice
+/// of every rank's block at the root (one copy per rank up for the gather, down for the
+/// scatter) and of its own block elsewhere, in both of the double's modes, on GPUs that
+/// reach no other and across hosts, with the root's block in place for the gather (its
+/// `send` the root's slice of `recv`): exact results, the copies each chunk needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_gather_and_scatter_run_as_pipelines() {
+    let m = start_master(&[]);
+    let count = 5001; // 4 chunks of a block, as the all_gather's
+    let chunks = 4u64;
+    let root = 2;
+    for (eager, cross) in [(false, false), (true, false), (false, true)] {
+        let comms = if cross {
+            hosts_apart(&m.addr).await
+        } else {
+            world(&m.addr, N as u32).await
+        };
+        let make = |r: usize| staged_device(r, cross, eager);
+        let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+            ipc.set_stage_bytes(1024);
+            let nb = (count * 4) as u64;
+            let mut run = |call: DeviceCall| unsafe {
+                eccl::device::run(comm, rt.clone(), ipc, &call)
+                    .unwrap_or_else(|e| panic!("rank {rank}: {call:?}: {e}"))
+            };
+            let mine = values(count, rank);
+            let (send, recv) = if rank == root {
+                let mut init = vec![0.0; N * count];
+                init[rank * count..(rank + 1) * count].copy_from_slice(&mine);
+                let recv = put(dev, &init);
+                (recv + rank as u64 * nb, recv)
+            } else {
+                (put(dev, &mine), 0)
+            };
+            let q0 = dev.queued_copies();
+            run(DeviceCall::Gather {
+                send,
+                recv,
+                count,
+                dtype: DType::F32,
+                root,
+            });
+            let gathered = match rank == root {
+                true => get(dev, recv, N * count),
+                false => Vec::new(),
+            };
+            let gq = dev.queued_copies() - q0;
+            let send = match rank == root {
+                true => put(dev, &values(N * count, rank)),
+                false => 0,
+            };
+            let recv = put(dev, &vec![0.0; count]);
+            let q0 = dev.queued_copies();
+            run(DeviceCall::Scatter {
+                send,
+                recv,
+                count,
+                dtype: DType::F32,
+                root,
+            });
+            let scattered = get(dev, recv, count);
+            let sq = dev.queued_copies() - q0;
+            (
+                (gathered, gq),
+                (scattered, sq),
+                dev.reductions() + dev.copies(),
+            )
+        });
+        let all: Vec<f32> = (0..N).flat_map(|s| values(count, s)).collect();
+        let whole = values(N * count, root);
+        for (r, ((g, gq), (sc, sq), device)) in res.into_iter().enumerate() {
+            let case = format!("eager {eager} across hosts {cross} rank {r}");
+            let at_root = if r == root { N as u64 } else { 0 };
+            if r == root {
+                assert!(g == all, "{case}: gather");
+            }
+            assert_eq!(gq, chunks * (1 + at_root), "{case}: gather's copies");
+            assert!(sc == whole[r * count..(r + 1) * count], "{case}: scatter");
+            assert_eq!(sq, chunks * (1 + at_root), "{case}: scatter's copies");
             assert_eq!(device, 0, "{case}: no device work");
         }
     }
