@@ -31,8 +31,9 @@
 # tls or quic), --json FILE. The JSON: {"scenario", "rank_order_busbw_gbps", "optimized_busbw_gbps",
 # "speedup", "ring", "striped_rate_fraction", "one_connection_rate_fraction",
 # "quantized_speedup", "quantized_ring_speedup", "quantized_max_rel_error"}: the rate fractions are long-fat's
-# (null elsewhere); the quantized run's error is not measured here (null; its bound is
-# checked in peer/tests/e2e/quantized.rs). quantized_speedup is rank order's time over
+# (null elsewhere); quantized_max_rel_error is the int8 run's largest error over the
+# largest exact value (`eccl-bench -c --quantize`, which also fails an element past the
+# documented bound and a rank whose bits differ). quantized_speedup is rank order's time over
 # the int8 run's, quantized_ring_speedup the same for int8 after optimize_topology() (its
 # all_to_all relayed around the solved ring where links off it are much slower); not run
 # for long-fat.
@@ -183,6 +184,11 @@ run() { # eccl-bench flags beyond the size and iterations; prints rank 0's outpu
 busbw() { sed -n 's/^# Avg bus bandwidth *: *\([0-9.]*\).*/\1/p' | head -1; }
 usec() { awk '/^ +[0-9]/ { print $6; exit }'; }  # the size row's time column
 wrong() { grep -q "Out of bounds values : 0 OK" || { echo "netlab: wrong results" >&2; exit 1; }; }
+# A quantized run checked with -c: no element past its bound, the same bits everywhere.
+within() {
+    echo "$1" | grep -q "Out of bounds values : 0 OK" && echo "$1" | grep -q "identical on every rank: yes" \
+        || { echo "netlab: int8 results past their bound, or not the same on every rank" >&2; exit 1; }
+}
 
 RUN_ENV=()
 [ "$SCENARIO" = long-fat ] && RUN_ENV=(ECCL_NSTREAMS=1)
@@ -206,7 +212,7 @@ t0=$(echo "$plain" | usec)
 t1=$(echo "$optimized" | usec)
 speedup=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
 echo "# $SCENARIO: bus bandwidth rank order $b0 GB/s, optimized $b1 GB/s ($speedup x), ring [$ring]"
-fractions="null null" qspeedup=null qrspeedup=null
+fractions="null null" qspeedup=null qrspeedup=null qerr=null
 if [ "$SCENARIO" = long-fat ]; then
     # Rank order and the solved ring are one ring of two: the second run differs in its
     # links, striped where optimize_topology() found one connection held back by its windows.
@@ -218,10 +224,12 @@ if [ "$SCENARIO" = long-fat ]; then
     echo "# $SCENARIO: one connection ${fractions#* } of the $FAST rate, striped ${fractions% *}"
 elif [ "$COLL" = all_reduce ]; then
     # int8 on the wire (all_to_all and all_gather of 8-bit codes, rank order): its results
-    # are within a bound, not exact, so eccl-bench does not check them (-c); the bound is
-    # checked element by element in peer/tests/e2e/quantized.rs.
-    quantized=$(run --quantize int8)
-    echo "$quantized" | grep -E "^# eccl-bench|^ +[0-9]" | sed "s/^/int8:       /"
+    # are within a bound, not exact: -c checks every element against the documented
+    # bound and the same bits on every rank, and says the largest relative error.
+    quantized=$(run --quantize int8 -c)
+    echo "$quantized" | grep -E "^# eccl-bench|^ +[0-9]|^# int8:" | sed "s/^/int8:       /"
+    within "$quantized"
+    qerr=$(echo "$quantized" | sed -n 's/^# int8: max relative error \([0-9.e+-]*\) .*/\1/p' | head -1)
     tq=$(echo "$quantized" | usec)
     qspeedup=$(awk -v a="$t0" -v b="$tq" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
     echo "# $SCENARIO: int8 on the wire ${qspeedup} x rank order's time"
@@ -229,13 +237,14 @@ elif [ "$COLL" = all_reduce ]; then
     # an all_to_all straight across the slow links slower than relaying around the solved
     # ring (World.tuned), so the codes go around the ring (its all_gather follows the ring
     # anyway).
-    qring=$(run --quantize int8 --show-topology)
-    echo "$qring" | grep -E "^# ring|^# eccl-bench|^ +[0-9]" | sed "s/^/int8 ring:  /"
+    qring=$(run --quantize int8 -c --show-topology)
+    echo "$qring" | grep -E "^# ring|^# eccl-bench|^ +[0-9]|^# int8:" | sed "s/^/int8 ring:  /"
+    within "$qring"
     tqr=$(echo "$qring" | usec)
     qrspeedup=$(awk -v a="$t0" -v b="$tqr" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
     echo "# $SCENARIO: int8 on the wire over the solved ring ${qrspeedup} x rank order's time"
 fi
 if [ -n "$JSON" ]; then
-    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_ring_speedup": %s, "quantized_max_rel_error": null, "algorithms": "%s"}\n' \
-        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" "$qrspeedup" "$algorithms" >"$JSON"
+    printf '{"scenario": "%s", "collective": "%s", "peers": %d, "fast": "%s", "slow": "%s", "size": "%s", "rank_order_busbw_gbps": %s, "optimized_busbw_gbps": %s, "speedup": %s, "ring": [%s], "striped_rate_fraction": %s, "one_connection_rate_fraction": %s, "quantized_speedup": %s, "quantized_ring_speedup": %s, "quantized_max_rel_error": %s, "algorithms": "%s"}\n' \
+        "$SCENARIO" "$COLL" "$N" "$FAST" "$SLOW" "$SIZE" "$b0" "$b1" "$speedup" "$ring" "${fractions% *}" "${fractions#* }" "$qspeedup" "$qrspeedup" "${qerr:-null}" "$algorithms" >"$JSON"
 fi

@@ -184,8 +184,8 @@ def test_netlab_slow_pair(tmp_path):
     """The network lab's slow-pair scenario, short: four peers in namespaces of their
     own, two links 100x slower than the rest. The solved ring avoids them (the issue's
     target: at least 2x rank order's bus bandwidth), results exact both times; int8 on
-    the wire beats rank order too, and more over the solved ring; and the lab removes what
-    it made."""
+    the wire beats rank order too, and more over the solved ring, within its bound; and
+    the lab removes what it made."""
     _need_netns()
     out_json = tmp_path / "lab.json"
     out = run(["bash", str(EXAMPLES / "netlab.sh"), "--scenario", "slow-pair", "--size", "256K",
@@ -206,6 +206,9 @@ def test_netlab_slow_pair(tmp_path):
     assert "all_to_all: ring beyond" in r["algorithms"], r
     assert r["algorithms"].startswith("broadcast:") and "all_reduce: ring" in r["algorithms"], r
     assert r["quantized_ring_speedup"] >= 2 * r["quantized_speedup"], out
+    # The int8 runs were checked element by element against the documented bound, the
+    # same bits on every rank (netlab.sh fails otherwise); their error is not zero.
+    assert 0 < r["quantized_max_rel_error"] < 0.05, r
     assert "eccl-sw-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                             text=True).stdout
 

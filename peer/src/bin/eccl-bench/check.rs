@@ -134,3 +134,113 @@ pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8]) -> u64 {
         .count() as u64
         + (got.len().abs_diff(want.len()) / s) as u64
 }
+
+/// For an all_reduce with quantized values on the wire (`--quantize` with `-c`: Sum or
+/// Avg of f32, f16 or bf16): each element's exact result (from the closed-form inputs,
+/// in f64) and the documented bound of its error, block by block as the call encodes:
+/// every rank owns a segment of `ceil(count / world)` elements cut in blocks of
+/// `eccl_algorithms::quant::BLOCK`; each other rank's values are encoded once (int8: half
+/// a step, the block's range over 255; fp8: `max(|v| / 16, scale / 1024)`, scale the
+/// block's largest magnitude over 448), the owner's own values are added as they are,
+/// and the sum is encoded once more; f16 and bf16 add their own rounding of the result.
+pub fn quantized_bounds(c: &Call, fp8: bool) -> (Vec<f64>, Vec<f64>) {
+    const BLOCK: usize = eccl_algorithms::quant::BLOCK;
+    let (n, count) = (c.world.max(1), c.count);
+    let v = |r: usize, i: usize| quantized_input(c.dtype, r, i);
+    let avg = c.op == ReduceOp::Avg;
+    let scale = if avg { 1.0 / n as f64 } else { 1.0 };
+    let sums: Vec<f64> = (0..count).map(|i| (0..n).map(|r| v(r, i)).sum()).collect();
+    let exact: Vec<f64> = sums.iter().map(|s| s * scale).collect();
+    // The result's own rounding in a half type (half a unit in the last place).
+    let narrow = match c.dtype {
+        DType::BF16 => 2f64.powi(-8),
+        DType::F16 => 2f64.powi(-11),
+        _ => 0.0,
+    };
+    let seg = count.div_ceil(n).max(1);
+    let mut bound = vec![0.0; count];
+    for owner in 0..n {
+        let seg_end = ((owner + 1) * seg).min(count);
+        let mut start = owner * seg;
+        while start < seg_end {
+            let block = start..(start + BLOCK).min(seg_end);
+            // Each other rank's block, and the sum's: their ranges and largest magnitudes.
+            let span = |f: &dyn Fn(usize) -> f64| {
+                block.clone().fold(
+                    (f64::INFINITY, f64::NEG_INFINITY, 0f64),
+                    |(lo, hi, top), i| {
+                        let x = f(i);
+                        (lo.min(x), hi.max(x), top.max(x.abs()))
+                    },
+                )
+            };
+            let others: Vec<(f64, f64, f64)> = (0..n)
+                .filter(|&r| r != owner)
+                .map(|r| span(&|i| v(r, i)))
+                .collect();
+            let others_at: Vec<usize> = (0..n).filter(|&r| r != owner).collect();
+            let (slo, shi, stop) = span(&|i| sums[i]);
+            for k in block.clone() {
+                let b = if fp8 {
+                    let one = |x: f64, top: f64| (x.abs() / 16.0).max(top / 448.0 / 1024.0);
+                    let inputs: f64 = others
+                        .iter()
+                        .zip(&others_at)
+                        .map(|(&(_, _, top), &r)| one(v(r, k), top))
+                        .sum();
+                    inputs + one(sums[k].abs() + inputs, stop + 2.0 * inputs)
+                } else {
+                    let inputs: f64 = others.iter().map(|&(lo, hi, _)| (hi - lo) / 510.0).sum();
+                    inputs + (shi - slo + 2.0 * inputs) / 510.0
+                };
+                // f32 arithmetic on top (the codec's steps and sums), and a half type's
+                // rounding of the result.
+                bound[k] =
+                    b * scale * 1.01 + 1e-5 * exact[k].abs().max(1.0) + narrow * exact[k].abs();
+            }
+            start = block.end;
+        }
+    }
+    (exact, bound)
+}
+
+/// Element `i` of rank `r`'s input to a quantized all_reduce, as `dtype` holds it:
+/// smooth, signed, not whole numbers (which min-max codes of small integers would carry
+/// exactly), a different range on every rank.
+pub fn quantized_input(dtype: DType, r: usize, i: usize) -> f64 {
+    let x = ((i as f64 * 0.013 + r as f64).sin() * (r as f64 + 1.0) * 3.0) + (i % 7) as f64 * 0.01;
+    match dtype {
+        DType::BF16 => bf16::from_f64(x).to_f64(),
+        DType::F16 => f16::from_f64(x).to_f64(),
+        DType::F64 => x,
+        _ => x as f32 as f64,
+    }
+}
+
+/// Fills this rank's input to a quantized all_reduce ([`quantized_input`]).
+pub fn fill_quantized_input(c: &Call, input: &mut [u8]) {
+    let s = c.dtype.size();
+    for i in 0..input.len() / s {
+        let x = quantized_input(c.dtype, c.rank, i);
+        let b = &mut input[i * s..i * s + s];
+        match c.dtype {
+            DType::BF16 => b.copy_from_slice(&bf16::from_f64(x).to_le_bytes()),
+            DType::F16 => b.copy_from_slice(&f16::from_f64(x).to_le_bytes()),
+            DType::F64 => b.copy_from_slice(&x.to_le_bytes()),
+            _ => b.copy_from_slice(&(x as f32).to_le_bytes()),
+        }
+    }
+}
+
+/// Element `i` of `buf` (f32, f16 or bf16) as f64.
+pub fn get_float(dtype: DType, buf: &[u8], i: usize) -> f64 {
+    let s = dtype.size();
+    let b = &buf[i * s..i * s + s];
+    match dtype {
+        DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64,
+        DType::F16 => f16::from_le_bytes([b[0], b[1]]).to_f64(),
+        DType::BF16 => bf16::from_le_bytes([b[0], b[1]]).to_f64(),
+        DType::F64 => f64::from_le_bytes(b.try_into().expect("8 bytes")),
+        _ => panic!("get_float: {dtype} is not a float type"),
+    }
+}

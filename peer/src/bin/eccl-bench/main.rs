@@ -230,8 +230,6 @@ fn main() -> ExitCode {
     if let Some(q) = args.quantize {
         let why = if kind != CollectiveKind::AllReduce {
             Some(format!("quantizes all_reduce only, not {kind}"))
-        } else if args.check != 0 {
-            Some("gives results within a bound, not exact ones: drop -c".into())
         } else if args.device.is_some() {
             Some("runs on host memory only, not with --device".into())
         } else {
@@ -483,7 +481,11 @@ async fn sweep(
         };
         let mut input = vec![0u8; in_len * elem];
         let mut output = vec![0u8; out_len * elem];
-        check::fill_input(&call, &mut input);
+        if args.quantize.is_some() {
+            check::fill_quantized_input(&call, &mut input);
+        } else {
+            check::fill_input(&call, &mut input);
+        }
         let cargs = CollArgs {
             kind,
             dtype,
@@ -549,6 +551,8 @@ async fn sweep(
         // nccl-tests reports the slowest rank.
         comm.all_reduce(&mut time_us, ReduceOp::Max).await?;
         let mut wrong = [0i64];
+        // A quantized call's error against the exact result (`-c`), said after its row.
+        let mut quality = None;
         if args.check != 0 {
             output.iter_mut().for_each(|b| *b = 0xA5);
             fresh(&mut work);
@@ -560,12 +564,21 @@ async fn sweep(
                 let n = output.len().min(work.len());
                 output[..n].copy_from_slice(&work[..n]);
             }
-            let want = if kind == CollectiveKind::SendRecv {
-                sendrecv_expected(&call, rank, n)
+            if let Some(q) = args.quantize {
+                // Within the documented bound, not exact: elements past it are wrong, and
+                // so is every element of a rank whose bits differ from another's (G3).
+                let (got, line) =
+                    quantized_check(comm, &call, q, &output[..out_len * elem]).await?;
+                wrong[0] = got;
+                quality = Some(line);
             } else {
-                check::expected(&call, out_len)
-            };
-            wrong[0] = check::count_wrong(dtype, &output[..out_len * elem], &want) as i64;
+                let want = if kind == CollectiveKind::SendRecv {
+                    sendrecv_expected(&call, rank, n)
+                } else {
+                    check::expected(&call, out_len)
+                };
+                wrong[0] = check::count_wrong(dtype, &output[..out_len * elem], &want) as i64;
+            }
             comm.all_reduce(&mut wrong, ReduceOp::Sum).await?;
         }
         if let Some(d) = device.as_deref_mut() {
@@ -598,6 +611,9 @@ async fn sweep(
                 busbw,
                 wrong_col
             );
+            if let Some(line) = &quality {
+                println!("{line}");
+            }
         }
         rows.push(Row {
             dtype: dtype.name().into(),
@@ -701,6 +717,51 @@ async fn one(
         return Ok(true);
     }
     comm.collective(a, input, output).await.map(|_| false)
+}
+
+/// A quantized all_reduce's result against the exact one: this rank's elements past
+/// the documented bound (all of them if its bits differ from another rank's), and a
+/// line saying the world's largest error relative to the largest exact value, the
+/// largest error over its bound, and whether every rank has the same bits.
+async fn quantized_check(
+    comm: &mut Communicator,
+    call: &check::Call,
+    q: eccl::Quantize,
+    got: &[u8],
+) -> eccl::Result<(i64, String)> {
+    let (exact, bound) = check::quantized_bounds(call, q == eccl::Quantize::Fp8);
+    let (mut past, mut worst_err, mut largest, mut worst_ratio) = (0i64, 0f64, 0f64, 0f64);
+    for (k, (&e, &b)) in exact.iter().zip(&bound).enumerate() {
+        let err = (check::get_float(call.dtype, got, k) - e).abs();
+        // A NaN result is past any bound.
+        if err.is_nan() || err > b {
+            past += 1;
+        }
+        worst_err = worst_err.max(err);
+        largest = largest.max(e.abs());
+        worst_ratio = worst_ratio.max(err / b);
+    }
+    // The same bits on every rank: the largest and the smallest hash of them agree.
+    let hash = got.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    }) as i64;
+    let (mut hi, mut lo) = ([hash], [hash]);
+    comm.all_reduce(&mut hi, ReduceOp::Max).await?;
+    comm.all_reduce(&mut lo, ReduceOp::Min).await?;
+    let same = hi == lo;
+    if !same {
+        past = exact.len() as i64;
+    }
+    let mut world = [worst_err / largest.max(f64::MIN_POSITIVE), worst_ratio];
+    comm.all_reduce(&mut world, ReduceOp::Max).await?;
+    let line = format!(
+        "# {}: max relative error {:.3e} (largest error over the largest exact value), largest error over its bound {:.3}, identical on every rank: {}",
+        q.name(),
+        world[0],
+        world[1],
+        if same { "yes" } else { "no" }
+    );
+    Ok((past, line))
 }
 
 fn sendrecv_expected(c: &check::Call, rank: usize, n: usize) -> Vec<u8> {
