@@ -345,7 +345,7 @@ class Communicator:
         owner: Any | None = None,
         async_op: bool = False,
     ) -> None | Work:
-        """All_to_all of device memory among ranks that all run on this host, GPU to GPU over CUDA IPC:
+        """All_to_all of device memory: GPU to GPU over CUDA IPC among ranks of one host, else through host memory:
         `send_counts[t]` elements from `send` to rank t, `recv_counts[s]` from rank s into `recv` (blocks in
         rank order; torch's split sizes). Counts that disagree across ranks are a MismatchError everywhere.
         `send` and `recv` must not overlap. After a failed call `recv` is undefined.
@@ -362,8 +362,9 @@ class Communicator:
         owner: Any | None = None,
         async_op: bool = False,
     ) -> None | Work:
-        """Gather of device memory to rank `root` among ranks that all run on this host, GPU to GPU over CUDA
-        IPC: every rank's `send` (count) into the root's `recv` (world x count); other ranks pass `recv=0`.
+        """Gather of device memory to rank `root` (GPU to GPU over CUDA IPC among ranks of one host, else
+        through host memory): every rank's `send` (count) into the root's `recv` (world x count); other ranks
+        pass `recv=0`.
         """
     def scatter_device(
         self,
@@ -377,9 +378,9 @@ class Communicator:
         owner: Any | None = None,
         async_op: bool = False,
     ) -> None | Work:
-        """Scatter of device memory from rank `root` among ranks that all run on this host, GPU to GPU over
-        CUDA IPC: block t of the root's `send` (world x count) into rank t's `recv` (count); other ranks pass
-        `send=0`.
+        """Scatter of device memory from rank `root` (GPU to GPU over CUDA IPC among ranks of one host, else
+        through host memory): block t of the root's `send` (world x count) into rank t's `recv` (count); other
+        ranks pass `send=0`.
         """
     def all_reduce(
         self,

@@ -16,14 +16,14 @@ Two paths, picked per call:
   through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be
   of a dtype eccl's device kernels know, with the shapes the call asks for (a
   non-contiguous one goes through a contiguous copy); otherwise the call is staged.
-- **all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor and
-  all_to_all_single across hosts** (or with `ECCL_CUDA_IPC=0`): the same device calls,
-  which every rank then runs through host memory inside eccl as a pipeline of chunks in
-  page-locked buffers: while one chunk's host collective runs over the links, the next
-  chunks are copied to the host and the previous one's results back to the device, on
-  copy streams of their own (an all_to_all_single whose blocks differ in size goes
-  through host memory whole, inside eccl too).
-- **Staged** (every other collective and point-to-point call across hosts, and calls
+- **all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
+  all_to_all_single, gather and scatter across hosts** (or with `ECCL_CUDA_IPC=0` on any
+  rank): the same device calls, which every rank then runs through host memory inside
+  eccl as a pipeline of chunks in page-locked buffers: while one chunk's host collective
+  runs over the links, the next chunks are copied to the host and the previous one's
+  results back to the device, on copy streams of their own.
+- **Staged** (point-to-point calls and the list forms of all_gather, reduce_scatter and
+  all_to_all, and calls
   whose tensors do not fit the paths above): the CUDA tensors are copied to host memory
   (after the current stream's work), the call runs on the host tensors as for CPU
   tensors once the copies are done (an event, waited for on the communicator's task,
@@ -350,7 +350,8 @@ def _all_to_all_ipc(comm: Any, world: int, output: torch.Tensor, input: torch.Te
 
 
 def _rooted_ipc(backend: Any, name: str, outputs: Any, inputs: Any, opts: Any) -> Any:
-    """gather and scatter GPU to GPU. torch passes the root's blocks as a list of
+    """gather and scatter as eccl device calls (GPU to GPU on one host, else through
+    host memory inside eccl). torch passes the root's blocks as a list of
     tensors: they go through one flat device buffer (the root's blocks stacked before
     the call for scatter, copied out after it for gather, on the device). Whether a call
     goes this way depends on this rank's own tensor's dtype alone, the same on every rank

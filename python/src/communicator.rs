@@ -548,7 +548,7 @@ impl Communicator {
     }
 
     /// All_to_all of device memory (GPU to GPU over CUDA IPC among ranks that all run on
-    /// this host; otherwise through host memory, a pipeline of chunks for even blocks):
+    /// this host; otherwise through host memory, a pipeline of chunks):
     /// `send_counts[t]` elements of `dtype` from `send` (blocks in rank order) to rank t,
     /// `recv_counts[s]` from rank s into `recv` (blocks in rank order), copied GPU to GPU
     /// over CUDA IPC (torch's `all_to_all_single` with its split sizes). Every rank checks
@@ -580,9 +580,10 @@ impl Communicator {
         self.device_call(py, device, call, owner, async_op)
     }
 
-    /// Gather of device memory to rank `root` among ranks that all run on this host:
-    /// every rank's `send` (`count` elements of `dtype`) into the root's `recv` (world ×
-    /// count, rank order), copied GPU to GPU over CUDA IPC. Ranks other than the root pass
+    /// Gather of device memory to rank `root`: every rank's `send` (`count` elements of
+    /// `dtype`) into the root's `recv` (world × count, rank order), copied GPU to GPU over
+    /// CUDA IPC among ranks that all run on this host, otherwise through host memory (a
+    /// pipeline of chunks). Ranks other than the root pass
     /// `recv=0`; the root's `send` may be its own slice of `recv`. After a failed call the
     /// root's `recv` is undefined. Readiness and `owner` as for `all_reduce_device`.
     #[pyo3(signature = (send, recv, count, dtype, root, *, device, owner=None, async_op=false))]
@@ -609,9 +610,10 @@ impl Communicator {
         self.device_call(py, device, call, owner, async_op)
     }
 
-    /// Scatter of device memory from rank `root` among ranks that all run on this host:
-    /// block t of the root's `send` (world × count elements of `dtype`) into rank t's
-    /// `recv` (`count`), copied GPU to GPU over CUDA IPC. Ranks other than the root pass
+    /// Scatter of device memory from rank `root`: block t of the root's `send` (world ×
+    /// count elements of `dtype`) into rank t's `recv` (`count`), copied GPU to GPU over
+    /// CUDA IPC among ranks that all run on this host, otherwise through host memory (a
+    /// pipeline of chunks). Ranks other than the root pass
     /// `send=0`; the root's `recv` may be its own slice of `send`. After a failed call
     /// `recv` is undefined. Readiness and `owner` as for `all_reduce_device`.
     #[pyo3(signature = (send, recv, count, dtype, root, *, device, owner=None, async_op=false))]

@@ -2,7 +2,7 @@
 //! all_gather, reduce_scatter, all_to_all, gather, scatter) through host memory in chunks
 //! whose copies overlap the host collectives (see [`staged_pipeline`]).
 
-use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
+use eccl_protocol::{CollectiveKind, Rank, ReduceOp};
 
 use super::{CopyMark, DevPtr, Device, DeviceCall, DeviceError, IpcComm};
 use crate::{CollArgs, Communicator, Error, OnAbort};
@@ -192,7 +192,6 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
     // reduce_scatter (every rank's slices down, one up), gather (one down; every rank's
     // up at the root), scatter (every rank's down at the root; one up) and all_to_all
     // (every block's slice down and up, each block padded to the call's widest).
-    let size = |d: DType| d.size();
     // (kind, send, recv, dtype, op, root, the host block in elements, this rank's
     // blocks to send and to receive in elements: one each where the rank moves its
     // own block only, none where it moves nothing that way).
@@ -298,7 +297,7 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
             }
         }
     };
-    let size = size(dtype);
+    let size = dtype.size();
     // A block of the host collective, and the slice of every block one chunk takes: the
     // blocks cut into as many chunks as the whole would be, of equal size (whole
     // elements) but the last. The count of chunks follows from what every rank knows
@@ -345,7 +344,13 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
         .map(|k| {
             let (off, len) = (k * per, per.min(nb - k * per));
             let (down, pad) = copies(send, &sends, &send_at, off, len);
-            let (up, _) = copies(recv, &recvs, &recv_at, off, len);
+            let (mut up, _) = copies(recv, &recvs, &recv_at, off, len);
+            if matches!(kind, CollectiveKind::AllGather | CollectiveKind::Gather) {
+                // In place (this rank's block of `recv` is its `send`), its own slice
+                // would come back up onto the bytes it went down from: left out, as the
+                // IPC path leaves that copy out.
+                up.retain(|&(dst, _, _)| !down.iter().any(|&(src, _, _)| src == dst));
+            }
             let (in_len, out_len) = (sends.len() * len, recvs.len() * len);
             Piece {
                 args: CollArgs::for_buffers(
@@ -434,7 +439,7 @@ unsafe fn pipeline<D: Device>(
         let mut last = None;
         for &(src, at, len) in &plan[i].down {
             // SAFETY: `src` lies in the call's buffers (the caller's promise); the slot's
-            // input buffer holds `chunk` >= `at + len` bytes and is ours until the mark
+            // input buffer holds `in_cap` >= `at + len` bytes and is ours until the mark
             // is waited for.
             last = Some(unsafe { dev.download_queued(input(i % slots).add(at), src, len) }?);
         }
@@ -457,7 +462,8 @@ unsafe fn pipeline<D: Device>(
             // are done), and nothing else uses the slot until its collective.
             unsafe { std::ptr::write_bytes(input(slot).add(at), 0, len) };
         }
-        // SAFETY: the slot's buffers hold `chunk` bytes each; chunk i's download into the
+        // SAFETY: the slot's buffers hold `in_cap` and `out_cap` bytes (or `in_cap`, in
+        // place), at least the piece's lengths; chunk i's download into the
         // input is done, and no copy uses them until the uploads queued below.
         let done = unsafe {
             if in_place {
@@ -506,6 +512,7 @@ unsafe fn pipeline<D: Device>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use eccl_protocol::DType;
 
     /// Every chunk's copies down and its padding tile the chunk's input exactly (each
     /// byte once), the copies down and up take each block's bytes exactly once over the
