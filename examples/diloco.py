@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=0, help="extra time per inner step")
     p.add_argument("--inner-lr", type=float, default=3e-3)
     p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
+    p.add_argument("--batch", type=int, default=64, help="samples per inner step")
     p.add_argument("--join-when", metavar="FILE",
                    help="join only once FILE exists (a newcomer started with the others)")
     p.add_argument("--stall-sync-s", type=float, default=0,
@@ -89,7 +90,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(os.getpid() * 7919 + local)
         local += 1
-        x = torch.randn(64, 16, generator=g)
+        x = torch.randn(a.batch, 16, generator=g)
         before = job.outer_steps
         loss = job.train_step(lambda m: torch.nn.functional.mse_loss(m(x), x @ target))
         if a.step_ms:

@@ -180,7 +180,10 @@ def test_diloco_members_train_while_a_newcomer_fetches_its_state(tmp_path):
     env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret)
     script = str(EXAMPLES / "diloco.py")
     sync_every = 10
-    args = ["--outer-steps", "5", "--sync-every", str(sync_every), "--width", "524288"]
+    # A wide model (its state is what the newcomer fetches) on small batches: the inner
+    # steps' compute, which the test does not measure, stays small on two cores.
+    args = ["--outer-steps", "5", "--sync-every", str(sync_every), "--width", "524288",
+            "--batch", "8"]
     go = tmp_path / "join"
 
     def start(*extra):
