@@ -56,6 +56,10 @@ summary() {
     fi
     if [ -n "${shim_pid:-}" ]; then
         kill -- "-$shim_pid" 2>/dev/null || true
+        # torch's build lock, left by the killed compile, would hold the next run's
+        # build of the shim forever.
+        sleep 1
+        rm -f "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*/eccl_window_*/lock
     fi
     end_phase
     printf '\n==> phase times (wall; CPU seconds of all %s cores)\n' "$(nproc)"

@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--die-at-outer", type=int, default=0,
                    help="SIGKILL this process as it reaches that outer step (for tests)")
     a = p.parse_args()
+    if a.batch < 1:
+        p.error("--batch must be at least 1")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, a.width), torch.nn.ReLU(),

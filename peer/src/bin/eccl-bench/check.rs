@@ -180,15 +180,25 @@ pub fn quantized_bounds(c: &Call, fp8: bool) -> (Vec<f64>, Vec<f64>) {
                 .collect();
             let others_at: Vec<usize> = (0..n).filter(|&r| r != owner).collect();
             let (slo, shi, stop) = span(&|i| sums[i]);
+            let one = |x: f64, top: f64| (x.abs() / 16.0).max(top / 448.0 / 1024.0);
+            // fp8: each element's error from the other ranks' codes, and the block's
+            // largest (the computed sums' largest magnitude is within it of the exact one).
+            let fp8_inputs = |k: usize| -> f64 {
+                others
+                    .iter()
+                    .zip(&others_at)
+                    .map(|(&(_, _, top), &r)| one(v(r, k), top))
+                    .sum()
+            };
+            let widest = if fp8 {
+                block.clone().map(fp8_inputs).fold(0.0, f64::max)
+            } else {
+                0.0
+            };
             for k in block.clone() {
                 let b = if fp8 {
-                    let one = |x: f64, top: f64| (x.abs() / 16.0).max(top / 448.0 / 1024.0);
-                    let inputs: f64 = others
-                        .iter()
-                        .zip(&others_at)
-                        .map(|(&(_, _, top), &r)| one(v(r, k), top))
-                        .sum();
-                    inputs + one(sums[k].abs() + inputs, stop + 2.0 * inputs)
+                    let inputs = fp8_inputs(k);
+                    inputs + one(sums[k].abs() + inputs, stop + 2.0 * widest)
                 } else {
                     let inputs: f64 = others.iter().map(|&(lo, hi, _)| (hi - lo) / 510.0).sum();
                     inputs + (shi - slo + 2.0 * inputs) / 510.0
