@@ -157,9 +157,8 @@ class Recovery:
         them in vain."""
         self.error = error
         with self._lock:
-            if generation is not None and generation != self.generation:
-                return
-            if self.fault is Fault.SUCCESS:
+            stale = generation is not None and generation != self.generation
+            if not stale and self.fault is Fault.SUCCESS:
                 self.fault = fault_of(error)
         if not isinstance(error, ABORTING[kind]):
             return
@@ -167,6 +166,13 @@ class Recovery:
         # abandoned the call may have moved the communicator on already, and the hooks
         # ran for that epoch when it did.
         epoch = getattr(error, "epoch", None)
+        if stale:
+            # The epoch of an abandoned world was aborted all the same: its hooks run once
+            # (nothing if they ran when the reconfigure abandoned it), never for the new
+            # world's epoch.
+            if epoch:
+                self.run_hooks(epoch)
+            return
         self.run_hooks(epoch if epoch else None)
         with self._lock:
             if generation not in (None, self.generation):
