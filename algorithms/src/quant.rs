@@ -255,6 +255,15 @@ fn range(block: &[f32]) -> (f32, f32, bool) {
     (lo, hi, odd.iter().any(|o| *o != 0.0))
 }
 
+/// A block's header: its minimum (int8) or 0 (fp8), and its step or scale.
+#[inline(always)]
+fn header(src: &[u8]) -> (f32, f32) {
+    (
+        f32::from_le_bytes([src[0], src[1], src[2], src[3]]),
+        f32::from_le_bytes([src[4], src[5], src[6], src[7]]),
+    )
+}
+
 /// Each block of `enc` (holding `n` values) with its minimum, step and codes, beside the
 /// matching block of `out`.
 fn blocks<'a>(
@@ -269,8 +278,7 @@ fn blocks<'a>(
     enc.chunks(HEADER + BLOCK)
         .zip(out.chunks_mut(BLOCK))
         .map(|(src, dst)| {
-            let min = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
-            let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
+            let (min, step) = header(src);
             (min, step, &src[HEADER..], dst)
         })
 }
@@ -337,8 +345,7 @@ fn decode_blocks(codec: Codec, enc: &[u8], out: &mut [f32]) {
         .zip(full.chunks_exact_mut(BLOCK))
     {
         let dst: &mut [f32; BLOCK] = dst.try_into().expect("a whole block");
-        let base = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
-        let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
+        let (base, step) = header(src);
         let codes: &[u8; BLOCK] = src[HEADER..].try_into().expect("a block");
         match codec {
             Codec::Int8 => {
@@ -421,8 +428,7 @@ fn sum_blocks(codec: Codec, parts: &[Part<'_>], out: &mut [f32]) {
                 }
                 Part::Encoded(enc) => {
                     let src = &enc[b * (HEADER + BLOCK)..][..HEADER + BLOCK];
-                    let base = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
-                    let step = f32::from_le_bytes([src[4], src[5], src[6], src[7]]);
+                    let (base, step) = header(src);
                     let codes: &[u8; BLOCK] = src[HEADER..].try_into().expect("a block");
                     match codec {
                         Codec::Int8 => {
