@@ -15,8 +15,8 @@
 #   slow-ring  5 peers; every link between neighbours in rank order (i <-> i+1) is
 #              slow, so rank order's ring is slow throughout and 0 2 4 1 3 is not.
 #   wan        4 peers; one long slow hop, 3<->0 (rank order's closing link).
-#   uniform    4 peers, every link at --fast: where int8 on the wire is measured against
-#              the exact all_reduce on equal links.
+#   uniform    4 peers (--peers N: 2 or more), every link at --fast: where int8 on the
+#              wire is measured against the exact all_reduce on equal links.
 #   long-fat   2 peers joined by a long fat path: their links go over a TUN device pair
 #              that eccl-bench delay-link relays with a --delay-ms round trip (netem's
 #              part), shaped to --fast by tbf; the master on the bridge. Runs with one
@@ -24,7 +24,7 @@
 #              optimize_topology(), which stripes a link whose one connection the TCP
 #              window held back; reports both as fractions of the rate.
 #
-# Options: --size (bytes, default 1M), --iters (default 3), --fast (default 1gbit;
+# Options: --size (bytes, default 1M), --iters (default 3), --peers (uniform's count), --fast (default 1gbit;
 # long-fat: 400mbit), --delay-ms (long-fat's round trip, default 100), --collective
 # (eccl-bench's: all_reduce by default; all_gather, reduce_scatter, broadcast, ... follow
 # the solved ring too; the int8 run is all_reduce's only), --transport (tcp by default;
@@ -43,7 +43,7 @@
 # so and exits 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON= COLL=all_reduce TRANSPORT=tcp
+SCENARIO=slow-pair SIZE=1M ITERS=3 FAST= DELAY_MS=100 JSON= COLL=all_reduce TRANSPORT=tcp PEERS=
 while [ $# -gt 0 ]; do
     case $1 in
         --scenario) SCENARIO=$2; shift 2 ;;
@@ -54,6 +54,7 @@ while [ $# -gt 0 ]; do
         --json) JSON=$2; shift 2 ;;
         --collective) COLL=$2; shift 2 ;;
         --transport) TRANSPORT=$2; shift 2 ;;
+        --peers) PEERS=$2; shift 2 ;;
         -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "netlab: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -63,9 +64,13 @@ case $SCENARIO in
     slow-ring) N=5; SLOW_PAIRS="0-1 1-2 2-3 3-4 4-0" ;;
     wan) N=4; SLOW_PAIRS="3-0" ;;
     long-fat) N=2; SLOW_PAIRS="" ;;
-    uniform) N=4; SLOW_PAIRS="" ;;
+    uniform) N=${PEERS:-4}; SLOW_PAIRS="" ;;
     *) echo "netlab: unknown scenario $SCENARIO (slow-pair, slow-ring, wan, long-fat, uniform)" >&2; exit 2 ;;
 esac
+if [ -n "$PEERS" ] && { [ "$SCENARIO" != uniform ] || ! [[ "$PEERS" =~ ^[0-9]+$ ]] || [ "$PEERS" -lt 2 ] || [ "$PEERS" -gt 16 ]; }; then
+    echo "netlab: --peers takes 2 to 16 and the uniform scenario only (the others name their links)" >&2
+    exit 2
+fi
 if [ -z "$FAST" ]; then
     if [ "$SCENARIO" = long-fat ]; then FAST=400mbit; else FAST=1gbit; fi
 fi

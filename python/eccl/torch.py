@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -125,6 +125,43 @@ def _input_of(output: "torch.Tensor", input: "torch.Tensor", rank: int) -> "torc
     if _own_slot(output, input, rank):
         return _cpu(input).clone()
     return _cpu(input).contiguous()
+
+
+
+def _split_rows(t: torch.Tensor, splits: Any, n: int) -> Optional[List[torch.Tensor]]:
+    """`t` cut along dim 0 into `n` blocks of `splits` rows (equal blocks where torch
+    passes none), or None where they do not cover it (torch's split would raise on this
+    rank alone)."""
+    if t.dim() == 0:
+        return None
+    rows = list(splits) if splits else (
+        [t.shape[0] // n] * n if n and t.shape[0] % n == 0 else None)
+    if rows is None or len(rows) != n or any(r < 0 for r in rows) or sum(rows) != t.shape[0]:
+        return None
+    return list(t.split(rows))
+
+
+
+def _blocks_refusal(blocks: List[torch.Tensor], mine: torch.Tensor, n: int) -> Optional[str]:
+    """What makes a root's gather or scatter blocks unusable against its own tensor (one
+    block per rank, each of its size and dtype), or None."""
+    if len(blocks) != n:
+        return f"{len(blocks)} blocks for {n} ranks"
+    for i, b in enumerate(blocks):
+        if b.numel() != mine.numel() or b.dtype != mine.dtype:
+            return (f"block {i} is {b.dtype} of {b.numel()} elements, this rank's tensor "
+                    f"{mine.dtype} of {mine.numel()}")
+    return None
+
+
+def _a2a_refusal(outs: List[torch.Tensor], ins: List[torch.Tensor], n: int) -> Optional[str]:
+    """What makes this rank's all_to_all blocks unusable, or None."""
+    if len(outs) != n or len(ins) != n:
+        return f"{len(ins)} input and {len(outs)} output blocks for {n} ranks"
+    dtypes = {t.dtype for t in outs + ins}
+    if len(dtypes) > 1:
+        return f"blocks of several dtypes ({', '.join(sorted(str(d) for d in dtypes))})"
+    return None
 
 
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
@@ -343,13 +380,16 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         root = opts.rootRank
         inp = _cpu(input_tensors[0]).contiguous()
         if self.rank() == root:
-            outs = output_tensors[0]
+            outs = list(output_tensors[0])
+            refusal = _blocks_refusal(outs, inp, self.size())
+            if refusal is not None:
+                return self._refuse_rooted("gather", root, inp, refusal)
             flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             w = self.comm.gather(flat, inp, root, async_op=True)
 
             def scatter_back() -> None:
                 for o, f in zip(outs, flat):
-                    o.copy_(f)
+                    o.copy_(f.view_as(o))
             return self._calls.submit([w], output_tensors, scatter_back)
         w = self.comm.gather(None, inp, root, async_op=True)
         return self._calls.submit([w], output_tensors)
@@ -359,13 +399,38 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         out = _cpu(output_tensors[0])
         flat = None
         if self.rank() == root:
-            flat = torch.stack([_cpu(i) for i in input_tensors[0]]).contiguous()
+            blocks = [_cpu(i) for i in input_tensors[0]]
+            refusal = _blocks_refusal(blocks, out, self.size())
+            if refusal is not None:
+                return self._refuse_rooted("scatter", root, out, refusal)
+            flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
         w = self.comm.scatter(out, flat, root, async_op=True)
         return self._calls.submit([w], output_tensors)
 
+    def _refuse_rooted(self, name, root, mine, refusal):
+        """The root of a gather or scatter whose blocks do not fit its own tensor: it
+        still makes the call, with a buffer of a size no rank accepts, so that every
+        rank fails with a typed error (the others a MismatchError naming the root) and
+        none waits for it; then it raises saying what was wrong."""
+        wrong = torch.empty(mine.numel() * self.size() + 1, dtype=mine.dtype)
+        cause = None
+        try:
+            if name == "gather":
+                self.comm.gather(wrong, mine.contiguous(), root, async_op=True).wait()
+            else:
+                self.comm.scatter(mine, wrong, root, async_op=True).wait()
+        except eccl.EcclError as e:
+            cause = e
+            self._recovery.failed(e, "collective")    # as a failed Work would
+        raise eccl.InvalidArgumentError(
+            f"{name}: the root's {'output' if name == 'gather' else 'input'} blocks do not fit: "
+            f"{refusal}") from cause
+
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        sizes = {t.numel() for t in list(output_tensors) + list(input_tensors)}
-        if len(sizes) == 1:
+        outs, ins = list(output_tensors), list(input_tensors)
+        sizes = {t.numel() for t in outs + ins}
+        refusal = _a2a_refusal(outs, ins, self.size())
+        if len(sizes) == 1 and refusal is None:
             flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
             flat_out = torch.empty_like(flat_in)
             w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
@@ -374,34 +439,65 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 for o, f in zip(output_tensors, flat_out):
                     o.copy_(f.view_as(o))
             return self._calls.submit([w], output_tensors, scatter_back)
-        return self._alltoall_uneven(list(output_tensors), list(input_tensors))
+        return self._alltoall_uneven(outs, ins, refusal)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
         _cpu(output, "output")
         _cpu(input, "input")
-        if not output_split_sizes and not input_split_sizes:
+        outs = _split_rows(output, output_split_sizes, n)
+        ins = _split_rows(input, input_split_sizes, n)
+        if (not output_split_sizes and not input_split_sizes and outs is not None
+                and ins is not None and output.dtype == input.dtype
+                and output.numel() == input.numel()):
+            # Equal blocks: eccl's all_to_all checks every rank's size against the others'.
             w = self.comm.all_to_all(output, input.contiguous(), async_op=True)
             return self._calls.submit([w], output)
-        outs = list(output.split(output_split_sizes or [output.shape[0] // n] * n))
-        ins = list(input.split(input_split_sizes or [input.shape[0] // n] * n))
-        return self._alltoall_uneven(outs, ins)
+        refusal = None
+        if outs is None or ins is None:
+            which, t, sizes = (("output", output, output_split_sizes) if outs is None
+                               else ("input", input, input_split_sizes))
+            refusal = (f"its {which}_split_sizes {list(sizes) if sizes else '(none: equal blocks)'} "
+                       f"do not cut its {which} of {t.shape[0] if t.dim() else 0} rows into "
+                       f"{n} blocks")
+        else:
+            refusal = _a2a_refusal(outs, ins, n)
+        return self._alltoall_uneven(outs or [], ins or [], refusal)
 
-    def _alltoall_uneven(self, outs, ins):
+    def _alltoall_uneven(self, outs, ins, refusal=None):
         """Blocks of different sizes. Every rank's block sizes go first (one small
         all_gather, so sizes that disagree are the same `MismatchError` on every rank
         before anything moves), then one all_to_all of blocks padded to the call's
         largest, which the collective engine paces. (Pairwise sends of whole blocks from
         every rank at once waited for each other for good once a block outgrew what a
-        link buffers: 16 MiB over shared memory.)"""
+        link buffers: 16 MiB over shared memory.) A rank whose own call is wrong
+        (`refusal`: split sizes that do not cover its tensor, another number of blocks
+        than ranks, dtypes that differ) still takes part in the sizes' all_gather with a
+        row that says so: every rank fails with a `MismatchError` naming it, where a
+        local error on that rank alone would leave the others waiting for it."""
         n = self.size()
-        sends, recvs = [t.numel() for t in ins], [t.numel() for t in outs]
+        if refusal is None:
+            row = [t.numel() for t in ins] + [t.numel() for t in outs]
+        else:
+            row = [-1] * (2 * n)
         table = torch.empty((n, 2 * n), dtype=torch.int64)
         try:
-            self.comm.all_gather(table, torch.tensor(sends + recvs, dtype=torch.int64))
+            self.comm.all_gather(table, torch.tensor(row, dtype=torch.int64))
         except eccl.EcclError as e:
             self._recovery.failed(e, "collective")    # as a failed Work would
+            if refusal is not None and isinstance(e, eccl.MismatchError):
+                # The others took another call (the list form of equal blocks goes
+                # straight to eccl's all_to_all): this rank's own fault says more.
+                raise eccl.MismatchError(
+                    f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}") from e
             raise
+        if refusal is not None:
+            raise eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}")
+        for s in range(n):
+            if int(table[s, 0]) < 0:
+                raise eccl.MismatchError(
+                    f"all_to_all: rank {s}'s call is wrong (its split sizes or blocks do not fit "
+                    "its tensors, or its dtypes differ; its own error says which)")
         for s in range(n):
             for t in range(n):
                 sent, expected = int(table[s, t]), int(table[t, n + s])

@@ -234,7 +234,7 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     devices and shapes)."""
     comm, world = backend.comm, backend.size()
     if name == "alltoall_base":
-        return _all_to_all_ipc(comm, world, *args[:4])
+        return _all_to_all_ipc(backend, *args[:4])
     if name in ("gather", "scatter"):
         return _rooted_ipc(backend, name, *args[:3])
     if name == "broadcast":
@@ -326,20 +326,44 @@ def _contiguous_out(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
     return buf, copy_back
 
 
-def _all_to_all_ipc(comm: Any, world: int, output: torch.Tensor, input: torch.Tensor,
+def _all_to_all_ipc(backend: Any, output: torch.Tensor, input: torch.Tensor,
                     output_split_sizes: List[int], input_split_sizes: List[int]) -> Any:
     """`all_to_all_single` GPU to GPU: every rank's blocks and their sizes go to eccl,
     which checks every rank's sizes against every other's (uneven splits, as MoE layers
-    pass them, included). Whether a call goes this way depends on its dtypes and shapes
+    pass them, included). Whether a call goes this way depends on its dtypes and devices
     only, which every rank of a correct call shares: a non-contiguous tensor goes through
-    a contiguous copy rather than another path."""
-    if (output.dtype != input.dtype or output.dtype not in IPC_DTYPES
-            or output.device != input.device):
+    a contiguous copy rather than another path, and a rank whose split sizes do not cut
+    its tensors (or whose output's dtype is not its input's) joins the call moving
+    nothing, then raises a MismatchError (the ranks that expected a block from it fail
+    with one too)."""
+    comm, world = backend.comm, backend.size()
+    if input.dtype not in IPC_DTYPES or output.device != input.device:
         return None
     send_counts = _split_counts(input, input_split_sizes, world)
     recv_counts = _split_counts(output, output_split_sizes, world)
+    if output.dtype != input.dtype:
+        send_counts = None      # refused below, as wrong splits are
     if send_counts is None or recv_counts is None:
-        return None
+        # This rank's own call is wrong, and the others (whose dtypes and devices are
+        # its own) are in the device call: it joins them moving nothing, so that a
+        # rank expecting a block from it fails with a MismatchError rather than
+        # waiting, and then fails itself saying why.
+        which, t, sizes = (("input", input, input_split_sizes) if send_counts is None
+                           else ("output", output, output_split_sizes))
+        what = (f"its {which}_split_sizes {list(sizes) if sizes else '(none: equal blocks)'} "
+                f"do not cut its {which} of {t.shape[0] if t.dim() else 0} rows into {world} "
+                "blocks")
+        if output.dtype != input.dtype:
+            what = f"its output is {output.dtype} and its input {input.dtype}"
+        w = comm.all_to_all_device(0, 0, [0] * world, [0] * world, str(input.dtype),
+                                   device=input.device.index or 0, async_op=True)
+        cause = None
+        try:
+            w.wait()
+        except eccl.EcclError as e:
+            cause = e
+            backend._recovery.failed(e, "collective")    # as a failed Work would
+        raise eccl.MismatchError(f"all_to_all: this rank cannot take part: {what}") from cause
     inp = input.contiguous()        # a copy on the stream, before the wait, if needed
     out, copy_back = _contiguous_out(output)
     works = after_streams(comm, [out, inp])

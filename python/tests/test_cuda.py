@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason=f"{NOT_POSSIBLE} no CUDA GPU (the GPU check, .ci/gpu_check.sh, runs these on one)")
 
-from test_torch_backend import HERE, run_processes, run_world, world_specs  # noqa: E402
+from test_torch_backend import HERE, check_big_uneven, run_processes, run_world, world_specs  # noqa: E402
 
 
 def on(device, ipc=True):
@@ -90,6 +90,16 @@ def test_in_place_gather_and_scatter_over_ipc_follow_nccl():
         assert x["scattered"] == x["scatter_expect"], (r, x)
         assert x["overlap"] == "InvalidArgumentError", (r, x)
         assert x["after"] == [float(n)] * 2, (r, x)
+
+
+@pytest.mark.parametrize("ipc", [True, False], ids=["ipc", "staged"])
+def test_uneven_all_to_all_on_cuda_and_a_rank_with_wrong_splits(ipc):
+    """all_to_all_single and all_to_all of uneven blocks of 16 MiB and more on the device
+    path, sizes that disagree, and a rank whose own splits do not cut its tensor (it
+    joins the device call moving nothing, then fails; the others fail with it rather
+    than wait): as on the CPU (test_torch_backend.py)."""
+    on("cuda", ipc)
+    check_big_uneven(run_world(2, ["eccl", "big_uneven"]), 2)
 
 
 def test_mixed_devices_and_disagreeing_ranks_get_typed_errors():

@@ -107,8 +107,16 @@ def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
     """Uneven all_to_all blocks of 16 MiB and more (both forms) arrive whole, and so does
     a ring of 24 MiB batch_isend_irecv; sizes that disagree fail every rank with
     MismatchError naming the pair. Before, every rank sent its whole block first and
-    waited there until the group's timeout."""
-    res = run_world(n, ["eccl", "big_uneven"])
+    waited there until the group's timeout. A rank whose own call is wrong (split sizes
+    that do not cover its tensor, a block too few) fails every rank with a MismatchError
+    naming it, where it used to fail alone and leave the others waiting; the group then
+    goes on."""
+    check_big_uneven(run_world(n, ["eccl", "big_uneven"]), n)
+
+
+def check_big_uneven(res, n):
+    """What every rank of torch_script.py's big_uneven must have seen (also on CUDA
+    tensors: test_cuda.py)."""
 
     def block(s, t):
         return (4 << 20) + (s * n + t) * 12345
@@ -117,6 +125,20 @@ def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
         assert got["single"] == want and got["list"] == want, (r, got)
         assert got["ring"] == [float((r - 1) % n)] * 2, (r, got["ring"])
         assert got["mismatch"] is True, (r, got["mismatch"])
+        # The last rank's wrong splits / blocks: every rank fails, the culprit saying what.
+        for key, what in (("wrong_splits", "input_split_sizes"), ("wrong_blocks", "blocks")):
+            assert "MismatchError" in got[key], (r, key, got[key])
+            if r == n - 1:
+                assert "cannot take part" in got[key] and what in got[key], (r, key, got[key])
+            else:   # the sizes' row, eccl's check of the calls or of the counts names it
+                assert f"rank {n - 1}" in got[key], (r, key, got[key])
+        # The root's blocks that do not fit: a typed error everywhere (on the CPU the
+        # root says what; over CUDA eccl's device call refuses the root's missing buffer).
+        for key in ("wrong_scatter", "wrong_gather"):
+            assert got[key].startswith(("InvalidArgumentError", "MismatchError")), (r, key, got[key])
+            if r == 0 and os.environ.get("ECCL_TEST_DEVICE") != "cuda":
+                assert "blocks do not fit" in got[key], (r, key, got[key])
+        assert got["after"] == float(n), (r, got["after"])
 
 
 def test_backend_covers_every_dtype_and_op_of_the_rust_lists():

@@ -185,6 +185,33 @@ def big_uneven(r, n):
     except Exception as e:  # noqa: BLE001 - what each rank saw
         out["mismatch"] = "MismatchError" in f"{type(e).__name__}: {e}" and \
             "rank 0 sends 4 elements" in str(e)
+
+    # The last rank's own call is wrong: split sizes that do not cover its input, then
+    # one block too few in the list form. torch's split (or a local check) would fail
+    # that rank alone and leave the others waiting for it: every rank fails with a
+    # MismatchError, and the group goes on.
+    def wrong(call):
+        try:
+            call()
+            return "none"
+        except Exception as e:  # noqa: BLE001 - what each rank saw
+            return f"{type(e).__name__}: {e}"[:300]
+    splits = [4] * n
+    if r == n - 1:
+        splits[0] = 3
+    out["wrong_splits"] = wrong(lambda: dist.all_to_all_single(
+        torch.empty(4 * n), torch.ones(4 * n), [4] * n, splits))
+    blocks = [torch.ones(4) for _ in range(n - 1 if r == n - 1 else n)]
+    out["wrong_blocks"] = wrong(lambda: dist.all_to_all([torch.empty(4) for _ in range(n)], blocks))
+    # A root whose blocks do not fit (a block too few for scatter, one of another size
+    # for gather): every rank fails with a typed error, none waits for the root.
+    root_blocks = [torch.ones(4) for _ in range(n - 1)] if r == 0 else None
+    out["wrong_scatter"] = wrong(lambda: dist.scatter(torch.empty(4), root_blocks, src=0))
+    root_outs = [torch.empty(4) for _ in range(n - 1)] + [torch.empty(5)] if r == 0 else None
+    out["wrong_gather"] = wrong(lambda: dist.gather(torch.ones(4), root_outs, dst=0))
+    done = torch.ones(1)
+    dist.all_reduce(done)
+    out["after"] = done.item()
     return out
 
 
