@@ -309,6 +309,11 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         works, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors):
             inp = _cpu(inp).contiguous()
+            refusal = _blocks_refusal(list(outs), inp, self.size())
+            if refusal is not None:
+                wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
+                return self._refuse("all_gather", "output", refusal,
+                                    lambda: self.comm.all_gather(wrong, inp, async_op=True))
             flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             works.append(self.comm.all_gather(flat, inp, async_op=True))
             copies.append((outs, flat))
@@ -316,7 +321,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         def scatter_back() -> None:
             for outs, flat in copies:
                 for o, f in zip(outs, flat):
-                    o.copy_(f)
+                    o.copy_(f.view_as(o))
         return self._calls.submit(works, output_tensors, scatter_back)
 
     def _allgather_base(self, output, input, opts=None):
@@ -344,8 +349,16 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         op, factor = _op_and_factor(opts)
         works = []
         for out, ins in zip(output_tensors, input_tensors):
-            flat = _premultiplied(torch.stack([_cpu(i) for i in ins]).contiguous(), factor, True)
-            works.append(self.comm.reduce_scatter(_cpu(out), flat, op, async_op=True))
+            out = _cpu(out)
+            ins = [_cpu(i) for i in ins]
+            refusal = _blocks_refusal(ins, out, self.size())
+            if refusal is not None:
+                wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
+                return self._refuse("reduce_scatter", "input", refusal,
+                                    lambda: self.comm.reduce_scatter(out, wrong, op, async_op=True))
+            flat = _premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(),
+                                  factor, True)
+            works.append(self.comm.reduce_scatter(out, flat, op, async_op=True))
         return self._calls.submit(works, output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
@@ -408,23 +421,31 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit([w], output_tensors)
 
     def _refuse_rooted(self, name, root, mine, refusal):
-        """The root of a gather or scatter whose blocks do not fit its own tensor: it
-        still makes the call, with a buffer of a size no rank accepts, so that every
-        rank fails with a typed error (the others a MismatchError naming the root) and
-        none waits for it; then it raises saying what was wrong."""
+        """The root of a gather or scatter whose blocks do not fit its own tensor."""
         wrong = torch.empty(mine.numel() * self.size() + 1, dtype=mine.dtype)
+        if name == "gather":
+            def call():
+                return self.comm.gather(wrong, mine.contiguous(), root, async_op=True)
+        else:
+            def call():
+                return self.comm.scatter(mine, wrong, root, async_op=True)
+        return self._refuse(name, "the root's output" if name == "gather" else "the root's input",
+                            refusal, call)
+
+    def _refuse(self, name, which, refusal, call):
+        """A call whose blocks do not fit this rank's tensor (`refusal` says how): it is
+        still made, by `call`, with a buffer of a size no rank accepts, so that every rank
+        fails with a typed error (the others a MismatchError naming this one) and none
+        waits for it; then this rank raises saying what was wrong. (A local error alone
+        would leave the others waiting, and torch's stack of mismatched blocks used to.)"""
         cause = None
         try:
-            if name == "gather":
-                self.comm.gather(wrong, mine.contiguous(), root, async_op=True).wait()
-            else:
-                self.comm.scatter(mine, wrong, root, async_op=True).wait()
+            call().wait()
         except eccl.EcclError as e:
             cause = e
             self._recovery.failed(e, "collective")    # as a failed Work would
         raise eccl.InvalidArgumentError(
-            f"{name}: the root's {'output' if name == 'gather' else 'input'} blocks do not fit: "
-            f"{refusal}") from cause
+            f"{name}: {which} blocks do not fit: {refusal}") from cause
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         outs, ins = list(output_tensors), list(input_tensors)

@@ -138,6 +138,12 @@ def check_big_uneven(res, n):
             assert got[key].startswith(("InvalidArgumentError", "MismatchError")), (r, key, got[key])
             if r == 0 and os.environ.get("ECCL_TEST_DEVICE") != "cuda":
                 assert "blocks do not fit" in got[key], (r, key, got[key])
+        for key in ("wrong_all_gather", "wrong_reduce_scatter"):
+            if r == n - 1:
+                assert got[key].startswith("InvalidArgumentError") and "blocks do not fit" in got[key], \
+                    (r, key, got[key])
+            else:
+                assert got[key].startswith("MismatchError") and f"rank {n - 1}" in got[key], (r, key, got[key])
         assert got["after"] == float(n), (r, got["after"])
 
 

@@ -205,10 +205,16 @@ def big_uneven(r, n):
     out["wrong_blocks"] = wrong(lambda: dist.all_to_all([torch.empty(4) for _ in range(n)], blocks))
     # A root whose blocks do not fit (a block too few for scatter, one of another size
     # for gather): every rank fails with a typed error, none waits for the root.
+    bad = r == n - 1
     root_blocks = [torch.ones(4) for _ in range(n - 1)] if r == 0 else None
     out["wrong_scatter"] = wrong(lambda: dist.scatter(torch.empty(4), root_blocks, src=0))
     root_outs = [torch.empty(4) for _ in range(n - 1)] + [torch.empty(5)] if r == 0 else None
     out["wrong_gather"] = wrong(lambda: dist.gather(torch.ones(4), root_outs, dst=0))
+    # The last rank's list forms whose blocks do not fit its tensor.
+    gather_outs = [torch.empty(3 if bad and i == 0 else 4) for i in range(n)]
+    out["wrong_all_gather"] = wrong(lambda: dist.all_gather(gather_outs, torch.ones(4)))
+    rs_ins = [torch.ones(4) for _ in range(n - 1 if bad else n)]
+    out["wrong_reduce_scatter"] = wrong(lambda: dist.reduce_scatter(torch.empty(4), rs_ins))
     done = torch.ones(1)
     dist.all_reduce(done)
     out["after"] = done.item()
