@@ -104,12 +104,44 @@ def test_all_to_all_hands_over_every_blocks_element_count():
     out, inp = torch.zeros(4, 2), torch.ones(5, 2)
     torch_cuda.ipc_works(b, "alltoall_base", (out, inp, [0, 3, 1], [2, 0, 3], None))
     assert device_calls(b.comm, [out, inp])[0][1][2:4] == ([4, 0, 6], [0, 6, 2])
-    # Splits that do not cover the tensor, or an uneven tensor without splits: staged.
-    for o, i, os_, is_ in [(torch.zeros(4), torch.ones(4), [], [1, 1, 1]),
-                           (torch.zeros(4), torch.ones(4), [], [])]:
-        b = Backend(3, 0)
-        assert torch_cuda.ipc_works(b, "alltoall_base", (o, i, os_, is_, None)) is None
-        assert b.comm.calls == []
+
+
+@pytest.mark.parametrize("others", ["expect nothing", "expect a block"])
+def test_a_rank_whose_all_to_all_is_wrong_joins_the_device_call_moving_nothing(others):
+    """Splits that do not cover the tensor, an uneven tensor without splits, an output
+    of another dtype: the rank is in the device call all the same (the others, whose
+    dtypes are its own, are there), with no buffers and zero counts, and then raises a
+    MismatchError saying what is wrong; where the others' check of the counts failed the
+    call, that failure is the cause and reaches the recovery."""
+    class Work:
+        def wait(self):
+            if others == "expect a block":
+                raise eccl.MismatchError("all_to_all: rank 1 sends 0 elements to rank 0")
+
+    class Recovery:
+        def __init__(self):
+            self.failures = []
+
+        def failed(self, e, kind):
+            self.failures.append((type(e).__name__, kind))
+
+    for o, i, os_, is_, says in [
+            (torch.zeros(4), torch.ones(4), [], [1, 1, 1], "input_split_sizes [1, 1, 1]"),
+            (torch.zeros(4), torch.ones(4), [], [], "(none: equal blocks)"),
+            (torch.zeros(6), torch.ones(6), [3, 3], [], "output_split_sizes [3, 3]"),
+            (torch.zeros(6, dtype=torch.float64), torch.ones(6), [], [], "output is torch.float64")]:
+        b = Backend(3, 1)
+        b.comm.all_to_all_device = lambda *a, **kw: (b.comm.calls.append(a), Work())[1]
+        b._recovery = Recovery()
+        with pytest.raises(eccl.MismatchError, match="this rank cannot take part") as e:
+            torch_cuda.ipc_works(b, "alltoall_base", (o, i, os_, is_, None))
+        assert says in str(e.value), (says, str(e.value))
+        assert b.comm.calls == [(0, 0, [0, 0, 0], [0, 0, 0], "torch.float32")]
+        if others == "expect a block":
+            assert isinstance(e.value.__cause__, eccl.MismatchError)
+            assert b._recovery.failures == [("MismatchError", "collective")]
+        else:
+            assert e.value.__cause__ is None and b._recovery.failures == []
 
 
 def test_gather_and_scatter_go_through_one_flat_device_buffer_on_the_root():
