@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl import torch_window
+from eccl.torch_checks import a2a_refusal, blocks_refusal, join_and_raise, split_refusal, split_rows
 from eccl.torch_cuda import all_reduce_ipc, copy_back, cuda_calls
 from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
 from eccl.torch_recovery import Recovery, recovering_calls
@@ -126,42 +127,6 @@ def _input_of(output: "torch.Tensor", input: "torch.Tensor", rank: int) -> "torc
         return _cpu(input).clone()
     return _cpu(input).contiguous()
 
-
-
-def _split_rows(t: torch.Tensor, splits: Any, n: int) -> Optional[List[torch.Tensor]]:
-    """`t` cut along dim 0 into `n` blocks of `splits` rows (equal blocks where torch
-    passes none), or None where they do not cover it (torch's split would raise on this
-    rank alone)."""
-    if t.dim() == 0:
-        return None
-    rows = list(splits) if splits else (
-        [t.shape[0] // n] * n if n and t.shape[0] % n == 0 else None)
-    if rows is None or len(rows) != n or any(r < 0 for r in rows) or sum(rows) != t.shape[0]:
-        return None
-    return list(t.split(rows))
-
-
-
-def _blocks_refusal(blocks: List[torch.Tensor], mine: torch.Tensor, n: int) -> Optional[str]:
-    """What makes a root's gather or scatter blocks unusable against its own tensor (one
-    block per rank, each of its size and dtype), or None."""
-    if len(blocks) != n:
-        return f"{len(blocks)} blocks for {n} ranks"
-    for i, b in enumerate(blocks):
-        if b.numel() != mine.numel() or b.dtype != mine.dtype:
-            return (f"block {i} is {b.dtype} of {b.numel()} elements, this rank's tensor "
-                    f"{mine.dtype} of {mine.numel()}")
-    return None
-
-
-def _a2a_refusal(outs: List[torch.Tensor], ins: List[torch.Tensor], n: int) -> Optional[str]:
-    """What makes this rank's all_to_all blocks unusable, or None."""
-    if len(outs) != n or len(ins) != n:
-        return f"{len(ins)} input and {len(outs)} output blocks for {n} ranks"
-    dtypes = {t.dtype for t in outs + ins}
-    if len(dtypes) > 1:
-        return f"blocks of several dtypes ({', '.join(sorted(str(d) for d in dtypes))})"
-    return None
 
 
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
@@ -309,7 +274,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         works, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors):
             inp = _cpu(inp).contiguous()
-            refusal = _blocks_refusal(list(outs), inp, self.size())
+            refusal = blocks_refusal(list(outs), inp, self.size())
             if refusal is not None:
                 wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
                 return self._refuse("all_gather", "output", refusal,
@@ -351,7 +316,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         for out, ins in zip(output_tensors, input_tensors):
             out = _cpu(out)
             ins = [_cpu(i) for i in ins]
-            refusal = _blocks_refusal(ins, out, self.size())
+            refusal = blocks_refusal(ins, out, self.size())
             if refusal is not None:
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("reduce_scatter", "input", refusal,
@@ -394,9 +359,11 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         inp = _cpu(input_tensors[0]).contiguous()
         if self.rank() == root:
             outs = list(output_tensors[0])
-            refusal = _blocks_refusal(outs, inp, self.size())
+            refusal = blocks_refusal(outs, inp, self.size())
             if refusal is not None:
-                return self._refuse_rooted("gather", root, inp, refusal)
+                wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
+                return self._refuse("gather", "the root's output", refusal,
+                                    lambda: self.comm.gather(wrong, inp, root, async_op=True))
             flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             w = self.comm.gather(flat, inp, root, async_op=True)
 
@@ -413,44 +380,27 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         flat = None
         if self.rank() == root:
             blocks = [_cpu(i) for i in input_tensors[0]]
-            refusal = _blocks_refusal(blocks, out, self.size())
+            refusal = blocks_refusal(blocks, out, self.size())
             if refusal is not None:
-                return self._refuse_rooted("scatter", root, out, refusal)
+                wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
+                return self._refuse("scatter", "the root's input", refusal,
+                                    lambda: self.comm.scatter(out, wrong, root, async_op=True))
             flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
         w = self.comm.scatter(out, flat, root, async_op=True)
         return self._calls.submit([w], output_tensors)
 
-    def _refuse_rooted(self, name, root, mine, refusal):
-        """The root of a gather or scatter whose blocks do not fit its own tensor."""
-        wrong = torch.empty(mine.numel() * self.size() + 1, dtype=mine.dtype)
-        if name == "gather":
-            def call():
-                return self.comm.gather(wrong, mine.contiguous(), root, async_op=True)
-        else:
-            def call():
-                return self.comm.scatter(mine, wrong, root, async_op=True)
-        return self._refuse(name, "the root's output" if name == "gather" else "the root's input",
-                            refusal, call)
-
     def _refuse(self, name, which, refusal, call):
-        """A call whose blocks do not fit this rank's tensor (`refusal` says how): it is
-        still made, by `call`, with a buffer of a size no rank accepts, so that every rank
-        fails with a typed error (the others a MismatchError naming this one) and none
-        waits for it; then this rank raises saying what was wrong. (A local error alone
-        would leave the others waiting, and torch's stack of mismatched blocks used to.)"""
-        cause = None
-        try:
-            call().wait()
-        except eccl.EcclError as e:
-            cause = e
-            self._recovery.failed(e, "collective")    # as a failed Work would
-        raise eccl.InvalidArgumentError(
-            f"{name}: {which} blocks do not fit: {refusal}") from cause
+        """A call whose blocks do not fit this rank's tensor (`refusal` says how): `call`
+        makes it all the same, with a buffer of a size no rank accepts, so that
+        every rank fails with a typed error (the others a MismatchError naming this one)
+        and none waits for it; then this rank raises saying what was wrong."""
+        join_and_raise(self._recovery, call, eccl.InvalidArgumentError(
+            f"{name}: {which} blocks do not fit: {refusal}"))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         outs, ins = list(output_tensors), list(input_tensors)
         sizes = {t.numel() for t in outs + ins}
-        refusal = _a2a_refusal(outs, ins, self.size())
+        refusal = a2a_refusal(outs, ins, self.size())
         if len(sizes) == 1 and refusal is None:
             flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
             flat_out = torch.empty_like(flat_in)
@@ -466,24 +416,20 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         n = self.size()
         _cpu(output, "output")
         _cpu(input, "input")
-        outs = _split_rows(output, output_split_sizes, n)
-        ins = _split_rows(input, input_split_sizes, n)
-        if (not output_split_sizes and not input_split_sizes and outs is not None
-                and ins is not None and output.dtype == input.dtype
+        out_rows = split_rows(output, output_split_sizes, n)
+        in_rows = split_rows(input, input_split_sizes, n)
+        if (not output_split_sizes and not input_split_sizes and out_rows is not None
+                and in_rows is not None and output.dtype == input.dtype
                 and output.numel() == input.numel()):
             # Equal blocks: eccl's all_to_all checks every rank's size against the others'.
             w = self.comm.all_to_all(output, input.contiguous(), async_op=True)
             return self._calls.submit([w], output)
-        refusal = None
-        if outs is None or ins is None:
-            which, t, sizes = (("output", output, output_split_sizes) if outs is None
-                               else ("input", input, input_split_sizes))
-            refusal = (f"its {which}_split_sizes {list(sizes) if sizes else '(none: equal blocks)'} "
-                       f"do not cut its {which} of {t.shape[0] if t.dim() else 0} rows into "
-                       f"{n} blocks")
-        else:
-            refusal = _a2a_refusal(outs, ins, n)
-        return self._alltoall_uneven(outs or [], ins or [], refusal)
+        if out_rows is None:
+            return self._alltoall_uneven([], [], split_refusal("output", output, output_split_sizes, n))
+        if in_rows is None:
+            return self._alltoall_uneven([], [], split_refusal("input", input, input_split_sizes, n))
+        outs, ins = list(output.split(out_rows)), list(input.split(in_rows))
+        return self._alltoall_uneven(outs, ins, a2a_refusal(outs, ins, n))
 
     def _alltoall_uneven(self, outs, ins, refusal=None):
         """Blocks of different sizes. Every rank's block sizes go first (one small
@@ -502,18 +448,17 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         else:
             row = [-1] * (2 * n)
         table = torch.empty((n, 2 * n), dtype=torch.int64)
+        if refusal is not None:
+            # (The others may have taken another call, the list form of equal blocks
+            # straight to eccl's all_to_all: this rank's own fault says more.)
+            join_and_raise(self._recovery, lambda: self.comm.all_gather(
+                table, torch.tensor(row, dtype=torch.int64), async_op=True),
+                eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}"))
         try:
             self.comm.all_gather(table, torch.tensor(row, dtype=torch.int64))
         except eccl.EcclError as e:
             self._recovery.failed(e, "collective")    # as a failed Work would
-            if refusal is not None and isinstance(e, eccl.MismatchError):
-                # The others took another call (the list form of equal blocks goes
-                # straight to eccl's all_to_all): this rank's own fault says more.
-                raise eccl.MismatchError(
-                    f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}") from e
             raise
-        if refusal is not None:
-            raise eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}")
         for s in range(n):
             if int(table[s, 0]) < 0:
                 raise eccl.MismatchError(

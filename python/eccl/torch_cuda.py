@@ -47,6 +47,7 @@ import torch
 import torch.utils._device as _torch_device
 
 import eccl
+from eccl.torch_checks import join_and_raise, split_refusal, split_rows
 
 log = logging.getLogger("eccl.torch")
 
@@ -300,19 +301,6 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     return works, outs
 
 
-def _split_counts(t: torch.Tensor, splits: List[int], world: int) -> Any:
-    """The element counts of `t`'s blocks along dim 0 (`splits` rows each, or equal
-    blocks when torch passes none), or None where they do not cover it."""
-    if t.dim() == 0:
-        return None
-    rows = list(splits) if splits else (
-        [t.shape[0] // world] * world if t.shape[0] % world == 0 else None)
-    if rows is None or len(rows) != world or sum(rows) != t.shape[0]:
-        return None
-    per_row = t.numel() // t.shape[0] if t.shape[0] else 0
-    return [r * per_row for r in rows]
-
-
 def _contiguous_out(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
     """`t` as a call writes it: itself if contiguous, else a contiguous buffer and the
     step that copies it into `t` before the Work completes."""
@@ -339,31 +327,28 @@ def _all_to_all_ipc(backend: Any, output: torch.Tensor, input: torch.Tensor,
     comm, world = backend.comm, backend.size()
     if input.dtype not in IPC_DTYPES or output.device != input.device:
         return None
-    send_counts = _split_counts(input, input_split_sizes, world)
-    recv_counts = _split_counts(output, output_split_sizes, world)
-    if output.dtype != input.dtype:
-        send_counts = None      # refused below, as wrong splits are
-    if send_counts is None or recv_counts is None:
+    in_rows = split_rows(input, input_split_sizes, world)
+    out_rows = split_rows(output, output_split_sizes, world)
+    if output.dtype != input.dtype or in_rows is None or out_rows is None:
         # This rank's own call is wrong, and the others (whose dtypes and devices are
         # its own) are in the device call: it joins them moving nothing, so that a
         # rank expecting a block from it fails with a MismatchError rather than
         # waiting, and then fails itself saying why.
-        which, t, sizes = (("input", input, input_split_sizes) if send_counts is None
-                           else ("output", output, output_split_sizes))
-        what = (f"its {which}_split_sizes {list(sizes) if sizes else '(none: equal blocks)'} "
-                f"do not cut its {which} of {t.shape[0] if t.dim() else 0} rows into {world} "
-                "blocks")
         if output.dtype != input.dtype:
             what = f"its output is {output.dtype} and its input {input.dtype}"
-        w = comm.all_to_all_device(0, 0, [0] * world, [0] * world, str(input.dtype),
-                                   device=input.device.index or 0, async_op=True)
-        cause = None
-        try:
-            w.wait()
-        except eccl.EcclError as e:
-            cause = e
-            backend._recovery.failed(e, "collective")    # as a failed Work would
-        raise eccl.MismatchError(f"all_to_all: this rank cannot take part: {what}") from cause
+        elif in_rows is None:
+            what = split_refusal("input", input, input_split_sizes, world)
+        else:
+            what = split_refusal("output", output, output_split_sizes, world)
+        join_and_raise(backend._recovery, lambda: comm.all_to_all_device(
+            0, 0, [0] * world, [0] * world, str(input.dtype),
+            device=input.device.index or 0, async_op=True),
+            eccl.MismatchError(f"all_to_all: this rank cannot take part: {what}"))
+
+    def counts(t: torch.Tensor, rows: List[int]) -> List[int]:
+        per_row = t.numel() // t.shape[0] if t.shape[0] else 0
+        return [r * per_row for r in rows]
+    send_counts, recv_counts = counts(input, in_rows), counts(output, out_rows)
     inp = input.contiguous()        # a copy on the stream, before the wait, if needed
     out, copy_back = _contiguous_out(output)
     works = after_streams(comm, [out, inp])
