@@ -39,8 +39,17 @@ pub struct MasterSet {
     procs: Vec<MasterProc>,
 }
 
-fn free_port(host: &str) -> anyhow::Result<u16> {
-    Ok(TcpListener::bind((host, 0))?.local_addr()?.port())
+/// A port free on `host` and not in `taken` (which it joins): a port released by one bind
+/// to port 0 can come back from the next, and two masters given the same one fail with
+/// "address already in use".
+fn free_port(host: &str, taken: &mut Vec<u16>) -> anyhow::Result<u16> {
+    loop {
+        let port = TcpListener::bind((host, 0))?.local_addr()?.port();
+        if !taken.contains(&port) {
+            taken.push(port);
+            return Ok(port);
+        }
+    }
 }
 
 impl MasterSet {
@@ -76,10 +85,14 @@ impl MasterSet {
         };
         if n > 1 {
             let mut entries = Vec::new();
+            let mut taken = Vec::new();
             for i in 0..n {
                 // Peers reach the client address (on a lab's bridge, with --faults
                 // partition); the raft listener stays on loopback.
-                let (c, r) = (free_port(host)?, free_port("127.0.0.1")?);
+                let (c, r) = (
+                    free_port(host, &mut taken)?,
+                    free_port("127.0.0.1", &mut taken)?,
+                );
                 entries.push(format!("{}={host}:{c}/127.0.0.1:{r}", i + 1));
                 set.procs.push(MasterProc {
                     client: format!("{host}:{c}"),
