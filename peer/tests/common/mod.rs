@@ -202,3 +202,19 @@ impl OutputRef for Child {
         s
     }
 }
+
+/// Asks every member of `comms`, together (`are_peers_pending` is a collective of the
+/// world), until the master holds a newcomer for them, up to `within`; panics if it
+/// never does. A test that means to admit a newcomer waits for it so, not for a fixed
+/// time: on a busy host the newcomer may take longer to register.
+pub async fn until_peers_pending(comms: &mut [eccl::Communicator], within: Duration) {
+    let end = Instant::now() + within;
+    loop {
+        let r = futures::future::join_all(comms.iter_mut().map(|c| c.are_peers_pending())).await;
+        if r.iter().all(|x| matches!(x, Ok(true))) {
+            return;
+        }
+        assert!(Instant::now() < end, "no newcomer became pending: {r:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

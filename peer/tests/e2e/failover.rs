@@ -61,7 +61,7 @@ async fn peers_follow_the_next_leader_when_the_leader_dies() {
             c
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_peers_pending(&mut comms, Duration::from_secs(20)).await;
     for r in update_all(&mut comms).await {
         let u = r.expect("members move to the next world");
         assert_eq!(u.world_size, 4);

@@ -1,41 +1,50 @@
 //! Point-to-point messages between in-process communicators on a real master: receive
 //! from any source (torch's `recv(src=None)`), tags that do not wait for each other.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
 use eccl::{Error, Rank};
 use futures::future::join_all;
+use tokio::sync::Notify;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receive_from_any_source_takes_messages_as_they_come_and_names_the_sender() {
     let m = start_master(&[]);
     let mut comms = world(&m.addr, 3).await;
-    let res = join_all(comms.iter_mut().map(|c| async move {
-        match c.rank().unwrap().0 {
-            0 => {
-                let mut got = Vec::new();
-                for _ in 0..3 {
+    // Rank 1 sends its tag-5 messages once rank 0 has taken rank 2's (a signal, not a
+    // sleep: the order under test must not depend on how busy the host is).
+    let first_taken = Arc::new(Notify::new());
+    let res = join_all(comms.iter_mut().map(|c| {
+        let first_taken = first_taken.clone();
+        async move {
+            match c.rank().unwrap().0 {
+                0 => {
+                    let mut got = Vec::new();
+                    for _ in 0..3 {
+                        let mut b = [0f32; 4];
+                        let info = c.recv_any(&mut b, 5).await.expect("recv_any");
+                        got.push((info.peer.expect("a sender").0, b[0]));
+                        first_taken.notify_one();
+                    }
+                    // The message with another tag, sent first, waited for its own receive.
                     let mut b = [0f32; 4];
-                    let info = c.recv_any(&mut b, 5).await.expect("recv_any");
-                    got.push((info.peer.expect("a sender").0, b[0]));
+                    let info = c.recv(&mut b, Rank(1), 9).await.expect("recv tag 9");
+                    assert_eq!((info.peer, b), (Some(Rank(1)), [9.0; 4]));
+                    got
                 }
-                // The message with another tag, sent first, waited for its own receive.
-                let mut b = [0f32; 4];
-                let info = c.recv(&mut b, Rank(1), 9).await.expect("recv tag 9");
-                assert_eq!((info.peer, b), (Some(Rank(1)), [9.0; 4]));
-                got
-            }
-            1 => {
-                c.send(&[9f32; 4], Rank(0), 9).await.expect("send tag 9");
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                c.send(&[1f32; 4], Rank(0), 5).await.expect("send");
-                c.send(&[11f32; 4], Rank(0), 5).await.expect("send");
-                vec![]
-            }
-            _ => {
-                c.send(&[2f32; 4], Rank(0), 5).await.expect("send");
-                vec![]
+                1 => {
+                    c.send(&[9f32; 4], Rank(0), 9).await.expect("send tag 9");
+                    first_taken.notified().await;
+                    c.send(&[1f32; 4], Rank(0), 5).await.expect("send");
+                    c.send(&[11f32; 4], Rank(0), 5).await.expect("send");
+                    vec![]
+                }
+                _ => {
+                    c.send(&[2f32; 4], Rank(0), 5).await.expect("send");
+                    vec![]
+                }
             }
         }
     }))

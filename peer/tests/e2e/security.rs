@@ -174,7 +174,8 @@ async fn absurd_fields_are_refused_and_the_first_world_still_forms() {
 }
 
 /// Twice as many silent connections as the master lets authenticate at once: a real
-/// peer still registers, and within a second.
+/// peer still registers, well before the silent ones' handshake timeout (5 s) would
+/// have freed a slot for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_silent_connections_does_not_lock_a_peer_out() {
     let m = start_master(&[]);
@@ -188,7 +189,7 @@ async fn a_flood_of_silent_connections_does_not_lock_a_peer_out() {
         .await
         .expect("a real peer registers");
     let took = t.elapsed();
-    assert!(took < Duration::from_secs(1), "registering took {took:?}");
+    assert!(took < Duration::from_secs(3), "registering took {took:?}");
     drop(comm);
     drop(flood);
 }
@@ -490,11 +491,13 @@ async fn an_idle_connection_is_closed() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
-    let r = tokio::time::timeout(Duration::from_secs(6), idle.recv::<MasterMessage>()).await;
+    // Not before ten leases; the upper bound only tells "closed" from "never closed"
+    // (a busy host delays the master's sweep, so it is generous).
+    let r = tokio::time::timeout(Duration::from_secs(10), idle.recv::<MasterMessage>()).await;
     assert!(matches!(r, Ok(Err(_))), "{r:?}");
     let after = t0.elapsed();
     assert!(
-        after >= Duration::from_millis(1900) && after < Duration::from_secs(4),
+        after >= Duration::from_millis(1900) && after < Duration::from_secs(8),
         "closed after {after:?}"
     );
     talker.await.unwrap();
