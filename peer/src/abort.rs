@@ -43,8 +43,65 @@ impl AbortInfo {
 /// An abort that applies to every epoch: this peer was evicted.
 const ALL_EPOCHS: u64 = u64::MAX;
 
+/// Epochs whose aborts are remembered, newest first: a member still connecting the links
+/// of an epoch when the master aborts it and then the epoch that continues it (torch's
+/// scale_down_up: a merge, then singletons at once) must still see its own epoch's
+/// abort. With only the newest kept, the second replaced the first before the
+/// connecting member looked, and it waited out its shm dial (10 s) for a peer that had
+/// gone on.
+const EPOCHS_KEPT: usize = 8;
+
+/// The aborts this communicator has seen: one per epoch, the newest [`EPOCHS_KEPT`]
+/// epochs (an eviction, which breaks every epoch, is kept apart).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Aborts {
+    epochs: Vec<AbortInfo>,
+    evicted: Option<AbortInfo>,
+}
+
+impl Aborts {
+    /// The abort that breaks collective `seq` of `epoch` (None: any other call).
+    fn breaking(&self, epoch: u64, seq: Option<u64>) -> Option<&AbortInfo> {
+        self.evicted
+            .iter()
+            .chain(self.epochs.iter().filter(|i| i.epoch == epoch))
+            .find(|i| i.breaks(epoch, seq))
+    }
+
+    /// Records `info` unless its epoch is already broken as much (the first cause wins;
+    /// an abort that breaks more of the epoch replaces one that broke less); whether it
+    /// changed anything.
+    fn record(&mut self, info: AbortInfo) -> bool {
+        if info.epoch == ALL_EPOCHS {
+            if self.evicted.is_some() {
+                return false;
+            }
+            self.evicted = Some(info);
+            return true;
+        }
+        match self.epochs.iter_mut().find(|i| i.epoch == info.epoch) {
+            Some(cur) if info.from_seq < cur.from_seq => *cur = info,
+            Some(_) => return false,
+            None => {
+                if self.epochs.len() == EPOCHS_KEPT
+                    && self.epochs.iter().all(|i| i.epoch > info.epoch)
+                {
+                    return false; // older than everything kept
+                }
+                self.epochs.push(info);
+                self.epochs.sort_by_key(|i| std::cmp::Reverse(i.epoch));
+                self.epochs.truncate(EPOCHS_KEPT);
+            }
+        }
+        true
+    }
+}
+
+/// What [`AbortState::subscribe`] hands out: it wakes on every abort and eviction.
+pub(crate) type AbortWatch = watch::Receiver<Aborts>;
+
 pub(crate) struct AbortState {
-    tx: watch::Sender<Option<AbortInfo>>,
+    tx: watch::Sender<Aborts>,
     /// The epoch whose links this peer runs now (what `abort_here` breaks).
     current: AtomicU64,
     /// The cause (an [`AbortCause`] code) of an `abort_here` or `revoke_here` not yet
@@ -58,7 +115,7 @@ pub(crate) struct AbortState {
 impl AbortState {
     pub fn new() -> Arc<AbortState> {
         Arc::new(AbortState {
-            tx: watch::channel(None).0,
+            tx: watch::channel(Aborts::default()).0,
             current: AtomicU64::new(0),
             local: AtomicU32::new(0),
             gone: Default::default(),
@@ -122,7 +179,7 @@ impl AbortState {
     }
 
     /// A receiver that wakes on every abort and eviction.
-    pub fn subscribe(&self) -> watch::Receiver<Option<AbortInfo>> {
+    pub fn subscribe(&self) -> AbortWatch {
         self.tx.subscribe()
     }
 
@@ -133,21 +190,19 @@ impl AbortState {
 
     /// Breaks collective `from_seq` of `epoch` and everything after it (0: the whole
     /// epoch); an abort that breaks more of the epoch replaces one that broke less.
+    /// Aborts of other epochs are kept beside it ([`Aborts`]).
     pub fn raise_from(&self, epoch: u64, from_seq: u64, error: Error) {
         self.tx.send_if_modified(|cur| {
-            let replace = match cur {
-                Some(c) => c.epoch < epoch || (c.epoch == epoch && from_seq < c.from_seq),
-                None => true,
+            let info = AbortInfo {
+                epoch,
+                error: error.clone(),
+                from_seq,
             };
-            if replace {
+            let changed = cur.record(info);
+            if changed {
                 tracing::info!(target: "eccl::coll", "epoch {epoch} aborted: {error}");
-                *cur = Some(AbortInfo {
-                    epoch,
-                    error: error.clone(),
-                    from_seq,
-                });
             }
-            replace
+            changed
         });
     }
 
@@ -160,8 +215,7 @@ impl AbortState {
     pub fn check_call(&self, epoch: u64, seq: Option<u64>) -> Option<Error> {
         self.tx
             .borrow()
-            .as_ref()
-            .filter(|i| i.breaks(epoch, seq))
+            .breaking(epoch, seq)
             .map(|i| i.error.clone())
     }
 
@@ -171,10 +225,10 @@ impl AbortState {
         loop {
             if let Some(e) = rx
                 .borrow_and_update()
-                .as_ref()
-                .filter(|i| i.breaks(epoch, seq))
+                .breaking(epoch, seq)
+                .map(|i| i.error.clone())
             {
-                return e.error.clone();
+                return e;
             }
             if rx.changed().await.is_err() {
                 return Error::Aborted {
@@ -368,6 +422,42 @@ mod tests {
         assert!(a.check_call(5, Some(0)).is_some());
         a.raise_from(5, 7, err());
         assert!(a.check_call(5, Some(1)).is_some());
+    }
+
+    /// torch's scale_down_up on a loaded host: the master aborted epoch 4 (a member went
+    /// on to a singleton) and then epoch 5, which continued it, while this member still
+    /// connected epoch 4's links. Its wait on epoch 4 must end, and epoch 4 stays broken.
+    #[tokio::test]
+    async fn an_abort_of_the_next_epoch_leaves_this_epochs_abort_in_place() {
+        let a = AbortState::new();
+        let waiter = {
+            let a = a.clone();
+            tokio::spawn(async move { a.wait(4, None).await })
+        };
+        a.raise(4, err());
+        a.raise(5, err());
+        let e = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the wait on epoch 4 ended")
+            .unwrap();
+        assert!(matches!(e, Error::Aborted { .. }), "{e:?}");
+        // A wait that starts only now finds it too.
+        let late = tokio::time::timeout(Duration::from_secs(5), a.wait(4, None)).await;
+        assert!(late.is_ok(), "a late wait on epoch 4 ended");
+        assert!(a.check(4).is_some() && a.check(5).is_some());
+        assert!(a.check(6).is_none(), "an epoch not aborted is untouched");
+        // An older epoch's abort heard late is kept too; past EPOCHS_KEPT newer ones,
+        // the oldest are forgotten.
+        a.raise(3, err());
+        assert!(a.check(3).is_some());
+        for e in 10..10 + EPOCHS_KEPT as u64 {
+            a.raise(e, err());
+        }
+        assert!(a.check(3).is_none() && a.check(10).is_some());
+        // An eviction breaks every epoch, whatever was kept.
+        a.evicted("gone".into());
+        assert!(matches!(a.check(42), Some(Error::Evicted { .. })));
+        assert!(matches!(a.check(10), Some(Error::Evicted { .. })));
     }
 
     #[test]

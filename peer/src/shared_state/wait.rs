@@ -24,7 +24,7 @@ pub(super) enum Wake {
 pub(super) async fn next_event(
     cur: &mut Current,
     ranks: &HashSet<u32>,
-    abort: &mut tokio::sync::watch::Receiver<Option<crate::abort::AbortInfo>>,
+    abort: &mut crate::abort::AbortWatch,
     epoch: u64,
     round: u64,
     tick: Duration,
