@@ -64,7 +64,7 @@ impl Aborts {
     fn breaking(&self, epoch: u64, seq: Option<u64>) -> Option<&AbortInfo> {
         self.evicted
             .iter()
-            .chain(self.epochs.iter().filter(|i| i.epoch == epoch))
+            .chain(&self.epochs)
             .find(|i| i.breaks(epoch, seq))
     }
 
