@@ -13,8 +13,13 @@
 //!   epoch change finds every one of them);
 //! - memory: the leader's resident memory, and its growth per peer since it started.
 //!
-//! The simulated peers share the machine's cores with the masters: on a small machine
-//! the latencies include that contention; the CPU figures are the master's own.
+//! The simulated peers share the machine's cores with the masters unless the masters
+//! are pinned (`--master-cpus`) and the tool runs on the other cores (taskset): on a
+//! small machine the latencies include that contention; the CPU figures are the
+//! master's own. Each step also counts the simulated peers' heartbeats that ran a
+//! quarter lease late (`late_beats`: the generator fell behind) and the generator's own
+//! CPU, so that a lost lease is told apart: the master's doing only where no heartbeat
+//! ran late.
 
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -61,6 +66,10 @@ pub struct LoadArgs {
     /// load generator on the others, e.g. under taskset); default: anywhere.
     #[arg(long, value_delimiter = ',')]
     master_cpus: Vec<usize>,
+    /// Threads of the load generator's runtime (the simulated peers); default: one per
+    /// CPU this process may run on (e.g. under taskset), at most 16.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+    threads: Option<u64>,
 }
 
 /// One step's figures.
@@ -85,6 +94,13 @@ pub struct Step {
     pub kib_per_peer: f64,
     /// Peers whose next epoch change failed (a lost lease, a refused vote).
     pub lost: usize,
+    /// Heartbeats of the simulated peers that ran a quarter lease or more after their
+    /// time during the step (the generator starved): lost leases with none of these are
+    /// the master's; with them, they may be the generator's.
+    pub late_beats: u64,
+    /// The load generator's own CPU time per second of the heartbeats-alone window
+    /// (100 = one core).
+    pub generator_cpu_pct: f64,
 }
 
 pub fn main(args: LoadArgs) -> anyhow::Result<()> {
@@ -124,13 +140,21 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         tx,
     )?;
     let list = masters.list();
+    let threads = match args.threads {
+        Some(n) => n as usize,
+        // The CPUs this process may run on (its affinity: taskset's list).
+        None => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+            .min(16),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()?;
     let secret = Secret::new(secret.into_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
     println!(
-        "# eccl-chaos load: {} master(s) at {list}, lease {} ms, heartbeat {} ms, worlds of {}{}",
+        "# eccl-chaos load: {} master(s) at {list}, lease {} ms, heartbeat {} ms, worlds of {}, {threads} generator thread(s){}",
         args.masters,
         args.lease_ms,
         args.heartbeat_ms,
@@ -142,7 +166,7 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>5}",
+        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>5} {:>10} {:>7}",
         "peers",
         "worlds",
         "register_s",
@@ -154,7 +178,9 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         "us/beat",
         "rss_mib",
         "kib/peer",
-        "lost"
+        "lost",
+        "late_beats",
+        "gen_%"
     );
     let steps = rt.block_on(drive(&args, &counts, &list, &secret, &masters))?;
     masters.stop_all();
@@ -192,6 +218,7 @@ async fn drive(
     let mut steps = Vec::new();
     for &n in counts {
         // Registration of the step's new peers, `--concurrency` at a time.
+        let late0 = eccl::sim::late_heartbeats();
         let t = Instant::now();
         let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let mut joining = JoinSet::new();
@@ -216,11 +243,15 @@ async fn drive(
         (peers, votes, vote_lost) = vote_round(peers, args.world as usize, timeout).await;
 
         // Heartbeats alone: the leader's CPU over --steady-s.
-        let cpu0 = cpu();
+        let (cpu0, gen0) = (cpu(), cpu_ticks(std::process::id()));
         let t = Instant::now();
         tokio::time::sleep(Duration::from_secs_f64(args.steady_s)).await;
         let secs = t.elapsed().as_secs_f64();
         let cpu_s = match (cpu0, cpu()) {
+            (Some(a), Some(b)) => b.saturating_sub(a) as f64 / ticks_per_second(),
+            _ => f64::NAN,
+        };
+        let gen_s = match (gen0, cpu_ticks(std::process::id())) {
             (Some(a), Some(b)) => b.saturating_sub(a) as f64 / ticks_per_second(),
             _ => f64::NAN,
         };
@@ -247,9 +278,11 @@ async fn drive(
             leader_rss_mib: rss_now as f64 / 1024.0,
             kib_per_peer: rss_now.saturating_sub(rss0) as f64 / peers.len() as f64,
             lost: lost + vote_lost + lost_after,
+            late_beats: eccl::sim::late_heartbeats() - late0,
+            generator_cpu_pct: 100.0 * gen_s / secs,
         };
         println!(
-            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5}",
+            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5} {:>10} {:>7.1}",
             step.peers,
             step.worlds,
             step.register_s,
@@ -261,7 +294,9 @@ async fn drive(
             step.us_per_heartbeat,
             step.leader_rss_mib,
             step.kib_per_peer,
-            step.lost
+            step.lost,
+            step.late_beats,
+            step.generator_cpu_pct
         );
         steps.push(step);
     }

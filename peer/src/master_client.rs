@@ -27,6 +27,16 @@ use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
+/// Heartbeats of this process that ran a quarter lease or more after their time (its
+/// runtime starved of CPU or blocked): `eccl-chaos load` tells with it a lease its own
+/// simulated peers let run out from one the master lost.
+static LATE_HEARTBEATS: AtomicU64 = AtomicU64::new(0);
+
+/// How many heartbeats of this process ran late (see [`LATE_HEARTBEATS`]) so far.
+pub fn late_heartbeats() -> u64 {
+    LATE_HEARTBEATS.load(Ordering::Relaxed)
+}
+
 type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<MasterReply>>>>>;
 
 /// Longest pause between two rounds over the master list.
@@ -430,7 +440,12 @@ impl MasterClient {
                 let due = tick.tick().await;
                 let behind = due.elapsed();
                 if behind > late {
-                    tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked)", behind.as_millis());
+                    LATE_HEARTBEATS.fetch_add(1, Ordering::Relaxed);
+                    // A few lines a second: a process of thousands of simulated peers
+                    // that falls behind would otherwise log one per peer per interval.
+                    if let Some(held) = eccl_transport::logging::limit("late heartbeat") {
+                        tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked){}", behind.as_millis(), eccl_transport::logging::held_note(held));
+                    }
                 }
                 match master.heartbeat(peer_id, within).await {
                     Ok(()) => {}
