@@ -13,9 +13,21 @@
 #     ECCL_CUDA_IPC=0, the staged pipeline through host memory (f32);
 #  3. python/tests/test_cuda.py: every collective and dtype x op through the torch
 #     backend on CUDA tensors (IPC and staged), DDP against gloo, typed errors;
-#  4. examples/ddp_cuda.py: dist.all_reduce and DDP on CUDA, eccl against gloo.
-# Then OUTDIR/gpu-check.json gathers the figures and each step's verdict. Exit status 0
-# only when every step passed.
+#  4. examples/ddp_cuda.py: dist.all_reduce and DDP on CUDA, eccl against gloo;
+# then, on the machine's CPU cores (the figures a 2-core build machine cannot give):
+#  5. shared-memory all_reduce against gloo at 2, 4 and 8 ranks, a one-core memcpy of
+#     64 MiB, the torch backend's cost per call at 8 ranks and DDP against gloo at 8
+#     ranks (the hot-path issue's targets);
+#  6. `eccl-chaos load` to 10,000 simulated peers, the master(s) pinned to cores of
+#     their own and the load generator on the rest, one master then three.
+# Then OUTDIR/gpu-check.json gathers the figures and each step's verdict, and
+# OUTDIR/parts.tgz each step's own JSON. Exit status 0 only when every GPU step passed
+# (the CPU steps are measurements: their exit statuses are recorded, not required).
+#
+# The whole run keeps to GPU_CHECK_BUDGET_S seconds (default 560, so that it ends with
+# its JSON inside a 600 s device call): a step gets at most what is left, and a step
+# that would start with under 30 s left is skipped and recorded as such. The GPU steps
+# go first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu-check}"
@@ -23,6 +35,10 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/gpu-check.log"
 : >"$LOG"
+# Each step's JSON and the step list, outside OUTDIR (a device call brings back few
+# files): packed into OUTDIR/parts.tgz at the end, and read into gpu-check.json.
+PARTS="$(mktemp -d)"
+BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 PY="${PYTHON:-python3}"
 BIN="$PWD/.gpu"
 export PYTHONUNBUFFERED=1
@@ -35,14 +51,21 @@ step() {  # step NAME SECONDS CMD... : runs CMD with a limit, records its status
     case " ${GPU_CHECK_SKIP:-} " in *" $name "*) say "$name: skipped"; return;; esac
     local over="GPU_CHECK_LIMIT_$name"
     secs="${!over:-$secs}"
+    local left=$((BUDGET - SECONDS - 20))
+    if [ "$left" -lt 30 ]; then
+        say "$name: skipped, ${left}s left of the ${BUDGET}s budget"
+        echo "$name no-time 0" >>"$PARTS/steps.txt"
+        return
+    fi
+    [ "$secs" -gt "$left" ] && secs=$left
     say "$name (limit ${secs}s): $*"
     local t0=$SECONDS
     timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1
     local rc=$?
-    echo "$name $rc $((SECONDS - t0))" >>"$OUT/steps.txt"
+    echo "$name $rc $((SECONDS - t0))" >>"$PARTS/steps.txt"
     say "$name: exit $rc after $((SECONDS - t0))s"
 }
-: >"$OUT/steps.txt"
+: >"$PARTS/steps.txt"
 
 say "machine"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; \
@@ -71,34 +94,56 @@ step probe 120 "$BIN/eccl-bench" probe cuda -b 256M -n 10
 for mode in unchanged undefined; do
     step "all_reduce_$mode" 150 "$BIN/eccl-bench" all_reduce --local 2 --device cuda \
         -b 1M -e 256M -f 16 -d float,bfloat16 -c -n 20 -w 5 --on-abort "$mode" \
-        --json "$OUT/all_reduce_$mode.json"
+        --json "$PARTS/all_reduce_$mode.json"
 done
 # The staged path's pipeline alone (ECCL_CUDA_IPC=0: host memory in about four chunks of
 # 4-64 MiB, the copy lanes overlapping the host all_reduce).
 step all_reduce_staged 150 env ECCL_CUDA_IPC=0 "$BIN/eccl-bench" all_reduce --local 2 \
     --device cuda -b 1M -e 256M -f 16 -d float -c -n 10 -w 3 --on-abort undefined \
-    --json "$OUT/all_reduce_staged.json"
+    --json "$PARTS/all_reduce_staged.json"
 step pytest 300 "$PY" -m pytest -v -rfE -p no:cacheprovider --timeout "${GPU_CHECK_TEST_TIMEOUT:-100}" python/tests/test_cuda.py
 step allreduce_cuda 200 "$PY" examples/ddp_cuda.py --what allreduce --steps 10 \
-    --json "$OUT/allreduce_cuda.json"
+    --json "$PARTS/allreduce_cuda.json"
 step ddp_cuda 240 "$PY" examples/ddp_cuda.py --width 4096 --batch 64 --steps 10 \
-    --json "$OUT/ddp_cuda.json"
+    --json "$PARTS/ddp_cuda.json"
 
-"$PY" - "$OUT" "$LOG" <<'PY'
+# The CPU cores. The examples find the binaries under target/release.
+mkdir -p target/release
+for b in eccl-bench eccl-master eccl-chaos; do
+    [ -x "$BIN/$b" ] && cp "$BIN/$b" target/release/
+done
+step cpu_memcpy 30 "$BIN/eccl-bench" probe memcpy -b 64M -n 5
+step cpu_gloo 150 "$PY" examples/compare_gloo.py --ranks 2 4 8 -b 1K -e 64M -f 65536 -n 10 -w 2 \
+    --json "$PARTS/cpu_gloo.json"
+step cpu_overhead 120 "$PY" examples/torch_overhead.py --ranks 2 8 --sizes 1K,64M \
+    --iters 1000,10 --rounds 2 --json "$PARTS/cpu_overhead.json"
+step cpu_ddp 150 "$PY" examples/compare_ddp.py --nproc 8 --width 4000 --steps 10 --rounds 1 \
+    --json "$PARTS/cpu_ddp.json"
+# One master on CPU 0, the generator on the others; then three masters on CPUs 0-2.
+ncpu="$(nproc)"
+step load1 120 taskset -c "1-$((ncpu - 1))" "$BIN/eccl-chaos" load --master-cpus 0 \
+    --peers 1000,2000,5000,10000 --steady-s 5 --json "$PARTS/load1.json"
+step load3 150 taskset -c "3-$((ncpu - 1))" "$BIN/eccl-chaos" load --masters 3 \
+    --master-cpus 0,1,2 --peers 1000,2000,5000,10000 --steady-s 5 --json "$PARTS/load3.json"
+tar czf "$OUT/parts.tgz" -C "$PARTS" .
+
+"$PY" - "$PARTS" "$LOG" "$OUT" <<'PY'
 import json, re, sys
 from pathlib import Path
-out, log = Path(sys.argv[1]), Path(sys.argv[2]).read_text(errors="replace")
+parts, log = Path(sys.argv[1]), Path(sys.argv[2]).read_text(errors="replace")
+out = Path(sys.argv[3])
 res = {"steps": {}, "probe": {}, "kernels_wrong": {}}
-for line in (out / "steps.txt").read_text().splitlines():
+for line in (parts / "steps.txt").read_text().splitlines():
     name, rc, secs = line.split()
-    res["steps"][name] = {"exit": int(rc), "seconds": int(secs)}
+    res["steps"][name] = {"exit": int(rc) if rc.lstrip("-").isdigit() else rc,
+                          "seconds": int(secs)}
 for m in re.finditer(r"^probe (cuda-[\w-]+) bytes (\d+) gbps ([\d.]+) median ([\d.]+)", log, re.M):
     res["probe"][m[1]] = {"bytes": int(m[2]), "best_gbps": float(m[3]), "median_gbps": float(m[4])}
 for m in re.finditer(r"^probe cuda-kernel (\w+) (\w+) wrong (\d+)", log, re.M):
     res["kernels_wrong"][f"{m[1]} {m[2]}"] = int(m[3])
 for f in ("all_reduce_unchanged", "all_reduce_undefined", "all_reduce_staged", "allreduce_cuda",
-          "ddp_cuda"):
-    p = out / f"{f}.json"
+          "ddp_cuda", "cpu_gloo", "cpu_overhead", "cpu_ddp", "load1", "load3"):
+    p = parts / f"{f}.json"
     if p.exists():
         res[f] = json.loads(p.read_text())
 d2d = res["probe"].get("cuda-d2d", {}).get("best_gbps")
@@ -124,12 +169,40 @@ if "eccl-staged" in ddp:
     targets["ddp staged gloo/eccl step"] = ddp["eccl-staged"].get("gloo_over_eccl")
     targets["ddp staged same params as gloo"] = ddp["eccl-staged"].get("same_params_as_gloo")
 res["targets"] = targets
+# The CPU cores' figures (measurements, not part of the verdict).
+cpu = {}
+m = re.search(r"^probe memcpy bytes (\d+) gbps ([\d.]+)", log, re.M)
+if m:
+    cpu["memcpy 64M one core GB/s"] = float(m[2])
+for n, sets in res.get("cpu_gloo", {}).items():
+    rows = {b: {r["bytes"]: r for r in sets.get(b, [])} for b in ("eccl", "gloo")}
+    for size, name in ((1024, "1K"), (64 << 20, "64M")):
+        e, g = rows["eccl"].get(size), rows["gloo"].get(size)
+        if e and g:
+            cpu[f"all_reduce {name} {n} ranks eccl us"] = e["time_us"]
+            cpu[f"all_reduce {name} {n} ranks gloo/eccl time"] = g["time_us"] / e["time_us"]
+    e = rows["eccl"].get(64 << 20)
+    if e and n == "2" and "memcpy 64M one core GB/s" in cpu:
+        cpu["all_reduce 64M 2 ranks busbw / memcpy"] = e["busbw_gbps"] / cpu["memcpy 64M one core GB/s"]
+for row in res.get("cpu_overhead", {}).get("rows", []):
+    cpu[f"torch overhead {row['ranks']} ranks {row['bytes']} B us"] = row["overhead_us"]
+for b, r in res.get("cpu_ddp", {}).get("over_gloo", {}).items():
+    cpu[f"ddp 8 ranks {b}/gloo step (best, worst)"] = r
+for f in ("load1", "load3"):
+    for step in res.get(f, []):
+        cpu[f"{f} {step['peers']} peers"] = {k: step[k] for k in (
+            "leader_cpu_pct", "us_per_heartbeat", "commit_ms_p50", "lost", "late_beats",
+            "generator_cpu_pct", "kib_per_peer")}
+res["cpu"] = cpu
 # Two ranks: a sum of two is the same bits in any order, so both of eccl's paths must
 # end with gloo's parameters exactly.
-res["passed"] = all(s["exit"] == 0 for s in res["steps"].values()) and \
+gpu_steps = ("probe", "all_reduce_unchanged", "all_reduce_undefined", "all_reduce_staged",
+             "pytest", "allreduce_cuda", "ddp_cuda")
+res["passed"] = all(s["exit"] == 0 for n, s in res["steps"].items() if n in gpu_steps) and \
     not any(res["kernels_wrong"].values()) and \
     all(ddp[n].get("same_params_as_gloo") is True for n in ("eccl", "eccl-staged") if n in ddp)
 (out / "gpu-check.json").write_text(json.dumps(res, indent=1))
-print(json.dumps({"passed": res["passed"], "steps": res["steps"], "targets": targets}, indent=1))
+print(json.dumps({"passed": res["passed"], "steps": res["steps"], "targets": targets, "cpu": cpu},
+                 indent=1))
 sys.exit(0 if res["passed"] else 1)
 PY

@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4000)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", help="also write each system's step times (ms) here")
     a = p.parse_args()
     systems = ("eccl", "elastic", "gloo")
     times = {b: [] for b in systems}
@@ -70,6 +71,14 @@ def main() -> None:
         t = times[b]
         print(f"  {b:8s} {min(t):7.1f} .. {max(t):7.1f} ms/step   vs gloo (best/best) "
               f"{min(t) / min(g):.2f}, (worst/worst) {max(t) / max(g):.2f}")
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump({"nproc": a.nproc, "width": a.width, "steps": a.steps,
+                       "ms_per_step": times,
+                       "over_gloo": {b: [min(times[b]) / min(g), max(times[b]) / max(g)]
+                                     for b in systems}}, f, indent=1)
 
 
 if __name__ == "__main__":
