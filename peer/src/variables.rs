@@ -80,4 +80,5 @@ pub const VARIABLES: &[Variable] = &[
     v("ECCL_WORLD", "—", "tests", "a test script's world size (python/tests/elastic_parity.py)"),
     v("ECCL_REQUIRE_NVRTC", "—", "tests", "set by the test command: the kernel compile test fails, rather than skips, without libnvrtc"),
     v("ECCL_TEST_DEVICE", "cpu", "tests", "cuda: the torch test script's tensors are CUDA tensors (python/tests/test_cuda.py)"),
+    v("ECCL_TEST_CPU", "—", "tests", "a file: the Python tests append each test's wall time and the machine's CPU seconds meanwhile (python/tests/conftest.py)"),
 ];

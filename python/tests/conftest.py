@@ -60,3 +60,30 @@ def pytest_sessionfinish(session, exitstatus):
                             f"an opt-in flag; under CI that fails the run:\n{lines}",
                             red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _machine_cpu_s() -> float:
+    """CPU seconds the whole machine spent since boot, every core (user, nice, system,
+    irq, softirq), as .ci/test.sh counts a phase's."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return sum(int(fields[i]) for i in (1, 2, 3, 6, 7)) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ECCL_TEST_CPU=FILE, appends a line per test to FILE: its node id, its wall
+    time (setup, call and teardown) and the CPU seconds the whole machine spent
+    meanwhile. A test that takes long but little CPU (it waits on leases, timeouts or
+    shaped links) can run beside the others (.ci/test.sh's "waiting" tests)."""
+    path = os.environ.get("ECCL_TEST_CPU")
+    if not path:
+        yield
+        return
+    import time
+
+    t0, c0 = time.monotonic(), _machine_cpu_s()
+    yield
+    wall, cpu = time.monotonic() - t0, _machine_cpu_s() - c0
+    with open(path, "a") as f:
+        f.write(f"{wall:.2f} {cpu:.2f} {item.nodeid}\n")

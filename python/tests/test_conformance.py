@@ -46,8 +46,11 @@ def test_monitored_barrier_names_the_missing_ranks_as_gloo_does(n):
     """Everyone arrives: all pass. Ranks 2 and up arrive 2 s past a 1 s timeout: rank 0
     names them all (wait_all_ranks) in gloo's words, the others raise too."""
     script = HERE / "monitored_script.py"
-    gloo = run_world(n, ["gloo"], script)
-    ours = run_world(n, ["eccl"], script)
+    # Side by side: each world spends its time waiting for its late ranks.
+    with ThreadPoolExecutor(2) as ex:
+        gloo = ex.submit(run_world, n, ["gloo"], script)
+        ours = ex.submit(run_world, n, ["eccl"], script)
+        gloo, ours = gloo.result(), ours.result()
     assert ours == gloo, (ours, gloo)
     late = ", ".join(str(r) for r in range(2, n))
     assert gloo[0]["late"] == f"[Rank 0]: Ranks {late} failed to pass monitoredBarrier in 1000 ms"
