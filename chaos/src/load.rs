@@ -106,6 +106,8 @@ pub struct Step {
 pub fn main(args: LoadArgs) -> anyhow::Result<()> {
     // The simulated peers' own log (quiet unless ECCL_DEBUG says otherwise).
     eccl::logging::init();
+    // A connection per simulated peer.
+    eccl::limits::raise_open_files();
     let mut counts = args.peers.clone();
     counts.sort_unstable();
     counts.dedup();

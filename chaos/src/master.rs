@@ -79,6 +79,7 @@ fn pin(cpus: &[usize]) -> anyhow::Result<()> {
 
 pub fn main(args: MasterArgs) -> anyhow::Result<()> {
     eccl::logging::init();
+    eccl::limits::raise_open_files();
     if !args.cpus.is_empty() {
         pin(&args.cpus)?;
     }

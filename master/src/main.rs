@@ -214,6 +214,8 @@ fn run(mut args: Args) -> anyhow::Result<()> {
             args.lease_ms
         );
     }
+    // A connection per peer and store client.
+    eccl_transport::limits::raise_open_files();
     let (secret, source) = job_secret(args.secret_file.as_ref())?;
     let mut opts = MasterOptions::new(args.listen.clone(), secret);
     for spec in &args.store_jobs {

@@ -13,6 +13,7 @@ pub mod error;
 mod executor;
 mod fault;
 mod links;
+pub use eccl_transport::limits;
 pub use eccl_transport::logging;
 pub use eccl_transport::spin::{spin_until, spin_until_within};
 mod master_client;

@@ -23,6 +23,7 @@ pub mod connect;
 pub mod control;
 pub mod error;
 pub mod handshake;
+pub mod limits;
 pub mod link;
 pub mod listen;
 pub mod logging;
