@@ -192,7 +192,7 @@ for f in ("load1", "load3"):
     for step in res.get(f, []):
         cpu[f"{f} {step['peers']} peers"] = {k: step[k] for k in (
             "leader_cpu_pct", "us_per_heartbeat", "commit_ms_p50", "lost", "late_beats",
-            "generator_cpu_pct", "kib_per_peer")}
+            "generator_cpu_pct", "kib_per_peer", "evicted", "false_evictions")}
 res["cpu"] = cpu
 # Two ranks: a sum of two is the same bits in any order, so both of eccl's paths must
 # end with gloo's parameters exactly.

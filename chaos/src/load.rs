@@ -18,9 +18,10 @@
 //! small machine the latencies include that contention; the CPU figures are the
 //! master's own. Each step also counts the simulated peers' heartbeats that ran a
 //! quarter lease late (`late_beats`: the generator fell behind) and the generator's own
-//! CPU, so that a lost lease is told apart: the master's doing only where no heartbeat
-//! ran late.
+//! CPU, and the evicted peers, of which those with no late heartbeat are the master's
+//! false evictions.
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -101,6 +102,46 @@ pub struct Step {
     /// The load generator's own CPU time per second of the heartbeats-alone window
     /// (100 = one core).
     pub generator_cpu_pct: f64,
+    /// Peers the master evicted during the step (their calls failed `Evicted`; a world
+    /// that named one fails its other members' calls too, counted in `lost`).
+    pub evicted: usize,
+    /// Of them, those with no late heartbeat in the step: their heartbeats left in time,
+    /// so the master lost their lease (false evictions).
+    pub false_evictions: usize,
+}
+
+/// The peers the master evicted, told apart by whether their own heartbeats ran late.
+#[derive(Default)]
+struct Evictions {
+    /// Every peer found evicted so far (each counted once).
+    seen: HashSet<eccl::PeerId>,
+    /// Each peer's late heartbeats when the step began.
+    late_at_start: HashMap<eccl::PeerId, u64>,
+    /// This step's evicted peers, and of them those with no late heartbeat in the step.
+    evicted: usize,
+    false_evictions: usize,
+}
+
+impl Evictions {
+    fn start_step(&mut self, peers: &[SimPeer]) {
+        self.late_at_start = peers
+            .iter()
+            .map(|p| (p.peer_id, p.late_heartbeats()))
+            .collect();
+        self.evicted = 0;
+        self.false_evictions = 0;
+    }
+
+    /// `p`'s call failed with `err`: counts it if it says `p` itself was evicted.
+    fn note(&mut self, p: &SimPeer, err: &eccl::Error) {
+        if matches!(err, eccl::Error::Evicted { .. }) && self.seen.insert(p.peer_id) {
+            self.evicted += 1;
+            let before = self.late_at_start.get(&p.peer_id).copied().unwrap_or(0);
+            if p.late_heartbeats() == before {
+                self.false_evictions += 1;
+            }
+        }
+    }
 }
 
 pub fn main(args: LoadArgs) -> anyhow::Result<()> {
@@ -168,7 +209,7 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>5} {:>10} {:>7}",
+        "# {:>6} {:>6} {:>10} {:>11} {:>11} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>5} {:>10} {:>7} {:>7} {:>6}",
         "peers",
         "worlds",
         "register_s",
@@ -182,7 +223,9 @@ pub fn main(args: LoadArgs) -> anyhow::Result<()> {
         "kib/peer",
         "lost",
         "late_beats",
-        "gen_%"
+        "gen_%",
+        "evicted",
+        "false"
     );
     let steps = rt.block_on(drive(&args, &counts, &list, &secret, &masters))?;
     masters.stop_all();
@@ -218,9 +261,11 @@ async fn drive(
     let mut peers: Vec<SimPeer> = Vec::new();
     let mut uuid = 1u64;
     let mut steps = Vec::new();
+    let mut ev = Evictions::default();
     for &n in counts {
         // Registration of the step's new peers, `--concurrency` at a time.
         let late0 = eccl::sim::late_heartbeats();
+        ev.start_step(&peers);
         let t = Instant::now();
         let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let mut joining = JoinSet::new();
@@ -240,9 +285,10 @@ async fn drive(
 
         // An epoch change for everyone: worlds of --world members, all at once.
         let (commits, lost);
-        (peers, commits, lost) = epoch_change(peers, args.world as usize, &mut uuid, timeout).await;
+        (peers, commits, lost) =
+            epoch_change(peers, args.world as usize, &mut uuid, timeout, &mut ev).await;
         let (votes, vote_lost);
-        (peers, votes, vote_lost) = vote_round(peers, args.world as usize, timeout).await;
+        (peers, votes, vote_lost) = vote_round(peers, args.world as usize, timeout, &mut ev).await;
 
         // Heartbeats alone: the leader's CPU over --steady-s.
         let (cpu0, gen0) = (cpu(), cpu_ticks(std::process::id()));
@@ -261,7 +307,8 @@ async fn drive(
         let rss_now = rss();
         // The next epoch change finds every peer that kept its lease.
         let lost_after;
-        (peers, _, lost_after) = epoch_change(peers, args.world as usize, &mut uuid, timeout).await;
+        (peers, _, lost_after) =
+            epoch_change(peers, args.world as usize, &mut uuid, timeout, &mut ev).await;
 
         let mut sorted = commits.clone();
         sorted.sort_by(f64::total_cmp);
@@ -282,9 +329,11 @@ async fn drive(
             lost: lost + vote_lost + lost_after,
             late_beats: eccl::sim::late_heartbeats() - late0,
             generator_cpu_pct: 100.0 * gen_s / secs,
+            evicted: ev.evicted,
+            false_evictions: ev.false_evictions,
         };
         println!(
-            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5} {:>10} {:>7.1}",
+            "  {:>6} {:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.1} {:>9.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>5} {:>10} {:>7.1} {:>7} {:>6}",
             step.peers,
             step.worlds,
             step.register_s,
@@ -298,7 +347,9 @@ async fn drive(
             step.kib_per_peer,
             step.lost,
             step.late_beats,
-            step.generator_cpu_pct
+            step.generator_cpu_pct,
+            step.evicted,
+            step.false_evictions
         );
         steps.push(step);
     }
@@ -316,6 +367,7 @@ async fn epoch_change(
     world: usize,
     uuid: &mut u64,
     timeout: Duration,
+    ev: &mut Evictions,
 ) -> (Vec<SimPeer>, Vec<f64>, usize) {
     let n = peers.len();
     peers.sort_by_key(|p| p.peer_id);
@@ -335,7 +387,7 @@ async fn epoch_change(
             (p, w, r.err(), t.elapsed().as_secs_f64() * 1e3)
         });
     }
-    finish_round(calls, worlds.len(), n, "epoch changes").await
+    finish_round(calls, worlds.len(), n, "epoch changes", ev).await
 }
 
 /// One call per peer, spawned as (peer, its world, the error if any, ms since the
@@ -346,6 +398,7 @@ async fn finish_round(
     worlds: usize,
     n: usize,
     what: &str,
+    ev: &mut Evictions,
 ) -> (Vec<SimPeer>, Vec<f64>, usize) {
     let mut done = vec![0.0f64; worlds];
     let (mut failed, mut first, mut back) = (0, None::<String>, Vec::with_capacity(n));
@@ -357,6 +410,7 @@ async fn finish_round(
         done[w] = done[w].max(ms);
         if let Some(e) = err {
             failed += 1;
+            ev.note(&p, &e);
             first.get_or_insert_with(|| format!("peer {}: {e}", p.peer_id));
         }
         back.push(p);
@@ -375,6 +429,7 @@ async fn vote_round(
     peers: Vec<SimPeer>,
     world: usize,
     timeout: Duration,
+    ev: &mut Evictions,
 ) -> (Vec<SimPeer>, Vec<f64>, usize) {
     let n = peers.len();
     let worlds = n.div_ceil(world.max(1));
@@ -393,7 +448,7 @@ async fn vote_round(
             )
         });
     }
-    finish_round(calls, worlds, n, "update_topology() votes").await
+    finish_round(calls, worlds, n, "update_topology() votes", ev).await
 }
 
 /// utime + stime of `pid`, in clock ticks.

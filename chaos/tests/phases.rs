@@ -487,6 +487,8 @@ fn a_master_takes_a_storm_of_registrations_and_keeps_every_lease() {
     assert_eq!(steps[0]["peers"], json!(300), "{log}");
     assert_eq!(steps[0]["worlds"], json!(1), "{log}");
     assert_eq!(steps[0]["lost"], json!(0), "{log}");
+    assert_eq!(steps[0]["evicted"], json!(0), "{log}");
+    assert_eq!(steps[0]["false_evictions"], json!(0), "{log}");
     assert!(recorded(&steps[0], &["us_per_heartbeat"]) > 0.0, "{log}");
 }
 
@@ -504,4 +506,5 @@ fn a_busy_leader_of_three_masters_keeps_a_thousand_peers() {
     let steps: Value = serde_json::from_str(&text.expect("the table as JSON")).expect("JSON");
     assert_eq!(steps[0]["peers"], json!(1000), "{log}");
     assert_eq!(steps[0]["lost"], json!(0), "{log}");
+    assert_eq!(steps[0]["false_evictions"], json!(0), "{log}");
 }

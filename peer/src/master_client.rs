@@ -93,6 +93,8 @@ pub(crate) struct MasterClient {
     store_session: Mutex<Option<(u64, [u8; 32])>>,
     next_id: AtomicU64,
     serial: AtomicU64,
+    /// This client's heartbeats that ran late (see [`LATE_HEARTBEATS`]).
+    late: AtomicU64,
 }
 
 impl MasterClient {
@@ -117,6 +119,7 @@ impl MasterClient {
             store_session: Mutex::new(None),
             next_id: AtomicU64::new(1),
             serial: AtomicU64::new(0),
+            late: AtomicU64::new(0),
         };
         c.current(Instant::now() + deadline).await?;
         Ok(c)
@@ -436,11 +439,16 @@ impl MasterClient {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // When the last heartbeat was answered: a tick that fell due while it waited
+            // for a slow answer runs as soon as the answer comes, which is the master's
+            // lateness, not this process's.
+            let mut answered = Instant::now();
             loop {
                 let due = tick.tick().await;
-                let behind = due.elapsed();
+                let behind = Instant::now().saturating_duration_since(due.max(answered));
                 if behind > late {
                     LATE_HEARTBEATS.fetch_add(1, Ordering::Relaxed);
+                    master.late.fetch_add(1, Ordering::Relaxed);
                     // A few lines a second: a process of thousands of simulated peers
                     // that falls behind would otherwise log one per peer per interval.
                     if let Some(held) = eccl_transport::logging::limit("late heartbeat") {
@@ -455,8 +463,14 @@ impl MasterClient {
                     // starts fresh.
                     Err(_) => {}
                 }
+                answered = Instant::now();
             }
         })
+    }
+
+    /// How many of this client's heartbeats ran a quarter lease or more late.
+    pub fn late_heartbeats(&self) -> u64 {
+        self.late.load(Ordering::Relaxed)
     }
 
     /// Renews the lease: an answer within `within`, or the master is taken for lost

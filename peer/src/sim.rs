@@ -104,6 +104,12 @@ impl SimPeer {
         }
     }
 
+    /// How many of this peer's heartbeats ran a quarter lease or more after their time
+    /// (this process starved of CPU): an eviction with none of them was the master's.
+    pub fn late_heartbeats(&self) -> u64 {
+        self.master.late_heartbeats()
+    }
+
     /// Leaves the job (and stops the heartbeats).
     pub async fn leave(self, timeout: Duration) -> Result<()> {
         self.heartbeat.abort();
