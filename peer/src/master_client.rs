@@ -455,7 +455,30 @@ impl MasterClient {
                         tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked){}", behind.as_millis(), eccl_transport::logging::held_note(held));
                     }
                 }
-                match master.heartbeat(peer_id, within).await {
+                // While an answer is late (a master busy writing other answers, or gone),
+                // the heartbeats go on at their interval without waiting for it: a peer
+                // that waited renewed its lease at the pace of the master's answers, and a
+                // leader busy with a large epoch change evicted peers that were alive
+                // (`eccl-chaos load --masters 3 --peers 4000` on two cores: false
+                // evictions). Their answers are not awaited (`notify`); the one awaited
+                // still tells whether the master lives. Each goes on a task of its own:
+                // awaited here, it could wait for the connection's locks, which the
+                // awaited heartbeat holds across its own awaits while this loop does not
+                // poll it.
+                let beat = master.heartbeat(peer_id, within);
+                tokio::pin!(beat);
+                let outcome = loop {
+                    tokio::select! {
+                        r = &mut beat => break r,
+                        _ = tick.tick() => {
+                            let m = master.clone();
+                            tokio::spawn(async move {
+                                let _ = m.notify(PeerRequest::Heartbeat { peer_id }).await;
+                            });
+                        }
+                    }
+                };
+                match outcome {
                     Ok(()) => {}
                     // Evicted or refused for good: nothing left to renew.
                     Err(Error::Evicted { .. } | Error::InvalidArgument(_)) => return,
