@@ -132,6 +132,17 @@ impl Evictions {
         self.false_evictions = 0;
     }
 
+    /// The heartbeats `peers` ran late since the step began.
+    fn late_in_step(&self, peers: &[SimPeer]) -> u64 {
+        peers
+            .iter()
+            .map(|p| {
+                let before = self.late_at_start.get(&p.peer_id).copied().unwrap_or(0);
+                p.late_heartbeats() - before
+            })
+            .sum()
+    }
+
     /// `p`'s call failed with `err`: counts it if it says `p` itself was evicted.
     fn note(&mut self, p: &SimPeer, err: &eccl::Error) {
         if matches!(err, eccl::Error::Evicted { .. }) && self.seen.insert(p.peer_id) {
@@ -264,7 +275,6 @@ async fn drive(
     let mut ev = Evictions::default();
     for &n in counts {
         // Registration of the step's new peers, `--concurrency` at a time.
-        let late0 = eccl::sim::late_heartbeats();
         ev.start_step(&peers);
         let t = Instant::now();
         let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
@@ -327,7 +337,7 @@ async fn drive(
             leader_rss_mib: rss_now as f64 / 1024.0,
             kib_per_peer: rss_now.saturating_sub(rss0) as f64 / peers.len() as f64,
             lost: lost + vote_lost + lost_after,
-            late_beats: eccl::sim::late_heartbeats() - late0,
+            late_beats: ev.late_in_step(&peers),
             generator_cpu_pct: 100.0 * gen_s / secs,
             evicted: ev.evicted,
             false_evictions: ev.false_evictions,

@@ -13,6 +13,8 @@
 //! `MasterUnavailable`, never hangs.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,16 +28,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
-
-/// Heartbeats of this process that ran a quarter lease or more after their time (its
-/// runtime starved of CPU or blocked): `eccl-chaos load` tells with it a lease its own
-/// simulated peers let run out from one the master lost.
-static LATE_HEARTBEATS: AtomicU64 = AtomicU64::new(0);
-
-/// How many heartbeats of this process ran late (see [`LATE_HEARTBEATS`]) so far.
-pub fn late_heartbeats() -> u64 {
-    LATE_HEARTBEATS.load(Ordering::Relaxed)
-}
 
 type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<MasterReply>>>>>;
 
@@ -93,7 +85,9 @@ pub(crate) struct MasterClient {
     store_session: Mutex<Option<(u64, [u8; 32])>>,
     next_id: AtomicU64,
     serial: AtomicU64,
-    /// This client's heartbeats that ran late (see [`LATE_HEARTBEATS`]).
+    /// This client's heartbeats that ran a quarter lease or more after their time (its
+    /// runtime starved of CPU or blocked): `eccl-chaos load` tells with it a lease its
+    /// own simulated peers let run out from one the master lost.
     late: AtomicU64,
 }
 
@@ -439,54 +433,52 @@ impl MasterClient {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            // When the last heartbeat was answered: a tick that fell due while it waited
-            // for a slow answer runs as soon as the answer comes, which is the master's
-            // lateness, not this process's.
-            let mut answered = Instant::now();
+            // Every tick sends a heartbeat. One at a time is awaited: its answer (or its
+            // absence) tells whether the master lives. While that answer is late (a
+            // master busy writing other answers, or gone), the ticks go on sending
+            // heartbeats whose answers nobody awaits (`notify`): a peer that waited
+            // renewed its lease at the pace of the master's answers, and a leader busy
+            // with a large epoch change evicted peers that were alive (`eccl-chaos load
+            // --masters 3 --peers 3000` on two cores: false evictions). Each of those
+            // goes on a task of its own: awaited here, it could wait for the
+            // connection's locks, which the awaited heartbeat holds across its own
+            // awaits while this loop does not poll it.
+            let mut awaited: Option<Pin<Box<dyn Future<Output = Result<()>> + Send>>> = None;
             loop {
-                let due = tick.tick().await;
-                let behind = Instant::now().saturating_duration_since(due.max(answered));
-                if behind > late {
-                    LATE_HEARTBEATS.fetch_add(1, Ordering::Relaxed);
-                    master.late.fetch_add(1, Ordering::Relaxed);
-                    // A few lines a second: a process of thousands of simulated peers
-                    // that falls behind would otherwise log one per peer per interval.
-                    if let Some(held) = eccl_transport::logging::limit("late heartbeat") {
-                        tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked){}", behind.as_millis(), eccl_transport::logging::held_note(held));
-                    }
-                }
-                // While an answer is late (a master busy writing other answers, or gone),
-                // the heartbeats go on at their interval without waiting for it: a peer
-                // that waited renewed its lease at the pace of the master's answers, and a
-                // leader busy with a large epoch change evicted peers that were alive
-                // (`eccl-chaos load --masters 3 --peers 4000` on two cores: false
-                // evictions). Their answers are not awaited (`notify`); the one awaited
-                // still tells whether the master lives. Each goes on a task of its own:
-                // awaited here, it could wait for the connection's locks, which the
-                // awaited heartbeat holds across its own awaits while this loop does not
-                // poll it.
-                let beat = master.heartbeat(peer_id, within);
-                tokio::pin!(beat);
-                let outcome = loop {
-                    tokio::select! {
-                        r = &mut beat => break r,
-                        _ = tick.tick() => {
+                tokio::select! {
+                    due = tick.tick() => {
+                        let behind = due.elapsed();
+                        if behind > late {
+                            master.late.fetch_add(1, Ordering::Relaxed);
+                            // A few lines a second: a process of thousands of simulated
+                            // peers that falls behind would otherwise log one per peer
+                            // per interval.
+                            if let Some(held) = eccl_transport::logging::limit("late heartbeat") {
+                                tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked){}", behind.as_millis(), eccl_transport::logging::held_note(held));
+                            }
+                        }
+                        if awaited.is_none() {
+                            let m = master.clone();
+                            awaited = Some(Box::pin(async move { m.heartbeat(peer_id, within).await }));
+                        } else {
                             let m = master.clone();
                             tokio::spawn(async move {
                                 let _ = m.notify(PeerRequest::Heartbeat { peer_id }).await;
                             });
                         }
                     }
-                };
-                match outcome {
-                    Ok(()) => {}
-                    // Evicted or refused for good: nothing left to renew.
-                    Err(Error::Evicted { .. } | Error::InvalidArgument(_)) => return,
-                    // No leader reachable now: keep trying, the lease of the next one
-                    // starts fresh.
-                    Err(_) => {}
+                    outcome = async { awaited.as_mut().expect("guarded").await }, if awaited.is_some() => {
+                        awaited = None;
+                        match outcome {
+                            Ok(()) => {}
+                            // Evicted or refused for good: nothing left to renew.
+                            Err(Error::Evicted { .. } | Error::InvalidArgument(_)) => return,
+                            // No leader reachable now: keep trying, the lease of the next
+                            // one starts fresh.
+                            Err(_) => {}
+                        }
+                    }
                 }
-                answered = Instant::now();
             }
         })
     }

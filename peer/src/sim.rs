@@ -12,7 +12,6 @@ use eccl_protocol::{MasterReply, PeerId, PeerRequest, RegisterRequest, PROTOCOL_
 use tokio::sync::mpsc;
 
 use crate::error::Result;
-pub use crate::master_client::late_heartbeats;
 use crate::master_client::{reply_error, MasterClient};
 
 /// One simulated peer.
