@@ -986,3 +986,222 @@ fn queued_copies_land_when_their_mark_is_waited_for_and_not_before() {
     dev.synchronize().unwrap();
     unsafe { dev.host_free(h, 64) };
 }
+
+/// One end of a point-to-point call between two threads: messages in order over a
+/// channel each way; `die_after` fails this end's sends from its n-th on (and drops its
+/// channel, as a dead process's link closes).
+struct Pair {
+    peer: usize,
+    tx: Option<std::sync::mpsc::Sender<Vec<u8>>>,
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    die_after: Option<usize>,
+    sent: usize,
+}
+
+impl eccl_cuda::ipc::PairLink for Pair {
+    fn peer(&self) -> usize {
+        self.peer
+    }
+    fn send(&mut self, bytes: &[u8]) -> Result<(), BoxErr> {
+        if self.die_after == Some(self.sent) {
+            self.tx = None;
+            return Err("this rank died".into());
+        }
+        self.sent += 1;
+        let tx = self.tx.as_ref().ok_or("the link is closed")?;
+        tx.send(bytes.to_vec())
+            .map_err(|_| "the peer is gone".into())
+    }
+    fn recv(&mut self, out: &mut [u8]) -> Result<(), BoxErr> {
+        let m = self
+            .rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .map_err(|_| "the peer is gone")?;
+        if m.len() != out.len() {
+            return Err(format!("a message of {} bytes, {} expected", m.len(), out.len()).into());
+        }
+        out.copy_from_slice(&m);
+        Ok(())
+    }
+}
+
+fn pair() -> (Pair, Pair) {
+    let (t0, r1) = std::sync::mpsc::channel();
+    let (t1, r0) = std::sync::mpsc::channel();
+    let end = |peer, tx, rx| Pair {
+        peer,
+        tx: Some(tx),
+        rx,
+        die_after: None,
+        sent: 0,
+    };
+    (end(1, t0, r0), end(0, t1, r1))
+}
+
+struct P2p {
+    send: Result<(), IpcError>,
+    recv: Result<(), IpcError>,
+    /// The receiver's buffer after the call, and the sender's.
+    got: Vec<u8>,
+    src: Vec<u8>,
+    /// Copies each side queued on its copy lanes.
+    queued: (u64, u64),
+}
+
+/// `sends` (bytes, dtype) from one rank to another in order, then the receives
+/// (`recvs`), stage chunks of 1 KiB: the last call's outcomes and buffers.
+fn p2p(ends: (Pair, Pair), sends: &[(usize, DType)], recvs: &[(usize, DType)]) -> P2p {
+    let (mut s_end, mut r_end) = ends;
+    let (sdev, rdev) = (Arc::new(HostDevice::new()), Arc::new(HostDevice::new()));
+    let data = |n: usize| -> Vec<u8> { (0..n).map(|i| (i * 7 + 3) as u8).collect() };
+    let srcs: Vec<_> = sends
+        .iter()
+        .map(|&(n, _)| upload(&sdev, &data(n)))
+        .collect();
+    let dsts: Vec<_> = recvs
+        .iter()
+        .map(|&(n, _)| upload(&rdev, &vec![0xEE; n]))
+        .collect();
+    let (s2, r2) = (sdev.clone(), rdev.clone());
+    let (send, recv) = std::thread::scope(|sc| {
+        let hs = sc.spawn(|| {
+            let mut ipc = IpcComm::new(s2);
+            ipc.set_stage_bytes(1024);
+            let mut last = Ok(());
+            for (&(n, dtype), &p) in sends.iter().zip(&srcs) {
+                last = unsafe { ipc.send_to(&mut s_end, p, n, dtype) };
+            }
+            last
+        });
+        let hr = sc.spawn(|| {
+            let mut ipc = IpcComm::new(r2);
+            ipc.set_stage_bytes(1024);
+            let mut last = Ok(());
+            for (&(n, dtype), &p) in recvs.iter().zip(&dsts) {
+                last = unsafe { ipc.recv_from(&mut r_end, p, n, dtype) };
+            }
+            last
+        });
+        (hs.join().unwrap(), hr.join().unwrap())
+    });
+    let (&(sn, _), &(rn, _)) = (sends.last().unwrap(), recvs.last().unwrap());
+    P2p {
+        send,
+        recv,
+        got: download(&rdev, *dsts.last().unwrap(), rn),
+        src: download(&sdev, *srcs.last().unwrap(), sn),
+        queued: (sdev.queued_copies(), rdev.queued_copies()),
+    }
+}
+
+#[test]
+fn a_device_send_moves_its_chunks_through_host_memory_in_order() {
+    let data = |n: usize| -> Vec<u8> { (0..n).map(|i| (i * 7 + 3) as u8).collect() };
+    // Ten chunks of 1 KiB, the last one short; one chunk; nothing.
+    for (bytes, chunks) in [(10_000, 10), (1000, 1), (0, 0)] {
+        let r = p2p(pair(), &[(bytes, DType::U8)], &[(bytes, DType::U8)]);
+        assert!(
+            r.send.is_ok() && r.recv.is_ok(),
+            "{bytes}: {:?} {:?}",
+            r.send,
+            r.recv
+        );
+        assert_eq!(r.got, data(bytes), "{bytes}");
+        assert_eq!(
+            r.src,
+            data(bytes),
+            "{bytes}: the sender's buffer is never written"
+        );
+        assert_eq!(
+            r.queued,
+            (chunks, chunks),
+            "{bytes}: one copy per chunk on each side"
+        );
+    }
+}
+
+#[test]
+fn device_sends_are_eager_so_a_rank_may_send_before_its_peer_receives() {
+    // Three sends complete before the receiver takes any (each hands its chunks to the
+    // link and returns), as host sends do: a ring of send-then-receive cannot wait for
+    // itself.
+    let (s_end, r_end) = pair();
+    let sdev = Arc::new(HostDevice::new());
+    let src = upload(&sdev, &[5u8; 3000]);
+    let mut s = IpcComm::new(sdev);
+    s.set_stage_bytes(1024);
+    let mut s_end = s_end;
+    for _ in 0..3 {
+        unsafe { s.send_to(&mut s_end, src, 3000, DType::U8) }.unwrap();
+    }
+    let rdev = Arc::new(HostDevice::new());
+    let dst = upload(&rdev, &[0u8; 3000]);
+    let mut r = IpcComm::new(rdev.clone());
+    let mut r_end = r_end;
+    for _ in 0..3 {
+        unsafe { r.recv_from(&mut r_end, dst, 3000, DType::U8) }.unwrap();
+        assert_eq!(download(&rdev, dst, 3000), vec![5u8; 3000]);
+    }
+}
+
+#[test]
+fn a_receive_of_another_size_or_dtype_fails_naming_both_and_the_next_one_is_whole() {
+    // The first receive expects 4000 bytes of 4096 sent: a Mismatch, nothing written;
+    // the sender's chunks are taken, so the second receive gets the second send.
+    let r = p2p(
+        pair(),
+        &[(4096, DType::U8), (2048, DType::U8)],
+        &[(4000, DType::U8), (2048, DType::U8)],
+    );
+    assert!(
+        r.send.is_ok() && r.recv.is_ok(),
+        "{:?} {:?}",
+        r.send,
+        r.recv
+    );
+    assert_eq!(r.got, r.src);
+    let r = p2p(pair(), &[(4096, DType::U8)], &[(4000, DType::U8)]);
+    match &r.recv {
+        Err(IpcError::Mismatch(m)) => {
+            assert!(
+                m.contains("sent 4096 bytes") && m.contains("receives 4000"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(r.got.iter().all(|&b| b == 0xEE), "nothing was written");
+    // The same size, another dtype.
+    let r = p2p(pair(), &[(16, DType::F32)], &[(16, DType::I32)]);
+    assert!(
+        matches!(&r.recv, Err(IpcError::Mismatch(m)) if m.contains("4 elements of float32") && m.contains("4 elements of int32")),
+        "{:?}",
+        r.recv
+    );
+}
+
+#[test]
+fn a_sender_dying_mid_transfer_fails_the_receiver_without_a_hang() {
+    let (mut a, b) = pair();
+    a.die_after = Some(3); // the header and two chunks, then it dies
+    let t = std::time::Instant::now();
+    let r = p2p((a, b), &[(8192, DType::U8)], &[(8192, DType::U8)]);
+    assert!(matches!(r.send, Err(IpcError::Exchange(_))), "{:?}", r.send);
+    assert!(matches!(r.recv, Err(IpcError::Exchange(_))), "{:?}", r.recv);
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    // Two chunks arrived before the sender died; the rest of the buffer is as it was.
+    assert!(r.got[2048..].iter().all(|&b| b == 0xEE));
+}
+
+#[test]
+fn something_other_than_a_device_send_is_refused_by_name() {
+    let (mut a, mut b) = pair();
+    eccl_cuda::ipc::PairLink::send(&mut a, &[0u8; eccl_cuda::ipc::P2P_HEADER_BYTES]).unwrap();
+    let dev = Arc::new(HostDevice::new());
+    let dst = upload(&dev, &[0u8; 64]);
+    let e = unsafe { IpcComm::new(dev).recv_from(&mut b, dst, 64, DType::U8) }.unwrap_err();
+    assert!(
+        e.to_string().contains("something other than a device send"),
+        "{e}"
+    );
+}

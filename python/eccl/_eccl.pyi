@@ -455,6 +455,39 @@ class Communicator:
         """Receives into `tensor` from rank `peer` what it sent with the same tag; `peer=None`: from whichever rank's
         message comes first (`OpInfo.peer` names it).
         """
+    def send_device(
+        self,
+        ptr: int,
+        count: int,
+        dtype: str,
+        peer: int,
+        tag: int = 0,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """Sends `count` elements of `dtype` of CUDA device `device`'s memory at `ptr` to rank `peer`, whose
+        `recv_device` with the same tag takes them: GPU to GPU over CUDA IPC where both run on this host and the
+        receiver's GPU reaches this one's, through page-locked host memory in pipelined chunks otherwise. A receive
+        of another size or dtype fails both ranks with `MismatchError`. Readiness and `owner` as for
+        `all_reduce_device`.
+        """
+    def recv_device(
+        self,
+        ptr: int,
+        count: int,
+        dtype: str,
+        peer: int,
+        tag: int = 0,
+        *,
+        device: int,
+        owner: Any | None = None,
+        async_op: bool = False,
+    ) -> None | Work:
+        """Receives into `count` elements of `dtype` of CUDA device `device`'s memory at `ptr` what rank `peer`
+        sends with `send_device` and the same tag. After a failed call the memory is undefined.
+        """
 
     # shared state
     def sync_shared_state(

@@ -84,6 +84,13 @@ pub(crate) enum Call {
         call: eccl::device::DeviceCall,
         _owner: pyo3::Py<pyo3::PyAny>,
     },
+    /// A send or receive of device memory to or from one rank (`eccl::device::p2p`):
+    /// over CUDA IPC on one host, through host memory otherwise. `owner` as for `Device`.
+    DeviceP2p {
+        device: usize,
+        call: eccl::device::DeviceP2p,
+        _owner: pyo3::Py<pyo3::PyAny>,
+    },
     /// Waits, on the communicator's task and not the caller's thread, until the work that
     /// a caller's stream queued before `event` was recorded on it is done: the calls queued
     /// after this read memory that stream wrote.
@@ -116,7 +123,8 @@ impl Call {
             | Call::AnnounceAbort
             | Call::Reconfigure { .. }
             | Call::AwaitDevice { .. }
-            | Call::Device { .. } => (vec![], vec![]),
+            | Call::Device { .. }
+            | Call::DeviceP2p { .. } => (vec![], vec![]),
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
@@ -323,6 +331,22 @@ fn device_call(
     Ok(Done::Left)
 }
 
+/// One device send or receive (`eccl::device::p2p`), blocking this runtime worker as
+/// `device_call` does.
+fn device_p2p(
+    comm: &mut eccl::Communicator,
+    devices: &mut Devices,
+    device: usize,
+    call: &eccl::device::DeviceP2p,
+) -> Outcome {
+    let ipc = devices.open(device)?;
+    let rt = tokio::runtime::Handle::current();
+    // SAFETY: the Python side checked that the pointer is a tensor of the call's size on
+    // `device`, and the call holds that tensor (`owner`) until it is done.
+    tokio::task::block_in_place(|| unsafe { eccl::device::p2p(comm, rt, ipc, call) })?;
+    Ok(Done::Left)
+}
+
 async fn run(
     comm: &mut eccl::Communicator,
     devices: &mut Devices,
@@ -435,6 +459,7 @@ async fn run(
                 .map(Done::Op)
         }
         Call::Device { device, call, .. } => device_call(comm, devices, *device, call),
+        Call::DeviceP2p { device, call, .. } => device_p2p(comm, devices, *device, call),
         Call::AwaitDevice { event } => await_device(comm, event).await,
         Call::Send { buf, peer, tag } => comm
             .send_bytes(buf.dtype(), buf.bytes(), *peer, *tag)

@@ -91,6 +91,38 @@ impl Communicator {
         )
     }
 
+    /// Submits one device send or receive: `(ptr, count, dtype, peer, tag, send)`.
+    fn device_p2p(
+        &self,
+        py: Python<'_>,
+        (ptr, count, dtype, peer, tag, send): (u64, usize, &str, u32, u32, bool),
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        if ptr == 0 && count > 0 {
+            return Err(invalid("a null device pointer".to_string()));
+        }
+        let call = eccl::device::DeviceP2p {
+            buf: ptr,
+            count,
+            dtype: device_dtype(dtype)?,
+            peer: Rank(peer),
+            tag,
+            send,
+        };
+        let _owner = owner.unwrap_or_else(|| py.None());
+        self.submit(
+            py,
+            Call::DeviceP2p {
+                device,
+                call,
+                _owner,
+            },
+            async_op,
+        )
+    }
+
     fn submit(&self, py: Python<'_>, call: Call, async_op: bool) -> PyResult<Py<PyAny>> {
         {
             let (reads, writes) = call.buffers();
@@ -880,6 +912,63 @@ impl Communicator {
                 peer: Rank(peer),
                 tag,
             },
+            async_op,
+        )
+    }
+
+    /// Sends `count` elements of `dtype` of CUDA device `device`'s memory at `ptr` to rank
+    /// `peer`, whose `recv_device` with the same tag takes them: GPU to GPU over CUDA IPC
+    /// where both run on this host and the receiver's GPU reaches this one's
+    /// (`ECCL_CUDA_IPC` not `0` on either), through page-locked host memory in pipelined
+    /// chunks otherwise. Returns once the receiver has the bytes (IPC) or every chunk is
+    /// handed to the link. A receive of another size or dtype fails both ranks with
+    /// `MismatchError`. The memory must be ready, as for `all_reduce_device`; `owner` is
+    /// held until the call is done.
+    #[pyo3(signature = (ptr, count, dtype, peer, tag=0, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn send_device(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        count: usize,
+        dtype: &str,
+        peer: u32,
+        tag: u32,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.device_p2p(
+            py,
+            (ptr, count, dtype, peer, tag, true),
+            device,
+            owner,
+            async_op,
+        )
+    }
+
+    /// Receives into `count` elements of `dtype` of CUDA device `device`'s memory at `ptr`
+    /// what rank `peer` sends with `send_device` and the same tag. After a failed call the
+    /// memory is undefined. Readiness and `owner` as for `send_device`.
+    #[pyo3(signature = (ptr, count, dtype, peer, tag=0, *, device, owner=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn recv_device(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        count: usize,
+        dtype: &str,
+        peer: u32,
+        tag: u32,
+        device: usize,
+        owner: Option<Py<PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        self.device_p2p(
+            py,
+            (ptr, count, dtype, peer, tag, false),
+            device,
+            owner,
             async_op,
         )
     }

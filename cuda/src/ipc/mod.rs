@@ -43,7 +43,9 @@ use eccl_protocol::{DType, ReduceOp};
 use crate::device::{DevPtr, Device, DeviceError, IpcMem, GPU_ID_BYTES, IPC_HANDLE_BYTES};
 use crate::kernels::MAX_PTRS;
 
+mod p2p;
 mod records;
+pub use p2p::{PairLink, HEADER_BYTES as P2P_HEADER_BYTES};
 pub use records::{count_table, counts_record, IpcKind};
 use records::{get_mem, put_mem, Call, Meta, MEM_BYTES, NO_MEM, STATUS_BYTES, STATUS_MSG_BYTES};
 

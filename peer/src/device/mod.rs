@@ -7,7 +7,7 @@
 
 pub use eccl_cuda::{self as cuda, CopyMark, DevPtr, Device, DeviceError, IpcComm, IpcError};
 
-use eccl_protocol::{CollectiveKind, DType, Rank, ReduceOp};
+use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, Rank, ReduceOp};
 
 use crate::{CollArgs, Communicator, Error};
 
@@ -202,6 +202,115 @@ pub unsafe fn run<D: Device>(
             unsafe { staged(comm, &rt, ipc, call) }
         }
         other => other.map_err(to_error),
+    }
+}
+
+/// One side of a point-to-point call on device memory.
+#[derive(Clone, Debug)]
+pub struct DeviceP2p {
+    /// `count` elements of `dtype` at `buf`, this rank's device memory.
+    pub buf: DevPtr,
+    pub count: usize,
+    pub dtype: DType,
+    /// The other rank.
+    pub peer: Rank,
+    /// Matched as a host send's and receive's tag is (the call's messages use it).
+    pub tag: u32,
+    /// `true`: send `buf` to `peer`; `false`: receive into `buf` from `peer`.
+    pub send: bool,
+}
+
+/// A send or receive of device memory to or from one rank (`eccl_cuda::ipc`'s
+/// `send_to` and `recv_from`), through page-locked host memory as a pipeline of chunks:
+/// the copies between device and host overlap the link. A send is eager, as a host
+/// send is: it returns once its bytes are handed to the link. A receive of another size
+/// or dtype than the send fails with `Mismatch`; a peer that dies fails the other as any
+/// call on its link fails. After a failed receive the buffer is undefined; a send never
+/// writes its buffer.
+///
+/// Blocks the calling thread, as [`run`].
+///
+/// # Safety
+/// `buf` is `count` elements of `dtype` of `ipc`'s device memory, not used by anything
+/// else until this returns (unchanged, for a send).
+pub unsafe fn p2p<D: Device>(
+    comm: &mut Communicator,
+    rt: tokio::runtime::Handle,
+    ipc: &mut IpcComm<D>,
+    call: &DeviceP2p,
+) -> Result<(), Error> {
+    let world = comm.world_size();
+    if call.peer.0 >= world || Some(call.peer) == comm.rank() {
+        return Err(Error::InvalidArgument(format!(
+            "a device {} {} rank {} in a world of {world} (this rank is {:?})",
+            if call.send { "send" } else { "receive" },
+            if call.send { "to" } else { "from" },
+            call.peer.0,
+            comm.rank().map(|r| r.0)
+        )));
+    }
+    let bytes = call.count * call.dtype.size();
+    let mut link = CommPair {
+        comm,
+        rt,
+        peer: call.peer,
+        tag: call.tag,
+    };
+    // SAFETY: the caller's promise.
+    let done = unsafe {
+        if call.send {
+            ipc.send_to(&mut link, call.buf, bytes, call.dtype)
+        } else {
+            ipc.recv_from(&mut link, call.buf, bytes, call.dtype)
+        }
+    };
+    let CommPair { comm, rt, .. } = link;
+    match done {
+        Ok(()) => Ok(()),
+        // A send and a receive that disagree end the epoch on every rank, as a host
+        // receive of another size does (the ranks' recoveries then agree on it).
+        Err(e @ IpcError::Mismatch(_)) => {
+            let desc = Descriptor {
+                kind: CollectiveKind::SendRecv,
+                dtype: call.dtype,
+                op: ReduceOp::Sum,
+                algo: Algo::Direct,
+                root: 0,
+                count: call.count as u64,
+            };
+            let epoch = comm.epoch();
+            Err(rt.block_on(comm.fail(epoch, 0, desc, to_error(e))))
+        }
+        Err(e) => Err(to_error(e)),
+    }
+}
+
+/// [`eccl_cuda::ipc::PairLink`] over a communicator's point-to-point messages with one
+/// rank and one tag (blocking, as [`CommExchange`]).
+struct CommPair<'a> {
+    comm: &'a mut Communicator,
+    rt: tokio::runtime::Handle,
+    peer: Rank,
+    tag: u32,
+}
+
+impl eccl_cuda::ipc::PairLink for CommPair<'_> {
+    fn peer(&self) -> usize {
+        self.peer.idx()
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.rt
+            .block_on(self.comm.send_bytes(DType::U8, bytes, self.peer, self.tag))
+            .map(drop)
+            .map_err(|e| Box::new(e) as _)
+    }
+
+    fn recv(&mut self, out: &mut [u8]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.rt
+            .block_on(self.comm.recv_bytes(DType::U8, out, self.peer, self.tag))
+            .map(drop)
+            .map_err(|e| Box::new(e) as _)
     }
 }
 

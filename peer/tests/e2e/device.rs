@@ -827,3 +827,108 @@ async fn a_staged_broadcast_runs_as_a_pipeline() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_sends_and_receives_go_around_a_ring_through_host_memory_and_check_sizes() {
+    use eccl::device::DeviceP2p;
+    let m = start_master(&[]);
+    let count = 50_000; // 49 chunks of 4 KiB
+    let comms = world(&m.addr, N as u32).await;
+    let make = |_| HostDevice::new();
+    let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+        ipc.set_stage_bytes(4096);
+        let (next, prev) = ((rank + 1) % N, (rank + N - 1) % N);
+        let src = put(dev, &values(count, rank));
+        let dst = put(dev, &vec![0.0; count]);
+        let one = put(dev, &[0.0]);
+        let p2p = |buf, count, peer: usize, tag, send| DeviceP2p {
+            buf,
+            count,
+            dtype: DType::F32,
+            peer: eccl::Rank(peer as u32),
+            tag,
+            send,
+        };
+        // An all_reduce of one 1.0 per rank: the world is usable, and every rank is past
+        // what came before. After an abort, every rank first forms the next epoch.
+        let sum_ones = |comm: &mut eccl::Communicator, ipc: &mut IpcComm<HostDevice>| {
+            unsafe { dev.upload(one, &1f32.to_le_bytes()).unwrap() };
+            let call = DeviceCall::AllReduce {
+                buf: one,
+                count: 1,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                keep: true,
+            };
+            if unsafe { eccl::device::run(comm, rt.clone(), ipc, &call) }.is_err() {
+                rt.block_on(comm.update_topology())
+                    .unwrap_or_else(|e| panic!("rank {rank} next epoch: {e}"));
+                unsafe { dev.upload(one, &1f32.to_le_bytes()).unwrap() };
+                unsafe { eccl::device::run(comm, rt.clone(), ipc, &call) }
+                    .unwrap_or_else(|e| panic!("rank {rank} after: {e}"));
+            }
+            get(dev, one, 1)[0]
+        };
+        // Every rank sends first, then receives: sends are eager, so the ring does not
+        // wait for itself.
+        unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(src, count, next, 5, true)) }
+            .unwrap_or_else(|e| panic!("rank {rank} send: {e}"));
+        unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(dst, count, prev, 5, false)) }
+            .unwrap_or_else(|e| panic!("rank {rank} receive: {e}"));
+        let got = get(dev, dst, count);
+        let sums = vec![sum_ones(comm, ipc)];
+        // Rank 1 receives fewer elements than rank 0 sends it: a Mismatch naming both,
+        // which ends the epoch on every rank (as a host receive of another size does);
+        // the sender's part was eager.
+        let mismatch = match rank {
+            0 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(src, 100, 1, 6, true)) }
+                .err(),
+            1 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(dst, 99, 0, 6, false)) }
+                .err(),
+            _ => None,
+        };
+        let sums = [sums, vec![sum_ones(comm, ipc)]].concat();
+        // A host send where a device receive waits: refused by name, not taken as data.
+        let stranger = match rank {
+            0 => {
+                let bytes = vec![0u8; eccl_cuda::ipc::P2P_HEADER_BYTES];
+                rt.block_on(comm.send_bytes(DType::U8, &bytes, eccl::Rank(2), 7))
+                    .err()
+            }
+            2 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(dst, 10, 0, 7, false)) }
+                .err(),
+            _ => None,
+        };
+        let sums = [sums, vec![sum_ones(comm, ipc)]].concat();
+        (
+            got,
+            mismatch.map(|e| e.to_string()),
+            stranger.map(|e| e.to_string()),
+            sums,
+        )
+    });
+    for (r, (got, mismatch, stranger, sums)) in res.into_iter().enumerate() {
+        assert!(
+            got == values(count, (r + N - 1) % N),
+            "rank {r}: wrong data"
+        );
+        match r {
+            1 => {
+                let m = mismatch.expect("rank 1 must fail");
+                assert!(
+                    m.contains("sent 400 bytes") && m.contains("receives 396"),
+                    "{m}"
+                );
+            }
+            _ => assert!(mismatch.is_none(), "rank {r}: {mismatch:?}"),
+        }
+        match r {
+            2 => {
+                let s = stranger.expect("rank 2 must refuse it");
+                assert!(s.contains("something other than a device send"), "{s}");
+            }
+            _ => assert!(stranger.is_none(), "rank {r}: {stranger:?}"),
+        }
+        assert_eq!(sums, [N as f32; 3], "rank {r}");
+    }
+}
