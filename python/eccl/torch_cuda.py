@@ -1,10 +1,11 @@
 """CUDA tensors on the eccl torch backend (`eccl.torch`).
 
-Two paths, picked per call:
+Four paths, picked per call:
 
 - **Same host, CUDA IPC** (all_reduce, broadcast, all_gather_into_tensor and
   reduce_scatter_tensor with their coalesced forms, all_to_all_single with any split
-  sizes, gather and scatter): when every rank of the world runs on
+  sizes, gather and scatter, and the list forms of all_gather, reduce_scatter and
+  all_to_all through one flat device buffer each): when every rank of the world runs on
   this host (every link is shared memory) and `ECCL_CUDA_IPC` is not `0`, the backend
   queues a wait for the tensors' current stream (an event the communicator's task
   waits on, so the caller's thread does not block), and each GPU's first rank copies or reduces
@@ -16,19 +17,22 @@ Two paths, picked per call:
   through host memory inside eccl instead (`ECCL_DEBUG=INFO` says so). Tensors must be
   of a dtype eccl's device kernels know, with the shapes the call asks for (a
   non-contiguous one goes through a contiguous copy); otherwise the call is staged.
-- **all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
-  all_to_all_single, gather and scatter across hosts** (or with `ECCL_CUDA_IPC=0` on any
+- **The same calls across hosts** (or with `ECCL_CUDA_IPC=0` on any
   rank): the same device calls, which every rank then runs through host memory inside
   eccl as a pipeline of chunks in page-locked buffers: while one chunk's host collective
   runs over the links, the next chunks are copied to the host and the previous one's
   results back to the device, on copy streams of their own.
-- **Staged** (point-to-point calls and the list forms of all_gather, reduce_scatter and
-  all_to_all, and calls
-  whose tensors do not fit the paths above): the CUDA tensors are copied to host memory
+- **send and recv** (with a source rank): eccl's device send and receive, GPU to GPU
+  over CUDA IPC where both ranks run on this host and the receiver's GPU reaches the
+  sender's, through page-locked host memory in pipelined chunks otherwise (the
+  receiver decides from the sender's first message).
+- **Staged** (a receive from any source, and calls whose tensors do not fit the paths
+  above): the CUDA tensors are copied to host memory
   (after the current stream's work), the call runs on the host tensors as for CPU
   tensors once the copies are done (an event, waited for on the communicator's task,
   not the caller's thread; the calls that rearrange their host copies in Python first,
-  such as a list-form reduce_scatter or all_to_all, wait on the caller's thread), and
+  such as a list-form all_to_all of blocks that do not fit, wait on the caller's
+  thread), and
   the outputs are copied back to the device before the Work completes, as gloo does
   with CUDA tensors.
 
@@ -47,7 +51,7 @@ import torch
 import torch.utils._device as _torch_device
 
 import eccl
-from eccl.torch_checks import join_and_raise, split_refusal, split_rows
+from eccl.torch_checks import a2a_refusal, blocks_refusal, join_and_raise, split_refusal, split_rows
 
 log = logging.getLogger("eccl.torch")
 
@@ -211,7 +215,9 @@ IPC_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch
 # even or uneven splits), gather and scatter.
 IPC_CALLS = ("broadcast", "_allgather_base", "allgather_into_tensor_coalesced",
              "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall_base",
-             "gather", "scatter")
+             "gather", "scatter", "allgather", "reduce_scatter", "alltoall")
+# The list forms among them: through one flat device buffer per call (`_list_ipc`).
+LIST_CALLS = ("allgather", "reduce_scatter", "alltoall")
 
 
 def _device_all_reduce_ok(ts: List[torch.Tensor]) -> bool:
@@ -238,6 +244,8 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         return _all_to_all_ipc(backend, *args[:4])
     if name in ("gather", "scatter"):
         return _rooted_ipc(backend, name, *args[:3])
+    if name in LIST_CALLS:
+        return _list_ipc(backend, name, args)
     if name == "broadcast":
         tensors, opts = args[0], args[1]
         if not _device_all_reduce_ok(tensors):
@@ -407,6 +415,139 @@ def _rooted_ipc(backend: Any, name: str, outputs: Any, inputs: Any, opts: Any) -
     return works, outputs, copy_out
 
 
+def p2p_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """`send` or `recv` of CUDA tensors as eccl device calls (`send_device`,
+    `recv_device`), after the tensors' streams: the Works, what torch's Work completes
+    with, and the step that copies a non-contiguous tensor's result into it."""
+    comm = backend.comm
+    tensors, peer, tag = list(args[0]), args[1], args[2]
+    works: List[Any] = []
+    backs = []
+    for t in tensors:
+        dev = t.device.index or 0
+        if name == "send":
+            src = t.contiguous()        # a copy on the stream, before the wait, if needed
+            works += after_streams(comm, [src])
+            works.append(comm.send_device(src.data_ptr(), src.numel(), str(src.dtype), peer,
+                                          tag, device=dev, owner=(t, src), async_op=True))
+        else:
+            out, back = _contiguous_out(t)
+            works += after_streams(comm, [out])
+            works.append(comm.recv_device(out.data_ptr(), out.numel(), str(out.dtype), peer,
+                                          tag, device=dev, owner=(t, out), async_op=True))
+            if back is not None:
+                backs.append(back)
+    if backs:
+        return works, args[0], lambda: [b() for b in backs]
+    return works, args[0]
+
+
+def _list_ipc(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
+    """The list forms (`all_gather` into a list, `reduce_scatter` from a list,
+    `all_to_all` of lists, blocks of any sizes) as eccl device calls through one flat
+    device buffer each: the blocks a call sends are concatenated on the current stream
+    before it, the blocks it receives copied out of its flat output on the device after
+    it (no copy through the host, and the caller's thread does not wait for the
+    stream). Whether a call goes this way depends on the dtypes and device of the
+    tensors every rank of a correct call has alike (all_gather's inputs,
+    reduce_scatter's outputs, all_to_all's blocks). A rank whose blocks do not fit (a
+    list of another length, a block of another size or dtype) joins the device call
+    moving nothing, so the others fail with a MismatchError naming it rather than wait,
+    then raises saying what was wrong, as on the CPU."""
+    from eccl.torch import _op_and_factor
+    comm, world = backend.comm, backend.size()
+    if name == "allgather":
+        outs, ins = [list(o) for o in args[0]], list(args[1])
+        if len(outs) != len(ins) or not _device_all_reduce_ok(ins):
+            return None
+        dev, dtype = ins[0].device, str(ins[0].dtype)
+        for o, i in zip(outs, ins):
+            refusal = blocks_refusal(o, i, world) or _elsewhere(o, dev)
+            if refusal is not None:
+                join_and_raise(backend._recovery, lambda: comm.all_gather_device(
+                    0, 0, 0, dtype, device=dev.index or 0, async_op=True),
+                    eccl.InvalidArgumentError(f"all_gather: output blocks do not fit: {refusal}"))
+        srcs = [i.contiguous() for i in ins]
+        flats = [torch.empty((world,) + tuple(i.shape), dtype=i.dtype, device=i.device)
+                 for i in srcs]
+        works = after_streams(comm, flats + srcs)
+        for f, s in zip(flats, srcs):
+            works.append(comm.all_gather_device(
+                s.data_ptr(), f.data_ptr(), s.numel(), str(s.dtype),
+                device=s.device.index or 0, owner=(f, s), async_op=True))
+        pairs = [(o, part) for os_, f in zip(outs, flats) for o, part in zip(os_, f)]
+        return works, args[0], functools.partial(_copy_parts, pairs)
+    if name == "reduce_scatter":
+        outs, ins = list(args[0]), [list(i) for i in args[1]]
+        if len(outs) != len(ins) or not _device_all_reduce_ok(outs):
+            return None
+        op, factor = _op_and_factor(args[2] if len(args) > 2 else None)
+        if factor is not None:
+            return None   # PREMUL_SUM: the host path multiplies a copy of the input
+        dev, dtype = outs[0].device, str(outs[0].dtype)
+        for o, i in zip(outs, ins):
+            refusal = blocks_refusal(i, o, world) or _elsewhere(i, dev)
+            if refusal is not None:
+                join_and_raise(backend._recovery, lambda: comm.reduce_scatter_device(
+                    0, 0, 0, dtype, op, device=dev.index or 0, async_op=True),
+                    eccl.InvalidArgumentError(
+                        f"reduce_scatter: input blocks do not fit: {refusal}"))
+        # Concatenated on the current stream, before the wait.
+        flats = [torch.cat([t.reshape(-1) for t in i]) for i in ins]
+        written, backs = [], []
+        for o in outs:
+            w, back = _contiguous_out(o)
+            written.append(w)
+            if back is not None:
+                backs.append(back)
+        works = after_streams(comm, written + flats)
+        for o, w, f in zip(outs, written, flats):
+            works.append(comm.reduce_scatter_device(
+                f.data_ptr(), w.data_ptr(), w.numel(), str(w.dtype), op,
+                device=w.device.index or 0, owner=(o, w, f), async_op=True))
+        if backs:
+            return works, args[0], lambda: [b() for b in backs]
+        return works, args[0]
+    outs, ins = list(args[0]), list(args[1])
+    if not _device_all_reduce_ok(outs + ins):
+        return None
+    dtype, dev = ins[0].dtype if ins else outs[0].dtype, (ins or outs)[0].device
+    refusal = a2a_refusal(outs, ins, world)
+    if refusal is not None:
+        join_and_raise(backend._recovery, lambda: comm.all_to_all_device(
+            0, 0, [0] * world, [0] * world, str(dtype), device=dev.index or 0,
+            async_op=True),
+            eccl.MismatchError(f"all_to_all: this rank ({backend.rank()}) cannot take part: "
+                               f"{refusal}"))
+    send_counts, recv_counts = [t.numel() for t in ins], [t.numel() for t in outs]
+    flat_in = torch.cat([t.reshape(-1) for t in ins])
+    flat_out = torch.empty(sum(recv_counts), dtype=dtype, device=dev)
+    works = after_streams(comm, [flat_out, flat_in])
+    works.append(comm.all_to_all_device(
+        flat_in.data_ptr(), flat_out.data_ptr(), send_counts, recv_counts, str(dtype),
+        device=dev.index or 0, owner=(flat_out, flat_in), async_op=True))
+    pairs = list(zip(outs, flat_out.split(recv_counts)))
+    return works, args[0], functools.partial(_copy_parts, pairs)
+
+
+def _elsewhere(blocks: List[torch.Tensor], dev: torch.device) -> Any:
+    """What is wrong with blocks on another device than the call's, or None."""
+    for i, b in enumerate(blocks):
+        if b.device != dev:
+            return f"block {i} is on {b.device}, the call's tensor on {dev}"
+    return None
+
+
+def _copy_parts(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each part of a call's flat output into the caller's block (on the device)
+    and waits for the copies, so the Work completes with the blocks written whichever
+    thread finishes it."""
+    for o, part in pairs:
+        o.copy_(part.reshape(o.shape))
+    for dev in {o.device for o, _ in pairs if o.is_cuda}:
+        torch.cuda.current_stream(dev).synchronize()
+
+
 def _premultiplies(name: str, args: Any, kwargs: Any) -> bool:
     """Whether a reducing call's options are torch's PREMUL_SUM: the backend scales the
     host copies on the caller's thread, so they must be complete before it runs (not
@@ -445,6 +586,12 @@ def staged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _say("all_reduce on the device path (CUDA IPC on one host, else pipelined "
                  "through host memory)")
             return self._all_reduce_cuda(*args, **kwargs)
+        if name in ("send", "recv") and not kwargs and _device_all_reduce_ok(_tensors(args[0])):
+            # eccl's device send and receive: over CUDA IPC on one host, else pipelined
+            # through host memory (the receiver decides, from the sender's first message).
+            _say(f"{name} on the device path (CUDA IPC on one host, else pipelined "
+                 "through host memory)")
+            return self._calls.submit(*p2p_works(self, name, args), kind="p2p")
         if name in IPC_CALLS and not kwargs:
             got = ipc_works(self, name, args)
             if got is not None:

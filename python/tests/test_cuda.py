@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason=f"{NOT_POSSIBLE} no CUDA GPU (the GPU check, .ci/gpu_check.sh, runs these on one)")
 
-from test_torch_backend import HERE, check_big_uneven, run_processes, run_world, world_specs  # noqa: E402
+from test_torch_backend import HERE, check_big_uneven, check_p2p_mismatch, run_processes, run_world, world_specs  # noqa: E402
 
 
 def on(device, ipc=True):
@@ -202,3 +202,12 @@ def test_a_peer_lost_mid_call_fails_the_survivor_fast_with_its_tensor_unchanged(
     assert res["unchanged"], res
     assert res["after"] == 7.0 * (16 << 20)
     assert res["seconds"] < 15, res
+
+
+def test_a_device_send_and_receive_of_different_sizes_fail_the_receiver_and_the_group_goes_on():
+    """eccl's device send and receive (CUDA tensors, through page-locked host memory):
+    as on the CPU (test_torch_backend.py)."""
+    on("cuda")
+    res = run_world(3, ["eccl", "p2p_mismatch"])
+    check_p2p_mismatch(res)
+    assert "elements of float32" in res[1]["mismatch"], res[1]

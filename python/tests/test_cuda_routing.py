@@ -2,6 +2,9 @@
 calls, checked without a GPU: `eccl.torch_cuda.ipc_works` with a recording communicator
 and CPU tensors standing in for CUDA ones (the GPU check runs the real thing)."""
 
+import contextlib
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -331,3 +334,132 @@ def test_a_non_contiguous_all_reduce_goes_through_a_contiguous_copy():
     fake.comm.calls.clear()
     ProcessGroupEccl._all_reduce_cuda(fake, [u], None)
     assert fake.comm.calls[1][2]["owner"] is u and submitted[0][2] is None
+
+
+@contextlib.contextmanager
+def _no_gpu_sync():
+    """The copy-out steps wait for the current stream: without a GPU, nothing to wait for."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.cuda, "current_stream", lambda d: opts(synchronize=lambda: None))
+        yield
+
+
+def test_the_list_forms_go_through_one_flat_device_buffer_each():
+    # all_gather into a list: one flat output per input, its rows copied out after.
+    b = Backend(3, 1)
+    inp = torch.full((2, 2), 7.0)
+    outs = [torch.zeros(2, 2), torch.zeros(4), torch.zeros(1, 4)]   # shapes of one size
+    works, result, after = torch_cuda.ipc_works(b, "allgather", ([outs], [inp], None))
+    assert works == ["await", "all_gather_device"] and result == [outs]
+    flat, sent = b.comm.calls[1][2]["owner"]
+    name, args, kw = device_calls(b.comm, [flat, sent])[0]
+    assert args == (sent.data_ptr(), flat.data_ptr(), 4, "torch.float32")
+    assert flat.shape == (3, 2, 2) and torch.equal(sent, inp)
+    flat.copy_(torch.arange(12.0).view(3, 2, 2))
+    with _no_gpu_sync():
+        after()
+    assert [o.flatten().tolist() for o in outs] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                    [8, 9, 10, 11]]
+    # reduce_scatter from a list: the blocks concatenated before the call, the op kept.
+    b = Backend(2, 0)
+    out = torch.zeros(3, dtype=torch.bfloat16)
+    blocks = [torch.full((3,), float(i), dtype=torch.bfloat16) for i in range(2)]
+    works, result = torch_cuda.ipc_works(
+        b, "reduce_scatter", ([out], [blocks], opts(reduceOp=dist.ReduceOp.MIN)))
+    name, args, kw = b.comm.calls[1]
+    flat = kw["owner"][2]
+    assert name == "reduce_scatter_device" and result == [out]
+    assert args == (flat.data_ptr(), out.data_ptr(), 3, "torch.bfloat16", eccl.ReduceOp.MIN)
+    assert flat.tolist() == [0, 0, 0, 1, 1, 1]
+    assert {t.data_ptr() for t in b.comm.calls[0][1]} == {out.data_ptr(), flat.data_ptr()}
+    # all_to_all of lists, blocks of any sizes: every block's element count goes to eccl.
+    b = Backend(3, 2)
+    ins = [torch.full((n,), float(n)) for n in (1, 0, 2)]
+    outs = [torch.zeros(2), torch.zeros(3, 1), torch.zeros(0)]
+    works, result, after = torch_cuda.ipc_works(b, "alltoall", (outs, ins, None))
+    name, args, kw = b.comm.calls[1]
+    flat_out, flat_in = kw["owner"]
+    assert name == "all_to_all_device" and result == outs
+    assert args == (flat_in.data_ptr(), flat_out.data_ptr(), [1, 0, 2], [2, 3, 0],
+                    "torch.float32")
+    assert flat_in.tolist() == [1, 2, 2] and flat_out.numel() == 5
+    flat_out.copy_(torch.arange(5.0))
+    with _no_gpu_sync():
+        after()
+    assert [o.flatten().tolist() for o in outs] == [[0, 1], [2, 3, 4], []]
+
+
+@pytest.mark.parametrize("case", ["short list", "block size", "block dtype"])
+def test_a_rank_whose_list_form_blocks_do_not_fit_joins_the_device_call_moving_nothing(case):
+    """As the CPU path does: the rank is in the others' device call with no buffer and
+    a count of zero (their check of the calls' records fails it on every rank, naming
+    this one), then raises saying what is wrong."""
+    class Work:
+        def wait(self):
+            raise eccl.MismatchError("rank 1 asked for AllGather of 0, rank 0 for 4")
+
+    class Recovery:
+        failures: list = []
+
+        def failed(self, e, kind):
+            self.failures.append((type(e).__name__, kind))
+
+    inp, outs = torch.ones(4), [torch.zeros(4), torch.zeros(4)]
+    rs_out, rs_in = torch.zeros(4), [torch.ones(4), torch.ones(4)]
+    a2a_in = [torch.ones(4), torch.ones(4)]
+    if case == "short list":
+        outs, rs_in, a2a_in = outs[:1], rs_in[:1], a2a_in[:1]
+    elif case == "block size":
+        outs[1], rs_in[1] = torch.zeros(5), torch.ones(5)
+    else:
+        outs[1], rs_in[1], a2a_in[1] = outs[1].double(), rs_in[1].double(), a2a_in[1].double()
+    for call, args, err, says in [
+            ("allgather", ([outs], [inp], None), eccl.InvalidArgumentError,
+             "all_gather: output blocks do not fit"),
+            ("reduce_scatter", ([rs_out], [rs_in], None), eccl.InvalidArgumentError,
+             "reduce_scatter: input blocks do not fit"),
+            ("alltoall", ([torch.zeros(4), torch.zeros(4)], a2a_in, None), eccl.MismatchError,
+             "all_to_all: this rank (0) cannot take part")]:
+        if call == "alltoall" and case == "block size":
+            continue      # all_to_all's blocks may differ in size
+        b = Backend(2, 0)
+        b._recovery = Recovery()
+        joined = []
+        for device_call in ("all_gather_device", "reduce_scatter_device", "all_to_all_device"):
+            setattr(b.comm, device_call,
+                    lambda *a, _n=device_call, **kw: (joined.append((_n, a)), Work())[1])
+        with pytest.raises(err, match=re.escape(says)) as e:
+            torch_cuda.ipc_works(b, call, args)
+        assert isinstance(e.value.__cause__, eccl.MismatchError)
+        ((name, a),) = joined
+        assert a[:3] == (0, 0, 0) or a[:4] == (0, 0, [0, 0], [0, 0]), (name, a)
+        assert b.comm.calls == []      # nothing else was called
+
+
+def test_a_premultiplied_list_reduce_scatter_is_staged():
+    b = Backend(2, 0)
+    o = opts(reduceOp=dist._make_nccl_premul_sum(2.0))
+    assert torch_cuda.ipc_works(
+        b, "reduce_scatter", ([torch.zeros(4)], [[torch.ones(4), torch.ones(4)]], o)) is None
+    assert b.comm.calls == []
+
+
+def test_send_and_recv_go_to_eccls_device_calls_after_the_stream():
+    b = Backend(2, 0)
+    t = torch.arange(6.0).view(2, 3)
+    works, result = torch_cuda.p2p_works(b, "send", ([t], 1, 7))
+    assert works == ["await", "send_device"] and result == [t]
+    name, args, kw = device_calls(b.comm, [t])[0]
+    assert args == (t.data_ptr(), 6, "torch.float32", 1, 7) and kw["async_op"] is True
+    # A non-contiguous receive goes through a contiguous buffer, copied back after.
+    b = Backend(2, 1)
+    out = torch.zeros(4, 2, dtype=torch.int64)[:, 0]
+    works, result, back = torch_cuda.p2p_works(b, "recv", ([out], 0, 3))
+    name, args, kw = b.comm.calls[1]
+    buf = kw["owner"][1]
+    assert name == "recv_device" and args == (buf.data_ptr(), 4, "torch.int64", 0, 3)
+    assert buf.is_contiguous() and buf.data_ptr() != out.data_ptr()
+    buf.copy_(torch.tensor([5, 6, 7, 8]))
+    with _no_gpu_sync():
+        back()
+    assert out.tolist() == [5, 6, 7, 8]

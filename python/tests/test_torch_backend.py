@@ -265,6 +265,26 @@ DROPPED = textwrap.dedent("""
 """)
 
 
+def check_p2p_mismatch(res):
+    """What every rank of torch_script.py's p2p_mismatch must have seen (also on CUDA
+    tensors, through eccl's device send: test_cuda.py)."""
+    n = len(res)
+    for r, got in enumerate(res):
+        if r == 1:
+            assert got["mismatch"].startswith("MismatchError"), got
+            # Both calls named: eccl's check of the host call's count (8 against 6), or
+            # the device receive's (8 elements, 32 bytes, against 6, 24 bytes).
+            assert "rank 0" in got["mismatch"] and "8" in got["mismatch"], got
+        else:
+            assert got["mismatch"] in ("sent", "idle"), (r, got)
+        assert got["after"] == [float(n)] * 4, (r, got)
+        assert got["ring"] == [float((r - 1) % n)] * 3, (r, got)
+
+
+def test_a_send_and_receive_of_different_sizes_fail_the_receiver_and_the_group_goes_on():
+    check_p2p_mismatch(run_world(3, ["eccl", "p2p_mismatch"]))
+
+
 def test_dropped_works_and_failed_callers_leave_other_memory_alone(tmp_path):
     script = tmp_path / "dropped.py"
     script.write_text(DROPPED)

@@ -152,6 +152,42 @@ def mixed(r, n):
     return out
 
 
+def p2p_mismatch(r, n):
+    """A send of 8 elements where the receiver expects 6 (a tensor of the default
+    device: CUDA tensors take eccl's device send in test_cuda.py): the receiver fails
+    with a MismatchError naming both sizes, the sender's part was eager, the epoch ends
+    on every rank, and the group goes on at the next call, with every rank's sends and
+    receives in order again."""
+    import eccl
+    out = {}
+    try:
+        if r == 0:
+            dist.send(torch.ones(8), dst=1)
+            out["mismatch"] = "sent"
+        elif r == 1:
+            dist.recv(torch.empty(6), src=0)
+            out["mismatch"] = "no error"
+        else:
+            out["mismatch"] = "idle"
+    except eccl.EcclError as e:
+        out["mismatch"] = f"{type(e).__name__}: {e}"[:300]
+    out["after"] = []
+    for _ in range(2):     # the first call after the abort may fail with it
+        t = torch.ones(4)
+        try:
+            dist.all_reduce(t)
+            out["after"] = t.tolist()
+            break
+        except eccl.EcclError as e:
+            out["after"] = type(e).__name__
+    x = torch.full((3,), float(r))
+    dist.send(x, dst=(r + 1) % n)
+    y = torch.empty(3)
+    dist.recv(y, src=(r - 1) % n)
+    out["ring"] = y.tolist()
+    return out
+
+
 def big_uneven(r, n):
     """all_to_all with uneven blocks larger than a link buffers (16 MiB and more over
     shared memory, where pairwise sends of whole blocks once waited for each other for
@@ -236,7 +272,7 @@ def main():
             pg = pg._get_backend(torch.device("cpu"))  # torch 2.12+: the group wraps it
         topology = pg.optimize_topology()
     res = {"collectives": collectives, "coverage": coverage, "mixed": mixed,
-           "big_uneven": big_uneven}.get(
+           "big_uneven": big_uneven, "p2p_mismatch": p2p_mismatch}.get(
         what, lambda r, n: ddp(r, n, 10))(r, n)
     if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         res["_topology"] = {"ring": topology["ring"], "rank": dist.get_rank()}
