@@ -255,6 +255,7 @@ pub unsafe fn p2p<D: Device>(
         rt,
         peer: call.peer,
         tag: call.tag,
+        received: 0,
     };
     // SAFETY: the caller's promise.
     let done = unsafe {
@@ -264,25 +265,42 @@ pub unsafe fn p2p<D: Device>(
             ipc.recv_from(&mut link, call.buf, bytes, call.dtype)
         }
     };
-    let CommPair { comm, rt, .. } = link;
-    match done {
-        Ok(()) => Ok(()),
-        // A send and a receive that disagree end the epoch on every rank, as a host
-        // receive of another size does (the ranks' recoveries then agree on it).
-        Err(e @ IpcError::Mismatch(_)) => {
-            let desc = Descriptor {
-                kind: CollectiveKind::SendRecv,
-                dtype: call.dtype,
-                op: ReduceOp::Sum,
-                algo: Algo::Direct,
-                root: 0,
-                count: call.count as u64,
-            };
-            let epoch = comm.epoch();
-            Err(rt.block_on(comm.fail(epoch, 0, desc, to_error(e))))
-        }
-        Err(e) => Err(to_error(e)),
+    let CommPair {
+        comm, rt, received, ..
+    } = link;
+    let e = match done {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    // What ends the epoch on every rank: a send and a receive that disagree, as a host
+    // receive of another size does (the ranks' recoveries then agree on it); a device
+    // that failed in the middle of a transfer, and a receive whose chunks stopped coming
+    // (the rest of the transfer would be taken for the next call's). A link's failure has
+    // ended it already; a receive whose first message did not come in time fails on this
+    // rank alone, as a host receive does.
+    let ends_epoch = match &e {
+        IpcError::Exchange(_) => received > 0,
+        _ => true,
+    };
+    let e = to_error(e);
+    if !ends_epoch
+        || !matches!(
+            e,
+            Error::Timeout { .. } | Error::Mismatch { .. } | Error::InvalidArgument(_)
+        )
+    {
+        return Err(e);
     }
+    let desc = Descriptor {
+        kind: CollectiveKind::SendRecv,
+        dtype: call.dtype,
+        op: ReduceOp::Sum,
+        algo: Algo::Direct,
+        root: 0,
+        count: call.count as u64,
+    };
+    let epoch = comm.epoch();
+    Err(rt.block_on(comm.fail(epoch, 0, desc, e)))
 }
 
 /// [`eccl_cuda::ipc::PairLink`] over a communicator's point-to-point messages with one
@@ -292,6 +310,8 @@ struct CommPair<'a> {
     rt: tokio::runtime::Handle,
     peer: Rank,
     tag: u32,
+    /// Messages received so far.
+    received: usize,
 }
 
 impl eccl_cuda::ipc::PairLink for CommPair<'_> {
@@ -309,7 +329,7 @@ impl eccl_cuda::ipc::PairLink for CommPair<'_> {
     fn recv(&mut self, out: &mut [u8]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         self.rt
             .block_on(self.comm.recv_bytes(DType::U8, out, self.peer, self.tag))
-            .map(drop)
+            .map(|_| self.received += 1)
             .map_err(|e| Box::new(e) as _)
     }
 }

@@ -932,3 +932,79 @@ async fn device_sends_and_receives_go_around_a_ring_through_host_memory_and_chec
         assert_eq!(sums, [N as f32; 3], "rank {r}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_fails_in_the_middle_of_a_receive_ends_the_epoch_everywhere() {
+    // Rank 1's device fails its fifth queued copy, in the middle of a receive of twenty
+    // chunks from rank 0: the rest of the transfer must not be taken for a later call,
+    // so the epoch ends on every rank (rank 0's eager send had returned), and the world
+    // goes on in the next one.
+    use eccl::device::DeviceP2p;
+    let m = start_master(&[]);
+    let count = 20 * 1024; // twenty chunks of 4 KiB
+    let comms = world(&m.addr, N as u32).await;
+    let make = |r: usize| {
+        if r == 1 {
+            HostDevice::new().failing_copies_after(4)
+        } else {
+            HostDevice::new()
+        }
+    };
+    let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+        ipc.set_stage_bytes(4096);
+        let epoch = comm.epoch();
+        let buf = put(dev, &values(count, rank));
+        let p2p = |peer: usize, send| DeviceP2p {
+            buf,
+            count,
+            dtype: DType::F32,
+            peer: eccl::Rank(peer as u32),
+            tag: 9,
+            send,
+        };
+        let failed = match rank {
+            0 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(1, true)) }.err(),
+            1 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(0, false)) }.err(),
+            _ => None,
+        };
+        // A host all_reduce (rank 1's device copies fail from now on): the first one
+        // fails with the abort, every rank forms the next epoch, the next one works.
+        let mut x = [1f32];
+        let first = rt.block_on(comm.all_reduce(&mut x, ReduceOp::Sum));
+        if first.is_err() {
+            rt.block_on(comm.update_topology())
+                .unwrap_or_else(|e| panic!("rank {rank} next epoch: {e}"));
+            x = [1.0];
+            rt.block_on(comm.all_reduce(&mut x, ReduceOp::Sum))
+                .unwrap_or_else(|e| panic!("rank {rank} after: {e}"));
+        }
+        (
+            failed.map(|e| e.to_string()),
+            first.is_err(),
+            comm.epoch() > epoch,
+            x[0],
+        )
+    });
+    for (r, (failed, first_failed, next_epoch, sum)) in res.into_iter().enumerate() {
+        match r {
+            1 => {
+                let e = failed.expect("rank 1's receive must fail");
+                assert!(e.contains("copy"), "rank 1: {e}");
+            }
+            // The sender may still be handing chunks to the link when the abort comes:
+            // then its send fails with rank 1's cause.
+            0 => assert!(
+                failed
+                    .as_ref()
+                    .is_none_or(|e| e.contains("rank 1") && e.contains("copy")),
+                "rank 0: {failed:?}"
+            ),
+            _ => assert!(failed.is_none(), "rank {r}: {failed:?}"),
+        }
+        assert!(
+            first_failed && next_epoch,
+            "rank {r}: the epoch did not end"
+        );
+        assert_eq!(sum, N as f32, "rank {r}");
+    }
+}
