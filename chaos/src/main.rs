@@ -166,6 +166,16 @@ pub struct RunArgs {
     /// (`tc ... tbf`), e.g. `1gbit` or `200mbit`.
     #[arg(long, requires = "netns", value_parser = netns::parse_rate)]
     pub link_rate: Option<String>,
+    /// With --netns, pairs of worker slots joined only by a slow link (the lab's
+    /// scenarios, `examples/netlab.sh`): `0-1,2-3` shapes what worker 0 sends worker 1
+    /// and what 1 sends 0 (and 2 and 3 likewise) to --slow-rate, the other links keeping
+    /// --link-rate. Slots are the initial workers 0 to --peers - 1 in rank order, then
+    /// each newcomer the next.
+    #[arg(long, requires = "netns", value_parser = netns::parse_pairs)]
+    pub slow_links: Option<netns::Pairs>,
+    /// The rate of --slow-links, both ways (`tc ... htb`).
+    #[arg(long, requires = "slow_links", default_value = "10mbit", value_parser = netns::parse_rate)]
+    pub slow_rate: String,
     /// Transport of the workers' links: auto, tcp, tls (TCP with TLS), shm or quic.
     #[arg(long, env = "ECCL_TRANSPORT", default_value = "auto", value_parser = ["auto", "tcp", "tls", "shm", "quic"])]
     pub transport: String,

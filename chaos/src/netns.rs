@@ -22,6 +22,34 @@ pub struct Lab {
     hosts: Vec<Option<String>>,
     /// `--link-rate`: what each worker's link is shaped to, both ways.
     rate: Option<String>,
+    /// `--slow-links` and `--slow-rate`: pairs of slots joined by a slower link.
+    slow: Vec<(usize, usize)>,
+    slow_rate: String,
+}
+
+/// `--slow-links`: pairs of worker slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pairs(pub Vec<(usize, usize)>);
+
+/// Parses `--slow-links`: `A-B` pairs of worker slots, comma-separated, each of two
+/// different slots.
+pub fn parse_pairs(s: &str) -> Result<Pairs, String> {
+    let pair = |p: &str| -> Option<(usize, usize)> {
+        let (a, b) = p.trim().split_once('-')?;
+        let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        (a != b).then_some((a, b))
+    };
+    s.split(',')
+        .map(|p| {
+            pair(p).ok_or_else(|| {
+                format!(
+                    "{p:?}: name each slow link as two different worker slots joined by a dash \
+                     (0-1), pairs separated by commas"
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Pairs)
 }
 
 /// Runs `program` (iproute2's `ip` or `tc`) with `args`; the error names the command
@@ -66,6 +94,17 @@ impl Lab {
     /// iproute2, a kernel without them). With `rate`, every worker's link is shaped to it
     /// both ways.
     pub fn new(rate: Option<String>) -> anyhow::Result<Lab> {
+        Lab::shaped(rate, Vec::new(), String::new())
+    }
+
+    /// As [`Lab::new`], and each of the `slow` pairs of worker slots joined by a link of
+    /// `slow_rate` both ways (what each of the two sends the other, on its own side:
+    /// `tc ... htb` with a filter on the other's address), the lab's scenarios.
+    pub fn shaped(
+        rate: Option<String>,
+        slow: Vec<(usize, usize)>,
+        slow_rate: String,
+    ) -> anyhow::Result<Lab> {
         let tag = std::process::id();
         let lab = Lab {
             tag,
@@ -74,6 +113,8 @@ impl Lab {
             net: 100 + (tag % 128) as u8,
             hosts: Vec::new(),
             rate,
+            slow,
+            slow_rate,
         };
         ip(&["link", "add", &lab.bridge, "type", "bridge"])?;
         // From here on, Drop removes the bridge.
@@ -124,14 +165,63 @@ impl Lab {
         ip(&["-n", &ns, "addr", "add", &addr, "dev", "eth0"])?;
         ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
         ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        let tc_inside = |args: &[&str]| {
+            let mut a = vec!["netns", "exec", &ns, "tc"];
+            a.extend(args);
+            ip(&a)
+        };
+        let partners: Vec<usize> = self
+            .slow
+            .iter()
+            .filter_map(|&(a, b)| match slot {
+                s if s == a => Some(b),
+                s if s == b => Some(a),
+                _ => None,
+            })
+            .collect();
+        if !partners.is_empty() {
+            // What the worker sends: to its slow partners at the slow rate, to everyone
+            // else at the link's rate (or unshaped).
+            let fast = self.rate.as_deref().unwrap_or("100gbit");
+            tc_inside(&[
+                "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "10",
+            ])?;
+            tc_inside(&[
+                "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb", "rate",
+                fast,
+            ])?;
+            tc_inside(&[
+                "class",
+                "add",
+                "dev",
+                "eth0",
+                "parent",
+                "1:",
+                "classid",
+                "1:20",
+                "htb",
+                "rate",
+                &self.slow_rate,
+            ])?;
+            for p in partners {
+                let dst = format!("{}/32", self.addr_of(Some(p)));
+                tc_inside(&[
+                    "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1",
+                    "u32", "match", "ip", "dst", &dst, "flowid", "1:20",
+                ])?;
+            }
+        }
         if let Some(rate) = &self.rate {
-            // What the worker sends (its eth0) and what it is sent (the bridge's side).
+            // What the worker sends (its eth0, unless shaped per partner above) and what
+            // it is sent (the bridge's side).
             let tbf = [
                 "root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms",
             ];
-            let mut inside = vec!["netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0"];
-            inside.extend(tbf);
-            ip(&inside)?;
+            if self.slow.iter().all(|&(a, b)| a != slot && b != slot) {
+                let mut inside = vec!["qdisc", "add", "dev", "eth0"];
+                inside.extend(tbf);
+                tc_inside(&inside)?;
+            }
             let mut outside = vec!["qdisc", "add", "dev", &veth];
             outside.extend(tbf);
             run("tc", &outside)?;
@@ -161,4 +251,18 @@ pub fn inside(ns: &str, command: &std::path::Path) -> Command {
     let mut c = Command::new("ip");
     c.args(["netns", "exec", ns]).arg(command);
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_pairs, Pairs};
+
+    #[test]
+    fn slow_links_are_pairs_of_two_different_slots() {
+        assert_eq!(parse_pairs("0-1"), Ok(Pairs(vec![(0, 1)])));
+        assert_eq!(parse_pairs("0-1, 3-2"), Ok(Pairs(vec![(0, 1), (3, 2)])));
+        for bad in ["1-1", "0", "0-x", "0-1,", "-1", ""] {
+            assert!(parse_pairs(bad).is_err(), "{bad:?}");
+        }
+    }
 }

@@ -252,14 +252,36 @@ fn striped_links_keep_every_guarantee_under_a_kill_and_a_stop() {
 /// and a world at the next epoch whose collectives follow the solved ring; kills, joins
 /// and leaves land during those measurements too. Every result stays exact, nothing
 /// diverges or hangs.
+/// Whether network namespaces can be made here (root, iproute2, a kernel with them).
+fn namespaces_possible() -> bool {
+    let ns = format!("eccl-phases-probe-{}", std::process::id());
+    let made = Command::new("ip")
+        .args(["netns", "add", &ns])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if made {
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+    }
+    made
+}
+
+/// Kills, joins and leaves while every world change measures the links again
+/// (`ECCL_TOPOLOGY=optimize`), in the lab's slow-pair scenario where namespaces can be
+/// made: every worker a host of its own, and the links between workers 0 and 1 and
+/// between 2 and 3 slower than the rest (`--slow-links`), so the measured matrix
+/// differs per link and the solved ring leaves rank order.
 #[test]
 fn faults_while_the_links_are_measured_again_at_every_world_change() {
     let _turn = turn();
-    let r = chaos_in_turn_env(
-        "optimize-faults",
-        "--peers 4 --duration 8 --seed 11 --faults kill,join,leave --transport tcp --interval-ms 1500",
-        &[("ECCL_TOPOLOGY", "optimize")],
-    );
+    let mut args =
+        "--peers 4 --duration 8 --seed 11 --faults kill,join,leave --transport tcp --interval-ms 1500"
+            .to_string();
+    if namespaces_possible() {
+        args += " --netns --slow-links 0-1,2-3 --slow-rate 50mbit";
+    } else {
+        eprintln!("the lab's slow links not tested: network namespaces cannot be made here");
+    }
+    let r = chaos_in_turn_env("optimize-faults", &args, &[("ECCL_TOPOLOGY", "optimize")]);
     let faults: u64 = ["kill", "join", "leave"]
         .iter()
         .map(|k| r["faults"][k].as_u64().unwrap_or(0))
@@ -433,6 +455,12 @@ fn bad_flags_exit_with_status_2_and_a_reason() {
         ("--faults partition --transport shm", "no shared memory"),
         ("--netns --link-rate fast", "kbit, mbit or gbit"),
         ("--link-rate 1gbit", "--netns"),
+        ("--netns --slow-links 1-1", "two different worker slots"),
+        ("--slow-links 0-1", "--netns"),
+        (
+            "--netns --slow-links 0-1 --slow-rate slow",
+            "kbit, mbit or gbit",
+        ),
         ("--bogus", "--bogus"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_eccl-chaos"))

@@ -50,7 +50,14 @@ pub fn run(args: &RunArgs) -> anyhow::Result<Report> {
     let mut kinds = args.faults.clone();
     let lab = if args.netns {
         // Asked for: no namespaces, no run.
-        Some(crate::netns::Lab::new(args.link_rate.clone()).context("--netns")?)
+        Some(
+            crate::netns::Lab::shaped(
+                args.link_rate.clone(),
+                args.slow_links.clone().map_or_else(Vec::new, |p| p.0),
+                args.slow_rate.clone(),
+            )
+            .context("--netns")?,
+        )
     } else if kinds.contains(&FaultKind::Partition) {
         match crate::netns::Lab::new(None) {
             Ok(lab) => Some(lab),
