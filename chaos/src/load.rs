@@ -431,21 +431,31 @@ async fn finish_round(
     (back, done, failed)
 }
 
-/// Every peer votes in update_topology() at once, in the worlds the last epoch change
-/// made (nothing to change: the master answers each world once all its members voted).
-/// Returns the peers, each world's time to its last member's answer (ms) and how many
-/// peers' votes failed.
+/// Every peer that has a world votes in update_topology() at once, in the worlds the
+/// last epoch change made (nothing to change: the master answers each world once all its
+/// members voted). A peer that never got a world (its epoch change failed) sits the round
+/// out: its vote would be a newcomer's, admitted only at the next epoch its world's members
+/// vote for, and none comes in this round (an overloaded run's 120-second "vote" was that
+/// wait). Returns the peers, each world's time to its last member's answer (ms) and how
+/// many peers' votes failed.
 async fn vote_round(
     peers: Vec<SimPeer>,
     world: usize,
     timeout: Duration,
     ev: &mut Evictions,
 ) -> (Vec<SimPeer>, Vec<f64>, usize) {
+    let (mut peers, idle): (Vec<SimPeer>, Vec<SimPeer>) =
+        peers.into_iter().partition(|p| p.epoch > 0);
+    if !idle.is_empty() {
+        println!(
+            "#   {} peers without a world (their epoch change failed) sit the vote round out",
+            idle.len()
+        );
+    }
     let n = peers.len();
     let worlds = n.div_ceil(world.max(1));
     let t = Instant::now();
     let mut calls = JoinSet::new();
-    let mut peers = peers;
     peers.sort_by_key(|p| p.peer_id);
     for (i, mut p) in peers.into_iter().enumerate() {
         calls.spawn(async move {
@@ -458,7 +468,10 @@ async fn vote_round(
             )
         });
     }
-    finish_round(calls, worlds, n, "update_topology() votes", ev).await
+    let (mut back, done, failed) =
+        finish_round(calls, worlds, n, "update_topology() votes", ev).await;
+    back.extend(idle);
+    (back, done, failed)
 }
 
 /// utime + stime of `pid`, in clock ticks.
