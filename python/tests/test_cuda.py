@@ -109,6 +109,12 @@ def test_mixed_devices_and_disagreeing_ranks_get_typed_errors():
         assert r["mixed"] == "InvalidArgumentError"
         assert r["after_mixed"] == [3.0] * 4
         assert r["disagree"] != "no error", r
+    # A CPU send where a CUDA receive waits: the receiver's typed error, then the group
+    # goes on.
+    assert res[0]["p2p_kinds"] == "sent", res[0]
+    assert res[1]["p2p_kinds"].startswith("MismatchError"), res[1]
+    for r in res:
+        assert r["after_p2p_kinds"] == [2.0] * 4, r
 
 
 def test_a_collective_is_ordered_after_the_stream_without_blocking_the_caller():

@@ -131,7 +131,7 @@ def coverage(r, n):
 def mixed(r, n):
     """Calls that must fail on every rank with a typed error, after which the group
     still works: a call mixing CPU and CUDA tensors, then ranks disagreeing on the
-    device kind of one all_reduce."""
+    device kind of one all_reduce, then of one send."""
     import eccl
     out = {}
     try:
@@ -149,6 +149,29 @@ def mixed(r, n):
         out["disagree"] = type(e).__name__
     except RuntimeError as e:  # torch's wrapper of a failed future
         out["disagree"] = "RuntimeError: " + str(e)[:200]
+    # Ranks that disagree on a send's device kind: a CPU tensor sent where a CUDA one is
+    # received (eccl's device receive expects a device send's header). The receiver fails
+    # with a typed error, the epoch ends, and the group goes on.
+    try:
+        if r == 0:
+            dist.send(torch.ones(4, device="cpu"), dst=1)
+            out["p2p_kinds"] = "sent"
+        elif r == 1:
+            dist.recv(torch.empty(4), src=0)
+            out["p2p_kinds"] = "no error"
+        else:
+            out["p2p_kinds"] = "idle"
+    except eccl.EcclError as e:
+        out["p2p_kinds"] = f"{type(e).__name__}: {e}"[:300]
+    out["after_p2p_kinds"] = []
+    for _ in range(2):     # the first call after the abort may fail with it
+        t = torch.ones(4)
+        try:
+            dist.all_reduce(t)
+            out["after_p2p_kinds"] = t.tolist()
+            break
+        except eccl.EcclError as e:
+            out["after_p2p_kinds"] = type(e).__name__
     return out
 
 
