@@ -284,12 +284,7 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
         if factor is not None:
             return None   # PREMUL_SUM: the host path multiplies a copy of the input
     ins = [i.contiguous() for i in ins]
-    written, backs = [], []
-    for o in outs:
-        w, back = _contiguous_out(o)
-        written.append(w)
-        if back is not None:
-            backs.append(back)
+    written, copy_outs = _contiguous_outs(outs)
     works = after_streams(comm, written + ins)
     for o, i in zip(written, ins):
         dev = o.device.index or 0
@@ -301,12 +296,27 @@ def ipc_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
             works.append(comm.reduce_scatter_device(
                 i.data_ptr(), o.data_ptr(), o.numel(), str(o.dtype), op, device=dev,
                 owner=(o, i), async_op=True))
-    if backs:
-        def copy_outs() -> None:
-            for b in backs:
-                b()
+    if copy_outs is not None:
         return works, outs, copy_outs
     return works, outs
+
+
+def _contiguous_outs(ts: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Any]:
+    """`ts` as a call writes them (`_contiguous_out` each), and one step that copies the
+    non-contiguous ones' results back, or None when there is none."""
+    written, backs = [], []
+    for t in ts:
+        w, back = _contiguous_out(t)
+        written.append(w)
+        if back is not None:
+            backs.append(back)
+    if not backs:
+        return written, None
+
+    def copy_backs() -> None:
+        for b in backs:
+            b()
+    return written, copy_backs
 
 
 def _contiguous_out(t: torch.Tensor) -> Tuple[torch.Tensor, Any]:
@@ -421,25 +431,17 @@ def p2p_works(backend: Any, name: str, args: Tuple[Any, ...]) -> Tuple[Any, ...]
     with, and the step that copies a non-contiguous tensor's result into it."""
     comm = backend.comm
     tensors, peer, tag = list(args[0]), args[1], args[2]
-    works: List[Any] = []
-    backs = []
-    for t in tensors:
-        dev = t.device.index or 0
-        if name == "send":
-            src = t.contiguous()        # a copy on the stream, before the wait, if needed
-            works += after_streams(comm, [src])
-            works.append(comm.send_device(src.data_ptr(), src.numel(), str(src.dtype), peer,
-                                          tag, device=dev, owner=(t, src), async_op=True))
-        else:
-            out, back = _contiguous_out(t)
-            works += after_streams(comm, [out])
-            works.append(comm.recv_device(out.data_ptr(), out.numel(), str(out.dtype), peer,
-                                          tag, device=dev, owner=(t, out), async_op=True))
-            if back is not None:
-                backs.append(back)
-    if backs:
-        return works, args[0], lambda: [b() for b in backs]
-    return works, args[0]
+    if name == "send":
+        # Copies on the stream, before the wait, where a tensor is not contiguous.
+        bufs, copy_outs = [t.contiguous() for t in tensors], None
+    else:
+        bufs, copy_outs = _contiguous_outs(tensors)
+    call = comm.send_device if name == "send" else comm.recv_device
+    works = after_streams(comm, bufs)
+    for t, b in zip(tensors, bufs):
+        works.append(call(b.data_ptr(), b.numel(), str(b.dtype), peer, tag,
+                          device=b.device.index or 0, owner=(t, b), async_op=True))
+    return (works, args[0]) if copy_outs is None else (works, args[0], copy_outs)
 
 
 def _list_ipc(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
@@ -475,8 +477,9 @@ def _list_ipc(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
             works.append(comm.all_gather_device(
                 s.data_ptr(), f.data_ptr(), s.numel(), str(s.dtype),
                 device=s.device.index or 0, owner=(f, s), async_op=True))
-        pairs = [(o, part) for os_, f in zip(outs, flats) for o, part in zip(os_, f)]
-        return works, args[0], functools.partial(_copy_parts, pairs)
+        pairs = [(o, part.reshape(o.shape))
+                 for os_, f in zip(outs, flats) for o, part in zip(os_, f)]
+        return works, args[0], functools.partial(copy_back, pairs)
     if name == "reduce_scatter":
         outs, ins = list(args[0]), [list(i) for i in args[1]]
         if len(outs) != len(ins) or not _device_all_reduce_ok(outs):
@@ -494,20 +497,13 @@ def _list_ipc(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
                         f"reduce_scatter: input blocks do not fit: {refusal}"))
         # Concatenated on the current stream, before the wait.
         flats = [torch.cat([t.reshape(-1) for t in i]) for i in ins]
-        written, backs = [], []
-        for o in outs:
-            w, back = _contiguous_out(o)
-            written.append(w)
-            if back is not None:
-                backs.append(back)
+        written, copy_outs = _contiguous_outs(outs)
         works = after_streams(comm, written + flats)
         for o, w, f in zip(outs, written, flats):
             works.append(comm.reduce_scatter_device(
                 f.data_ptr(), w.data_ptr(), w.numel(), str(w.dtype), op,
                 device=w.device.index or 0, owner=(o, w, f), async_op=True))
-        if backs:
-            return works, args[0], lambda: [b() for b in backs]
-        return works, args[0]
+        return (works, args[0]) if copy_outs is None else (works, args[0], copy_outs)
     outs, ins = list(args[0]), list(args[1])
     if not _device_all_reduce_ok(outs + ins):
         return None
@@ -526,8 +522,8 @@ def _list_ipc(backend: Any, name: str, args: Tuple[Any, ...]) -> Any:
     works.append(comm.all_to_all_device(
         flat_in.data_ptr(), flat_out.data_ptr(), send_counts, recv_counts, str(dtype),
         device=dev.index or 0, owner=(flat_out, flat_in), async_op=True))
-    pairs = list(zip(outs, flat_out.split(recv_counts)))
-    return works, args[0], functools.partial(_copy_parts, pairs)
+    pairs = [(o, part.reshape(o.shape)) for o, part in zip(outs, flat_out.split(recv_counts))]
+    return works, args[0], functools.partial(copy_back, pairs)
 
 
 def _elsewhere(blocks: List[torch.Tensor], dev: torch.device) -> Any:
@@ -536,16 +532,6 @@ def _elsewhere(blocks: List[torch.Tensor], dev: torch.device) -> Any:
         if b.device != dev:
             return f"block {i} is on {b.device}, the call's tensor on {dev}"
     return None
-
-
-def _copy_parts(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copies each part of a call's flat output into the caller's block (on the device)
-    and waits for the copies, so the Work completes with the blocks written whichever
-    thread finishes it."""
-    for o, part in pairs:
-        o.copy_(part.reshape(o.shape))
-    for dev in {o.device for o, _ in pairs if o.is_cuda}:
-        torch.cuda.current_stream(dev).synchronize()
 
 
 def _premultiplies(name: str, args: Any, kwargs: Any) -> bool:

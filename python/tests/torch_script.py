@@ -163,16 +163,22 @@ def mixed(r, n):
             out["p2p_kinds"] = "idle"
     except eccl.EcclError as e:
         out["p2p_kinds"] = f"{type(e).__name__}: {e}"[:300]
-    out["after_p2p_kinds"] = []
-    for _ in range(2):     # the first call after the abort may fail with it
+    out["after_p2p_kinds"] = all_reduce_after_an_abort()
+    return out
+
+
+def all_reduce_after_an_abort():
+    """An all_reduce of ones, made again once if the first fails with an abort an earlier
+    call caused: its result, or the second failure's name."""
+    import eccl
+    for attempt in range(2):
         t = torch.ones(4)
         try:
             dist.all_reduce(t)
-            out["after_p2p_kinds"] = t.tolist()
-            break
+            return t.tolist()
         except eccl.EcclError as e:
-            out["after_p2p_kinds"] = type(e).__name__
-    return out
+            if attempt == 1:
+                return type(e).__name__
 
 
 def p2p_mismatch(r, n):
@@ -194,15 +200,7 @@ def p2p_mismatch(r, n):
             out["mismatch"] = "idle"
     except eccl.EcclError as e:
         out["mismatch"] = f"{type(e).__name__}: {e}"[:300]
-    out["after"] = []
-    for _ in range(2):     # the first call after the abort may fail with it
-        t = torch.ones(4)
-        try:
-            dist.all_reduce(t)
-            out["after"] = t.tolist()
-            break
-        except eccl.EcclError as e:
-            out["after"] = type(e).__name__
+    out["after"] = all_reduce_after_an_abort()
     x = torch.full((3,), float(r))
     dist.send(x, dst=(r + 1) % n)
     y = torch.empty(3)
