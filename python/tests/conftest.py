@@ -62,6 +62,46 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# The tests that spend most of their time waiting (on leases, group timeouts, killed or
+# stopped ranks, shaped links) or on one core (valgrind): `.ci/test.sh` runs them in a
+# second pytest process (`-m beside`) beside the rest (`-m "not beside"`), which leave a
+# fraction of a core idle on two. Measured with ECCL_TEST_CPU on 2026-11-29 (wall s, CPU
+# s of the whole machine): the tests below 250 s and 236 CPU s of a 530 s, 713 CPU s run
+# (one process); the two processes at once took 363 s before test_rendezvous.py moved
+# here (the rest's 360 s against 211). A plain `pytest python/tests` runs them all in
+# one process.
+BESIDE_FILES = {
+    "test_elastic.py",        # kills and joins: 68 s, 84 CPU s
+    "test_reconfigure.py",    # gloo's group timeouts, hung ranks: 17 s, 6 CPU s
+    "test_conformance.py",    # monitored barriers, late ranks: 11 s, 4 CPU s
+    "test_torch_window.py",   # dead and stopped peers, window waits
+    "test_masters.py",        # a stopped leader
+    "test_memcheck.py",       # one process under valgrind: one core
+    "test_rendezvous.py",     # torchrun agents losing a node and the leader: 44 s, 58
+}
+BESIDE_TESTS = {
+    "test_netlab_long_fat",   # 20 s, 2.6 CPU s: probes across a 100 ms round trip
+    "test_netlab_slow_pair",
+    "test_netns_transports",
+    "test_store_bench",
+    "test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer",  # 13 s, 10
+    "test_a_diloco_newcomer_fetches_again_from_the_member_left_when_one_dies",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "beside: a test that mostly waits; .ci/test.sh runs these in a second "
+        "pytest process beside the others (conftest.BESIDE_FILES, BESIDE_TESTS)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in BESIDE_FILES \
+                or getattr(item, "originalname", item.name) in BESIDE_TESTS:
+            item.add_marker(pytest.mark.beside)
+
+
 def _machine_cpu_s() -> float:
     """CPU seconds the whole machine spent since boot, every core (user, nice, system,
     irq, softirq), as .ci/test.sh counts a phase's."""
@@ -75,7 +115,7 @@ def pytest_runtest_protocol(item, nextitem):
     """With ECCL_TEST_CPU=FILE, appends a line per test to FILE: its node id, its wall
     time (setup, call and teardown) and the CPU seconds the whole machine spent
     meanwhile. A test that takes long but little CPU (it waits on leases, timeouts or
-    shaped links) can run beside the others (.ci/test.sh's "waiting" tests)."""
+    shaped links) can run beside the others (`BESIDE_FILES`, `BESIDE_TESTS` above)."""
     path = os.environ.get("ECCL_TEST_CPU")
     if not path:
         yield
