@@ -49,22 +49,22 @@ impl Quantize {
 }
 
 /// The buffers of a quantized all_reduce, kept between calls (per communicator, about
-/// 1.75 times the largest call's values as f32 beside `wide`, which only calls on f16
-/// and bf16, or on f32 not aligned for it, use). `send` and `all` are doubled: one
-/// piece's codec works in one while the other piece's collective uses the other.
+/// half the largest call's bytes as f32 beside `wide` and `values`, which only calls on
+/// f16 and bf16, or on f32 not aligned for it, use). `send` is doubled: one piece is
+/// encoded into one while the other piece's all_to_all sends from the other.
 #[derive(Default)]
 pub(crate) struct Scratch {
     /// The buffer widened to f32 (f16, bf16, unaligned f32).
     wide: Vec<f32>,
-    /// The decoded result where it cannot go straight into the caller's buffer: the
-    /// pieces decoded before the call's last collective succeeded (G2), or all of them
-    /// when the buffer is not f32 aligned for it.
+    /// The decoded result where it cannot go straight into the caller's buffer (not
+    /// f32, or not aligned for it), narrowed into it.
     values: Vec<f32>,
     send: [Vec<u8>; 2],
     recv: Vec<u8>,
     sum: Vec<f32>,
     mine: Vec<u8>,
-    all: [Vec<u8>; 2],
+    /// Every piece's gathered codes, decoded once the last collective succeeded.
+    all: Vec<u8>,
     /// A segment's piece padded past the buffer's end (the last segments).
     tail: Vec<f32>,
 }
@@ -188,31 +188,34 @@ impl Communicator {
         } = &mut s;
         // Every rank owns one segment; the last is padded with the buffer's last value
         // (`padded`), and what the padding sums to is dropped. f32 aligned for it is read
-        // where it is and the last piece's result decoded into it (two copies of the
-        // buffer fewer than widening and narrowing: a tenth of the call on a 1 Gbit/s
-        // ring of four); other buffers are widened to f32 first.
+        // where it is and the result decoded into it (two copies of the buffer fewer than
+        // widening and narrowing: a tenth of the call on a 1 Gbit/s ring of four); other
+        // buffers are widened to f32 first.
         let seg = count.div_ceil(n).max(1);
         let direct = dtype == DType::F32 && bytemuck::try_cast_slice::<u8, f32>(buf).is_ok();
         // The segments go in pieces of whole blocks (so each block is encoded exactly
         // as in one pass: the same bytes, the same bits), and the codec of one piece
         // runs while the collective of another is on the wire: the all_to_all of piece
-        // p beside the encoding of piece p+1, the all_gather of piece p beside the
-        // decoding of piece p-1. A collective's sends are in the kernel and its frames
-        // are read by the links' own tasks while this task codes.
+        // p beside the encoding of piece p+1. A collective's sends are in the kernel and
+        // its frames are read by the links' own tasks while this task codes. Every
+        // piece's gathered codes are kept (a quarter of the buffer's bytes) and decoded
+        // into the buffer once every collective succeeded (G2): decoding pieces beside
+        // the all_gathers into scratch and copying them in at the end cost more (a copy
+        // of three quarters of a 64 MiB buffer per rank, on cores the calls share).
         let piece = QUANT_PIECE_VALUES.min(seg.div_ceil(quant::BLOCK) * quant::BLOCK);
         let pieces = seg.div_ceil(piece);
         let range = |p: usize| (p * piece)..((p + 1) * piece).min(seg);
         let emax = quant::encoded_len(piece);
-        for b in send.iter_mut().chain(all.iter_mut()) {
+        for b in send.iter_mut() {
             b.resize(emax * n, 0);
         }
         recv.resize(emax * n, 0);
+        all.resize(emax * n * pieces, 0);
         sum.resize(piece, 0.0);
         mine.resize(emax, 0);
-        // Where the pieces before the last are decoded (all of them for a widened
-        // buffer): kept at its largest size, since its contents are always written
-        // before they are read.
-        let decoded = if direct && pieces == 1 { 0 } else { seg * n };
+        // Where a widened buffer is decoded: kept at its largest size, since its
+        // contents are always written before they are read.
+        let decoded = if direct { 0 } else { seg * n };
         if values.len() < decoded {
             values.resize(decoded, 0.0);
         }
@@ -271,32 +274,22 @@ impl Communicator {
                 acc.iter_mut().for_each(|x| *x /= k);
             }
             quant::encode(codec, acc, &mut mine[..e]);
-            let [a0, a1] = &mut *all;
-            let (cur, prev) = if p % 2 == 0 { (a0, &*a1) } else { (a1, &*a0) };
-            let (r, ()) =
-                futures::join!(self.all_gather_into(&mine[..e], &mut cur[..e * n]), async {
-                    if p > 0 {
-                        let r = range(p - 1);
-                        decode_segments(codec, prev, n, seg, r.start, r.len(), values, tail);
-                    }
-                });
-            info = Some(r?);
+            let cur = &mut all[p * emax * n..][..e * n];
+            info = Some(self.all_gather_into(&mine[..e], cur).await?);
         }
         let info = info.expect("at least one piece");
         // Both collectives of every piece succeeded: the buffer may be written now.
-        let last = range(pieces - 1);
-        let codes = &all[(pieces - 1) % 2][..enc_len(pieces - 1) * n];
-        if direct {
-            let out: &mut [f32] = bytemuck::cast_slice_mut(buf);
-            for k in 0..n {
-                let (lo, hi) = (k * seg, (k * seg + last.start).min(count));
-                if lo < hi {
-                    out[lo..hi].copy_from_slice(&values[lo..hi]);
-                }
-            }
-            decode_segments(codec, codes, n, seg, last.start, last.len(), out, tail);
+        let out: &mut [f32] = if direct {
+            bytemuck::cast_slice_mut(buf)
         } else {
-            decode_segments(codec, codes, n, seg, last.start, last.len(), values, tail);
+            &mut values[..seg * n]
+        };
+        for p in 0..pieces {
+            let r = range(p);
+            let codes = &all[p * emax * n..][..enc_len(p) * n];
+            decode_segments(codec, codes, n, seg, r.start, r.len(), out, tail);
+        }
+        if !direct {
             quant::narrow(dtype, &values[..count], buf);
         }
         self.quant_scratch = s;
