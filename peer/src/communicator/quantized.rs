@@ -48,10 +48,12 @@ impl Quantize {
     }
 }
 
-/// The buffers of a quantized all_reduce, kept between calls (per communicator, about
-/// half the largest call's bytes as f32 beside `wide` and `values`, which only calls on
-/// f16 and bf16, or on f32 not aligned for it, use). `send` is doubled: one piece is
-/// encoded into one while the other piece's all_to_all sends from the other.
+/// The buffers of a quantized all_reduce, kept between calls (per communicator: a
+/// quarter of the largest f32 call's bytes for every piece's gathered codes, three
+/// pieces' codes for `send` and `recv` and one piece's sum in f32; beside them `wide` and
+/// `values`, which only calls on f16 and bf16, or on f32 not aligned for it, use).
+/// `send` is doubled: one piece is encoded into one while the other piece's all_to_all
+/// sends from the other.
 #[derive(Default)]
 pub(crate) struct Scratch {
     /// The buffer widened to f32 (f16, bf16, unaligned f32).
