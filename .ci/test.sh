@@ -56,6 +56,8 @@ summary() {
     fi
     if [ -n "${beside_pid:-}" ]; then
         kill -- "-$beside_pid" 2>/dev/null || true
+        echo "--- the tests beside (-m beside), stopped with the run: the end of their log"
+        tail -n 40 target/pytest-beside.log 2>/dev/null || true
     fi
     if [ -n "${shim_pid:-}" ]; then
         kill -- "-$shim_pid" 2>/dev/null || true

@@ -93,6 +93,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "beside: a test that mostly waits; .ci/test.sh runs these in a second "
         "pytest process beside the others (conftest.BESIDE_FILES, BESIDE_TESTS)")
+    # The two processes draw loopback ports from classes of their own (procs.free_port).
+    marks = (config.getoption("markexpr", "") or "").strip()
+    if marks in ("beside", "not beside"):
+        import procs
+        procs.PORT_CLASS = 1 if marks == "beside" else 0
 
 
 def pytest_collection_modifyitems(config, items):

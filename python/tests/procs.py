@@ -17,6 +17,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Set
 
 _HANDED_OUT: Set[int] = set()
+# Set by conftest.py where two pytest processes run at once (.ci/test.sh: `-m beside`
+# and `-m "not beside"`): each takes only ports of its own class, `(port >> 1) & 1`
+# (bind to port 0 hands out mostly even ports, so the parity alone would starve one),
+# so a port one process probed and released is never handed to the other.
+PORT_CLASS: Optional[int] = None
 
 
 def free_port() -> int:
@@ -27,6 +32,8 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        if PORT_CLASS is not None and (port >> 1) & 1 != PORT_CLASS:
+            continue
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
