@@ -186,24 +186,13 @@ impl Lab {
             tc_inside(&[
                 "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "10",
             ])?;
-            tc_inside(&[
-                "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb", "rate",
-                fast,
-            ])?;
-            tc_inside(&[
-                "class",
-                "add",
-                "dev",
-                "eth0",
-                "parent",
-                "1:",
-                "classid",
-                "1:20",
-                "htb",
-                "rate",
-                &self.slow_rate,
-            ])?;
-            for p in partners {
+            for (class, rate) in [("1:10", fast), ("1:20", self.slow_rate.as_str())] {
+                tc_inside(&[
+                    "class", "add", "dev", "eth0", "parent", "1:", "classid", class, "htb", "rate",
+                    rate,
+                ])?;
+            }
+            for &p in &partners {
                 let dst = format!("{}/32", self.addr_of(Some(p)));
                 tc_inside(&[
                     "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1",
@@ -217,7 +206,7 @@ impl Lab {
             let tbf = [
                 "root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms",
             ];
-            if self.slow.iter().all(|&(a, b)| a != slot && b != slot) {
+            if partners.is_empty() {
                 let mut inside = vec!["qdisc", "add", "dev", "eth0"];
                 inside.extend(tbf);
                 tc_inside(&inside)?;

@@ -152,19 +152,25 @@ def mixed(r, n):
     # Ranks that disagree on a send's device kind: a CPU tensor sent where a CUDA one is
     # received (eccl's device receive expects a device send's header). The receiver fails
     # with a typed error, the epoch ends, and the group goes on.
-    try:
-        if r == 0:
-            dist.send(torch.ones(4, device="cpu"), dst=1)
-            out["p2p_kinds"] = "sent"
-        elif r == 1:
-            dist.recv(torch.empty(4), src=0)
-            out["p2p_kinds"] = "no error"
-        else:
-            out["p2p_kinds"] = "idle"
-    except eccl.EcclError as e:
-        out["p2p_kinds"] = f"{type(e).__name__}: {e}"[:300]
+    out["p2p_kinds"] = send_from_0_to_1(r, torch.ones(4, device="cpu"), torch.empty(4))
     out["after_p2p_kinds"] = all_reduce_after_an_abort()
     return out
+
+
+def send_from_0_to_1(r, sent, received):
+    """Rank 0 sends `sent`, rank 1 receives into `received`, the others wait: "sent",
+    "no error" or "idle", or the eccl error's name and message."""
+    import eccl
+    try:
+        if r == 0:
+            dist.send(sent, dst=1)
+            return "sent"
+        if r == 1:
+            dist.recv(received, src=0)
+            return "no error"
+        return "idle"
+    except eccl.EcclError as e:
+        return f"{type(e).__name__}: {e}"[:300]
 
 
 def all_reduce_after_an_abort():
@@ -187,19 +193,7 @@ def p2p_mismatch(r, n):
     with a MismatchError naming both sizes, the sender's part was eager, the epoch ends
     on every rank, and the group goes on at the next call, with every rank's sends and
     receives in order again."""
-    import eccl
-    out = {}
-    try:
-        if r == 0:
-            dist.send(torch.ones(8), dst=1)
-            out["mismatch"] = "sent"
-        elif r == 1:
-            dist.recv(torch.empty(6), src=0)
-            out["mismatch"] = "no error"
-        else:
-            out["mismatch"] = "idle"
-    except eccl.EcclError as e:
-        out["mismatch"] = f"{type(e).__name__}: {e}"[:300]
+    out = {"mismatch": send_from_0_to_1(r, torch.ones(8), torch.empty(6))}
     out["after"] = all_reduce_after_an_abort()
     x = torch.full((3,), float(r))
     dist.send(x, dst=(r + 1) % n)
