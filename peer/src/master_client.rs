@@ -406,7 +406,14 @@ impl MasterClient {
             .ok_or_else(|| {
                 self.unavailable("no master connection now (a fail-over is under way)")
             })?;
-        let sent = c.tx.lock().await.send(&Request { id: 0, body }).await;
+        let sent =
+            c.tx.lock()
+                .await
+                .send(&Request {
+                    id: eccl_protocol::NOTIFICATION,
+                    body,
+                })
+                .await;
         sent.map_err(|e| self.unavailable(e))
     }
 
@@ -430,6 +437,14 @@ impl MasterClient {
         // runtime's timers (starved of CPU, or a long blocking call on its threads): it
         // explains a lease that ran out with the process alive.
         let late = Duration::from_millis(lease_ms / 4);
+        // An answer is asked for at most every half lease: the ticks between send
+        // notifications, which renew the lease as well and which the master does not
+        // answer. A hung master is then found within half a lease plus `within`, still
+        // inside the lease, and at the default timing (lease 800 ms, a heartbeat every
+        // 200) the master writes half the answers it wrote when every heartbeat had
+        // one: an answer was most of a heartbeat's cost to it (`eccl-chaos load`).
+        let ask_every = (lease_ms / 2 / heartbeat_ms.max(10)).max(1);
+        let mut since_asked = ask_every;
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -457,7 +472,9 @@ impl MasterClient {
                                 tracing::warn!(target: "eccl::init", "peer {peer_id}: a heartbeat ran {} ms after its time: this process's eccl runtime did not run meanwhile (starved of CPU, or blocked){}", behind.as_millis(), eccl_transport::logging::held_note(held));
                             }
                         }
-                        if awaited.is_none() {
+                        since_asked += 1;
+                        if awaited.is_none() && since_asked >= ask_every {
+                            since_asked = 0;
                             let m = master.clone();
                             awaited = Some(Box::pin(async move { m.heartbeat(peer_id, within).await }));
                         } else {

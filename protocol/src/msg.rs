@@ -267,8 +267,15 @@ pub struct TensorDigest {
     pub chunks: Vec<[u8; 32]>,
 }
 
+/// The [`Request::id`] of a request whose sender wants no answer (a heartbeat between
+/// the ones a peer awaits, a fault report): the master does what it asks and answers
+/// nothing, not even an error, which spares it a write per heartbeat.
+pub const NOTIFICATION: u64 = 0;
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {
+    /// Names the answer ([`MasterMessage::Reply`]'s `id`). [`NOTIFICATION`]: the
+    /// sender wants no answer, and the master sends none.
     pub id: u64,
     pub body: PeerRequest,
 }

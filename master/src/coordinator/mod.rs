@@ -61,6 +61,10 @@ impl ReplyTo {
     /// Sends a large reply that holds `held` (its bytes in the master's reply budget)
     /// until the writer has written it.
     pub fn send_holding(&self, body: MasterReply, held: Option<tokio::sync::OwnedSemaphorePermit>) {
+        // A notification is done, not answered: its sender reads no answer to it.
+        if self.id == eccl_protocol::NOTIFICATION {
+            return;
+        }
         let _ = self.conn.try_send(Outgoing {
             msg: MasterMessage::Reply { id: self.id, body },
             held,

@@ -503,6 +503,66 @@ async fn an_idle_connection_is_closed() {
     talker.await.unwrap();
 }
 
+/// Finding: every heartbeat had an answer, most of its cost to the master (a write and
+/// the loopback's delivery, `eccl-chaos load`). A request with id
+/// [`eccl_protocol::NOTIFICATION`] renews the lease and is answered with nothing, not
+/// even an error; an awaited heartbeat after three leases of notifications alone finds
+/// the peer alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notified_heartbeats_renew_the_lease_unanswered() {
+    let m = start_master(&["--lease-ms", "400", "--heartbeat-ms", "100"]);
+    let (c, me, reply) = registered(&m.addr, "h").await;
+    let me = me.unwrap_or_else(|| panic!("not registered: {reply:?}"));
+    let control::ControlConn { mut rx, mut tx, .. } = c;
+    let (got, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        while let Ok(msg) = rx.recv::<MasterMessage>().await {
+            if got.send(msg).is_err() {
+                break;
+            }
+        }
+    });
+    let note = |body| Request {
+        id: eccl_protocol::NOTIFICATION,
+        body,
+    };
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(1200) {
+        tx.send(&note(PeerRequest::Heartbeat { peer_id: me }))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A notification in another peer's name is refused without an answer as well.
+    let other = eccl::PeerId(me.0 + 1000);
+    tx.send(&note(PeerRequest::Heartbeat { peer_id: other }))
+        .await
+        .unwrap();
+    tx.send(&Request {
+        id: 9,
+        body: PeerRequest::Heartbeat { peer_id: me },
+    })
+    .await
+    .unwrap();
+    let answer = loop {
+        let msg = tokio::time::timeout(Duration::from_secs(5), heard.recv())
+            .await
+            .expect("no answer to the awaited heartbeat")
+            .expect("the connection closed");
+        match msg {
+            MasterMessage::Reply { id, body } => break (id, body),
+            // Events (none is due here) are not answers.
+            MasterMessage::Event(_) => continue,
+        }
+    };
+    assert_eq!(
+        answer,
+        (9, MasterReply::Ok),
+        "the first answer on the connection"
+    );
+    reader.abort();
+}
+
 /// Finding: store scopes did not separate jobs. Masters that keep another job's store
 /// (`--store-job other=FILE`) take that job's secret for its scopes only: the same scope
 /// name is two scopes, a session of one job cannot be attached to with the other's
