@@ -393,9 +393,19 @@ impl MasterClient {
         }
     }
 
-    /// Sends `body` without waiting for an answer (fault reports): id 0 is never a
-    /// request's, so a reply to it is dropped. Fails at once, rather than wait for a
-    /// leader, when there is no connection now: a collective's error path calls this.
+    /// Whether this client has a master connection whose reader still runs (a
+    /// connection being set up or replaced counts as live: its lock is held).
+    fn has_live_conn(&self) -> bool {
+        self.conn
+            .try_lock()
+            .map(|c| c.as_ref().is_some_and(|c| !c.reader.is_finished()))
+            .unwrap_or(true)
+    }
+
+    /// Sends `body` as a notification (fault reports, the heartbeats between asked ones):
+    /// the master does what it says and answers nothing. Fails at once, rather than wait
+    /// for a leader, when there is no connection now: a collective's error path calls
+    /// this.
     pub async fn notify(&self, body: PeerRequest) -> Result<()> {
         let c = self
             .conn
@@ -430,8 +440,8 @@ impl MasterClient {
         let master = self.clone();
         let every = Duration::from_millis(heartbeat_ms.max(10));
         // A master that does not answer within half the lease is taken for dead or
-        // hung, so the peer is attached to the next leader well before the lease that
-        // leader grants runs out.
+        // hung, so the peer is attached to the next leader before the lease that leader
+        // grants runs out (its first lease adds `TAKEOVER_GRACE`).
         let within = Duration::from_millis((lease_ms / 2).max(50));
         // A tick that runs this much after its time means this process did not run its
         // runtime's timers (starved of CPU, or a long blocking call on its threads): it
@@ -439,19 +449,22 @@ impl MasterClient {
         let late = Duration::from_millis(lease_ms / 4);
         // An answer is asked for at most every half lease: the ticks between send
         // notifications, which renew the lease as well and which the master does not
-        // answer. A hung master is then found within half a lease plus `within`, still
-        // inside the lease, and at the default timing (lease 800 ms, a heartbeat every
-        // 200) the master writes half the answers it wrote when every heartbeat had
-        // one: an answer was most of a heartbeat's cost to it (`eccl-chaos load`).
+        // answer. A hung master is then found within half a lease plus `within` (a
+        // lease), and at the default timing (lease 800 ms, a heartbeat every 200) the
+        // master writes half the answers it wrote when every heartbeat had one: an
+        // answer was most of a heartbeat's cost to it (`eccl-chaos load`). Without a
+        // live connection (dropped for a redirect or a hung master, or its reader ended
+        // with a killed master) the next tick asks at once: the ask is what finds the
+        // next leader, and a notification has nowhere to go.
         let ask_every = (lease_ms / 2 / heartbeat_ms.max(10)).max(1);
         let mut since_asked = ask_every;
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             // Every tick sends a heartbeat. One at a time is awaited: its answer (or its
-            // absence) tells whether the master lives. While that answer is late (a
-            // master busy writing other answers, or gone), the ticks go on sending
-            // heartbeats whose answers nobody awaits (`notify`): a peer that waited
+            // absence) tells whether the master lives. The others, also while that
+            // answer is late (a master busy writing other answers, or gone), go as
+            // notifications (`notify`), which nobody awaits: a peer that waited
             // renewed its lease at the pace of the master's answers, and a leader busy
             // with a large epoch change evicted peers that were alive (`eccl-chaos load
             // --masters 3 --peers 3000` on two cores: false evictions). Each of those
@@ -473,7 +486,9 @@ impl MasterClient {
                             }
                         }
                         since_asked += 1;
-                        if awaited.is_none() && since_asked >= ask_every {
+                        if awaited.is_none()
+                            && (since_asked >= ask_every || !master.has_live_conn())
+                        {
                             since_asked = 0;
                             let m = master.clone();
                             awaited = Some(Box::pin(async move { m.heartbeat(peer_id, within).await }));

@@ -16,8 +16,8 @@ use crate::registry::PeerState;
 use crate::registry::{Command, Outcome};
 
 /// What a new leader adds to every peer's first lease: the time a peer needs to notice
-/// that its leader is gone (a heartbeat left unanswered for half a lease) and to find the
-/// new one.
+/// that its leader is gone (an asked heartbeat left unanswered for half a lease, asked
+/// at most every half lease: up to a lease) and to find the new one.
 pub const TAKEOVER_GRACE: Duration = Duration::from_secs(2);
 
 /// The leader's leases on peers (and on store sessions).
