@@ -626,8 +626,9 @@ impl Device for CudaDevice {
         if count == 0 {
             return Ok(());
         }
-        let f = self.kernel(&kernels::kernel_name(dtype, op))?;
+        // The context first: a module loads into the thread's current context.
         self.current()?;
+        let f = self.kernel(&kernels::kernel_name(dtype, op))?;
         let mut pin = Ptrs([0; MAX_PTRS]);
         pin.0[..ins.len()].copy_from_slice(ins);
         let mut pout = Ptrs([0; MAX_PTRS]);

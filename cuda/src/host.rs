@@ -63,6 +63,28 @@ impl Memory {
     }
 }
 
+impl Memory {
+    /// Checks that device `dev` may touch `[ptr, ptr + len)` from a kernel or a copy: its
+    /// own allocation, or another's that it holds mapped now (CUDA IPC), as a real
+    /// device's page tables would: a mapping closed under queued work is caught here.
+    fn reachable(&self, dev: u64, ptr: DevPtr, len: usize) -> Result<()> {
+        let base = self.find(ptr, len)?;
+        if self.allocs[&base].owner == dev
+            || self
+                .opened
+                .get(&dev)
+                .is_some_and(|m| m.get(&base).is_some_and(|&n| n > 0))
+        {
+            Ok(())
+        } else {
+            Err(DeviceError::Invalid(format!(
+                "{len} bytes at {ptr:#x}: another process's memory that this one does not \
+                 hold mapped (never opened, or closed already)"
+            )))
+        }
+    }
+}
+
 fn bad(ptr: DevPtr, len: usize) -> DeviceError {
     DeviceError::Invalid(format!(
         "{len} bytes at {ptr:#x} are not inside one allocation"
@@ -104,6 +126,8 @@ pub struct HostDevice {
     fail_after: Option<u64>,
     /// Downloads run when queued ([`HostDevice::with_eager_downloads`]).
     eager_downloads: bool,
+    /// Exports fail ([`HostDevice::failing_exports`]).
+    no_exports: bool,
     lanes: Mutex<Lanes>,
     /// Live [`Device::host_alloc`] memory: address → bytes.
     host: Mutex<HashMap<usize, usize>>,
@@ -152,6 +176,7 @@ impl HostDevice {
             queued: AtomicU64::new(0),
             fail_after: None,
             eager_downloads: false,
+            no_exports: false,
             lanes: Mutex::new(Lanes::default()),
             host: Mutex::new(HashMap::new()),
         }
@@ -170,6 +195,21 @@ impl HostDevice {
     pub fn with_eager_downloads(mut self) -> HostDevice {
         self.eager_downloads = true;
         self
+    }
+
+    /// This device refusing to export its memory over IPC, as CUDA refuses memory that
+    /// did not come from `cuMemAlloc` (torch's expandable segments, a `cudaMallocAsync`
+    /// pool).
+    pub fn failing_exports(mut self) -> HostDevice {
+        self.no_exports = true;
+        self
+    }
+
+    /// Copies queued on the copy lanes that have not run yet: work a call left behind
+    /// when it returned.
+    pub fn pending_copies(&self) -> usize {
+        let l = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        l.pending[0].len() + l.pending[1].len()
     }
 
     /// Host-device copies queued on the copy lanes so far.
@@ -314,6 +354,8 @@ impl Device for HostDevice {
     unsafe fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
         self.copies.fetch_add(1, Ordering::Relaxed);
         let mut m = memory();
+        m.reachable(self.id, src, bytes)?;
+        m.reachable(self.id, dst, bytes)?;
         let data = m.read(src, bytes)?;
         m.write(dst, &data)
     }
@@ -342,6 +384,9 @@ impl Device for HostDevice {
         self.reductions.fetch_add(1, Ordering::Relaxed);
         let len = count * dtype.size();
         let mut m = memory();
+        for &p in ins.iter().chain(outs) {
+            m.reachable(self.id, p, len)?;
+        }
         let mut acc = m.read(ins[0], len)?;
         for &p in &ins[1..] {
             kernels::reduce_inplace(dtype, op, &mut acc, &m.read(p, len)?);
@@ -425,6 +470,12 @@ impl Device for HostDevice {
     }
 
     fn ipc_export(&self, ptr: DevPtr) -> Result<IpcMem> {
+        if self.no_exports {
+            return Err(DeviceError::Invalid(format!(
+                "{}: memory that cannot be exported over IPC (a simulated allocator)",
+                self.describe()
+            )));
+        }
         let mut m = memory();
         let base = m.find(ptr, 0)?;
         let alloc_len = m.allocs[&base].bytes.len() as u64;

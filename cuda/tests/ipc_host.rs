@@ -1046,6 +1046,8 @@ struct P2p {
     src: Vec<u8>,
     /// Copies each side queued on its copy lanes.
     queued: (u64, u64),
+    /// Copies each side left queued, not run, when its call returned.
+    pending: (usize, usize),
 }
 
 /// `sends` (bytes, dtype) from one rank to another in order, then the receives
@@ -1071,7 +1073,8 @@ fn p2p(ends: (Pair, Pair), sends: &[(usize, DType)], recvs: &[(usize, DType)]) -
             for (&(n, dtype), &p) in sends.iter().zip(&srcs) {
                 last = unsafe { ipc.send_to(&mut s_end, p, n, dtype) };
             }
-            last
+            // Before the comm's drop, which waits for whatever is queued.
+            (last, sdev.pending_copies())
         });
         let hr = sc.spawn(|| {
             let mut ipc = IpcComm::new(r2);
@@ -1080,12 +1083,15 @@ fn p2p(ends: (Pair, Pair), sends: &[(usize, DType)], recvs: &[(usize, DType)]) -
             for (&(n, dtype), &p) in recvs.iter().zip(&dsts) {
                 last = unsafe { ipc.recv_from(&mut r_end, p, n, dtype) };
             }
-            last
+            (last, rdev.pending_copies())
         });
         (hs.join().unwrap(), hr.join().unwrap())
     });
+    let ((send, s_pending), (recv, r_pending)) = (send, recv);
+    let pending = (s_pending, r_pending);
     let (&(sn, _), &(rn, _)) = (sends.last().unwrap(), recvs.last().unwrap());
     P2p {
+        pending,
         send,
         recv,
         got: download(&rdev, *dsts.last().unwrap(), rn),
@@ -1191,6 +1197,86 @@ fn a_sender_dying_mid_transfer_fails_the_receiver_without_a_hang() {
     assert!(t.elapsed() < std::time::Duration::from_secs(5));
     // Two chunks arrived before the sender died; the rest of the buffer is as it was.
     assert!(r.got[2048..].iter().all(|&b| b == 0xEE));
+    // Neither side returned with copies still queued: the receiver's uploads into its
+    // buffer and the sender's download into a stage buffer landed before the calls
+    // returned, not after their callers reused the memory.
+    assert_eq!(r.pending, (0, 0));
+    assert_eq!(
+        r.got[..2048],
+        (0..2048).map(|i| (i * 7 + 3) as u8).collect::<Vec<_>>()[..]
+    );
+}
+
+/// A call that uses a cached peer mapping (the root's output, the same every call) and
+/// opens new ones (fresh inputs every call) after the cache filled: the mapping the call
+/// uses is not the one it closes to make room (the host double refuses a copy through a
+/// closed mapping, as a GPU faults on one).
+#[test]
+fn a_full_mapping_cache_never_closes_what_the_call_uses() {
+    let (world, root, count, dtype) = (3, 1, 16, DType::F32);
+    let size = dtype.size();
+    let calls = eccl_cuda::ipc::MAX_MAPPINGS / 2 + 8;
+    let res = each_rank(world, &|_| Some(1), None, &|rank, dev, comm, ex| {
+        let recv = if rank == root {
+            dev.alloc(world * count * size).unwrap()
+        } else {
+            0
+        };
+        for call in 0..calls {
+            let send = upload(dev, &values(dtype, count, rank + call));
+            unsafe { comm.gather(ex, send, recv, count, dtype, root) }
+                .unwrap_or_else(|e| panic!("rank {rank} call {call}: {e}"));
+            if rank == root {
+                let want: Vec<u8> = (0..world)
+                    .flat_map(|r| values(dtype, count, r + call))
+                    .collect();
+                assert_eq!(
+                    download(dev, recv, world * count * size),
+                    want,
+                    "call {call}"
+                );
+            }
+            // SAFETY: the call returned; nothing of it is queued.
+            unsafe { dev.free(send) };
+        }
+        comm.mappings()
+    });
+    assert!(
+        res.iter().all(|&m| m <= eccl_cuda::ipc::MAX_MAPPINGS),
+        "mappings {res:?}"
+    );
+    assert!(res[0] > 0, "the owner maps the others' buffers");
+}
+
+/// A rank whose buffer CUDA IPC cannot export (memory from another allocator) sends the
+/// call through host memory on every rank: the same typed verdict everywhere, at once.
+#[test]
+fn a_buffer_that_cannot_be_exported_sends_every_rank_to_host_memory() {
+    let res = each_rank_on(
+        3,
+        &|r| {
+            if r == 2 {
+                HostDevice::new().failing_exports()
+            } else {
+                HostDevice::new()
+            }
+        },
+        None,
+        &|rank, dev, comm, ex| {
+            let buf = upload(dev, &values(DType::F32, 64, rank));
+            let r = unsafe { comm.all_reduce(ex, buf, 64, DType::F32, ReduceOp::Sum, true) };
+            (r, download(dev, buf, 64 * 4))
+        },
+    );
+    for (rank, (r, after)) in res.into_iter().enumerate() {
+        match r {
+            Err(IpcError::NoPeerAccess(why)) => {
+                assert!(why.contains("rank 2"), "rank {rank}: {why}")
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        assert_eq!(after, values(DType::F32, 64, rank), "rank {rank}'s buffer");
+    }
 }
 
 #[test]

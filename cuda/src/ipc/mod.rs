@@ -32,8 +32,10 @@
 //! it.
 //!
 //! Mapped handles are cached (torch's caching allocator hands out the same allocations
-//! again), at most [`MAX_MAPPINGS`] and all of them released when the world changes or an
-//! exchange fails (a dead peer's mappings with it).
+//! again), at most [`MAX_MAPPINGS`], the least recently used closed first (never one the
+//! current call uses: work it queued may read it), and all of them released when the
+//! world changes or an exchange fails (a dead peer's mappings with it). Every call waits
+//! for the work it queued before it returns, also when it fails part-way.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -141,8 +143,8 @@ pub fn owners(gpus: &[[u8; GPU_ID_BYTES]]) -> Vec<usize> {
 fn unreachable(metas: &[Meta]) -> Option<String> {
     if let Some(r) = metas.iter().position(|m| m.host_only) {
         return Some(format!(
-            "rank {r} keeps device collectives off CUDA IPC (ECCL_CUDA_IPC=0, or a world \
-             across hosts)"
+            "rank {r} keeps device collectives off CUDA IPC (ECCL_CUDA_IPC=0, a world \
+             across hosts, or a buffer CUDA IPC cannot export)"
         ));
     }
     let gpus: Vec<_> = metas.iter().map(|m| m.gpu).collect();
@@ -182,11 +184,19 @@ pub struct IpcComm<D: Device> {
     pub phases: Phases,
     dev: Arc<D>,
     epoch: Option<u64>,
-    /// Peer allocations mapped here: handle → base, oldest first in `order`.
-    mapped: HashMap<[u8; IPC_HANDLE_BYTES], DevPtr>,
+    /// Peer allocations mapped here: handle → (base, the call that last used it), least
+    /// recently used first in `order`.
+    mapped: HashMap<[u8; IPC_HANDLE_BYTES], (DevPtr, u64)>,
     order: VecDeque<[u8; IPC_HANDLE_BYTES]>,
+    /// Counts calls (begun), to tell the mappings the current call uses from older ones.
+    call: u64,
     /// This rank's scratch chunk (keep mode): address, bytes, handle.
     scratch: Option<(DevPtr, usize, IpcMem)>,
+    /// Scratch chunks outgrown in this world: peers may still hold them mapped, and CUDA
+    /// leaves freeing memory that another process maps undefined, so they are freed when
+    /// the world changes ([`IpcComm::release`]), after which no peer of the world maps
+    /// them for a call again.
+    retired: Vec<DevPtr>,
     /// `ECCL_CUDA_IPC=0`: every call of the world goes through host memory.
     host_only: bool,
     /// The current world's ranks run on more than one host: the same.
@@ -217,7 +227,9 @@ impl<D: Device> IpcComm<D> {
             epoch: None,
             mapped: HashMap::new(),
             order: VecDeque::new(),
+            call: 0,
             scratch: None,
+            retired: Vec::new(),
             host_only: std::env::var("ECCL_CUDA_IPC").is_ok_and(|v| v.trim() == "0"),
             spans_hosts: false,
             stage: Vec::new(),
@@ -283,9 +295,15 @@ impl<D: Device> IpcComm<D> {
         self.mapped.len()
     }
 
-    /// Unmaps every peer allocation (a world change, a failed exchange, a dead peer).
+    /// Unmaps every peer allocation (a world change, a failed exchange, a dead peer) and
+    /// frees the scratch chunks this rank outgrew.
     pub fn release(&mut self) {
-        for (_, base) in self.mapped.drain() {
+        for old in self.retired.drain(..) {
+            // SAFETY: every call synchronizes before it returns, and a retired chunk is no
+            // call's scratch any more.
+            unsafe { self.dev.free(old) };
+        }
+        for (_, (base, _)) in self.mapped.drain() {
             // SAFETY: every call synchronizes before it returns, so nothing queued uses a
             // mapping between calls, and the cache forgets the base with it.
             if let Err(e) = unsafe { self.dev.ipc_close(base) } {
@@ -307,20 +325,40 @@ impl<D: Device> IpcComm<D> {
                 mem.offset, mem.alloc_len
             )));
         }
-        if let Some(&base) = self.mapped.get(&mem.handle) {
+        let call = self.call;
+        if let Some((base, used)) = self.mapped.get_mut(&mem.handle) {
+            // Least recently used last: a mapping this call uses is never the one a
+            // later open of the same call closes.
+            *used = call;
+            let base = *base;
+            if let Some(i) = self.order.iter().position(|h| *h == mem.handle) {
+                self.order.remove(i);
+            }
+            self.order.push_back(mem.handle);
             return Ok(base + mem.offset);
         }
         if self.mapped.len() >= MAX_MAPPINGS {
-            if let Some(old) = self.order.pop_front() {
-                if let Some(base) = self.mapped.remove(&old) {
-                    // SAFETY: as in `release`: no call is using it (it is not this call's:
-                    // a call maps at most two allocations per peer).
+            let oldest = self.order.front().copied();
+            match oldest.and_then(|h| self.mapped.get(&h).map(|&(b, used)| (h, b, used))) {
+                Some((h, base, used)) if used != call => {
+                    self.order.pop_front();
+                    self.mapped.remove(&h);
+                    // SAFETY: as in `release`: an earlier call's mapping, and every call
+                    // synchronizes before it returns, so nothing queued uses it.
                     let _ = unsafe { self.dev.ipc_close(base) };
+                }
+                // Every mapping is this call's (a call maps at most two allocations per
+                // peer, far fewer than the cache holds): refuse rather than close one
+                // that work queued by this call may use.
+                _ => {
+                    return Err(IpcError::Invalid(format!(
+                        "a call would map more than {MAX_MAPPINGS} peer allocations at once"
+                    )))
                 }
             }
         }
         let base = self.dev.ipc_open(mem)?;
-        self.mapped.insert(mem.handle, base);
+        self.mapped.insert(mem.handle, (base, call));
         self.order.push_back(mem.handle);
         Ok(base + mem.offset)
     }
@@ -332,9 +370,9 @@ impl<D: Device> IpcComm<D> {
             }
         }
         if let Some((old, _, _)) = self.scratch.take() {
-            // SAFETY: every call synchronizes before it returns; peers map the new handle
-            // from now on (their old mapping keeps the memory until they release it).
-            unsafe { self.dev.free(old) };
+            // Peers map the new handle from now on; the old chunk is freed at the next
+            // world change, when they have released their mappings of it.
+            self.retired.push(old);
         }
         let bytes = bytes.max(1 << 20);
         let ptr = self.dev.alloc(bytes)?;
@@ -384,9 +422,10 @@ impl<D: Device> IpcComm<D> {
         }
         let t = std::time::Instant::now();
         self.phases.calls += 1;
+        self.call += 1;
         // The caller's writes to its buffers are done before any peer reads them.
         self.dev.synchronize()?;
-        let host_only = self.host_only || self.spans_hosts || too_many;
+        let mut host_only = self.host_only || self.spans_hosts || too_many;
         let export = |dev: &D, (ptr, bytes): (DevPtr, usize)| {
             if bytes > 0 && refused.is_none() && !host_only {
                 dev.ipc_export(ptr)
@@ -394,12 +433,25 @@ impl<D: Device> IpcComm<D> {
                 Ok(NO_MEM)
             }
         };
+        // Memory that CUDA IPC cannot export (not from cuMemAlloc: torch's expandable
+        // segments, a cudaMallocAsync pool) sends the call through host memory on every
+        // rank (the record says so), rather than failing this rank alone before the
+        // exchange, where the others would wait for it.
+        let exported = export(&self.dev, send).and_then(|s| Ok((s, export(&self.dev, recv)?)));
+        let (send_mem, recv_mem) = match exported {
+            Ok(both) => both,
+            Err(e) => {
+                tracing::info!(target: "eccl::cuda", "a buffer cannot be exported over CUDA IPC ({e}): this call goes through host memory on every rank");
+                host_only = true;
+                (NO_MEM, NO_MEM)
+            }
+        };
         let meta = Meta {
             call,
             refused: refused.is_some(),
             host_only,
-            send: export(&self.dev, send)?,
-            recv: export(&self.dev, recv)?,
+            send: send_mem,
+            recv: recv_mem,
             gpu: self.dev.gpu_id()?,
             reach: self.dev.reach()?,
         };
@@ -527,13 +579,16 @@ impl<D: Device> IpcComm<D> {
         mut work: impl FnMut(&mut Self, usize) -> Result<(), IpcError>,
     ) -> Result<(), IpcError> {
         let t = std::time::Instant::now();
-        let local = (|| {
+        let queued = (|| {
             for target in Self::targets(metas, rank) {
                 work(self, target)?;
             }
-            self.dev.synchronize()?;
             Ok(NO_MEM)
         })();
+        // Also after a failure part-way: what was queued lands before the status lets any
+        // rank return (or the mappings it uses are released).
+        let done = self.dev.synchronize();
+        let local = queued.and_then(|m| done.map(|()| m).map_err(IpcError::from));
         self.phases.reduce += t.elapsed();
         self.settle(ex, local).map(drop)
     }
@@ -584,10 +639,48 @@ impl<D: Device> IpcComm<D> {
         self.phases.reduce += t.elapsed();
         let statuses = self.settle(ex, local)?;
         let t = std::time::Instant::now();
+        let mut copied = Ok(());
         if keep && mine.is_some() {
+            copied = self.keep_copies(&metas, &statuses, &owners, rank, buf, count, dtype, op);
+        }
+        if keep {
+            // No rank returns before its buffer is written, and no owner frees or rewrites
+            // its scratch while another still copies from it; an owner whose copies
+            // failed says so, and every rank fails alike.
+            let all = self.exchange(ex, &[u8::from(copied.is_err())])?;
+            self.phases.copy += t.elapsed();
+            copied?;
+            if let Some(r) = all.iter().position(|s| s[0] != 0) {
+                return Err(IpcError::Peer {
+                    rank: r,
+                    msg: "its copies of the result into its GPU's buffers failed".into(),
+                });
+            }
+            return Ok(());
+        }
+        copied
+    }
+
+    /// An owner's copies of every reduced chunk into the buffers of the ranks on its GPU
+    /// (`all_reduce` with `keep`), waited for also when one fails part-way.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn keep_copies(
+        &mut self,
+        metas: &[Meta],
+        statuses: &[Vec<u8>],
+        owners: &[usize],
+        rank: usize,
+        buf: DevPtr,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), IpcError> {
+        let size = dtype.size();
+        let bytes = count * size;
+        let queued = (|| {
             // The owner of each GPU writes the result into the buffers of the ranks on its
             // GPU (its own among them), so ranks that share a GPU queue nothing.
-            let here = Self::targets(&metas, rank);
+            let here = Self::targets(metas, rank);
             for (k, &o) in owners.iter().enumerate() {
                 let (start, end) = chunk(count, owners.len(), dtype, k);
                 if end == start {
@@ -605,7 +698,7 @@ impl<D: Device> IpcComm<D> {
                 // copies for a single read's worth of the GPU's bandwidth more).
                 let mut dsts = Vec::with_capacity(here.len());
                 for &t in &here {
-                    let dst = self.at(&metas, rank, t, buf, |m| m.send, bytes)?;
+                    let dst = self.at(metas, rank, t, buf, |m| m.send, bytes)?;
                     dsts.push(dst + (start * size) as u64);
                 }
                 if let [dst] = dsts[..] {
@@ -614,15 +707,10 @@ impl<D: Device> IpcComm<D> {
                     self.dev.reduce(dtype, op, &[src], &dsts, end - start, 0)?;
                 }
             }
-            self.dev.synchronize()?;
-        }
-        if keep {
-            // No rank returns before its buffer is written, and no owner frees or rewrites
-            // its scratch while another still copies from it.
-            self.exchange(ex, &[1])?;
-            self.phases.copy += t.elapsed();
-        }
-        Ok(())
+            Ok(())
+        })();
+        let done = self.dev.synchronize();
+        queued.and_then(|()| done.map_err(IpcError::from))
     }
 
     /// Elements `[start, end)` from every rank's `buf`, combined (the call is

@@ -89,6 +89,23 @@ impl<D: Device> IpcComm<D> {
         }
         let bufs = self.stage_buffers(2, chunk.min(bytes))?.to_vec();
         let plan: Vec<_> = chunks(bytes, chunk).collect();
+        let sent = self.send_chunks(link, buf, &bufs, &plan);
+        if sent.is_err() {
+            // A download may still be queued into a buffer that the next call writes
+            // from the host: done before this call returns.
+            let _ = self.dev.synchronize();
+        }
+        sent
+    }
+
+    /// The chunks of [`IpcComm::send_to`], downloaded into `bufs` in turn and sent.
+    unsafe fn send_chunks(
+        &mut self,
+        link: &mut dyn PairLink,
+        buf: DevPtr,
+        bufs: &[*mut u8],
+        plan: &[(usize, usize)],
+    ) -> Result<(), IpcError> {
         let mut marks = Vec::with_capacity(plan.len());
         let (off, len) = plan[0];
         // SAFETY: `bufs[0]` is page-locked memory of at least `len` bytes that nothing
@@ -168,6 +185,23 @@ impl<D: Device> IpcComm<D> {
                 dtype.long_name()
             )));
         }
+        let got = self.recv_chunks(link, buf, &bufs, &plan);
+        if got.is_err() {
+            // Uploads already queued into the caller's buffer land before the call
+            // returns, not after the caller reuses it.
+            let _ = self.dev.synchronize();
+        }
+        got
+    }
+
+    /// The chunks of [`IpcComm::recv_from`], received into `bufs` in turn and uploaded.
+    unsafe fn recv_chunks(
+        &mut self,
+        link: &mut dyn PairLink,
+        buf: DevPtr,
+        bufs: &[*mut u8],
+        plan: &[(usize, usize)],
+    ) -> Result<(), IpcError> {
         let mut marks: [Option<crate::CopyMark>; 2] = [None, None];
         for (k, &(off, len)) in plan.iter().enumerate() {
             let slot = k % 2;
