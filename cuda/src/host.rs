@@ -66,7 +66,8 @@ impl Memory {
 impl Memory {
     /// Checks that device `dev` may touch `[ptr, ptr + len)` from a kernel or a copy: its
     /// own allocation, or another's that it holds mapped now (CUDA IPC), as a real
-    /// device's page tables would: a mapping closed under queued work is caught here.
+    /// device's page tables would: work issued through a mapping closed earlier in the
+    /// call is caught here (the double runs copies and kernels when they are issued).
     fn reachable(&self, dev: u64, ptr: DevPtr, len: usize) -> Result<()> {
         let base = self.find(ptr, len)?;
         if self.allocs[&base].owner == dev
@@ -210,6 +211,15 @@ impl HostDevice {
     pub fn pending_copies(&self) -> usize {
         let l = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         l.pending[0].len() + l.pending[1].len()
+    }
+
+    /// Device allocations of this device that are live now.
+    pub fn live_allocations(&self) -> usize {
+        memory()
+            .allocs
+            .values()
+            .filter(|a| a.owner == self.id)
+            .count()
     }
 
     /// Host-device copies queued on the copy lanes so far.

@@ -55,6 +55,8 @@ struct Rank {
     /// Fail this rank's n-th exchange (0-based), as if its peer died then.
     fail_at: Option<usize>,
     calls: usize,
+    /// The world's epoch (one unless a test moves it).
+    epoch: u64,
 }
 
 impl Exchange for Rank {
@@ -65,7 +67,7 @@ impl Exchange for Rank {
         self.mem.world
     }
     fn epoch(&self) -> u64 {
-        1
+        self.epoch
     }
     fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BoxErr> {
         let n = self.calls;
@@ -180,6 +182,7 @@ fn run_on(
                         rank,
                         fail_at: fail.filter(|f| f.0 == rank).map(|f| f.1),
                         calls: 0,
+                        epoch: 1,
                     };
                     let mut comm = IpcComm::new(dev.clone());
                     let res = unsafe { comm.all_reduce(&mut ex, buf, n, d, o, keep) };
@@ -310,6 +313,7 @@ fn an_undefined_op_is_refused_before_anything_is_exchanged() {
         rank: 0,
         fail_at: None,
         calls: 0,
+        epoch: 1,
     };
     let mut comm = IpcComm::new(dev);
     let r = unsafe { comm.all_reduce(&mut ex, buf, 16, DType::F32, ReduceOp::BXor, true) };
@@ -362,6 +366,7 @@ fn repeated_calls_reuse_mappings() {
                     rank,
                     fail_at: None,
                     calls: 0,
+                    epoch: 1,
                 };
                 let mut comm = IpcComm::new(dev.clone());
                 for i in 0..5 {
@@ -465,6 +470,7 @@ fn each_rank_on<R: Send>(
                         rank,
                         fail_at: fail.filter(|f| f.0 == rank).map(|f| f.1),
                         calls: 0,
+                        epoch: 1,
                     };
                     let mut comm = IpcComm::new(dev.clone());
                     let out = f(rank, &dev, &mut comm, &mut ex);
@@ -1290,4 +1296,35 @@ fn something_other_than_a_device_send_is_refused_by_name() {
         e.to_string().contains("something other than a device send"),
         "{e}"
     );
+}
+
+/// A keep all_reduce that outgrows its scratch chunk leaves the old one allocated while
+/// peers may hold it mapped (CUDA leaves freeing mapped memory undefined), and frees it
+/// at the first call of a later world, whose ranks released their mappings first.
+#[test]
+fn an_outgrown_scratch_chunk_is_freed_only_in_a_later_world() {
+    let live = each_rank(2, &|_| None, None, &|rank, dev, comm, ex| {
+        let mut live = Vec::new();
+        // f32: 1 MiB (a scratch chunk of 1 MiB), then 4 MiB twice (2 MiB), then a new world.
+        for (epoch, count) in [(1, 1 << 18), (1, 1 << 20), (1, 1 << 20), (2, 1 << 20)] {
+            ex.epoch = epoch;
+            let buf = upload(dev, &values(DType::F32, count, rank));
+            unsafe { comm.all_reduce(ex, buf, count, DType::F32, ReduceOp::Sum, true) }.unwrap();
+            assert_eq!(
+                download(dev, buf, count * 4),
+                expected(DType::F32, ReduceOp::Sum, count, 2)
+            );
+            // SAFETY: the call returned; nothing of it is queued.
+            unsafe { dev.free(buf) };
+            live.push(dev.live_allocations());
+        }
+        live
+    });
+    for (rank, l) in live.iter().enumerate() {
+        assert_eq!(
+            l,
+            &[1, 2, 2, 1],
+            "rank {rank}: its allocations after each call"
+        );
+    }
 }

@@ -192,11 +192,12 @@ pub struct IpcComm<D: Device> {
     call: u64,
     /// This rank's scratch chunk (keep mode): address, bytes, handle.
     scratch: Option<(DevPtr, usize, IpcMem)>,
-    /// Scratch chunks outgrown in this world: peers may still hold them mapped, and CUDA
-    /// leaves freeing memory that another process maps undefined, so they are freed when
-    /// the world changes ([`IpcComm::release`]), after which no peer of the world maps
-    /// them for a call again.
-    retired: Vec<DevPtr>,
+    /// Scratch chunks outgrown, with the epoch in which they were: peers may still hold
+    /// them mapped, and CUDA leaves freeing memory that another process maps undefined.
+    /// Each is freed at the first records exchange of a later epoch: every rank of that
+    /// world released its mappings of the earlier one before it sent its record (a rank
+    /// that left the world meanwhile is not waited for).
+    retired: Vec<(DevPtr, u64)>,
     /// `ECCL_CUDA_IPC=0`: every call of the world goes through host memory.
     host_only: bool,
     /// The current world's ranks run on more than one host: the same.
@@ -295,14 +296,8 @@ impl<D: Device> IpcComm<D> {
         self.mapped.len()
     }
 
-    /// Unmaps every peer allocation (a world change, a failed exchange, a dead peer) and
-    /// frees the scratch chunks this rank outgrew.
+    /// Unmaps every peer allocation (a world change, a failed exchange, a dead peer).
     pub fn release(&mut self) {
-        for old in self.retired.drain(..) {
-            // SAFETY: every call synchronizes before it returns, and a retired chunk is no
-            // call's scratch any more.
-            unsafe { self.dev.free(old) };
-        }
         for (_, (base, _)) in self.mapped.drain() {
             // SAFETY: every call synchronizes before it returns, so nothing queued uses a
             // mapping between calls, and the cache forgets the base with it.
@@ -370,13 +365,21 @@ impl<D: Device> IpcComm<D> {
             }
         }
         if let Some((old, _, _)) = self.scratch.take() {
-            // Peers map the new handle from now on; the old chunk is freed at the next
-            // world change, when they have released their mappings of it.
-            self.retired.push(old);
+            // Peers map the new handle from now on; the old chunk is freed once a later
+            // world's ranks have released their mappings of it (`retired`).
+            self.retired.push((old, self.epoch.unwrap_or(0)));
         }
-        let bytes = bytes.max(1 << 20);
+        // Doubling: chunks outgrown one after another add up to less than the last one.
+        let bytes = bytes.max(1 << 20).next_power_of_two();
         let ptr = self.dev.alloc(bytes)?;
-        let mem = self.dev.ipc_export(ptr)?;
+        let mem = match self.dev.ipc_export(ptr) {
+            Ok(mem) => mem,
+            Err(e) => {
+                // SAFETY: allocated just above, never exported or used.
+                unsafe { self.dev.free(ptr) };
+                return Err(e.into());
+            }
+        };
         self.scratch = Some((ptr, bytes, mem));
         Ok(mem)
     }
@@ -440,8 +443,10 @@ impl<D: Device> IpcComm<D> {
         let exported = export(&self.dev, send).and_then(|s| Ok((s, export(&self.dev, recv)?)));
         let (send_mem, recv_mem) = match exported {
             Ok(both) => both,
+            // Any export error counts (a context error too): the staged path then meets a
+            // device that does not work with an error of its own.
             Err(e) => {
-                tracing::info!(target: "eccl::cuda", "a buffer cannot be exported over CUDA IPC ({e}): this call goes through host memory on every rank");
+                tracing::debug!(target: "eccl::cuda", "a buffer cannot be exported over CUDA IPC ({e}): this call goes through host memory on every rank");
                 host_only = true;
                 (NO_MEM, NO_MEM)
             }
@@ -458,6 +463,20 @@ impl<D: Device> IpcComm<D> {
         let t1 = std::time::Instant::now();
         self.phases.export += t1 - t;
         let all = self.exchange(ex, &meta.encode())?;
+        // Every rank of this world released the mappings of earlier epochs before it sent
+        // its record: scratch chunks retired in them are nobody's now.
+        let now = ex.epoch();
+        let dev = &self.dev;
+        self.retired.retain(|&(ptr, epoch)| {
+            if epoch < now {
+                // SAFETY: retired (no call's scratch), every call synchronizes before it
+                // returns, and no rank of this world maps it any more.
+                unsafe { dev.free(ptr) };
+                false
+            } else {
+                true
+            }
+        });
         self.phases.meta += t1.elapsed();
         let mut metas = Vec::with_capacity(world);
         for (r, b) in all.iter().enumerate() {
@@ -1098,6 +1117,11 @@ impl<D: Device> IpcComm<D> {
 impl<D: Device> Drop for IpcComm<D> {
     fn drop(&mut self) {
         self.release();
+        for (ptr, _) in self.retired.drain(..) {
+            // SAFETY: every call synchronizes before it returns; a peer that still maps
+            // it (this rank leaves its world) is not waited for.
+            unsafe { self.dev.free(ptr) };
+        }
         if let Some((ptr, _, _)) = self.scratch.take() {
             // SAFETY: every call synchronizes before it returns.
             unsafe { self.dev.free(ptr) };

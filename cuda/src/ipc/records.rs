@@ -63,8 +63,9 @@ pub(super) struct Meta {
     /// This rank refused its own arguments (buffers that overlap other than in NCCL's
     /// in-place form): every rank fails the call, none touches anything.
     pub(super) refused: bool,
-    /// This rank keeps its device collectives off CUDA IPC (`ECCL_CUDA_IPC=0`): every
-    /// rank then takes the host-memory path.
+    /// This rank keeps this call off CUDA IPC (`ECCL_CUDA_IPC=0`, a world across hosts,
+    /// more ranks than a kernel reads, or a buffer CUDA IPC cannot export): every rank
+    /// then takes the host-memory path.
     pub(super) host_only: bool,
     /// The buffer the call reads (all_reduce and broadcast: their one buffer).
     pub(super) send: IpcMem,
