@@ -41,6 +41,18 @@ def test_every_collective_on_cuda_gives_the_cpu_results(ipc):
     assert gpu == cpu
 
 
+def test_memory_ipc_cannot_export_takes_the_staged_path_with_the_cpu_results(monkeypatch):
+    # torch's expandable segments allocate with cuMemCreate, which cuIpcGetMemHandle
+    # refuses: every rank's record then sends the call through host memory together,
+    # where a failed export used to fail that rank alone before the exchange.
+    on("cpu")
+    cpu = run_world(2, ["eccl", "collectives"])
+    on("cuda")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    gpu = run_world(2, ["eccl", "collectives"])
+    assert gpu == cpu
+
+
 def test_every_dtype_and_op_on_cuda_gives_the_cpu_results():
     on("cpu")
     cpu = run_world(2, ["eccl", "coverage"])
