@@ -49,6 +49,13 @@ struct Conn {
     serial: u64,
 }
 
+impl Conn {
+    /// Its reader still runs: the master has not closed it, nor has it failed.
+    fn live(&self) -> bool {
+        !self.reader.is_finished()
+    }
+}
+
 impl Drop for Conn {
     fn drop(&mut self) {
         self.reader.abort();
@@ -176,7 +183,7 @@ impl MasterClient {
     async fn current(&self, until: Instant) -> Result<Arc<Conn>> {
         let mut slot = self.conn.lock().await;
         if let Some(c) = slot.as_ref() {
-            if !c.reader.is_finished() {
+            if c.live() {
                 return Ok(c.clone());
             }
         }
@@ -398,7 +405,7 @@ impl MasterClient {
     fn has_live_conn(&self) -> bool {
         self.conn
             .try_lock()
-            .map(|c| c.as_ref().is_some_and(|c| !c.reader.is_finished()))
+            .map(|c| c.as_ref().is_some_and(|c| c.live()))
             .unwrap_or(true)
     }
 
@@ -412,7 +419,7 @@ impl MasterClient {
             .lock()
             .await
             .clone()
-            .filter(|c| !c.reader.is_finished())
+            .filter(|c| c.live())
             .ok_or_else(|| {
                 self.unavailable("no master connection now (a fail-over is under way)")
             })?;

@@ -604,10 +604,7 @@ impl<D: Device> IpcComm<D> {
             }
             Ok(NO_MEM)
         })();
-        // Also after a failure part-way: what was queued lands before the status lets any
-        // rank return (or the mappings it uses are released).
-        let done = self.dev.synchronize();
-        let local = queued.and_then(|m| done.map(|()| m).map_err(IpcError::from));
+        let local = self.landed(queued);
         self.phases.reduce += t.elapsed();
         self.settle(ex, local).map(drop)
     }
@@ -658,31 +655,38 @@ impl<D: Device> IpcComm<D> {
         self.phases.reduce += t.elapsed();
         let statuses = self.settle(ex, local)?;
         let t = std::time::Instant::now();
-        let mut copied = Ok(());
-        if keep && mine.is_some() {
-            copied = self.keep_copies(&metas, &statuses, &owners, rank, buf, count, dtype, op);
-        }
-        if keep {
-            // No rank returns before its buffer is written, and no owner frees or rewrites
-            // its scratch while another still copies from it; an owner whose copies
-            // failed says so, and every rank fails alike.
-            let all = self.exchange(ex, &[u8::from(copied.is_err())])?;
-            self.phases.copy += t.elapsed();
-            copied?;
-            if let Some(r) = all.iter().position(|s| s[0] != 0) {
-                return Err(IpcError::Peer {
-                    rank: r,
-                    msg: "its copies of the result into its GPU's buffers failed".into(),
-                });
-            }
+        if !keep {
             return Ok(());
         }
-        copied
+        let copied = match mine {
+            Some(_) => self.keep_copies(&metas, &statuses, &owners, rank, buf),
+            None => Ok(()),
+        };
+        // No rank returns before its buffer is written, and no owner frees or rewrites
+        // its scratch while another still copies from it; an owner whose copies failed
+        // says so, and every rank fails alike.
+        let all = self.exchange(ex, &[u8::from(copied.is_err())])?;
+        self.phases.copy += t.elapsed();
+        copied?;
+        match all.iter().position(|s| s[0] != 0) {
+            Some(r) => Err(IpcError::Peer {
+                rank: r,
+                msg: "its copies of the result into its GPU's buffers failed".into(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// `queued` (the outcome of queuing device work), once that work has run: also after
+    /// a failure part-way, so that nothing queued lands after the status exchange lets a
+    /// rank return, or after the mappings it uses are released.
+    fn landed<T>(&self, queued: Result<T, IpcError>) -> Result<T, IpcError> {
+        let done = self.dev.synchronize();
+        queued.and_then(|v| done.map(|()| v).map_err(IpcError::from))
     }
 
     /// An owner's copies of every reduced chunk into the buffers of the ranks on its GPU
     /// (`all_reduce` with `keep`), waited for also when one fails part-way.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn keep_copies(
         &mut self,
         metas: &[Meta],
@@ -690,10 +694,11 @@ impl<D: Device> IpcComm<D> {
         owners: &[usize],
         rank: usize,
         buf: DevPtr,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
     ) -> Result<(), IpcError> {
+        let Call {
+            dtype, op, count, ..
+        } = metas[rank].call;
+        let count = count as usize;
         let size = dtype.size();
         let bytes = count * size;
         let queued = (|| {
@@ -728,8 +733,7 @@ impl<D: Device> IpcComm<D> {
             }
             Ok(())
         })();
-        let done = self.dev.synchronize();
-        queued.and_then(|()| done.map_err(IpcError::from))
+        self.landed(queued)
     }
 
     /// Elements `[start, end)` from every rank's `buf`, combined (the call is

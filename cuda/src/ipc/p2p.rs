@@ -90,12 +90,18 @@ impl<D: Device> IpcComm<D> {
         let bufs = self.stage_buffers(2, chunk.min(bytes))?.to_vec();
         let plan: Vec<_> = chunks(bytes, chunk).collect();
         let sent = self.send_chunks(link, buf, &bufs, &plan);
-        if sent.is_err() {
-            // A download may still be queued into a buffer that the next call writes
-            // from the host: done before this call returns.
+        self.landed_if_failed(sent)
+    }
+
+    /// `outcome`, once the copies a failed transfer left queued have run: a download
+    /// into a stage buffer that the next call writes from the host, or an upload into
+    /// the caller's buffer that it may reuse as soon as the call returns. A transfer that
+    /// succeeded waited for each of its copies already.
+    fn landed_if_failed(&self, outcome: Result<(), IpcError>) -> Result<(), IpcError> {
+        if outcome.is_err() {
             let _ = self.dev.synchronize();
         }
-        sent
+        outcome
     }
 
     /// The chunks of [`IpcComm::send_to`], downloaded into `bufs` in turn and sent.
@@ -186,12 +192,7 @@ impl<D: Device> IpcComm<D> {
             )));
         }
         let got = self.recv_chunks(link, buf, &bufs, &plan);
-        if got.is_err() {
-            // Uploads already queued into the caller's buffer land before the call
-            // returns, not after the caller reuses it.
-            let _ = self.dev.synchronize();
-        }
-        got
+        self.landed_if_failed(got)
     }
 
     /// The chunks of [`IpcComm::recv_from`], received into `bufs` in turn and uploaded.
