@@ -129,6 +129,8 @@ pub struct HostDevice {
     eager_downloads: bool,
     /// Exports fail ([`HostDevice::failing_exports`]).
     no_exports: bool,
+    /// `synchronize` fails ([`HostDevice::failing_synchronize`]).
+    broken: bool,
     lanes: Mutex<Lanes>,
     /// Live [`Device::host_alloc`] memory: address → bytes.
     host: Mutex<HashMap<usize, usize>>,
@@ -178,6 +180,7 @@ impl HostDevice {
             fail_after: None,
             eager_downloads: false,
             no_exports: false,
+            broken: false,
             lanes: Mutex::new(Lanes::default()),
             host: Mutex::new(HashMap::new()),
         }
@@ -203,6 +206,13 @@ impl HostDevice {
     /// pool).
     pub fn failing_exports(mut self) -> HostDevice {
         self.no_exports = true;
+        self
+    }
+
+    /// This device failing every `synchronize` (a device fault the caller's own work
+    /// left behind, reported at the next call).
+    pub fn failing_synchronize(mut self) -> HostDevice {
+        self.broken = true;
         self
     }
 
@@ -409,6 +419,12 @@ impl Device for HostDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
+        if self.broken {
+            return Err(DeviceError::Driver {
+                call: "cuCtxSynchronize",
+                msg: "an illegal memory access was encountered (the host double's fault)".into(),
+            });
+        }
         self.run_lane(0, u64::MAX)?;
         self.run_lane(1, u64::MAX)
     }

@@ -1285,6 +1285,47 @@ fn a_buffer_that_cannot_be_exported_sends_every_rank_to_host_memory() {
     }
 }
 
+/// A rank whose device fails before the call (here its synchronize) says so in its
+/// record: every rank fails the call with a typed error naming that rank, at once,
+/// and nobody's buffer changes. Before, that rank returned before the records exchange
+/// and the others waited in it for a record that never came.
+#[test]
+fn a_device_that_fails_before_the_call_fails_every_rank_together() {
+    let res = each_rank_on(
+        3,
+        &|r| {
+            if r == 1 {
+                HostDevice::new().failing_synchronize()
+            } else {
+                HostDevice::new()
+            }
+        },
+        None,
+        &|rank, dev, comm, ex| {
+            let buf = upload(dev, &values(DType::F32, 64, rank));
+            let r = unsafe { comm.all_reduce(ex, buf, 64, DType::F32, ReduceOp::Sum, true) };
+            if rank == 1 {
+                // What a rank that left the exchange does to the others (the harness
+                // would wait for it for ever): they fail now, and not by its record.
+                ex.mem.kill();
+            }
+            (r, download(dev, buf, 64 * 4))
+        },
+    );
+    for (rank, (r, after)) in res.into_iter().enumerate() {
+        match (rank, r) {
+            (1, Err(IpcError::Device(e))) => {
+                assert!(e.to_string().contains("illegal memory access"), "{e}")
+            }
+            (0 | 2, Err(IpcError::Peer { rank: 1, msg })) => {
+                assert!(msg.contains("device failed before the call"), "{msg}")
+            }
+            (_, other) => panic!("rank {rank}: {other:?}"),
+        }
+        assert_eq!(after, values(DType::F32, 64, rank), "rank {rank}'s buffer");
+    }
+}
+
 #[test]
 fn something_other_than_a_device_send_is_refused_by_name() {
     let (mut a, mut b) = pair();

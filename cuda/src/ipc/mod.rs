@@ -42,7 +42,7 @@ use std::sync::Arc;
 
 use eccl_protocol::{DType, ReduceOp};
 
-use crate::device::{DevPtr, Device, DeviceError, IpcMem, GPU_ID_BYTES, IPC_HANDLE_BYTES};
+use crate::device::{DevPtr, Device, DeviceError, IpcMem, Reach, GPU_ID_BYTES, IPC_HANDLE_BYTES};
 use crate::kernels::MAX_PTRS;
 
 mod p2p;
@@ -426,11 +426,26 @@ impl<D: Device> IpcComm<D> {
         let t = std::time::Instant::now();
         self.phases.calls += 1;
         self.call += 1;
+        // A device that fails before the call (its synchronize, its id, the GPUs it
+        // reaches) fails this rank's call; its record says so, so that every rank fails
+        // the call together rather than waiting in the exchange for this one.
+        let mut failed: Option<DeviceError> = None;
         // The caller's writes to its buffers are done before any peer reads them.
-        self.dev.synchronize()?;
+        if let Err(e) = self.dev.synchronize() {
+            failed = Some(e);
+        }
+        let gpu = self.dev.gpu_id().unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            [0; GPU_ID_BYTES]
+        });
+        let reach = self.dev.reach().unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            Reach::Only(Vec::new())
+        });
         let mut host_only = self.host_only || self.spans_hosts || too_many;
+        let skip = refused.is_some() || failed.is_some();
         let export = |dev: &D, (ptr, bytes): (DevPtr, usize)| {
-            if bytes > 0 && refused.is_none() && !host_only {
+            if bytes > 0 && !skip && !host_only {
                 dev.ipc_export(ptr)
             } else {
                 Ok(NO_MEM)
@@ -454,11 +469,12 @@ impl<D: Device> IpcComm<D> {
         let meta = Meta {
             call,
             refused: refused.is_some(),
+            failed: failed.is_some(),
             host_only,
             send: send_mem,
             recv: recv_mem,
-            gpu: self.dev.gpu_id()?,
-            reach: self.dev.reach()?,
+            gpu,
+            reach,
         };
         let t1 = std::time::Instant::now();
         self.phases.export += t1 - t;
@@ -482,6 +498,9 @@ impl<D: Device> IpcComm<D> {
         for (r, b) in all.iter().enumerate() {
             metas.push(Meta::decode(b).map_err(|e| IpcError::Invalid(format!("rank {r}: {e}")))?);
         }
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
         if let Some(why) = refused {
             return Err(IpcError::Invalid(why));
         }
@@ -498,6 +517,12 @@ impl<D: Device> IpcComm<D> {
                     describe(&m.call),
                     describe(&call)
                 )));
+            }
+            if m.failed {
+                return Err(IpcError::Peer {
+                    rank: r,
+                    msg: "its device failed before the call (its own error says how)".into(),
+                });
             }
             if m.refused {
                 return Err(IpcError::Invalid(format!(

@@ -8,7 +8,7 @@ use super::IpcError;
 use crate::device::{IpcMem, Reach, GPU_ID_BYTES, IPC_HANDLE_BYTES, MAX_REACH};
 
 pub(super) const MAGIC: &[u8; 4] = b"ECIP";
-pub(super) const VERSION: u8 = 5;
+pub(super) const VERSION: u8 = 6;
 /// Bytes of one rank's record.
 pub(super) const META_BYTES: usize = 4 + 1 + 5 + 4 + 8 + 2 * MEM_BYTES + GPU_ID_BYTES + REACH_BYTES;
 /// A [`Reach`]: every GPU or not (1), how many ids (1), the ids.
@@ -63,6 +63,9 @@ pub(super) struct Meta {
     /// This rank refused its own arguments (buffers that overlap other than in NCCL's
     /// in-place form): every rank fails the call, none touches anything.
     pub(super) refused: bool,
+    /// This rank's device failed before the call (its synchronize, its id or its
+    /// reach): every rank fails the call, none touches anything.
+    pub(super) failed: bool,
     /// This rank keeps this call off CUDA IPC (`ECCL_CUDA_IPC=0`, a world across hosts,
     /// more ranks than a kernel reads, or a buffer CUDA IPC cannot export): every rank
     /// then takes the host-memory path.
@@ -111,7 +114,7 @@ impl Meta {
             c.dtype as u8,
             c.op as u8,
             c.keep as u8,
-            self.refused as u8 | (self.host_only as u8) << 1,
+            self.refused as u8 | (self.host_only as u8) << 1 | (self.failed as u8) << 2,
         ]);
         out.extend_from_slice(&c.root.to_le_bytes());
         out.extend_from_slice(&c.count.to_le_bytes());
@@ -155,6 +158,7 @@ impl Meta {
             },
             refused: b[9] & 1 != 0,
             host_only: b[9] & 2 != 0,
+            failed: b[9] & 4 != 0,
             send: get_mem(&b[m..m + MEM_BYTES]),
             recv: get_mem(&b[m + MEM_BYTES..m + 2 * MEM_BYTES]),
             gpu: b[m + 2 * MEM_BYTES..m + 2 * MEM_BYTES + GPU_ID_BYTES]
