@@ -57,12 +57,40 @@ pub async fn serve(
         me: None,
         store_session: None,
     };
+    // One idle timer for the connection's life, moved on only when it fires (a timer
+    // armed and dropped around every message cost the master's heartbeat work a few
+    // per cent: at thousands of peers it is the work a master does most).
+    let idle = c.idle;
+    let timer = tokio::time::sleep(idle);
+    tokio::pin!(timer);
+    let mut last = tokio::time::Instant::now();
     let result: Result<(), TransportError> = loop {
-        match tokio::time::timeout(c.idle, rx.recv::<Request>()).await {
-            Ok(Ok(req)) => c.dispatch(req).await,
-            Ok(Err(e)) => break Err(e),
-            Err(_) => {
-                tracing::debug!(target: "eccl::master", remote = ?c.remote, "closing a connection idle for {:?}", c.idle);
+        let next = {
+            // Kept across the timer's early wake-ups, so that no read is dropped midway.
+            let recv = rx.recv::<Request>();
+            tokio::pin!(recv);
+            loop {
+                tokio::select! {
+                    biased;
+                    r = &mut recv => break Some(r),
+                    () = &mut timer => {
+                        let due = last + idle;
+                        if tokio::time::Instant::now() >= due {
+                            break None;
+                        }
+                        timer.as_mut().reset(due);
+                    }
+                }
+            }
+        };
+        match next {
+            Some(Ok(req)) => {
+                last = tokio::time::Instant::now();
+                c.dispatch(req).await
+            }
+            Some(Err(e)) => break Err(e),
+            None => {
+                tracing::debug!(target: "eccl::master", remote = ?c.remote, "closing a connection idle for {idle:?}");
                 break Ok(());
             }
         }
