@@ -187,15 +187,22 @@ pub unsafe fn run<D: Device>(
     };
     match direct {
         Err(IpcError::NoPeerAccess(why)) => {
-            static SAID: std::sync::Mutex<Option<u64>> = std::sync::Mutex::new(None);
+            // Said once per epoch and cause: a world whose GPUs cannot reach each other
+            // sends every call this way, a buffer CUDA IPC cannot export only its own
+            // calls (the next call may go GPU to GPU again).
+            static SAID: std::sync::Mutex<(u64, Vec<String>)> =
+                std::sync::Mutex::new((u64::MAX, Vec::new()));
             let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
-            if *said != Some(epoch) {
-                *said = Some(epoch);
+            if said.0 != epoch {
+                *said = (epoch, Vec::new());
+            }
+            if said.1.len() < 16 && !said.1.contains(&why) {
                 tracing::info!(
-                    "eccl: {}: {why}; device collectives of epoch {epoch} go through host \
-                     memory",
+                    "eccl: {}: {why}; such device collectives of epoch {epoch} go through \
+                     host memory",
                     ipc.device().describe()
                 );
+                said.1.push(why);
             }
             drop(said);
             // SAFETY: the caller's promise.
