@@ -22,10 +22,10 @@ Four paths, picked per call:
   eccl as a pipeline of chunks in page-locked buffers: while one chunk's host collective
   runs over the links, the next chunks are copied to the host and the previous one's
   results back to the device, on copy streams of their own.
-- **send and recv** (with a source rank): eccl's device send and receive, GPU to GPU
-  over CUDA IPC where both ranks run on this host and the receiver's GPU reaches the
-  sender's, through page-locked host memory in pipelined chunks otherwise (the
-  receiver decides from the sender's first message).
+- **send and recv** (with a source rank): eccl's device send and receive, through
+  page-locked host memory in pipelined chunks (also between ranks of one host: not over
+  CUDA IPC, see docs/gpu.md); a send is eager, as a host send is (it returns once its
+  chunks are on the link).
 - **Staged** (a receive from any source, and calls whose tensors do not fit the paths
   above): the CUDA tensors are copied to host memory
   (after the current stream's work), the call runs on the host tensors as for CPU

@@ -917,12 +917,11 @@ impl Communicator {
     }
 
     /// Sends `count` elements of `dtype` of CUDA device `device`'s memory at `ptr` to rank
-    /// `peer`, whose `recv_device` with the same tag takes them: GPU to GPU over CUDA IPC
-    /// where both run on this host and the receiver's GPU reaches this one's
-    /// (`ECCL_CUDA_IPC` not `0` on either), through page-locked host memory in pipelined
-    /// chunks otherwise. Returns once the receiver has the bytes (IPC) or every chunk is
-    /// handed to the link. A receive of another size or dtype fails both ranks with
-    /// `MismatchError`. The memory must be ready, as for `all_reduce_device`; `owner` is
+    /// `peer`, whose `recv_device` with the same tag takes them, through page-locked
+    /// host memory in pipelined chunks (also between ranks of one host: not over CUDA
+    /// IPC). Eager, as a host send is: returns once every chunk is handed to the link. A
+    /// receive of another size or dtype fails the receiver with `MismatchError` and ends
+    /// the epoch on every rank, as a host receive of another size does. The memory must be ready, as for `all_reduce_device`; `owner` is
     /// held until the call is done.
     #[pyo3(signature = (ptr, count, dtype, peer, tag=0, *, device, owner=None, async_op=false))]
     #[allow(clippy::too_many_arguments)]

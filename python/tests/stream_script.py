@@ -1,7 +1,9 @@
 """One rank of test_cuda's stream-order test (env:// as torchrun, backend eccl, a CUDA
-GPU): for each path (CUDA IPC, then staged through the host), the current stream gets
-about half a second of device work (`torch.cuda._sleep`) and then writes the tensor; a
-collective called with `async_op=True` right after must
+GPU), on the path the environment chooses (CUDA IPC, or staged through the host with
+`ECCL_CUDA_IPC=0`: read once, when the rank's communicator first meets its device, so
+each path is a world of its own): the current stream gets about half a second of
+device work (`torch.cuda._sleep`) and then writes the tensor; a collective called with
+`async_op=True` right after must
 
 - return to the caller before that work is done (the backend does not block the host on
   the stream: `call_ms` against `sleep_ms`), and
@@ -38,8 +40,7 @@ def main() -> None:
     torch.cuda.set_device(dev)
     cycles = sleep_cycles(500.0)
     res = {}
-    for path in ("ipc", "staged"):
-        os.environ["ECCL_CUDA_IPC"] = "1" if path == "ipc" else "0"
+    for path in ["staged" if os.environ.get("ECCL_CUDA_IPC", "1").strip() == "0" else "ipc"]:
         t = torch.zeros(1 << 20, device=dev)
         g = torch.zeros(n * 4, device=dev)
         dist.barrier()

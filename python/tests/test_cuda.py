@@ -49,7 +49,12 @@ def test_memory_ipc_cannot_export_takes_the_staged_path_with_the_cpu_results(mon
     cpu = run_world(2, ["eccl", "collectives"])
     on("cuda")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Fresh interpreters, not forks of the suite's zygote (which imported torch before
+    # the variable was set: whether torch reads it that late differs between versions).
+    monkeypatch.setenv("TEST_ZYGOTE", "0")
     gpu = run_world(2, ["eccl", "collectives"])
+    # Each rank checked that its allocator made expandable segments before it called.
+    assert all(x.pop("_expandable_segments", False) is True for x in gpu), gpu
     assert gpu == cpu
 
 
@@ -129,15 +134,17 @@ def test_mixed_devices_and_disagreeing_ranks_get_typed_errors():
         assert r["after_p2p_kinds"] == [2.0] * 4, r
 
 
-def test_a_collective_is_ordered_after_the_stream_without_blocking_the_caller():
+@pytest.mark.parametrize("ipc", [True, False], ids=["ipc", "staged"])
+def test_a_collective_is_ordered_after_the_stream_without_blocking_the_caller(ipc):
     """Stream semantics as torch's own backends give them: a collective called while the
     current stream still has half a second of work queued returns to the caller at once
     (the wait for the stream is an event, waited on by the communicator's task), and
-    still takes what the stream wrote after that work; over CUDA IPC and staged."""
-    on("cuda")
+    still takes what the stream wrote after that work; over CUDA IPC and staged (a world
+    each: a rank reads ECCL_CUDA_IPC once, when its communicator first meets the GPU)."""
+    on("cuda", ipc)
     res = run_world(2, ["eccl"], HERE / "stream_script.py")
     for r, x in enumerate(res):
-        for path in ("ipc", "staged"):
+        for path in ["ipc" if ipc else "staged"]:
             assert x[f"{path}_sum"] == [3.0], (r, path, x)
             assert x[f"{path}_gathered"] == [1.0] * 4 + [2.0] * 4, (r, path, x)
             assert x[f"{path}_scattered"] == [3.0] * 4, (r, path, x)

@@ -277,6 +277,16 @@ def main():
     if os.environ.get("ECCL_TEST_DEVICE") == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.set_default_device("cuda")
+    expandable = (os.environ.get("ECCL_TEST_DEVICE") == "cuda"
+                  and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower())
+    if expandable:
+        # The test of memory that CUDA IPC cannot export holds only if torch's allocator
+        # really made expandable segments in this process (the variable is read once).
+        probe = torch.empty(1 << 20, device="cuda")
+        segments = torch.cuda.memory._snapshot()["segments"]
+        assert any(s.get("is_expandable") for s in segments), \
+            f"PYTORCH_CUDA_ALLOC_CONF did not take effect: {[sorted(s) for s in segments[:1]]}"
+        del probe
     dist.init_process_group(backend)
     r, n = dist.get_rank(), dist.get_world_size()
     if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
@@ -291,6 +301,8 @@ def main():
         what, lambda r, n: ddp(r, n, 10))(r, n)
     if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         res["_topology"] = {"ring": topology["ring"], "rank": dist.get_rank()}
+    if expandable:
+        res["_expandable_segments"] = True
     print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
 

@@ -933,6 +933,42 @@ async fn device_sends_and_receives_go_around_a_ring_through_host_memory_and_chec
     }
 }
 
+/// A ring of device sends larger than a link holds (24 MiB each, in the default chunks,
+/// as `test_cuda.py`'s `batch_isend_irecv` ring sends them), every rank sending before
+/// it receives: a send is eager, so the ring does not wait for itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_of_device_sends_larger_than_a_link_holds_does_not_wait_for_itself() {
+    use eccl::device::DeviceP2p;
+    let m = start_master(&[]);
+    let count = 6 << 20;
+    let comms = world(&m.addr, N as u32).await;
+    let make = |_| HostDevice::new();
+    let res = each(comms, &make, &|rank, dev, comm, ipc, rt| {
+        let (next, prev) = ((rank + 1) % N, (rank + N - 1) % N);
+        let src = put(dev, &values(count, rank));
+        let dst = put(dev, &vec![0.0; count]);
+        let p2p = |buf, peer: usize, send| DeviceP2p {
+            buf,
+            count,
+            dtype: DType::F32,
+            peer: eccl::Rank(peer as u32),
+            tag: 9,
+            send,
+        };
+        unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(src, next, true)) }
+            .unwrap_or_else(|e| panic!("rank {rank} send: {e}"));
+        unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(dst, prev, false)) }
+            .unwrap_or_else(|e| panic!("rank {rank} receive: {e}"));
+        get(dev, dst, count)
+    });
+    for (r, got) in res.into_iter().enumerate() {
+        assert!(
+            got == values(count, (r + N - 1) % N),
+            "rank {r}: wrong data"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_that_fails_in_the_middle_of_a_receive_ends_the_epoch_everywhere() {
     // Rank 1's device fails its fifth queued copy, in the middle of a receive of twenty
