@@ -13,7 +13,10 @@ def main():
     t = torch.ones(2) * (dist.get_rank() + 1)
     dist.all_reduce(t)
     pg = dist.distributed_c10d._get_default_group()
-    backend = type(pg._get_backend(torch.device("cpu"))).__name__
+    # torch 2.11 and earlier take a Python backend as the whole process group (no
+    # per-device backends to ask); later releases wrap it.
+    whole = type(pg).__name__ == "ProcessGroupEccl"
+    backend = type(pg).__name__ if whole else type(pg._get_backend(torch.device("cpu"))).__name__
     print("RESULT " + json.dumps({"sum": t.tolist(), "backend": backend}), flush=True)
     dist.destroy_process_group()
 
