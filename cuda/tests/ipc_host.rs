@@ -1213,6 +1213,48 @@ fn a_sender_dying_mid_transfer_fails_the_receiver_without_a_hang() {
     );
 }
 
+/// A sender whose device fails before the send (its synchronize) says so in its header
+/// and sends nothing else: the receiver fails at once with an error naming it, its
+/// buffer as it was, instead of waiting for chunks until its link's timeout (10 s here).
+#[test]
+fn a_sender_whose_device_fails_before_the_send_fails_the_receiver_at_once() {
+    let (mut s_end, mut r_end) = pair();
+    let (sdev, rdev) = (
+        Arc::new(HostDevice::new().failing_synchronize()),
+        Arc::new(HostDevice::new()),
+    );
+    let src = upload(&sdev, &[7u8; 4096]);
+    let dst = upload(&rdev, &[0xEE; 4096]);
+    let t = std::time::Instant::now();
+    let (send, recv) = std::thread::scope(|sc| {
+        let hs = sc.spawn(|| {
+            let mut ipc = IpcComm::new(sdev.clone());
+            ipc.set_stage_bytes(1024);
+            unsafe { ipc.send_to(&mut s_end, src, 4096, DType::U8) }
+        });
+        let hr = sc.spawn(|| {
+            let mut ipc = IpcComm::new(rdev.clone());
+            ipc.set_stage_bytes(1024);
+            unsafe { ipc.recv_from(&mut r_end, dst, 4096, DType::U8) }
+        });
+        (hs.join().unwrap(), hr.join().unwrap())
+    });
+    assert!(
+        matches!(&send, Err(IpcError::Device(e)) if e.to_string().contains("illegal memory access")),
+        "{send:?}"
+    );
+    match &recv {
+        Err(IpcError::Peer { rank: 0, msg }) => {
+            assert!(msg.contains("before the send, nothing sent"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(download(&rdev, dst, 4096), vec![0xEE; 4096]);
+    // Nothing else was sent: the next message between the two is the next call's.
+    assert!(r_end.rx.try_recv().is_err());
+}
+
 /// A call that uses a cached peer mapping (the root's output, the same every call) and
 /// opens new ones (fresh inputs every call) after the cache filled: the mapping the call
 /// uses is not the one it closes to make room (the host double refuses a copy through a
@@ -1318,7 +1360,7 @@ fn a_device_that_fails_before_the_call_fails_every_rank_together() {
                 assert!(e.to_string().contains("illegal memory access"), "{e}")
             }
             (0 | 2, Err(IpcError::Peer { rank: 1, msg })) => {
-                assert!(msg.contains("device failed before the call"), "{msg}")
+                assert!(msg.contains("before the call, nothing touched"), "{msg}")
             }
             (_, other) => panic!("rank {rank}: {other:?}"),
         }

@@ -77,8 +77,8 @@ pub enum IpcError {
     /// The ranks called with different arguments.
     #[error("the ranks disagree on the call: {0}")]
     Mismatch(String),
-    /// Another rank's device failed during the call.
-    #[error("rank {rank} failed during the call: {msg}")]
+    /// Another rank's device failed, before the call or during it.
+    #[error("rank {rank}'s device failed: {msg}")]
     Peer { rank: usize, msg: String },
     #[error("{0}")]
     Invalid(String),
@@ -521,7 +521,7 @@ impl<D: Device> IpcComm<D> {
             if m.failed {
                 return Err(IpcError::Peer {
                     rank: r,
-                    msg: "its device failed before the call (its own error says how)".into(),
+                    msg: "before the call, nothing touched (that rank's own error says how)".into(),
                 });
             }
             if m.refused {

@@ -8,7 +8,9 @@
 //! tag, messages in order):
 //!
 //! 1. The sender waits for its device's queued work, then sends a header: the bytes
-//!    and dtype it sends and the size of its chunks.
+//!    and dtype it sends and the size of its chunks. A sender whose device fails there
+//!    sends a header that says so and nothing else: the receiver fails at once, naming
+//!    it, instead of waiting for chunks that never come.
 //! 2. It copies its buffer to the host chunk by chunk (the next chunk's copy queued
 //!    while the last one is sent) and sends each chunk.
 //! 3. The receiver checks the header against its own call: another size or dtype fails
@@ -44,9 +46,11 @@ pub trait PairLink {
 }
 
 const MAGIC: &[u8; 4] = b"ECP2";
-const VERSION: u8 = 1;
-/// Magic, version, dtype, bytes, chunk bytes.
-pub const HEADER_BYTES: usize = 4 + 1 + 1 + 8 + 8;
+const VERSION: u8 = 2;
+/// Magic, version, status (0, or [`SENDER_FAILED`]), dtype, bytes, chunk bytes.
+pub const HEADER_BYTES: usize = 4 + 1 + 1 + 1 + 8 + 8;
+/// The header's status when the sender's device failed before the send (no chunks follow).
+const SENDER_FAILED: u8 = 1;
 /// The largest chunk a receiver accepts (what it allocates page-locked memory for).
 const MAX_CHUNK: usize = 256 << 20;
 
@@ -75,15 +79,17 @@ impl<D: Device> IpcComm<D> {
         dtype: DType,
     ) -> Result<(), IpcError> {
         // The caller's writes to the buffer are done before it is read.
-        self.dev.synchronize()?;
+        let ready = self.dev.synchronize();
         let chunk = self.stage_bytes;
         let mut header = Vec::with_capacity(HEADER_BYTES);
         header.extend_from_slice(MAGIC);
         header.push(VERSION);
+        header.push(if ready.is_ok() { 0 } else { SENDER_FAILED });
         header.push(dtype as u8);
         header.extend_from_slice(&(bytes as u64).to_le_bytes());
         header.extend_from_slice(&(chunk as u64).to_le_bytes());
         link.send(&header).map_err(link_error)?;
+        ready?;
         if bytes == 0 {
             return Ok(());
         }
@@ -158,9 +164,15 @@ impl<D: Device> IpcComm<D> {
                  another build of eccl)"
             )));
         }
-        let their_dtype = DType::from_u8(h[5]);
-        let theirs = u64::from_le_bytes(h[6..14].try_into().expect("8 bytes")) as usize;
-        let chunk = u64::from_le_bytes(h[14..22].try_into().expect("8 bytes")) as usize;
+        if h[5] == SENDER_FAILED {
+            return Err(IpcError::Peer {
+                rank: peer,
+                msg: "before the send, nothing sent (that rank's own error says how)".into(),
+            });
+        }
+        let their_dtype = DType::from_u8(h[6]);
+        let theirs = u64::from_le_bytes(h[7..15].try_into().expect("8 bytes")) as usize;
+        let chunk = u64::from_le_bytes(h[15..23].try_into().expect("8 bytes")) as usize;
         if theirs > 0 && !(1..=MAX_CHUNK).contains(&chunk) {
             return Err(IpcError::Invalid(format!(
                 "rank {peer}'s device send has chunks of {chunk} bytes"
