@@ -1296,26 +1296,41 @@ fn a_full_mapping_cache_never_closes_what_the_call_uses() {
     assert!(res[0] > 0, "the owner maps the others' buffers");
 }
 
-/// A rank whose buffer CUDA IPC cannot export (memory from another allocator) sends the
-/// call through host memory on every rank: the same typed verdict everywhere, at once.
-#[test]
-fn a_buffer_that_cannot_be_exported_sends_every_rank_to_host_memory() {
-    let res = each_rank_on(
+/// A keep all_reduce of 64 f32 on three ranks, rank `faulty`'s device made faulty by
+/// `fault`: each rank's outcome and its buffer after the call. The faulty rank then does
+/// to the exchange what a rank that left it does (the harness would otherwise wait for
+/// it for ever): a rank still waiting there fails now, and not by its record.
+fn keep_all_reduce_with_a_faulty_rank(
+    faulty: usize,
+    fault: fn(HostDevice) -> HostDevice,
+) -> Vec<(Result<(), IpcError>, Vec<u8>)> {
+    each_rank_on(
         3,
         &|r| {
-            if r == 2 {
-                HostDevice::new().failing_exports()
+            let dev = HostDevice::new();
+            if r == faulty {
+                fault(dev)
             } else {
-                HostDevice::new()
+                dev
             }
         },
         None,
         &|rank, dev, comm, ex| {
             let buf = upload(dev, &values(DType::F32, 64, rank));
             let r = unsafe { comm.all_reduce(ex, buf, 64, DType::F32, ReduceOp::Sum, true) };
+            if rank == faulty {
+                ex.mem.kill();
+            }
             (r, download(dev, buf, 64 * 4))
         },
-    );
+    )
+}
+
+/// A rank whose buffer CUDA IPC cannot export (memory from another allocator) sends the
+/// call through host memory on every rank: the same typed verdict everywhere, at once.
+#[test]
+fn a_buffer_that_cannot_be_exported_sends_every_rank_to_host_memory() {
+    let res = keep_all_reduce_with_a_faulty_rank(2, HostDevice::failing_exports);
     for (rank, (r, after)) in res.into_iter().enumerate() {
         match r {
             Err(IpcError::NoPeerAccess(why)) => {
@@ -1333,27 +1348,7 @@ fn a_buffer_that_cannot_be_exported_sends_every_rank_to_host_memory() {
 /// and the others waited in it for a record that never came.
 #[test]
 fn a_device_that_fails_before_the_call_fails_every_rank_together() {
-    let res = each_rank_on(
-        3,
-        &|r| {
-            if r == 1 {
-                HostDevice::new().failing_synchronize()
-            } else {
-                HostDevice::new()
-            }
-        },
-        None,
-        &|rank, dev, comm, ex| {
-            let buf = upload(dev, &values(DType::F32, 64, rank));
-            let r = unsafe { comm.all_reduce(ex, buf, 64, DType::F32, ReduceOp::Sum, true) };
-            if rank == 1 {
-                // What a rank that left the exchange does to the others (the harness
-                // would wait for it for ever): they fail now, and not by its record.
-                ex.mem.kill();
-            }
-            (r, download(dev, buf, 64 * 4))
-        },
-    );
+    let res = keep_all_reduce_with_a_faulty_rank(1, HostDevice::failing_synchronize);
     for (rank, (r, after)) in res.into_iter().enumerate() {
         match (rank, r) {
             (1, Err(IpcError::Device(e))) => {

@@ -45,6 +45,18 @@ fn get(dev: &HostDevice, p: u64, n: usize) -> Vec<f32> {
     to_f32(&b)
 }
 
+/// A device send (`send`) or receive of `count` f32 at `buf` to or from rank `peer`.
+fn f32_p2p(buf: u64, count: usize, peer: usize, tag: u32, send: bool) -> eccl::device::DeviceP2p {
+    eccl::device::DeviceP2p {
+        buf,
+        count,
+        dtype: DType::F32,
+        peer: eccl::Rank(peer as u32),
+        tag,
+        send,
+    }
+}
+
 /// A rank on simulated GPU `gpu` that reaches no other GPU, in the double's eager mode
 /// (downloads at once) or not.
 fn unreaching(gpu: usize, eager: bool) -> HostDevice {
@@ -830,7 +842,6 @@ async fn a_staged_broadcast_runs_as_a_pipeline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_sends_and_receives_go_around_a_ring_through_host_memory_and_check_sizes() {
-    use eccl::device::DeviceP2p;
     let m = start_master(&[]);
     let count = 50_000; // 49 chunks of 4 KiB
     let comms = world(&m.addr, N as u32).await;
@@ -841,14 +852,7 @@ async fn device_sends_and_receives_go_around_a_ring_through_host_memory_and_chec
         let src = put(dev, &values(count, rank));
         let dst = put(dev, &vec![0.0; count]);
         let one = put(dev, &[0.0]);
-        let p2p = |buf, count, peer: usize, tag, send| DeviceP2p {
-            buf,
-            count,
-            dtype: DType::F32,
-            peer: eccl::Rank(peer as u32),
-            tag,
-            send,
-        };
+        let p2p = f32_p2p;
         // An all_reduce of one 1.0 per rank: the world is usable, and every rank is past
         // what came before. After an abort, every rank first forms the next epoch.
         let sum_ones = |comm: &mut eccl::Communicator, ipc: &mut IpcComm<HostDevice>| {
@@ -938,7 +942,6 @@ async fn device_sends_and_receives_go_around_a_ring_through_host_memory_and_chec
 /// it receives: a send is eager, so the ring does not wait for itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ring_of_device_sends_larger_than_a_link_holds_does_not_wait_for_itself() {
-    use eccl::device::DeviceP2p;
     let m = start_master(&[]);
     let count = 6 << 20;
     let comms = world(&m.addr, N as u32).await;
@@ -947,14 +950,7 @@ async fn a_ring_of_device_sends_larger_than_a_link_holds_does_not_wait_for_itsel
         let (next, prev) = ((rank + 1) % N, (rank + N - 1) % N);
         let src = put(dev, &values(count, rank));
         let dst = put(dev, &vec![0.0; count]);
-        let p2p = |buf, peer: usize, send| DeviceP2p {
-            buf,
-            count,
-            dtype: DType::F32,
-            peer: eccl::Rank(peer as u32),
-            tag: 9,
-            send,
-        };
+        let p2p = |buf, peer, send| f32_p2p(buf, count, peer, 9, send);
         unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(src, next, true)) }
             .unwrap_or_else(|e| panic!("rank {rank} send: {e}"));
         unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(dst, prev, false)) }
@@ -975,7 +971,6 @@ async fn a_device_that_fails_in_the_middle_of_a_receive_ends_the_epoch_everywher
     // chunks from rank 0: the rest of the transfer must not be taken for a later call,
     // so the epoch ends on every rank (rank 0's eager send had returned), and the world
     // goes on in the next one.
-    use eccl::device::DeviceP2p;
     let m = start_master(&[]);
     let count = 20 * 1024; // twenty chunks of 4 KiB
     let comms = world(&m.addr, N as u32).await;
@@ -990,14 +985,7 @@ async fn a_device_that_fails_in_the_middle_of_a_receive_ends_the_epoch_everywher
         ipc.set_stage_bytes(4096);
         let epoch = comm.epoch();
         let buf = put(dev, &values(count, rank));
-        let p2p = |peer: usize, send| DeviceP2p {
-            buf,
-            count,
-            dtype: DType::F32,
-            peer: eccl::Rank(peer as u32),
-            tag: 9,
-            send,
-        };
+        let p2p = |peer, send| f32_p2p(buf, count, peer, 9, send);
         let failed = match rank {
             0 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(1, true)) }.err(),
             1 => unsafe { eccl::device::p2p(comm, rt.clone(), ipc, &p2p(0, false)) }.err(),
