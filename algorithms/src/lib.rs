@@ -99,6 +99,65 @@ pub fn build(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, Build
     build_in_ring(desc, rank, world, None)
 }
 
+/// Rank `rank`'s schedule of an all_to_all whose blocks differ in size (MPI's
+/// `alltoallv`): `send[j]` elements of this rank's input go to rank `j`, `recv[j]` of
+/// its output come from rank `j`, each buffer's blocks one after the other in rank
+/// order. Always [`Algo::Direct`]: every pair exchanges its two blocks once, nothing
+/// padded. Refused: counts that are not one per rank, a block to itself that differs
+/// from the one from itself, buffers that do not fit in memory.
+pub fn build_all_to_all_v(
+    dtype: DType,
+    rank: u32,
+    world: u32,
+    send: &[usize],
+    recv: &[usize],
+) -> Result<Schedule, BuildError> {
+    let invalid = |m: String| Err(BuildError::InvalidArgument(m));
+    if world == 0 || world as usize > eccl_protocol::MAX_WORLD_SIZE {
+        return invalid(format!(
+            "world of {world} ranks (must be 1..={})",
+            eccl_protocol::MAX_WORLD_SIZE
+        ));
+    }
+    if rank >= world {
+        return invalid(format!("rank {rank} is not in a world of {world}"));
+    }
+    let n = world as usize;
+    if send.len() != n || recv.len() != n {
+        return invalid(format!(
+            "all_to_all with split sizes needs one count per rank ({n}): {} to send, {} to receive",
+            send.len(),
+            recv.len()
+        ));
+    }
+    let r = rank as usize;
+    if send[r] != recv[r] {
+        return invalid(format!(
+            "rank {rank} sends itself {} elements but expects {} from itself",
+            send[r], recv[r]
+        ));
+    }
+    let total = |c: &[usize]| {
+        c.iter()
+            .try_fold(0usize, |a, &x| a.checked_add(x))
+            .filter(|t| {
+                t.checked_mul(dtype.size())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+    };
+    let (Some(input_len), Some(output_len)) = (total(send), total(recv)) else {
+        return invalid(format!("split sizes of {dtype} that do not fit in memory"));
+    };
+    let body = collectives::all_to_all::uneven(r, n, send, recv);
+    Ok(Schedule {
+        algo: Algo::Direct,
+        steps: body.steps,
+        input_len,
+        output_len,
+        scratch_len: body.scratch_len,
+    })
+}
+
 /// [`build`] with the world's ring order: `ring` lists the ranks around the ring (each
 /// sends to the next, the last to the first), as the master solves it from measured
 /// links (`eccl_master::topology`). The schedule is built for this rank's place in the

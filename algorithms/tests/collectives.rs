@@ -7,8 +7,8 @@
 //! real fractions and checks what must hold regardless: all ranks agree bit for bit.
 
 use eccl_algorithms::{
-    available_algos, buffer_lens, build, build_in_ring, mem, Algo, CollectiveKind, DType,
-    Descriptor, ReduceOp,
+    available_algos, buffer_lens, build, build_all_to_all_v, build_in_ring, mem, Algo,
+    CollectiveKind, DType, Descriptor, ReduceOp,
 };
 use half::{bf16, f16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -159,6 +159,83 @@ fn scatter_gather_all_to_all_match_reference() {
         check_kind(CollectiveKind::AllToAll, &MOVING),
         [Algo::Direct, Algo::Ring]
     );
+}
+
+/// All_to_all with split sizes: random block sizes (empty ones included) for worlds of
+/// 1..=8, every rank's output block `j` is rank `j`'s input block for it, byte for byte,
+/// and nothing is padded (each buffer holds exactly its blocks).
+#[test]
+fn all_to_all_with_split_sizes_moves_each_block_as_it_is() {
+    let mut rng = StdRng::seed_from_u64(0xa2a5);
+    for world in 1..=8usize {
+        for round in 0..12 {
+            for (dtype, _) in MOVING {
+                // sizes[i][j]: elements rank i sends rank j.
+                let sizes: Vec<Vec<usize>> = (0..world)
+                    .map(|_| {
+                        (0..world)
+                            .map(|_| match round % 3 {
+                                0 => rng.gen_range(0..4),
+                                1 => [0, 1, 257, 1000][rng.gen_range(0..4)],
+                                _ => rng.gen_range(0..70),
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let e = dtype.size();
+                let ins: Vec<Vec<u8>> = (0..world)
+                    .map(|i| {
+                        (0..sizes[i].iter().sum::<usize>() * e)
+                            .map(|_| rng.gen())
+                            .collect()
+                    })
+                    .collect();
+                let scheds: Vec<_> = (0..world)
+                    .map(|r| {
+                        let recv: Vec<usize> = (0..world).map(|j| sizes[j][r]).collect();
+                        let s = build_all_to_all_v(dtype, r as u32, world as u32, &sizes[r], &recv)
+                            .unwrap();
+                        s.validate_for(r as u32, world as u32).unwrap();
+                        assert_eq!(s.scratch_len, 0);
+                        s
+                    })
+                    .collect();
+                let got = mem::run_schedules(dtype, ReduceOp::Sum, &scheds, &ins).unwrap();
+                for r in 0..world {
+                    let mut want = Vec::new();
+                    for (j, input) in ins.iter().enumerate() {
+                        let at: usize = sizes[j][..r].iter().sum();
+                        want.extend_from_slice(&input[at * e..(at + sizes[j][r]) * e]);
+                    }
+                    assert_eq!(got[r], want, "world {world} round {round} {dtype} rank {r}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_to_all_with_split_sizes_refuses_what_cannot_be_right() {
+    let f = DType::F32;
+    let err = |r: Result<_, eccl_algorithms::BuildError>| r.err().map(|e| e.to_string());
+    assert!(err(build_all_to_all_v(f, 0, 2, &[1], &[1, 1]))
+        .unwrap()
+        .contains("one count per rank"));
+    assert!(err(build_all_to_all_v(f, 1, 2, &[1, 2], &[1, 3]))
+        .unwrap()
+        .contains("sends itself 2"));
+    assert!(err(build_all_to_all_v(f, 2, 2, &[1, 1], &[1, 1]))
+        .unwrap()
+        .contains("not in a world"));
+    assert!(err(build_all_to_all_v(
+        f,
+        0,
+        2,
+        &[usize::MAX / 2, 1],
+        &[usize::MAX / 2, 0]
+    ))
+    .unwrap()
+    .contains("do not fit"));
 }
 
 #[test]

@@ -34,6 +34,41 @@ pub(crate) fn direct(cx: &Ctx) -> Body {
     plan.finish(0)
 }
 
+/// Direct with blocks of any sizes (MPI's `alltoallv`, torch's `all_to_all_single` with
+/// split sizes): `send[j]` elements of the input go to rank `j` and `recv[j]` elements
+/// of the output come from it, each block where the ones before it end. Every pair
+/// exchanges exactly its own blocks, nothing padded. The executor names each message by
+/// its own length (see `peer`'s executor), so a pair whose two ends disagree on their
+/// block fails with a mismatch.
+pub(crate) fn uneven(rank: usize, world: usize, send: &[usize], recv: &[usize]) -> Body {
+    let at = |counts: &[usize], j: usize| counts[..j].iter().sum::<usize>();
+    let mut plan = Plan::new(1);
+    plan.push(
+        0,
+        Prim::Copy {
+            src: Region::input(at(send, rank), send[rank]),
+            dst: Region::output(at(recv, rank), recv[rank]),
+        },
+    );
+    for j in (0..world).filter(|&j| j != rank) {
+        plan.push(
+            0,
+            Prim::Send {
+                peer: j as u32,
+                src: Region::input(at(send, j), send[j]),
+            },
+        );
+        plan.push(
+            0,
+            Prim::Recv {
+                peer: j as u32,
+                dst: Region::output(at(recv, j), recv[j]),
+            },
+        );
+    }
+    plan.finish(0)
+}
+
 /// Ring: every block travels right around the ring until it reaches its rank, so a
 /// rank talks only to its two neighbours (over a solved ring, the fast links) at the
 /// cost of more bytes: `n(n-1)/2` blocks per link instead of one per pair. For worlds

@@ -5,7 +5,7 @@ use futures::future::{BoxFuture, FutureExt};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
-use eccl_algorithms::{buffer_lens, build_in_ring, choose_algo_in, Schedule};
+use eccl_algorithms::{buffer_lens, build_all_to_all_v, build_in_ring, choose_algo_in, Schedule};
 use eccl_protocol::frame::AbortCause;
 use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, PeerId, PeerRequest, Rank, ReduceOp};
 use eccl_transport::pool::AlignedBuf;
@@ -150,6 +150,106 @@ impl Communicator {
             .await
     }
 
+    /// All_to_all whose blocks differ in size (MPI's `alltoallv`, torch's
+    /// `all_to_all_single` with split sizes, a dropless MoE layer's dispatch):
+    /// `send_counts[j]` elements of `input` go to rank `j` and `recv_counts[j]` elements
+    /// of `output` come from it, each buffer's blocks in rank order with nothing between
+    /// them. Every pair moves exactly its own two blocks, directly (nothing padded to the
+    /// widest, no relaying). The two ends of each pair must agree on both its blocks: a
+    /// pair that does not fails with [`Error::Mismatch`] at both ends (naming the sizes)
+    /// and ends the epoch, as any mismatch does. A call that is wrong on its own
+    /// (counts not one per rank, buffers of other lengths, a block to itself that differs
+    /// from the one from itself) fails with [`Error::InvalidArgument`] and ends the epoch
+    /// too, so nobody waits for it. `output` is undefined after a failed call.
+    pub async fn all_to_all_v(
+        &mut self,
+        dtype: DType,
+        input: &[u8],
+        send_counts: &[usize],
+        output: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<OpInfo> {
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let c = self.cur.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("no world yet: call update_topology() first".into())
+        })?;
+        let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
+        let seq = c.seq;
+        c.seq += 1;
+        let elem = dtype.size();
+        // The call's own descriptor (abort notices, errors): its frames are named by
+        // each pair's blocks instead (the executor's `pair_descs`).
+        let desc = Descriptor {
+            kind: CollectiveKind::AllToAll,
+            dtype,
+            op: ReduceOp::Sum,
+            algo: Algo::Direct,
+            root: 0,
+            count: send_counts
+                .iter()
+                .fold(0u64, |a, &n| a.saturating_add(n as u64)),
+        };
+        let sched = build_all_to_all_v(dtype, rank.0, world, send_counts, recv_counts)
+            .map_err(|e| match e {
+                eccl_algorithms::BuildError::InvalidArgument(m) => Error::InvalidArgument(m),
+                other => Error::InvalidArgument(other.to_string()),
+            })
+            .and_then(|s| {
+                let (i, o) = (s.input_len * elem, s.output_len * elem);
+                if input.len() != i || output.len() != o {
+                    return Err(Error::InvalidArgument(format!(
+                        "all_to_all with split sizes: the counts call for {i} bytes of input and {o} of output ({dtype}), the buffers hold {} and {}",
+                        input.len(),
+                        output.len()
+                    )));
+                }
+                Ok(s)
+            });
+        let sched = match sched {
+            Ok(s) => s,
+            Err(e) => return Err(self.fail(epoch, seq, desc, e).await),
+        };
+        if let Some(e) = self.abort.check_call(epoch, Some(seq)) {
+            return Err(e);
+        }
+        let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.frame_bytes);
+        let c = self
+            .cur
+            .as_mut()
+            .expect("world checked at the start of the call");
+        let op = Running {
+            epoch,
+            seq,
+            desc,
+            world,
+            timeout,
+            frame_bytes,
+            abort: &self.abort,
+            suspect: &self.suspect,
+            uneven: true,
+        };
+        let bufs = Bufs::new(input, output, &mut [], elem);
+        match executor::run(&op, &mut c.links, &sched, &bufs).await {
+            Ok(()) => {
+                if c.done == seq {
+                    c.done = seq + 1;
+                }
+                Ok(OpInfo {
+                    epoch,
+                    seq,
+                    rank,
+                    world_size: world,
+                    members: c.members.clone(),
+                    algo: Algo::Direct,
+                    peer: None,
+                })
+            }
+            Err(e) => Err(self.fail(epoch, seq, desc, e).await),
+        }
+    }
+
     fn run_collective<'a>(
         &'a mut self,
         args: CollArgs,
@@ -232,7 +332,7 @@ impl Communicator {
             let sched = direct.unwrap_or(&built.plain);
             self.scratch.set_len(sched.scratch_len * elem);
             let c = self.cur.as_mut().expect("world checked at the start of the call");
-            let op = Running { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect };
+            let op = Running { epoch, seq, desc, world, timeout, frame_bytes, abort: &self.abort, suspect: &self.suspect, uneven: false };
             if args.kind.is_rooted() && world > 1 {
                 executor::check_round(&op, &mut c.links).await?;
             }

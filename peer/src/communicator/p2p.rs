@@ -105,6 +105,7 @@ impl Communicator {
                 frame_bytes,
                 abort: &self.abort,
                 suspect: &self.suspect,
+                uneven: false,
             };
             // A receive first waits for its message's first frame, consuming nothing before
             // it: if none comes within the timeout the call fails on this rank alone (as a

@@ -136,6 +136,25 @@ impl Communicator {
             .await
     }
 
+    /// [`Communicator::all_to_all_v`] on typed slices: `send_counts[j]` elements of
+    /// `input` go to rank j, `recv_counts[j]` elements of `output` come from it.
+    pub async fn all_to_all_v_into<T: Element>(
+        &mut self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<OpInfo> {
+        self.all_to_all_v(
+            T::DTYPE,
+            bytemuck::cast_slice(input),
+            send_counts,
+            bytemuck::cast_slice_mut(output),
+            recv_counts,
+        )
+        .await
+    }
+
     /// Root's `input` has `world_size * output.len()` elements; rank r gets block r.
     pub async fn scatter_into<T: Element>(
         &mut self,

@@ -112,13 +112,14 @@ pub(crate) async fn next_frame(
 /// right (another descriptor for this call, or a step this call has passed).
 fn judge(op: &Running<'_>, rank: u32, want: Want, h: &FrameHeader) -> Result<()> {
     let collective = matches!(h.kind, FrameKind::Data | FrameKind::Check);
-    if collective && h.seq == op.seq && h.desc != op.desc && want.kind != FrameKind::P2p {
+    // (`want.desc`: the call's descriptor, or for split sizes the pair's.)
+    if collective && h.seq == op.seq && h.desc != want.desc && want.kind != FrameKind::P2p {
         return Err(op.mismatch(
             rank,
             Some(h.desc),
             format!(
                 "rank {rank} called {} where this rank called {}",
-                h.desc, op.desc
+                h.desc, want.desc
             ),
         ));
     }
@@ -232,15 +233,33 @@ fn waited_for(want: &Want, rx: &PeerRx) -> String {
 }
 
 fn check_desc(op: &Running<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
-    if f.header.desc != want.desc {
-        return Err(op.mismatch(
-            rank,
-            Some(f.header.desc),
+    let h = f.header.desc;
+    if h != want.desc {
+        let (same_call, ours) = (
+            Descriptor {
+                count: 0,
+                root: 0,
+                ..h
+            },
+            want.desc,
+        );
+        let detail = if op.uneven
+            && same_call
+                == (Descriptor {
+                    count: 0,
+                    root: 0,
+                    ..ours
+                }) {
+            // The pair's blocks (see `pair_descs`): the sender's block for us and the
+            // low 32 bits of what it expects back.
             format!(
-                "rank {rank} called {} where this rank called {}",
-                f.header.desc, want.desc
-            ),
-        ));
+                "all_to_all split sizes differ: rank {rank} sends this rank {} elements and expects {} back (low 32 bits), where this rank expects {} from it and sends it {}",
+                h.count, h.root, ours.count, ours.root
+            )
+        } else {
+            format!("rank {rank} called {h} where this rank called {ours}")
+        };
+        return Err(op.mismatch(rank, Some(h), detail));
     }
     Ok(f)
 }

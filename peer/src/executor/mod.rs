@@ -67,6 +67,9 @@ pub(crate) struct Running<'a> {
     pub abort: &'a Arc<AbortState>,
     /// The rank whose link failed or went silent first, for the fault report.
     pub suspect: &'a AtomicU32,
+    /// An all_to_all with split sizes: each pair's messages are named by their own
+    /// blocks ([`pair_descs`]), not by the call's descriptor.
+    pub uneven: bool,
 }
 
 impl Running<'_> {
@@ -139,6 +142,7 @@ pub(crate) async fn run(
     let world = op.world as usize;
     let mut sent = vec![0u32; world];
     let mut recvd = vec![0u32; world];
+    let pairs = op.uneven.then(|| pair_descs(op, sched));
     let (dtype, rop) = (op.desc.dtype, op.desc.op);
     let half = sched.steps.len() / 2;
     for (index, step) in sched.steps.iter().enumerate() {
@@ -189,7 +193,7 @@ pub(crate) async fn run(
                         kind: FrameKind::Data,
                         seq: op.seq,
                         index,
-                        desc: op.desc,
+                        desc: pairs.as_ref().map_or(op.desc, |p| p[r as usize].1),
                         tag: 0,
                     };
                     Some((take(&mut rxs, r)?, r, want))
@@ -198,7 +202,8 @@ pub(crate) async fn run(
             };
             let send = match to {
                 Some(r) => {
-                    let h = op.header(FrameKind::Data, op.seq, sent[r as usize], op.desc);
+                    let desc = pairs.as_ref().map_or(op.desc, |p| p[r as usize].0);
+                    let h = op.header(FrameKind::Data, op.seq, sent[r as usize], desc);
                     sent[r as usize] += 1;
                     Some((take(&mut txs, r)?, r, h))
                 }
@@ -222,6 +227,30 @@ pub(crate) async fn run(
         }
     }
     Ok(())
+}
+
+/// For an all_to_all with split sizes, what each peer's frames are named by: the
+/// descriptor this rank sends them (`count`: the block it sends, `root`: the low 32 bits
+/// of the block it expects back) and the one it wants from them (the same two seen from
+/// the other end). A pair whose ends disagree on either block fails with a mismatch at
+/// both ends, as ranks that call different collectives do.
+fn pair_descs(op: &Running<'_>, sched: &Schedule) -> Vec<(Descriptor, Descriptor)> {
+    let mut len = vec![(0usize, 0usize); op.world as usize];
+    for p in sched.steps.iter().flat_map(|s| &s.prims) {
+        match *p {
+            Prim::Send { peer, src } => len[peer as usize].0 = src.len,
+            Prim::Recv { peer, dst } => len[peer as usize].1 = dst.len,
+            _ => {}
+        }
+    }
+    let named = |count: usize, back: usize| Descriptor {
+        count: count as u64,
+        root: back as u32,
+        ..op.desc
+    };
+    len.into_iter()
+        .map(|(send, recv)| (named(send, recv), named(recv, send)))
+        .collect()
 }
 
 /// The links a network primitive uses: the rank it receives from, the rank it sends to.

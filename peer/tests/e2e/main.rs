@@ -6,6 +6,7 @@ mod common;
 #[path = "../masters/mod.rs"]
 mod masters;
 
+mod all_to_all_v;
 mod bad_input;
 mod cli;
 mod device;

@@ -1,0 +1,146 @@
+//! All_to_all with split sizes (`Communicator::all_to_all_v`) over a real world: blocks
+//! of any sizes arrive exactly, larger than a link buffers and empty ones alike; a pair
+//! whose ends disagree on a block fails at both ends with a mismatch that names the
+//! sizes, a call wrong on its own fails its rank with `InvalidArgument` and the others
+//! at once, and the world goes on after each.
+
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use eccl::{Communicator, Error};
+use futures::future::join_all;
+
+const N: usize = 3;
+
+/// Every element says where it comes from: rank `s`'s element `i`.
+fn values(s: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (s * 10_000_000 + i % 1_000_000) as f32)
+        .collect()
+}
+
+/// Runs one all_to_all_v on every rank with `size(s, t)` elements from `s` to `t` and
+/// checks every output block against its sender's input.
+async fn exact(comms: &mut [Communicator], size: &(dyn Fn(usize, usize) -> usize + Sync)) {
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let r = c.rank().unwrap().idx();
+        let sends: Vec<usize> = (0..N).map(|t| size(r, t)).collect();
+        let recvs: Vec<usize> = (0..N).map(|s| size(s, r)).collect();
+        let input = values(r, sends.iter().sum());
+        let mut out = vec![-1.0f32; recvs.iter().sum()];
+        c.all_to_all_v_into(&input, &sends, &mut out, &recvs)
+            .await
+            .map(|_| out)
+    }))
+    .await;
+    for (t, out) in res.into_iter().enumerate() {
+        let out = out.unwrap_or_else(|e| panic!("rank {t}: {e}"));
+        let want: Vec<f32> = (0..N)
+            .flat_map(|s| {
+                let from: usize = (0..t).map(|u| size(s, u)).sum();
+                let all: usize = (0..N).map(|u| size(s, u)).sum();
+                values(s, all)[from..from + size(s, t)].to_vec()
+            })
+            .collect();
+        assert!(out == want, "rank {t}: the blocks it received differ");
+    }
+}
+
+async fn recover(comms: &mut [Communicator]) {
+    for t in join_all(comms.iter_mut().map(|c| c.update_topology())).await {
+        t.expect("recover");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_of_any_size_arrive_exactly_and_disagreements_fail_both_ends() {
+    let m = start_master(&[]);
+    let mut comms = world(&m.addr, N as u32).await;
+    // Up to 12 MiB a block, some empty, some one element: more than a link buffers, so
+    // whole-block sends from every rank at once would wait for each other.
+    let big = |s: usize, t: usize| {
+        [
+            [0, 3 << 20, 1 << 20],
+            [(3 << 20) - 5, 7, 0],
+            [1, 0, 2 << 20],
+        ][s][t]
+    };
+    exact(&mut comms, &big).await;
+    let small = |s: usize, t: usize| (s * 3 + t * 5) % 4;
+    exact(&mut comms, &small).await;
+    // All empty: still a call every rank takes part in.
+    exact(&mut comms, &|_, _| 0).await;
+
+    // Rank 2 expects 4 elements from rank 0, which sends it 3: both ends of that pair
+    // fail naming the sizes, the third fails too (the epoch ends), promptly.
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let r = c.rank().unwrap().idx();
+        let sends = vec![3; N];
+        let mut recvs = vec![3; N];
+        if r == 2 {
+            recvs[0] = 4;
+        }
+        let input = values(r, 3 * N);
+        let mut out = vec![0f32; recvs.iter().sum()];
+        c.all_to_all_v_into(&input, &sends, &mut out, &recvs).await
+    }))
+    .await;
+    for (r, x) in res.iter().enumerate() {
+        match x {
+            Err(Error::Mismatch { detail, .. }) if r == 0 => assert!(
+                detail.contains("rank 2 sends this rank 3 elements and expects 4 back"),
+                "rank 0: {detail}"
+            ),
+            Err(Error::Mismatch { detail, .. }) if r == 2 => assert!(
+                detail.contains("rank 0 sends this rank 3 elements and expects 3 back")
+                    && detail.contains("where this rank expects 4 from it"),
+                "rank 2: {detail}"
+            ),
+            Err(Error::Mismatch { .. } | Error::Aborted { .. }) if r == 1 => {}
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        t.elapsed()
+    );
+    recover(&mut comms).await;
+    exact(&mut comms, &small).await;
+
+    // Rank 1 passes two counts in a world of three: it fails with InvalidArgument, the
+    // others at once rather than at their timeout.
+    let t = Instant::now();
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let r = c.rank().unwrap().idx();
+        let n = if r == 1 { N - 1 } else { N };
+        let input = vec![1f32; 2 * n];
+        let mut out = vec![0f32; 2 * n];
+        c.all_to_all_v_into(&input, &vec![2; n], &mut out, &vec![2; n])
+            .await
+    }))
+    .await;
+    for (r, x) in res.iter().enumerate() {
+        match x {
+            Err(Error::InvalidArgument(m)) if r == 1 => {
+                assert!(m.contains("one count per rank (3)"), "rank 1: {m}")
+            }
+            // (Told by rank 1's abort notice, as for any call wrong on one rank.)
+            Err(Error::Mismatch { detail, .. }) if r != 1 => {
+                assert!(detail.contains("rank 1: invalid argument: all_to_all with split sizes needs one count per rank"), "rank {r}: {detail}")
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        t.elapsed()
+    );
+    recover(&mut comms).await;
+    exact(&mut comms, &big).await;
+    for c in comms {
+        c.leave().await.unwrap();
+    }
+}
