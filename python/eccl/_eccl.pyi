@@ -435,8 +435,21 @@ class Communicator:
         self, output: Any, input: Any, op: Any | None = None, *, async_op: bool = False
     ) -> OpInfo | Work:
         """`input` holds world_size blocks of `output`'s size; rank r gets block r reduced."""
-    def all_to_all(self, output: Any, input: Any, *, async_op: bool = False) -> OpInfo | Work:
-        """Block j of `input` goes to rank j; block j of `output` comes from rank j."""
+    def all_to_all(
+        self,
+        output: Any,
+        input: Any,
+        *,
+        send_counts: list[int] | None = None,
+        recv_counts: list[int] | None = None,
+        async_op: bool = False,
+    ) -> OpInfo | Work:
+        """Block j of `input` goes to rank j; block j of `output` comes from rank j. With
+        `send_counts` and `recv_counts` (elements, one per rank, both or neither) the
+        blocks may differ in size: `send_counts[j]` elements of `input` go to rank j,
+        `recv_counts[j]` of `output` come from it, each buffer's blocks in rank order;
+        every pair moves exactly its own blocks, and a pair whose ends disagree fails
+        with `MismatchError` at both ends."""
     def gather(
         self, output: Any | None, input: Any, root: int = 0, *, async_op: bool = False
     ) -> OpInfo | Work:

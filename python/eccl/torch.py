@@ -429,15 +429,17 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         if in_rows is None:
             return self._alltoall_uneven([], [], split_refusal("input", input, input_split_sizes, n))
         outs, ins = list(output.split(out_rows)), list(input.split(in_rows))
-        return self._alltoall_uneven(outs, ins, a2a_refusal(outs, ins, n))
+        return self._alltoall_uneven(outs, ins, a2a_refusal(outs, ins, n), (output, input))
 
-    def _alltoall_uneven(self, outs, ins, refusal=None):
+    def _alltoall_uneven(self, outs, ins, refusal=None, flat=None):
         """Blocks of different sizes. Every rank's block sizes go first (one small
         all_gather, so sizes that disagree are the same `MismatchError` on every rank
-        before anything moves), then one all_to_all of blocks padded to the call's
-        largest, which the collective engine paces. (Pairwise sends of whole blocks from
-        every rank at once waited for each other for good once a block outgrew what a
-        link buffers: 16 MiB over shared memory.) A rank whose own call is wrong
+        before anything moves), then one all_to_all with split sizes, which moves each
+        pair's blocks as they are and which the collective engine paces. (Pairwise sends
+        of whole blocks from every rank at once waited for each other for good once a
+        block outgrew what a link buffers: 16 MiB over shared memory.) `flat`: the
+        (output, input) tensors that `outs` and `ins` split, used in place where they are
+        contiguous. A rank whose own call is wrong
         (`refusal`: split sizes that do not cover its tensor, another number of blocks
         than ranks, dtypes that differ) still takes part in the sizes' all_gather with a
         row that says so: every rank fails with a `MismatchError` naming it, where a
@@ -471,19 +473,30 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                     raise eccl.MismatchError(
                         f"all_to_all: rank {s} sends {sent} elements to rank {t}, which "
                         f"expects {expected} from it")
-        widest = int(table[:, :n].max()) if n else 0
-        if widest == 0:
+        if n == 0 or int(table[:, :n].max()) == 0:
             return self._calls.submit([], outs)
-        dtype = ins[0].dtype if ins else outs[0].dtype
-        flat_in = torch.zeros(n * widest, dtype=dtype)
-        for t, b in enumerate(ins):
-            flat_in[t * widest:t * widest + b.numel()].copy_(b.reshape(-1))
-        flat_out = torch.empty(n * widest, dtype=dtype)
-        w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
+        # eccl's all_to_all with split sizes: every pair moves its own blocks, nothing
+        # padded (before, every block went padded to the call's widest).
+        send = [b.numel() for b in ins]
+        recv = [o.numel() for o in outs]
+        if flat is not None and flat[1].is_contiguous():
+            flat_in = flat[1]
+        else:
+            flat_in = torch.cat([b.reshape(-1) for b in ins])
+        if flat is not None and flat[0].is_contiguous():
+            # all_to_all_single: the blocks land in the output tensor itself.
+            w = self.comm.all_to_all(flat[0], flat_in, send_counts=send, recv_counts=recv,
+                                     async_op=True)
+            return self._calls.submit([w], outs)
+        flat_out = torch.empty(sum(recv), dtype=flat_in.dtype)
+        w = self.comm.all_to_all(flat_out, flat_in, send_counts=send, recv_counts=recv,
+                                 async_op=True)
 
         def copy_back() -> None:
-            for s, o in enumerate(outs):
-                o.copy_(flat_out[s * widest:s * widest + o.numel()].view(o.shape))
+            at = 0
+            for o in outs:
+                o.copy_(flat_out[at:at + o.numel()].view(o.shape))
+                at += o.numel()
         return self._calls.submit([w], outs, copy_back)
 
     def barrier(self, opts=None):

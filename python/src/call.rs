@@ -36,6 +36,13 @@ pub(crate) enum Call {
         input: Option<HostBuffer>,
         output: Option<WritableBuffer>,
     },
+    /// All_to_all with blocks of any sizes (elements per rank, in rank order).
+    AllToAllV {
+        input: HostBuffer,
+        output: WritableBuffer,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    },
     /// All_gather that reads the other ranks' memory directly where every rank's source
     /// lies in eccl's shared memory (`crate::direct`); `input: None`: this rank's block
     /// of `output` is its source (NCCL's in-place form).
@@ -128,6 +135,7 @@ impl Call {
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
+            Call::AllToAllV { input, output, .. } => (vec![input], vec![output]),
             Call::SharedAllGather { input, output } => (input.iter().collect(), vec![output]),
             Call::SharedReduceScatter { input, output, .. } => (vec![input], vec![output]),
             Call::InPlace { buf, .. } | Call::Recv { buf, .. } | Call::Quantized { buf, .. } => {
@@ -405,6 +413,23 @@ async fn run(
                 None => &mut [],
             };
             comm.collective(args, inp, out).await.map(Done::Op)
+        }
+        Call::AllToAllV {
+            input,
+            output,
+            send_counts,
+            recv_counts,
+        } => {
+            let dtype = input.dtype();
+            comm.all_to_all_v(
+                dtype,
+                input.bytes(),
+                send_counts,
+                output.bytes_mut(),
+                recv_counts,
+            )
+            .await
+            .map(Done::Op)
         }
         Call::SharedAllGather { output, input } => {
             let dtype = input

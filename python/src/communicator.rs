@@ -819,15 +819,42 @@ impl Communicator {
         )
     }
 
-    /// Block j of `input` goes to rank j; block j of `output` comes from rank j.
-    #[pyo3(signature = (output, input, *, async_op=false))]
+    /// Block j of `input` goes to rank j; block j of `output` comes from rank j. With
+    /// `send_counts` and `recv_counts` (elements, one per rank, both or neither) the
+    /// blocks may differ in size: `send_counts[j]` elements of `input` go to rank j,
+    /// `recv_counts[j]` of `output` come from it, each buffer's blocks in rank order;
+    /// every pair moves exactly its own blocks, and a pair whose ends disagree fails
+    /// with `MismatchError` at both ends.
+    #[pyo3(signature = (output, input, *, send_counts=None, recv_counts=None, async_op=false))]
     fn all_to_all(
         &self,
         py: Python<'_>,
         output: &Bound<'_, PyAny>,
         input: &Bound<'_, PyAny>,
+        send_counts: Option<Vec<usize>>,
+        recv_counts: Option<Vec<usize>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
+        match (send_counts, recv_counts) {
+            (None, None) => {}
+            (Some(send_counts), Some(recv_counts)) => {
+                let input = HostBuffer::extract(input, "input")?;
+                let output = WritableBuffer::extract(output, "output")?;
+                same_dtype(&input, &output)?;
+                let call = Call::AllToAllV {
+                    input,
+                    output,
+                    send_counts,
+                    recv_counts,
+                };
+                return self.submit(py, call, async_op);
+            }
+            _ => {
+                return Err(invalid(
+                    "all_to_all: pass both send_counts and recv_counts, or neither",
+                ))
+            }
+        }
         self.out_of_place(
             py,
             CollectiveKind::AllToAll,

@@ -73,6 +73,14 @@ def test_every_collective_on_numpy_and_torch():
         out["rs"] = rs.tolist()
         a2a = np.empty(n, dtype=np.int64); comm.all_to_all(a2a, np.arange(n, dtype=np.int64) + 10 * rank)
         out["a2a"] = a2a.tolist()
+        # all_to_all with split sizes: rank s sends rank t s + t + 1 elements of value
+        # 100 s + t (rank 0 sends itself one, nothing padded)
+        sends = [rank + t + 1 for t in range(n)]
+        recvs = [s + rank + 1 for s in range(n)]
+        inp = torch.cat([torch.full((k,), 100.0 * rank + t) for t, k in enumerate(sends)])
+        v = torch.empty(sum(recvs))
+        comm.all_to_all(v, inp, send_counts=sends, recv_counts=recvs)
+        out["a2av"] = v.tolist()
         # gather / scatter
         ga = np.empty(n, dtype=np.float32) if rank == 0 else None
         comm.gather(ga, np.full(1, rank, dtype=np.float32), root=0)
@@ -106,6 +114,7 @@ def test_every_collective_on_numpy_and_torch():
         assert r["ag"] == [float(q) for q in range(n) for _ in range(2)]
         assert r["rs"] == [float(n * (2 * rank)), float(n * (2 * rank + 1))]
         assert r["a2a"] == [10 * src + rank for src in range(n)]
+        assert r["a2av"] == [100.0 * s + rank for s in range(n) for _ in range(s + rank + 1)]
         assert r["gather"] == ([0.0, 1.0, 2.0] if rank == 0 else None)
         assert r["scatter"] == [2.0 * rank]
         assert r["ring"] == [float((rank - 1) % n)] * 3
@@ -210,6 +219,16 @@ def test_bad_input_raises_typed_errors():
             comm.all_reduce(np.ones(4, dtype=np.int32), "avg")
         with pytest.raises(eccl.InvalidArgumentError, match="expected"):
             comm.all_gather(np.empty(3, dtype=np.float32), np.ones(2, dtype=np.float32))
+        with pytest.raises(eccl.InvalidArgumentError, match="both send_counts and recv_counts"):
+            comm.all_to_all(np.empty(2, dtype=np.float32), np.ones(2, dtype=np.float32), send_counts=[2])
+        with pytest.raises(eccl.InvalidArgumentError, match="one count per rank"):
+            comm.all_to_all(np.empty(2, dtype=np.float32), np.ones(2, dtype=np.float32),
+                            send_counts=[1, 1], recv_counts=[1, 1])
+        comm.update_topology()
+        with pytest.raises(eccl.InvalidArgumentError, match="buffers hold 8 and 4"):
+            comm.all_to_all(np.empty(1, dtype=np.float32), np.ones(2, dtype=np.float32),
+                            send_counts=[3], recv_counts=[3])
+        comm.update_topology()
         if torch.cuda.is_available():
             with pytest.raises(eccl.InvalidArgumentError, match="cuda"):
                 comm.all_reduce(torch.ones(4, device="cuda"))

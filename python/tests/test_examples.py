@@ -36,7 +36,7 @@ COVERED = {
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "netlab.sh", "compare_transports.py", "kill_latency.py",
             "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py",
             "catch_up.py", "compare_fsdp.py", "heal_cost.py", "shared_collectives.py",
-            "contract_times.py"}
+            "contract_times.py", "compare_alltoall.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -80,6 +80,19 @@ def test_compare_transports(tmp_path):
         rows = r["eccl"][f"2/{t}"]
         assert sorted(int(s) for s in rows) == [1024, 1 << 20], rows
         assert all(row["wrong"] == 0 for row in rows.values()), rows
+
+
+def test_compare_alltoall(tmp_path):
+    out_json = tmp_path / "a.json"
+    out = run([sys.executable, str(EXAMPLES / "compare_alltoall.py"), "--ranks", "3", "--mib", "1",
+               "--iters", "2", "--rounds", "1", "--patterns", "rotated", "--json", str(out_json)])
+    # Each worker checks the blocks it received; both backends timed every pattern.
+    rows = json.loads(out_json.read_text())
+    assert [(r["ranks"], r["pattern"]) for r in rows] == [(3, "rotated")], out
+    for r in rows:
+        assert all(len(t) == 1 and 0 < t[0] < 60 for t in r["median_call_s"].values()), r
+        assert 0 < r["widest_block"] < r["bytes_to_others"], r
+    assert re.search(r"^3 ranks, rotated: .* eccl .* gloo .* gloo/eccl", out, re.M), out
 
 
 def test_kill_latency():

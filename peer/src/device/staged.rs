@@ -42,9 +42,10 @@ impl<D: Device> Drop for Settle<'_, D> {
 /// so): of an all_reduce, a slice of the buffer; of an all_gather or a reduce_scatter,
 /// the same slice of every rank's block (one copy down and one per rank up, or the
 /// other way round); of a gather or a scatter, the same, with the root's every-rank side;
-/// of an all_to_all, the same slice of every block, one copy per rank each way, each
-/// block padded to `a2a_block` elements (the call's widest, from every rank's counts:
-/// the padding is zeroed, never copied up); of a broadcast, a slice the root copies down
+/// of an all_to_all, the same slice of every block (as far as the block reaches: the
+/// chunks are cut from `a2a_block` elements, the call's widest block, from every rank's
+/// counts), one copy per rank each way, the host collective an all_to_all with split
+/// sizes that moves each slice as it is (nothing padded); of a broadcast, a slice the root copies down
 /// and the others up. With `keep` (all_reduce) and more than one chunk the results go to
 /// a device scratch buffer, copied over `buf` once every chunk succeeded (G2: a failed
 /// call leaves `buf` as it was); a single chunk is uploaded only after its collective
@@ -100,10 +101,10 @@ struct Piece {
     in_len: usize,
     out_len: usize,
     down: Vec<(DevPtr, usize, usize)>,
-    /// Ranges of the slot's input (offset, bytes) that no copy fills: an all_to_all's
-    /// blocks shorter than the call's widest, zeroed before the collective.
-    pad: Vec<(usize, usize)>,
     up: Vec<(DevPtr, usize, usize)>,
+    /// An all_to_all's chunk: the elements of each rank's slice this rank sends and
+    /// receives (its host collective is [`Communicator::all_to_all_v`]).
+    split: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 /// What a staged call is cut into: its pieces, whether they run in place (one host
@@ -176,8 +177,8 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
                     } else {
                         Vec::new()
                     },
-                    pad: Vec::new(),
                     up: if root == Some(me) { Vec::new() } else { here() },
+                    split: None,
                 }
             })
             .collect();
@@ -191,7 +192,7 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
     // Two buffers: all_gather (one rank's slice down, every rank's slices up),
     // reduce_scatter (every rank's slices down, one up), gather (one down; every rank's
     // up at the root), scatter (every rank's down at the root; one up) and all_to_all
-    // (every block's slice down and up, each block padded to the call's widest).
+    // (every block's slice down and up, as far as each block reaches).
     // (kind, send, recv, dtype, op, root, the host block in elements, this rank's
     // blocks to send and to receive in elements: one each where the rank moves its
     // own block only, none where it moves nothing that way).
@@ -324,34 +325,33 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
     let (send_at, recv_at) = (starts(&sends), starts(&recvs));
     // The copies of chunk [off, off + len) of each block: (device address, offset in
     // the slot's buffer, bytes), the part of the slice the block holds (all of it but
-    // where a block is shorter than the host block); the rest of the slot's slice is
-    // padding (zeroed before the collective, so nothing stale goes out) or not read.
+    // where an all_to_all's block is shorter than the widest), the slices back to back
+    // in the slot in rank order; with each slice's elements and their sum in bytes. Both
+    // ends of a pair cut its block alike (the same count, `per` and chunk), so the
+    // sender's slice is the receiver's.
     let copies = |base: DevPtr, counts: &[usize], at: &[usize], off: usize, len: usize| {
-        let mut v = Vec::new();
-        let mut pad = Vec::new();
-        for (r, (&c, &a)) in counts.iter().zip(at).enumerate() {
+        let (mut v, mut elems, mut slot) = (Vec::new(), Vec::new(), 0);
+        for (&c, &a) in counts.iter().zip(at) {
             let here = (c * size).saturating_sub(off).min(len);
             if here > 0 {
-                v.push((base + (a + off) as u64, r * len, here));
+                v.push((base + (a + off) as u64, slot, here));
             }
-            if here < len {
-                pad.push((r * len + here, len - here));
-            }
+            elems.push(here / size);
+            slot += here;
         }
-        (v, pad)
+        (v, elems, slot)
     };
     let pieces = (0..nb.div_ceil(per))
         .map(|k| {
             let (off, len) = (k * per, per.min(nb - k * per));
-            let (down, pad) = copies(send, &sends, &send_at, off, len);
-            let (mut up, _) = copies(recv, &recvs, &recv_at, off, len);
+            let (down, send_elems, in_len) = copies(send, &sends, &send_at, off, len);
+            let (mut up, recv_elems, out_len) = copies(recv, &recvs, &recv_at, off, len);
             if matches!(kind, CollectiveKind::AllGather | CollectiveKind::Gather) {
                 // In place (this rank's block of `recv` is its `send`), its own slice
                 // would come back up onto the bytes it went down from: left out, as the
                 // IPC path leaves that copy out.
                 up.retain(|&(dst, _, _)| !down.iter().any(|&(src, _, _)| src == dst));
             }
-            let (in_len, out_len) = (sends.len() * len, recvs.len() * len);
             Piece {
                 args: CollArgs::for_buffers(
                     kind,
@@ -365,8 +365,8 @@ fn plan(call: &DeviceCall, me: usize, n: usize, least: usize, a2a_block: usize) 
                 in_len,
                 out_len,
                 down,
-                pad,
                 up,
+                split: both.then_some((send_elems, recv_elems)),
             }
         })
         .collect();
@@ -456,12 +456,6 @@ unsafe fn pipeline<D: Device>(
         if let Some(m) = downs[i] {
             dev.wait_copy(m)?;
         }
-        for &(at, len) in &p.pad {
-            // SAFETY: the slot's input buffer holds `in_cap` >= `at + len` bytes, no
-            // copy touches this range (the chunk's downloads fill the rest of it, and
-            // are done), and nothing else uses the slot until its collective.
-            unsafe { std::ptr::write_bytes(input(slot).add(at), 0, len) };
-        }
         // SAFETY: the slot's buffers hold `in_cap` and `out_cap` bytes (or `in_cap`, in
         // place), at least the piece's lengths; chunk i's download into the
         // input is done, and no copy uses them until the uploads queued below.
@@ -472,7 +466,12 @@ unsafe fn pipeline<D: Device>(
             } else {
                 let inp = std::slice::from_raw_parts(input(slot), p.in_len);
                 let out = std::slice::from_raw_parts_mut(output(slot), p.out_len);
-                rt.block_on(comm.collective(p.args, inp, out))
+                match &p.split {
+                    Some((sends, recvs)) => {
+                        rt.block_on(comm.all_to_all_v(p.args.dtype, inp, sends, out, recvs))
+                    }
+                    None => rt.block_on(comm.collective(p.args, inp, out)),
+                }
             }
         };
         done.map_err(Fail::Collective)?;
@@ -514,9 +513,10 @@ mod tests {
     use super::*;
     use eccl_protocol::DType;
 
-    /// Every chunk's copies down and its padding tile the chunk's input exactly (each
-    /// byte once), the copies down and up take each block's bytes exactly once over the
-    /// chunks, and every rank cuts the call into as many chunks.
+    /// Every chunk's copies down tile the chunk's input exactly (each byte once, nothing
+    /// padded) and its copies up its output, the copies down and up take each block's
+    /// bytes exactly once over the chunks, every rank cuts the call into as many chunks,
+    /// and in every chunk what rank s sends rank t is what t expects from s.
     #[test]
     fn an_uneven_all_to_all_is_cut_into_tiled_chunks_of_its_widest_block() {
         // What rank s sends rank t, in f32 elements: one block empty, one the widest.
@@ -525,6 +525,7 @@ mod tests {
         let widest = *table.iter().flatten().max().unwrap();
         let (send, recv) = (1u64 << 40, 1u64 << 41);
         let mut chunks = Vec::new();
+        let mut splits = Vec::new();
         for (me, row) in table.iter().enumerate() {
             let send_counts = row.to_vec();
             let recv_counts: Vec<usize> = (0..n).map(|s| table[s][me]).collect();
@@ -540,28 +541,32 @@ mod tests {
             chunks.push(plan.pieces.len());
             let mut sent = vec![0u32; send_counts.iter().sum::<usize>() * 4];
             let mut got = vec![0u32; recv_counts.iter().sum::<usize>() * 4];
+            let mut mine = Vec::new();
             for p in &plan.pieces {
-                assert_eq!(p.in_len, p.out_len);
                 assert!(p.in_len <= plan.in_cap && p.out_len <= plan.out_cap);
+                let (s, r) = p
+                    .split
+                    .clone()
+                    .expect("an all_to_all's chunk has split sizes");
+                assert_eq!(s.iter().sum::<usize>() * 4, p.in_len, "rank {me}");
+                assert_eq!(r.iter().sum::<usize>() * 4, p.out_len, "rank {me}");
                 let mut tiles = vec![0u32; p.in_len];
                 for &(src, at, len) in &p.down {
                     tiles[at..at + len].iter_mut().for_each(|t| *t += 1);
                     let from = (src - send) as usize;
                     sent[from..from + len].iter_mut().for_each(|b| *b += 1);
                 }
-                for &(at, len) in &p.pad {
-                    tiles[at..at + len].iter_mut().for_each(|t| *t += 1);
-                }
-                assert!(
-                    tiles.iter().all(|&t| t == 1),
-                    "rank {me}: down and padding tile"
-                );
+                assert!(tiles.iter().all(|&t| t == 1), "rank {me}: copies down tile");
+                let mut tiles = vec![0u32; p.out_len];
                 for &(dst, at, len) in &p.up {
-                    assert!(at + len <= p.out_len);
+                    tiles[at..at + len].iter_mut().for_each(|t| *t += 1);
                     let to = (dst - recv) as usize;
                     got[to..to + len].iter_mut().for_each(|b| *b += 1);
                 }
+                assert!(tiles.iter().all(|&t| t == 1), "rank {me}: copies up tile");
+                mine.push((s, r));
             }
+            splits.push(mine);
             assert!(
                 sent.iter().all(|&b| b == 1),
                 "rank {me}: every byte sent once"
@@ -575,6 +580,13 @@ mod tests {
             chunks.iter().all(|&c| c == chunks[0] && c > 1),
             "{chunks:?}"
         );
+        for k in 0..chunks[0] {
+            for (s, row) in splits.iter().enumerate() {
+                for (t, col) in splits.iter().enumerate() {
+                    assert_eq!(row[k].0[t], col[k].1[s], "chunk {k}: rank {s} to rank {t}");
+                }
+            }
+        }
     }
 
     /// A gather's and a scatter's root moves every rank's slice of a chunk, the others
@@ -611,7 +623,7 @@ mod tests {
                 for p in &plan.pieces {
                     assert_eq!(p.down.len(), downs, "scatter {scatter} rank {me}");
                     assert_eq!(p.up.len(), ups, "scatter {scatter} rank {me}");
-                    assert!(p.pad.is_empty());
+                    assert!(p.split.is_none());
                     down += p.down.iter().map(|d| d.2).sum::<usize>();
                     up += p.up.iter().map(|u| u.2).sum::<usize>();
                 }
