@@ -12,6 +12,16 @@ use futures::future::join_all;
 
 const N: usize = 3;
 
+/// Up to 12 MiB a block, some empty, some one element: more than a link buffers, so
+/// whole-block sends from every rank at once would wait for each other.
+fn big(s: usize, t: usize) -> usize {
+    [
+        [0, 3 << 20, 1 << 20],
+        [(3 << 20) - 5, 7, 0],
+        [1, 0, 2 << 20],
+    ][s][t]
+}
+
 /// Every element says where it comes from: rank `s`'s element `i`.
 fn values(s: usize, len: usize) -> Vec<f32> {
     (0..len)
@@ -22,10 +32,11 @@ fn values(s: usize, len: usize) -> Vec<f32> {
 /// Runs one all_to_all_v on every rank with `size(s, t)` elements from `s` to `t` and
 /// checks every output block against its sender's input.
 async fn exact(comms: &mut [Communicator], size: &(dyn Fn(usize, usize) -> usize + Sync)) {
+    let n = comms.len();
     let res = join_all(comms.iter_mut().map(|c| async move {
         let r = c.rank().unwrap().idx();
-        let sends: Vec<usize> = (0..N).map(|t| size(r, t)).collect();
-        let recvs: Vec<usize> = (0..N).map(|s| size(s, r)).collect();
+        let sends: Vec<usize> = (0..n).map(|t| size(r, t)).collect();
+        let recvs: Vec<usize> = (0..n).map(|s| size(s, r)).collect();
         let input = values(r, sends.iter().sum());
         let mut out = vec![-1.0f32; recvs.iter().sum()];
         c.all_to_all_v_into(&input, &sends, &mut out, &recvs)
@@ -35,10 +46,10 @@ async fn exact(comms: &mut [Communicator], size: &(dyn Fn(usize, usize) -> usize
     .await;
     for (t, out) in res.into_iter().enumerate() {
         let out = out.unwrap_or_else(|e| panic!("rank {t}: {e}"));
-        let want: Vec<f32> = (0..N)
+        let want: Vec<f32> = (0..n)
             .flat_map(|s| {
                 let from: usize = (0..t).map(|u| size(s, u)).sum();
-                let all: usize = (0..N).map(|u| size(s, u)).sum();
+                let all: usize = (0..n).map(|u| size(s, u)).sum();
                 values(s, all)[from..from + size(s, t)].to_vec()
             })
             .collect();
@@ -56,15 +67,6 @@ async fn recover(comms: &mut [Communicator]) {
 async fn blocks_of_any_size_arrive_exactly_and_disagreements_fail_both_ends() {
     let m = start_master(&[]);
     let mut comms = world(&m.addr, N as u32).await;
-    // Up to 12 MiB a block, some empty, some one element: more than a link buffers, so
-    // whole-block sends from every rank at once would wait for each other.
-    let big = |s: usize, t: usize| {
-        [
-            [0, 3 << 20, 1 << 20],
-            [(3 << 20) - 5, 7, 0],
-            [1, 0, 2 << 20],
-        ][s][t]
-    };
     exact(&mut comms, &big).await;
     let small = |s: usize, t: usize| (s * 3 + t * 5) % 4;
     exact(&mut comms, &small).await;
@@ -86,16 +88,15 @@ async fn blocks_of_any_size_arrive_exactly_and_disagreements_fail_both_ends() {
         c.all_to_all_v_into(&input, &sends, &mut out, &recvs).await
     }))
     .await;
+    // (A rank may hear the other end's abort notice, which says the same from there,
+    // before it compares the frame itself.)
     for (r, x) in res.iter().enumerate() {
         match x {
-            Err(Error::Mismatch { detail, .. }) if r == 0 => assert!(
-                detail.contains("rank 2 sends this rank 3 elements and expects 4 back"),
-                "rank 0: {detail}"
-            ),
-            Err(Error::Mismatch { detail, .. }) if r == 2 => assert!(
-                detail.contains("rank 0 sends this rank 3 elements and expects 3 back")
-                    && detail.contains("where this rank expects 4 from it"),
-                "rank 2: {detail}"
+            Err(Error::Mismatch { detail, .. }) if r == 0 || r == 2 => assert!(
+                detail.contains("all_to_all split sizes differ")
+                    && detail.contains("sends this rank 3 elements")
+                    && detail.contains(&format!("rank {}", 2 - r)),
+                "rank {r}: {detail}"
             ),
             Err(Error::Mismatch { .. } | Error::Aborted { .. }) if r == 1 => {}
             other => panic!("rank {r}: {other:?}"),
@@ -141,6 +142,49 @@ async fn blocks_of_any_size_arrive_exactly_and_disagreements_fail_both_ends() {
     recover(&mut comms).await;
     exact(&mut comms, &big).await;
     for c in comms {
+        c.leave().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_dies_while_the_others_wait_for_its_blocks_fails_them_promptly() {
+    let m = start_master(&[]);
+    let comms = world(&m.addr, N as u32).await;
+    let t = Instant::now();
+    let res = join_all(comms.into_iter().map(|mut c| async move {
+        let r = c.rank().unwrap().idx();
+        if r == 2 {
+            // As a process that dies mid-step: no call, no leave, its links just close.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(c);
+            return None;
+        }
+        let sends: Vec<usize> = (0..N).map(|t| big(r, t)).collect();
+        let recvs: Vec<usize> = (0..N).map(|s| big(s, r)).collect();
+        let input = values(r, sends.iter().sum());
+        let mut out = vec![0f32; recvs.iter().sum()];
+        let res = c.all_to_all_v_into(&input, &sends, &mut out, &recvs).await;
+        Some((c, res))
+    }))
+    .await;
+    let mut survivors = Vec::new();
+    for (r, x) in res.into_iter().enumerate() {
+        match x {
+            None => assert_eq!(r, 2),
+            Some((c, Err(Error::Aborted { .. } | Error::Timeout { .. }))) => survivors.push(c),
+            Some((_, other)) => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert_eq!(survivors.len(), 2);
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        t.elapsed()
+    );
+    recover(&mut survivors).await;
+    assert_eq!(survivors[0].world_size(), 2);
+    exact(&mut survivors, &|s, t| big(s, 2 - t) + 3).await;
+    for c in survivors {
         c.leave().await.unwrap();
     }
 }
