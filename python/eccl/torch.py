@@ -129,6 +129,36 @@ def _input_of(output: "torch.Tensor", input: "torch.Tensor", rank: int) -> "torc
 
 
 
+def _overlaps(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    """Whether the memory of `a` and `b` (contiguous tensors) overlaps."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    return (a.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
+            and b.data_ptr() < a.data_ptr() + a.numel() * a.element_size())
+
+
+def _adjacent(blocks: list, *avoid: Any) -> Any:
+    """One flat view of `blocks` where they already lie back to back in one tensor's
+    memory, in order (`list(t.split(k))`, `t.chunk(n)`: the list forms' blocks as callers
+    often cut them), contiguous CPU tensors of one dtype, and clear of every tensor in
+    `avoid` (the call's other side); else None, and the caller copies them into a buffer
+    of their own. The list forms then read or write the caller's blocks in place, as
+    gloo does, instead of through a copy of the whole call."""
+    if not blocks:
+        return None
+    b0 = blocks[0]
+    at = b0.data_ptr()
+    for b in blocks:
+        if not (b.is_cpu and b.is_contiguous() and b.dtype == b0.dtype and b.data_ptr() == at
+                and b.untyped_storage().data_ptr() == b0.untyped_storage().data_ptr()):
+            return None
+        at += b.numel() * b.element_size()
+    flat = b0.as_strided((sum(b.numel() for b in blocks),), (1,), b0.storage_offset())
+    if any(t is not None and _overlaps(flat, t) for t in avoid):
+        return None
+    return flat
+
+
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     # CUDA tensors reach the calls as host copies (`eccl.torch_cuda`); other devices
     # are refused.
@@ -279,15 +309,17 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
                 return self._refuse("all_gather", "output", refusal,
                                     lambda: self.comm.all_gather(wrong, inp, async_op=True))
-            flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
+            flat = _adjacent(list(outs), inp)
+            if flat is None:
+                flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
+                copies.append((outs, flat))
             works.append(self.comm.all_gather(flat, inp, async_op=True))
-            copies.append((outs, flat))
 
         def scatter_back() -> None:
             for outs, flat in copies:
                 for o, f in zip(outs, flat):
                     o.copy_(f.view_as(o))
-        return self._calls.submit(works, output_tensors, scatter_back)
+        return self._calls.submit(works, output_tensors, scatter_back if copies else None)
 
     def _allgather_base(self, output, input, opts=None):
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -321,8 +353,10 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("reduce_scatter", "input", refusal,
                                     lambda: self.comm.reduce_scatter(out, wrong, op, async_op=True))
-            flat = _premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(),
-                                  factor, True)
+            flat = _adjacent(ins, out)
+            flat = (_premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(),
+                                   factor, True) if flat is None
+                    else _premultiplied(flat, factor, False))
             works.append(self.comm.reduce_scatter(out, flat, op, async_op=True))
         return self._calls.submit(works, output_tensors)
 
@@ -364,6 +398,10 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
                 return self._refuse("gather", "the root's output", refusal,
                                     lambda: self.comm.gather(wrong, inp, root, async_op=True))
+            flat = _adjacent(outs, inp)
+            if flat is not None:
+                return self._calls.submit([self.comm.gather(flat, inp, root, async_op=True)],
+                                          output_tensors)
             flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             w = self.comm.gather(flat, inp, root, async_op=True)
 
@@ -385,7 +423,9 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("scatter", "the root's input", refusal,
                                     lambda: self.comm.scatter(out, wrong, root, async_op=True))
-            flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
+            flat = _adjacent(blocks, out)
+            if flat is None:
+                flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
         w = self.comm.scatter(out, flat, root, async_op=True)
         return self._calls.submit([w], output_tensors)
 
@@ -402,15 +442,22 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         sizes = {t.numel() for t in outs + ins}
         refusal = a2a_refusal(outs, ins, self.size())
         if len(sizes) == 1 and refusal is None:
-            flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
+            flat_in = _adjacent(ins)
+            if flat_in is None:
+                flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
+            flat_out = _adjacent(outs, flat_in)
+            if flat_out is not None:
+                return self._calls.submit([self.comm.all_to_all(flat_out, flat_in, async_op=True)],
+                                          output_tensors)
             flat_out = torch.empty_like(flat_in)
             w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
 
             def scatter_back() -> None:
-                for o, f in zip(output_tensors, flat_out):
+                for o, f in zip(output_tensors, flat_out.view(len(outs), -1)):
                     o.copy_(f.view_as(o))
             return self._calls.submit([w], output_tensors, scatter_back)
-        return self._alltoall_uneven(outs, ins, refusal)
+        flat = (_adjacent(outs, *ins), _adjacent(ins)) if refusal is None else None
+        return self._alltoall_uneven(outs, ins, refusal, flat)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
@@ -422,7 +469,11 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 and in_rows is not None and output.dtype == input.dtype
                 and output.numel() == input.numel()):
             # Equal blocks: eccl's all_to_all checks every rank's size against the others'.
-            w = self.comm.all_to_all(output, input.contiguous(), async_op=True)
+            # In place (the same tensor, or overlapping ones) it reads a copy of its input.
+            input = input.contiguous()
+            if output.is_contiguous() and _overlaps(output, input):
+                input = input.clone()
+            w = self.comm.all_to_all(output, input, async_op=True)
             return self._calls.submit([w], output)
         if out_rows is None:
             return self._alltoall_uneven([], [], split_refusal("output", output, output_split_sizes, n))
@@ -438,8 +489,8 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         pair's blocks as they are and which the collective engine paces. (Pairwise sends
         of whole blocks from every rank at once waited for each other for good once a
         block outgrew what a link buffers: 16 MiB over shared memory.) `flat`: the
-        (output, input) tensors that `outs` and `ins` split, used in place where they are
-        contiguous. A rank whose own call is wrong
+        (output, input) tensors that `outs` and `ins` split (either may be None), used
+        in place where they are contiguous and apart. A rank whose own call is wrong
         (`refusal`: split sizes that do not cover its tensor, another number of blocks
         than ranks, dtypes that differ) still takes part in the sizes' all_gather with a
         row that says so: every rank fails with a `MismatchError` naming it, where a
@@ -479,13 +530,15 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         # padded (before, every block went padded to the call's widest).
         send = [b.numel() for b in ins]
         recv = [o.numel() for o in outs]
-        if flat is not None and flat[1].is_contiguous():
-            flat_in = flat[1]
-        else:
+        out, flat_in = flat if flat is not None else (None, None)
+        out = out if out is not None and out.is_contiguous() else None
+        if flat_in is None or not flat_in.is_contiguous() or (out is not None and _overlaps(out, flat_in)):
+            # (A copy: in place, torch's all_to_all_single(t, t), reads what it sent.)
             flat_in = torch.cat([b.reshape(-1) for b in ins])
-        if flat is not None and flat[0].is_contiguous():
-            # all_to_all_single: the blocks land in the output tensor itself.
-            w = self.comm.all_to_all(flat[0], flat_in, send_counts=send, recv_counts=recv,
+        if out is not None:
+            # The blocks land in the output itself (all_to_all_single, or the list form's
+            # blocks where they lie back to back).
+            w = self.comm.all_to_all(out, flat_in, send_counts=send, recv_counts=recv,
                                      async_op=True)
             return self._calls.submit([w], outs)
         flat_out = torch.empty(sum(recv), dtype=flat_in.dtype)

@@ -111,7 +111,11 @@ def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
     that do not cover its tensor, a block too few) fails every rank with a MismatchError
     naming it, where it used to fail alone and leave the others waiting; the group then
     goes on."""
-    check_big_uneven(run_world(n, ["eccl", "big_uneven"]), n)
+    res = run_world(n, ["eccl", "big_uneven"])
+    check_big_uneven(res, n)
+    for r, got in enumerate(res):
+        in_place = [r * n + i + 100.0 * s for s in range(n) for i in range(n)]
+        assert got["in_place"] == in_place and got["in_place_even"] == in_place, (r, got)
 
 
 def check_big_uneven(res, n):
@@ -122,7 +126,7 @@ def check_big_uneven(res, n):
         return (4 << 20) + (s * n + t) * 12345
     for r, got in enumerate(res):
         want = [[block(s, r), 100.0 * s + r, 100.0 * s + r] for s in range(n)]
-        assert got["single"] == want and got["list"] == want, (r, got)
+        assert got["single"] == want and got["list"] == want and got["list_views"] == want, (r, got)
         assert got["ring"] == [float((r - 1) % n)] * 2, (r, got["ring"])
         assert got["mismatch"] is True, (r, got["mismatch"])
         # The last rank's wrong splits / blocks: every rank fails, the culprit saying what.

@@ -61,6 +61,26 @@ def collectives(r, n):
     lst = [torch.empty(1) for _ in range(n)]
     dist.all_to_all(lst, [torch.full((1,), 100.0 * r + i) for i in range(n)])
     out["all_to_all"] = [x.item() for x in lst]
+    # The list forms with blocks cut from one tensor (eccl reads and writes them in
+    # place), and an uneven all_to_all_single in place (eccl copies its input first).
+    whole = torch.zeros(2 * n)
+    dist.all_gather(list(whole.split(2)), torch.full((2,), 3.0 * r))
+    out["all_gather_views"] = whole.tolist()
+    o = torch.empty(3)
+    dist.reduce_scatter(o, list((torch.arange(3.0 * n) * (r + 1)).split(3)))
+    out["reduce_scatter_views"] = o.tolist()
+    whole = torch.full((2 * n,), -1.0)
+    dist.gather(torch.full((2,), 7.0 * r), list(whole.split(2)) if r == 0 else None, dst=0)
+    out["gather_views"] = whole.tolist() if r == 0 else None
+    s = torch.empty(2)
+    dist.scatter(s, list((torch.arange(2.0 * n) + 0.5).split(2)) if r == 0 else None, src=0)
+    out["scatter_views"] = s.tolist()
+    a, b = torch.arange(2.0 * n) + 10 * r, torch.empty(2 * n)
+    dist.all_to_all(list(b.chunk(n)), list(a.chunk(n)))
+    out["all_to_all_views"] = b.tolist()
+    c = [torch.empty(2) for _ in range(n)]
+    dist.all_to_all(c, list(a.chunk(n)))
+    out["all_to_all_views_in"] = [x.tolist() for x in c]
     dist.barrier()
     peer = (r + 1) % n
     src = (r - 1) % n
@@ -218,6 +238,21 @@ def big_uneven(r, n):
     lst = [torch.empty(block(s, r)) for s in range(n)]
     dist.all_to_all(lst, [torch.full((block(r, t),), float(100 * r + t)) for t in range(n)])
     out["list"] = [[b.numel(), b.min().item(), b.max().item()] for b in lst]
+    # The list form again with blocks cut from one tensor each way (read and written in
+    # place on the CPU).
+    whole = torch.empty(sum(block(s, r) for s in range(n)))
+    got = list(whole.split([block(s, r) for s in range(n)]))
+    dist.all_to_all(got, list(ins.split([block(r, t) for t in range(n)])))
+    out["list_views"] = [[b.numel(), b.min().item(), b.max().item()] for b in got]
+    if torch.get_default_device().type == "cpu":
+        # In place, with split sizes: what it sends is read before anything lands (gloo
+        # gives back the input unchanged here, so this is checked against the formula).
+        t = torch.arange(float(n * n)) + 100 * r
+        dist.all_to_all_single(t, t, [n] * n, [n] * n)
+        out["in_place"] = t.tolist()
+        t = torch.arange(float(n * n)) + 100 * r
+        dist.all_to_all_single(t, t)
+        out["in_place_even"] = t.tolist()
     # Each rank sends the next 24 MiB before receiving from the one before (torch's
     # batch_isend_irecv): more than a link holds, so each send must keep what arrives
     # while it waits for room.

@@ -41,13 +41,24 @@ pub(crate) fn direct(cx: &Ctx) -> Body {
 /// its own length (see `peer`'s executor), so a pair whose two ends disagree on their
 /// block fails with a mismatch.
 pub(crate) fn uneven(rank: usize, world: usize, send: &[usize], recv: &[usize]) -> Body {
-    let at = |counts: &[usize], j: usize| counts[..j].iter().sum::<usize>();
+    // Where each block starts: prefix sums, once.
+    let starts = |counts: &[usize]| -> Vec<usize> {
+        counts
+            .iter()
+            .scan(0, |at, &c| {
+                let here = *at;
+                *at += c;
+                Some(here)
+            })
+            .collect()
+    };
+    let (send_at, recv_at) = (starts(send), starts(recv));
     let mut plan = Plan::new(1);
     plan.push(
         0,
         Prim::Copy {
-            src: Region::input(at(send, rank), send[rank]),
-            dst: Region::output(at(recv, rank), recv[rank]),
+            src: Region::input(send_at[rank], send[rank]),
+            dst: Region::output(recv_at[rank], recv[rank]),
         },
     );
     for j in (0..world).filter(|&j| j != rank) {
@@ -55,14 +66,14 @@ pub(crate) fn uneven(rank: usize, world: usize, send: &[usize], recv: &[usize]) 
             0,
             Prim::Send {
                 peer: j as u32,
-                src: Region::input(at(send, j), send[j]),
+                src: Region::input(send_at[j], send[j]),
             },
         );
         plan.push(
             0,
             Prim::Recv {
                 peer: j as u32,
-                dst: Region::output(at(recv, j), recv[j]),
+                dst: Region::output(recv_at[j], recv[j]),
             },
         );
     }

@@ -198,6 +198,8 @@ impl Communicator {
             })
             .and_then(|s| {
                 let (i, o) = (s.input_len * elem, s.output_len * elem);
+                s.validate()
+                    .map_err(|e| Error::InvalidArgument(format!("internal schedule error: {e}")))?;
                 if input.len() != i || output.len() != o {
                     return Err(Error::InvalidArgument(format!(
                         "all_to_all with split sizes: the counts call for {i} bytes of input and {o} of output ({dtype}), the buffers hold {} and {}",

@@ -410,12 +410,12 @@ unsafe fn staged<D: Device>(
 /// small all_gather, in step on every rank: they all took this path from the same
 /// records), so counts that disagree are the same `Mismatch` on every rank before
 /// anything moves, as on the direct path. Then every rank runs it as a pipeline of
-/// chunks ([`staged_pipeline`]: the same slice of every block per chunk), each block
-/// padded to the widest of the call (in the table every rank shares, so every rank runs
-/// as many chunks): an all_to_all of even blocks (torch's `all_to_all_single` without
-/// splits, MoE's even dispatch) has no padding; uneven blocks move the widest block's
-/// bytes per pair, as one padded host all_to_all would (the collective engine's flow
-/// control, not point-to-point sends whose whole blocks a link could not hold).
+/// chunks ([`staged_pipeline`]: the same slice of every block per chunk, as far as the
+/// block reaches), cut from the widest block of the call (in the table every rank
+/// shares, so every rank runs as many chunks), each chunk one host all_to_all with split
+/// sizes ([`Communicator::all_to_all_v`]): every pair moves its own slices, nothing
+/// padded (the collective engine's flow control, not point-to-point sends whose whole
+/// blocks a link could not hold).
 ///
 /// # Safety
 /// As [`run`]: `send` holds the sum of its counts, and `recv` of its counts, elements.

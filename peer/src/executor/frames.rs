@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 
 use eccl_protocol::frame::{FrameHeader, FrameKind};
-use eccl_protocol::Descriptor;
+use eccl_protocol::{CollectiveKind, Descriptor};
 use eccl_transport::link::{Incoming, LinkEvent, Payload};
 
-use super::Running;
+use super::{Running, SPLIT_OP};
 use crate::error::{Error, Result};
 use crate::links::PeerRx;
 
@@ -234,30 +234,24 @@ fn waited_for(want: &Want, rx: &PeerRx) -> String {
 
 fn check_desc(op: &Running<'_>, rank: u32, want: Want, f: Incoming) -> Result<Incoming> {
     let h = f.header.desc;
-    if h != want.desc {
-        let (same_call, ours) = (
-            Descriptor {
-                count: 0,
-                root: 0,
-                ..h
-            },
-            want.desc,
-        );
-        let detail = if op.uneven
-            && same_call
-                == (Descriptor {
-                    count: 0,
-                    root: 0,
-                    ..ours
-                }) {
-            // The pair's blocks (see `pair_descs`): the sender's block for us and the
-            // low 32 bits of what it expects back.
-            format!(
-                "all_to_all split sizes differ: rank {rank} sends this rank {} elements and expects {} back (low 32 bits), where this rank expects {} from it and sends it {}",
-                h.count, h.root, ours.count, ours.root
-            )
-        } else {
-            format!("rank {rank} called {h} where this rank called {ours}")
+    // A split-sizes all_to_all's frames carry the high half of their sender's block
+    // back in the tag (`pair_descs`).
+    let tags_differ = op.uneven && want.kind == FrameKind::Data && f.header.tag != want.tag;
+    if h != want.desc || tags_differ {
+        let ours = want.desc;
+        let split = |d: &Descriptor| d.kind == CollectiveKind::AllToAll && d.op == SPLIT_OP;
+        let back = |d: &Descriptor, tag: u32| (u64::from(tag) << 32) | u64::from(d.root);
+        let detail = match (split(&h), split(&ours)) {
+            (true, true) if Descriptor { count: 0, root: 0, ..h } == Descriptor { count: 0, root: 0, ..ours } => format!(
+                "all_to_all split sizes differ: rank {rank} sends this rank {} elements and expects {} back, where this rank expects {} from it and sends it {}",
+                h.count,
+                back(&h, f.header.tag),
+                ours.count,
+                back(&ours, want.tag)
+            ),
+            (true, false) => format!("rank {rank} called all_to_all with split sizes where this rank called {ours}"),
+            (false, true) => format!("rank {rank} called {h} where this rank called all_to_all with split sizes"),
+            _ => format!("rank {rank} called {h} where this rank called {ours}"),
         };
         return Err(op.mismatch(rank, Some(h), detail));
     }

@@ -193,8 +193,8 @@ pub(crate) async fn run(
                         kind: FrameKind::Data,
                         seq: op.seq,
                         index,
-                        desc: pairs.as_ref().map_or(op.desc, |p| p[r as usize].1),
-                        tag: 0,
+                        desc: pairs.as_ref().map_or(op.desc, |p| p[r as usize].want.0),
+                        tag: pairs.as_ref().map_or(0, |p| p[r as usize].want.1),
                     };
                     Some((take(&mut rxs, r)?, r, want))
                 }
@@ -202,8 +202,9 @@ pub(crate) async fn run(
             };
             let send = match to {
                 Some(r) => {
-                    let desc = pairs.as_ref().map_or(op.desc, |p| p[r as usize].0);
-                    let h = op.header(FrameKind::Data, op.seq, sent[r as usize], desc);
+                    let (desc, tag) = pairs.as_ref().map_or((op.desc, 0), |p| p[r as usize].send);
+                    let mut h = op.header(FrameKind::Data, op.seq, sent[r as usize], desc);
+                    h.tag = tag;
                     sent[r as usize] += 1;
                     Some((take(&mut txs, r)?, r, h))
                 }
@@ -229,12 +230,24 @@ pub(crate) async fn run(
     Ok(())
 }
 
+/// How an all_to_all with split sizes names the frames of one pair: what this rank
+/// sends the peer and what it wants from it, each a descriptor and a data frame's tag.
+pub(crate) struct PairNames {
+    pub send: (Descriptor, u32),
+    pub want: (Descriptor, u32),
+}
+
+/// The operator of a pair's descriptor: an even all_to_all's is always `Sum`, so a rank
+/// that passed split sizes and one that did not never take each other's frames.
+pub(crate) const SPLIT_OP: eccl_protocol::ReduceOp = eccl_protocol::ReduceOp::Prod;
+
 /// For an all_to_all with split sizes, what each peer's frames are named by: the
-/// descriptor this rank sends them (`count`: the block it sends, `root`: the low 32 bits
-/// of the block it expects back) and the one it wants from them (the same two seen from
-/// the other end). A pair whose ends disagree on either block fails with a mismatch at
-/// both ends, as ranks that call different collectives do.
-fn pair_descs(op: &Running<'_>, sched: &Schedule) -> Vec<(Descriptor, Descriptor)> {
+/// descriptor's `count` is the block the frame's sender sends, its `root` and the
+/// frame's `tag` the low and high 32 bits of the block it expects back; what this rank
+/// wants from a peer is the same seen from the other end. Both ends compare both blocks,
+/// so a pair whose ends disagree on either fails with a mismatch at both ends, as ranks
+/// that call different collectives do.
+fn pair_descs(op: &Running<'_>, sched: &Schedule) -> Vec<PairNames> {
     let mut len = vec![(0usize, 0usize); op.world as usize];
     for p in sched.steps.iter().flat_map(|s| &s.prims) {
         match *p {
@@ -243,13 +256,21 @@ fn pair_descs(op: &Running<'_>, sched: &Schedule) -> Vec<(Descriptor, Descriptor
             _ => {}
         }
     }
-    let named = |count: usize, back: usize| Descriptor {
-        count: count as u64,
-        root: back as u32,
-        ..op.desc
+    let named = |count: usize, back: usize| {
+        let back = back as u64;
+        let desc = Descriptor {
+            count: count as u64,
+            root: back as u32,
+            op: SPLIT_OP,
+            ..op.desc
+        };
+        (desc, (back >> 32) as u32)
     };
     len.into_iter()
-        .map(|(send, recv)| (named(send, recv), named(recv, send)))
+        .map(|(send, recv)| PairNames {
+            send: named(send, recv),
+            want: named(recv, send),
+        })
         .collect()
 }
 

@@ -141,6 +141,34 @@ async fn blocks_of_any_size_arrive_exactly_and_disagreements_fail_both_ends() {
     );
     recover(&mut comms).await;
     exact(&mut comms, &big).await;
+
+    // Rank 0 calls the even all_to_all, the others the one with split sizes, blocks of
+    // the same length: not the same call, so every rank fails saying so.
+    let res = join_all(comms.iter_mut().map(|c| async move {
+        let r = c.rank().unwrap().idx();
+        let input = vec![1f32; 2 * N];
+        let mut out = vec![0f32; 2 * N];
+        if r == 0 {
+            c.all_to_all_into(&input, &mut out).await
+        } else {
+            c.all_to_all_v_into(&input, &[2; N], &mut out, &[2; N])
+                .await
+        }
+    }))
+    .await;
+    for (r, x) in res.iter().enumerate() {
+        match x {
+            Err(Error::Mismatch { detail, .. }) => {
+                assert!(
+                    detail.contains("all_to_all with split sizes"),
+                    "rank {r}: {detail}"
+                )
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    recover(&mut comms).await;
+    exact(&mut comms, &small).await;
     for c in comms {
         c.leave().await.unwrap();
     }
