@@ -36,7 +36,7 @@ COVERED = {
 RUN_HERE = {"allreduce.py", "compare_ddp.py", "netlab.sh", "compare_transports.py", "kill_latency.py",
             "store_bench.py", "netns_transports.sh", "torch_overhead.py", "sync_cost.py",
             "catch_up.py", "compare_fsdp.py", "heal_cost.py", "shared_collectives.py",
-            "contract_times.py", "compare_alltoall.py"}
+            "contract_times.py", "compare_alltoall.py", "compare_collectives.py"}
 
 
 def run(args, timeout=240, **kw):
@@ -93,6 +93,17 @@ def test_compare_alltoall(tmp_path):
         assert all(len(t) == 1 and 0 < t[0] < 60 for t in r["median_call_s"].values()), r
         assert 0 < r["widest_block"] < r["bytes_to_others"], r
     assert re.search(r"^3 ranks, rotated: .* eccl .* gloo .* gloo/eccl", out, re.M), out
+
+
+def test_compare_collectives(tmp_path):
+    out_json = tmp_path / "c.json"
+    ops = ["all_gather_views", "reduce_scatter", "all_to_all_views", "scatter_views", "send_recv_ring"]
+    out = run([sys.executable, str(EXAMPLES / "compare_collectives.py"), "--ranks", "3", "--mib", "0.25",
+               "--iters", "2", "--rounds", "1", "--ops", *ops, "--json", str(out_json)])
+    rows = json.loads(out_json.read_text())
+    assert [r["op"] for r in rows] == ops, out
+    assert all(0 < t < 60 for r in rows for t in r["eccl_s"] + r["gloo_s"]), rows
+    assert re.search(r"^3 ranks scatter_views .* gloo/eccl [0-9.]+-[0-9.]+x$", out, re.M), out
 
 
 def test_kill_latency():

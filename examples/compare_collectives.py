@@ -1,0 +1,127 @@
+"""Every torch.distributed collective on the "eccl" backend against gloo, the two
+alternating in rounds (each round a fresh set of processes), on CPU tensors of `--mib`
+MiB (f32): the tensor forms, the list forms with blocks as separate tensors and with
+blocks cut from one tensor (`list(t.split(k))`: eccl reads and writes those in place),
+and a ring of batch_isend_irecv. Prints each call's median (the slowest rank's time per
+call), worst and best over the rounds, and gloo's time over eccl's.
+
+    python examples/compare_collectives.py --ranks 2 4 --mib 16 --rounds 2
+"""
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+
+WORKER = r"""
+import json, sys, time, torch, torch.distributed as dist
+backend, rank, n, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mib, iters = float(sys.argv[5]), int(sys.argv[6])
+names = sys.argv[7].split(",")
+torch.set_num_threads(1)
+store = dist.TCPStore("127.0.0.1", port, n, rank == 0)
+dist.init_process_group(backend, store=store, rank=rank, world_size=n)
+b = max(1, int(mib * (1 << 20) / 4) // n)    # elements of a block
+x = torch.randn(b * n)
+blocks = lambda: [torch.empty(b) for _ in range(n)]    # noqa: E731
+views = lambda: list(torch.empty(b * n).split(b))      # noqa: E731
+ops = {
+    "all_reduce": lambda: dist.all_reduce(x),
+    "broadcast": lambda: dist.broadcast(x, 0),
+    "reduce": lambda: dist.reduce(x, 0),
+    "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(b * n), x[:b]),
+    "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(b), x),
+    "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(b * n), x),
+    "all_gather": lambda: dist.all_gather(blocks(), x[:b]),
+    "all_gather_views": lambda: dist.all_gather(views(), x[:b]),
+    "reduce_scatter": lambda: dist.reduce_scatter(torch.empty(b), [t.copy_(x[:b]) for t in blocks()]),
+    "reduce_scatter_views": lambda: dist.reduce_scatter(torch.empty(b), list(x.split(b))),
+    "all_to_all": lambda: dist.all_to_all(blocks(), [t.copy_(x[:b]) for t in blocks()]),
+    "all_to_all_views": lambda: dist.all_to_all(views(), list(x.split(b))),
+    "gather": lambda: dist.gather(x[:b], blocks() if rank == 0 else None, 0),
+    "gather_views": lambda: dist.gather(x[:b], views() if rank == 0 else None, 0),
+    "scatter": lambda: dist.scatter(torch.empty(b), [t.copy_(x[:b]) for t in blocks()] if rank == 0 else None,
+                                    0),
+    "scatter_views": lambda: dist.scatter(torch.empty(b), list(x.split(b)) if rank == 0 else None, 0),
+    "send_recv_ring": lambda: [w.wait() for w in dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x[:b], (rank + 1) % n), dist.P2POp(dist.irecv, torch.empty(b), (rank - 1) % n)])],
+}
+out = {}
+for name in names:
+    f = ops[name]
+    f()
+    ts = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    out[name] = ts
+print("RESULT " + json.dumps(out))
+dist.destroy_process_group()
+"""
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+       "all_to_all_single", "all_gather", "all_gather_views", "reduce_scatter", "reduce_scatter_views",
+       "all_to_all", "all_to_all_views", "gather", "gather_views", "scatter", "scatter_views",
+       "send_recv_ring"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(backend, n, mib, iters, ops):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, backend, str(r), str(n), str(port), str(mib),
+                               str(iters), ",".join(ops)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    res = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise SystemExit(f"{backend} rank failed ({p.returncode}):\n{err[-3000:]}")
+            res.append(json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][7:]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {k: statistics.median(max(r[k][i] for r in res) for i in range(iters)) for k in ops}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--mib", type=float, default=16, help="MiB of the whole tensor each call moves")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    ap.add_argument("--json", help="write every figure here")
+    a = ap.parse_args()
+    figures = []
+    for n in a.ranks:
+        times = {"eccl": [], "gloo": []}
+        for _ in range(a.rounds):
+            for b in times:
+                times[b].append(run(b, n, a.mib, a.iters, a.ops))
+        for op in a.ops:
+            e = [t[op] for t in times["eccl"]]
+            g = [t[op] for t in times["gloo"]]
+            best, worst = min(g) / min(e), max(g) / max(e)
+            print(f"{n} ranks {op:24s} eccl {min(e) * 1e3:8.2f}-{max(e) * 1e3:8.2f} ms  "
+                  f"gloo {min(g) * 1e3:8.2f}-{max(g) * 1e3:8.2f} ms  "
+                  f"gloo/eccl {min(best, worst):.2f}-{max(best, worst):.2f}x", flush=True)
+            figures.append({"ranks": n, "op": op, "mib": a.mib, "eccl_s": e, "gloo_s": g})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
