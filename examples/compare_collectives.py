@@ -25,32 +25,47 @@ store = dist.TCPStore("127.0.0.1", port, n, rank == 0)
 dist.init_process_group(backend, store=store, rank=rank, world_size=n)
 b = max(1, int(mib * (1 << 20) / 4) // n)    # elements of a block
 x = torch.randn(b * n)
-blocks = lambda: [torch.empty(b) for _ in range(n)]    # noqa: E731
-views = lambda: list(torch.empty(b * n).split(b))      # noqa: E731
+
+
+def blocks():
+    return [torch.empty(b) for _ in range(n)]
+
+
+def views():
+    return list(torch.empty(b * n).split(b))
+
+
+def filled(bs):
+    for t, v in zip(bs, x.split(b)):
+        t.copy_(v)
+    return bs
+
+
+# Each entry makes the call's tensors (not timed) and returns the call.
+root = rank == 0
 ops = {
-    "all_reduce": lambda: dist.all_reduce(x),
-    "broadcast": lambda: dist.broadcast(x, 0),
-    "reduce": lambda: dist.reduce(x, 0),
-    "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(b * n), x[:b]),
-    "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(b), x),
-    "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(b * n), x),
-    "all_gather": lambda: dist.all_gather(blocks(), x[:b]),
-    "all_gather_views": lambda: dist.all_gather(views(), x[:b]),
-    "reduce_scatter": lambda: dist.reduce_scatter(torch.empty(b), [t.copy_(x[:b]) for t in blocks()]),
-    "reduce_scatter_views": lambda: dist.reduce_scatter(torch.empty(b), list(x.split(b))),
-    "all_to_all": lambda: dist.all_to_all(blocks(), [t.copy_(x[:b]) for t in blocks()]),
-    "all_to_all_views": lambda: dist.all_to_all(views(), list(x.split(b))),
-    "gather": lambda: dist.gather(x[:b], blocks() if rank == 0 else None, 0),
-    "gather_views": lambda: dist.gather(x[:b], views() if rank == 0 else None, 0),
-    "scatter": lambda: dist.scatter(torch.empty(b), [t.copy_(x[:b]) for t in blocks()] if rank == 0 else None,
-                                    0),
-    "scatter_views": lambda: dist.scatter(torch.empty(b), list(x.split(b)) if rank == 0 else None, 0),
-    "send_recv_ring": lambda: [w.wait() for w in dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, x[:b], (rank + 1) % n), dist.P2POp(dist.irecv, torch.empty(b), (rank - 1) % n)])],
+    "all_reduce": lambda: lambda: dist.all_reduce(x),
+    "broadcast": lambda: lambda: dist.broadcast(x, 0),
+    "reduce": lambda: lambda: dist.reduce(x, 0),
+    "all_gather_into_tensor": lambda: (lambda o: lambda: dist.all_gather_into_tensor(o, x[:b]))(torch.empty(b * n)),
+    "reduce_scatter_tensor": lambda: (lambda o: lambda: dist.reduce_scatter_tensor(o, x))(torch.empty(b)),
+    "all_to_all_single": lambda: (lambda o: lambda: dist.all_to_all_single(o, x))(torch.empty(b * n)),
+    "all_gather": lambda: (lambda o: lambda: dist.all_gather(o, x[:b]))(blocks()),
+    "all_gather_views": lambda: (lambda o: lambda: dist.all_gather(o, x[:b]))(views()),
+    "reduce_scatter": lambda: (lambda o, i: lambda: dist.reduce_scatter(o, i))(torch.empty(b), filled(blocks())),
+    "reduce_scatter_views": lambda: (lambda o: lambda: dist.reduce_scatter(o, list(x.split(b))))(torch.empty(b)),
+    "all_to_all": lambda: (lambda o, i: lambda: dist.all_to_all(o, i))(blocks(), filled(blocks())),
+    "all_to_all_views": lambda: (lambda o: lambda: dist.all_to_all(o, list(x.split(b))))(views()),
+    "gather": lambda: (lambda o: lambda: dist.gather(x[:b], o, 0))(blocks() if root else None),
+    "gather_views": lambda: (lambda o: lambda: dist.gather(x[:b], o, 0))(views() if root else None),
+    "scatter": lambda: (lambda o, i: lambda: dist.scatter(o, i, 0))(torch.empty(b), filled(blocks()) if root else None),
+    "scatter_views": lambda: (lambda o: lambda: dist.scatter(o, list(x.split(b)) if root else None, 0))(torch.empty(b)),
+    "send_recv_ring": lambda: (lambda y: lambda: [w.wait() for w in dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, x[:b], (rank + 1) % n), dist.P2POp(dist.irecv, y, (rank - 1) % n)])])(torch.empty(b)),
 }
 out = {}
 for name in names:
-    f = ops[name]
+    f = ops[name]()
     f()
     ts = []
     for _ in range(iters):
