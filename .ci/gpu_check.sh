@@ -149,6 +149,11 @@ step load1 120 "${pin1[@]}" "$BIN/eccl-chaos" load "${own1[@]}" \
     --peers 1000,2000,5000,10000 --steady-s 5 --json "$PARTS/load1.json"
 step load3 150 "${pin3[@]}" "$BIN/eccl-chaos" load --masters 3 "${own3[@]}" \
     --peers 1000,2000,5000,10000 --steady-s 5 --json "$PARTS/load3.json"
+# Every torch collective and the uneven all_to_all at 8 ranks, if time is left.
+step cpu_collectives 90 "$PY" examples/compare_collectives.py --ranks 8 --mib 16 --rounds 1 \
+    --iters 5 --json "$PARTS/cpu_collectives.json"
+step cpu_alltoall 60 "$PY" examples/compare_alltoall.py --ranks 8 --mib 16 --rounds 1 --iters 5 \
+    --patterns rotated hot --json "$PARTS/cpu_alltoall.json"
 tar czf "$OUT/parts.tgz" -C "$PARTS" .
 
 "$PY" - "$PARTS" "$LOG" "$OUT" <<'PY'
@@ -166,7 +171,8 @@ for m in re.finditer(r"^probe (cuda-[\w-]+) bytes (\d+) gbps ([\d.]+) median ([\
 for m in re.finditer(r"^probe cuda-kernel (\w+) (\w+) wrong (\d+)", log, re.M):
     res["kernels_wrong"][f"{m[1]} {m[2]}"] = int(m[3])
 for f in ("all_reduce_unchanged", "all_reduce_undefined", "all_reduce_staged", "allreduce_cuda",
-          "ddp_cuda", "cpu_gloo", "cpu_overhead", "cpu_ddp", "load1", "load3"):
+          "ddp_cuda", "cpu_gloo", "cpu_overhead", "cpu_ddp", "load1", "load3", "cpu_collectives",
+          "cpu_alltoall"):
     p = parts / f"{f}.json"
     if p.exists():
         res[f] = json.loads(p.read_text())
