@@ -3,7 +3,12 @@ alternating in rounds (each round a fresh set of processes), on CPU tensors of `
 MiB (f32): the tensor forms, the list forms with blocks as separate tensors and with
 blocks cut from one tensor (`list(t.split(k))`: eccl reads and writes those in place),
 and a ring of batch_isend_irecv. Prints each call's median (the slowest rank's time per
-call), worst and best over the rounds, and gloo's time over eccl's.
+call), worst and best over the rounds, and gloo's time over eccl's. Each call is made
+three times before it is timed: the first calls of a world over shared memory touch the
+pages of its links' rings for the first time (8 slots of a frame each way a link, mapped
+lazily so that worlds of many local peers reserve nothing they do not use), which at 8
+ranks on two cores made the first four or five all_to_alls 2-6 times slower than the
+rest.
 
     python examples/compare_collectives.py --ranks 2 4 --mib 16 --rounds 2
 """
@@ -66,7 +71,8 @@ ops = {
 out = {}
 for name in names:
     f = ops[name]()
-    f()
+    for _ in range(3):    # warm-up (see above)
+        f()
     ts = []
     for _ in range(iters):
         dist.barrier()
