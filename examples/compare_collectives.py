@@ -1,14 +1,14 @@
 """Every torch.distributed collective on the "eccl" backend against gloo, the two
 alternating in rounds (each round a fresh set of processes), on CPU tensors of `--mib`
 MiB (f32): the tensor forms, the list forms with blocks as separate tensors and with
-blocks cut from one tensor (`list(t.split(k))`: eccl reads and writes those in place),
-and a ring of batch_isend_irecv. Prints each call's median (the slowest rank's time per
-call), worst and best over the rounds, and gloo's time over eccl's. Each call is made
-three times before it is timed: the first calls of a world over shared memory touch the
-pages of its links' rings for the first time (8 slots of a frame each way a link, mapped
-lazily so that worlds of many local peers reserve nothing they do not use), which at 8
-ranks on two cores made the first four or five all_to_alls 2-6 times slower than the
-rest.
+blocks cut from one tensor (`list(t.split(k))`: eccl reads and writes those in place), a
+ring of batch_isend_irecv, two object collectives and a barrier. Prints each call's
+median (the slowest rank's time per call), worst and best over the rounds, and gloo's
+time over eccl's. Each call is made three times before it is timed: the first calls of a
+world over shared memory touch the pages of its links' rings for the first time (8 slots
+of a frame each way a link, mapped lazily so that worlds of many local peers reserve
+nothing they do not use), which at 8 ranks on two cores made the first four or five
+all_to_alls 2-6 times slower than the rest.
 
     python examples/compare_collectives.py --ranks 2 4 --mib 16 --rounds 2
 """
@@ -67,6 +67,10 @@ ops = {
     "scatter_views": lambda: (lambda o: lambda: dist.scatter(o, list(x.split(b)) if root else None, 0))(torch.empty(b)),
     "send_recv_ring": lambda: (lambda y: lambda: [w.wait() for w in dist.batch_isend_irecv([
         dist.P2POp(dist.isend, x[:b], (rank + 1) % n), dist.P2POp(dist.irecv, y, (rank - 1) % n)])])(torch.empty(b)),
+    # Small Python objects (what evaluation loops and launchers pass around), whatever --mib says.
+    "all_gather_object": lambda: lambda: dist.all_gather_object([None] * n, {"rank": rank, "loss": 1.5}),
+    "broadcast_object_list": lambda: lambda: dist.broadcast_object_list([{"step": 1}] if root else [None], 0),
+    "barrier": lambda: lambda: dist.barrier(),
 }
 out = {}
 for name in names:
@@ -86,7 +90,7 @@ dist.destroy_process_group()
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
        "all_to_all_single", "all_gather", "all_gather_views", "reduce_scatter", "reduce_scatter_views",
        "all_to_all", "all_to_all_views", "gather", "gather_views", "scatter", "scatter_views",
-       "send_recv_ring"]
+       "send_recv_ring", "all_gather_object", "broadcast_object_list", "barrier"]
 
 
 def free_port():
