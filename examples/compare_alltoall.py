@@ -17,19 +17,18 @@ experts, one expert per rank, with expert t's share of a rank's rows proportiona
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
+
+from compare_collectives import run_ranks
 
 ROW = 1024  # f32 values a row
 
 WORKER = r"""
 import json, sys, time, torch, torch.distributed as dist
-backend, rank, n, addr, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-rows, skew, pattern, iters, row = int(sys.argv[6]), float(sys.argv[7]), sys.argv[8], int(sys.argv[9]), int(sys.argv[10])
+backend, rank, n, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rows, skew, pattern, iters, row = int(sys.argv[5]), float(sys.argv[6]), sys.argv[7], int(sys.argv[8]), int(sys.argv[9])
 torch.set_num_threads(1)
-store = dist.TCPStore(addr, port, n, rank == 0)
+store = dist.TCPStore("127.0.0.1", port, n, rank == 0)
 dist.init_process_group(backend, store=store, rank=rank, world_size=n)
 
 
@@ -67,31 +66,9 @@ dist.destroy_process_group()
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(backend, n, rows, skew, pattern, iters):
-    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, backend, str(r), str(n), "127.0.0.1",
-                               str(port), str(rows), str(skew), pattern, str(iters), str(ROW)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(n)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=600)
-            if p.returncode != 0:
-                raise SystemExit(f"{backend} rank failed ({p.returncode}):\n{out}\n{err}")
-            outs.append(json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][7:]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = run_ranks(WORKER, backend, n, [str(rows), str(skew), pattern, str(iters), str(ROW)], env)
     # A call takes as long as its slowest rank: the slowest rank's time, call by call.
     per_call = [max(o["times"][i] for o in outs) for i in range(iters)]
     return statistics.median(per_call), sum(o["sent"] for o in outs), outs[0]["widest"]

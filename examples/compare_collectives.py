@@ -99,11 +99,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(backend, n, mib, iters, ops):
+def run_ranks(worker, backend, n, args, env=None):
+    """Runs `worker` (Python source) as ranks 0..n-1 of a `backend` group on this host,
+    each with argv `backend rank n port *args`, and returns what each printed after
+    `RESULT ` (JSON). A rank that fails stops the run; every process is stopped on the
+    way out."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, backend, str(r), str(n), str(port), str(mib),
-                               str(iters), ",".join(ops)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", worker, backend, str(r), str(n), str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(n)]
     res = []
     try:
@@ -117,6 +120,11 @@ def run(backend, n, mib, iters, ops):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return res
+
+
+def run(backend, n, mib, iters, ops):
+    res = run_ranks(WORKER, backend, n, [str(mib), str(iters), ",".join(ops)])
     return {k: statistics.median(max(r[k][i] for r in res) for i in range(iters)) for k in ops}
 
 

@@ -113,15 +113,7 @@ pub fn build_all_to_all_v(
     recv: &[usize],
 ) -> Result<Schedule, BuildError> {
     let invalid = |m: String| Err(BuildError::InvalidArgument(m));
-    if world == 0 || world as usize > eccl_protocol::MAX_WORLD_SIZE {
-        return invalid(format!(
-            "world of {world} ranks (must be 1..={})",
-            eccl_protocol::MAX_WORLD_SIZE
-        ));
-    }
-    if rank >= world {
-        return invalid(format!("rank {rank} is not in a world of {world}"));
-    }
+    check_place(rank, world)?;
     let n = world as usize;
     if send.len() != n || recv.len() != n {
         return invalid(format!(
@@ -325,6 +317,22 @@ pub fn is_permutation(ring: &[u32], world: u32) -> bool {
         .all(|&r| (r < world) && !std::mem::replace(&mut seen[r as usize], true))
 }
 
+/// A world of a size eccl supports, and a rank in it.
+fn check_place(rank: u32, world: u32) -> Result<(), BuildError> {
+    if world == 0 || world as usize > eccl_protocol::MAX_WORLD_SIZE {
+        return Err(BuildError::InvalidArgument(format!(
+            "world of {world} ranks (must be 1..={})",
+            eccl_protocol::MAX_WORLD_SIZE
+        )));
+    }
+    if rank >= world {
+        return Err(BuildError::InvalidArgument(format!(
+            "rank {rank} is not in a world of {world}"
+        )));
+    }
+    Ok(())
+}
+
 fn build_rank_order(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule, BuildError> {
     use CollectiveKind::*;
     let kind = desc.kind;
@@ -332,15 +340,7 @@ fn build_rank_order(desc: &Descriptor, rank: u32, world: u32) -> Result<Schedule
     if kind == SendRecv {
         return invalid("send/recv is point-to-point, not a collective schedule".into());
     }
-    if world == 0 || world as usize > eccl_protocol::MAX_WORLD_SIZE {
-        return invalid(format!(
-            "world of {world} ranks (must be 1..={})",
-            eccl_protocol::MAX_WORLD_SIZE
-        ));
-    }
-    if rank >= world {
-        return invalid(format!("rank {rank} is not in a world of {world}"));
-    }
+    check_place(rank, world)?;
     if kind.is_rooted() && desc.root >= world {
         return invalid(format!("root {} is not in a world of {world}", desc.root));
     }

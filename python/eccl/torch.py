@@ -398,17 +398,15 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
                 return self._refuse("gather", "the root's output", refusal,
                                     lambda: self.comm.gather(wrong, inp, root, async_op=True))
-            flat = _adjacent(outs, inp)
-            if flat is not None:
-                return self._calls.submit([self.comm.gather(flat, inp, root, async_op=True)],
-                                          output_tensors)
-            flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
+            in_place = _adjacent(outs, inp)
+            flat = in_place if in_place is not None else torch.empty(
+                (len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             w = self.comm.gather(flat, inp, root, async_op=True)
 
             def scatter_back() -> None:
-                for o, f in zip(outs, flat):
+                for o, f in zip(outs, flat.view(len(outs), -1)):
                     o.copy_(f.view_as(o))
-            return self._calls.submit([w], output_tensors, scatter_back)
+            return self._calls.submit([w], output_tensors, None if in_place is not None else scatter_back)
         w = self.comm.gather(None, inp, root, async_op=True)
         return self._calls.submit([w], output_tensors)
 
@@ -445,17 +443,14 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             flat_in = _adjacent(ins)
             if flat_in is None:
                 flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
-            flat_out = _adjacent(outs, flat_in)
-            if flat_out is not None:
-                return self._calls.submit([self.comm.all_to_all(flat_out, flat_in, async_op=True)],
-                                          output_tensors)
-            flat_out = torch.empty_like(flat_in)
+            in_place = _adjacent(outs, flat_in)
+            flat_out = in_place if in_place is not None else torch.empty_like(flat_in)
             w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
 
             def scatter_back() -> None:
                 for o, f in zip(output_tensors, flat_out.view(len(outs), -1)):
                     o.copy_(f.view_as(o))
-            return self._calls.submit([w], output_tensors, scatter_back)
+            return self._calls.submit([w], output_tensors, None if in_place is not None else scatter_back)
         flat = (_adjacent(outs, *ins), _adjacent(ins)) if refusal is None else None
         return self._alltoall_uneven(outs, ins, refusal, flat)
 
@@ -535,22 +530,16 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         if flat_in is None or not flat_in.is_contiguous() or (out is not None and _overlaps(out, flat_in)):
             # (A copy: in place, torch's all_to_all_single(t, t), reads what it sent.)
             flat_in = torch.cat([b.reshape(-1) for b in ins])
-        if out is not None:
-            # The blocks land in the output itself (all_to_all_single, or the list form's
-            # blocks where they lie back to back).
-            w = self.comm.all_to_all(out, flat_in, send_counts=send, recv_counts=recv,
-                                     async_op=True)
-            return self._calls.submit([w], outs)
-        flat_out = torch.empty(sum(recv), dtype=flat_in.dtype)
+        # The blocks land in the output itself where it is one tensor (all_to_all_single,
+        # or the list form's blocks where they lie back to back), else in one of their own.
+        flat_out = out if out is not None else torch.empty(sum(recv), dtype=flat_in.dtype)
         w = self.comm.all_to_all(flat_out, flat_in, send_counts=send, recv_counts=recv,
                                  async_op=True)
 
         def copy_back() -> None:
-            at = 0
-            for o in outs:
-                o.copy_(flat_out[at:at + o.numel()].view(o.shape))
-                at += o.numel()
-        return self._calls.submit([w], outs, copy_back)
+            for o, f in zip(outs, flat_out.split(recv)):
+                o.copy_(f.view(o.shape))
+        return self._calls.submit([w], outs, None if out is not None else copy_back)
 
     def barrier(self, opts=None):
         return self._calls.submit([self.comm.barrier(async_op=True)], None)

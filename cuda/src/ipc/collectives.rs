@@ -416,26 +416,11 @@ impl<D: Device> IpcComm<D> {
     ) -> Result<(), IpcError> {
         let (rank, world) = (ex.rank(), ex.world());
         let bytes = count * dtype.size();
-        let is_root = rank == root;
-        let refused = rooted_refusal(
-            ("gather", "to"),
-            (rank, root, world, bytes),
-            ("output", recv),
-            ("input", send),
-        );
-        let call = Call {
-            kind: IpcKind::Gather,
-            dtype,
-            op: ReduceOp::Sum,
-            keep: false,
-            root: root as u32,
-            count: count as u64,
-        };
-        let recv_bytes = if is_root { world * bytes } else { 0 };
-        let metas = self.begin(ex, call, (send, bytes), (recv, recv_bytes), refused)?;
-        if bytes == 0 {
+        let Some(metas) =
+            self.begin_rooted(ex, IpcKind::Gather, (send, recv), count, dtype, root)?
+        else {
             return Ok(());
-        }
+        };
         self.owners_work(ex, &metas, rank, |this, t| {
             if t != root {
                 return Ok(());
@@ -473,26 +458,11 @@ impl<D: Device> IpcComm<D> {
     ) -> Result<(), IpcError> {
         let (rank, world) = (ex.rank(), ex.world());
         let bytes = count * dtype.size();
-        let is_root = rank == root;
-        let refused = rooted_refusal(
-            ("scatter", "from"),
-            (rank, root, world, bytes),
-            ("input", send),
-            ("output", recv),
-        );
-        let call = Call {
-            kind: IpcKind::Scatter,
-            dtype,
-            op: ReduceOp::Sum,
-            keep: false,
-            root: root as u32,
-            count: count as u64,
-        };
-        let send_bytes = if is_root { world * bytes } else { 0 };
-        let metas = self.begin(ex, call, (send, send_bytes), (recv, bytes), refused)?;
-        if bytes == 0 {
+        let Some(metas) =
+            self.begin_rooted(ex, IpcKind::Scatter, (send, recv), count, dtype, root)?
+        else {
             return Ok(());
-        }
+        };
         self.owners_work(ex, &metas, rank, |this, t| {
             let input = this.at(&metas, rank, root, send, |m| m.send, world * bytes)?;
             let src = input + (t * bytes) as u64;
@@ -502,5 +472,55 @@ impl<D: Device> IpcComm<D> {
             }
             Ok(())
         })
+    }
+
+    /// The start every gather and scatter shares: the call's own refusal (a root outside
+    /// the world, the root's whole buffer missing or overlapping its part other than as
+    /// its own slice), its record (the root's whole buffer `world × count` elements, the
+    /// others' none) and the exchange that checks it with every rank's; `None` when
+    /// there is nothing to move.
+    fn begin_rooted(
+        &mut self,
+        ex: &mut dyn Exchange,
+        kind: IpcKind,
+        (send, recv): (DevPtr, DevPtr),
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<Option<Vec<Meta>>, IpcError> {
+        let (rank, world) = (ex.rank(), ex.world());
+        let bytes = count * dtype.size();
+        let whole = if rank == root { world * bytes } else { 0 };
+        let gather = kind == IpcKind::Gather;
+        let refused = if gather {
+            rooted_refusal(
+                ("gather", "to"),
+                (rank, root, world, bytes),
+                ("output", recv),
+                ("input", send),
+            )
+        } else {
+            rooted_refusal(
+                ("scatter", "from"),
+                (rank, root, world, bytes),
+                ("input", send),
+                ("output", recv),
+            )
+        };
+        let call = Call {
+            kind,
+            dtype,
+            op: ReduceOp::Sum,
+            keep: false,
+            root: root as u32,
+            count: count as u64,
+        };
+        let (send_bytes, recv_bytes) = if gather {
+            (bytes, whole)
+        } else {
+            (whole, bytes)
+        };
+        let metas = self.begin(ex, call, (send, send_bytes), (recv, recv_bytes), refused)?;
+        Ok((bytes > 0).then_some(metas))
     }
 }

@@ -70,6 +70,15 @@ impl Built {
     }
 }
 
+/// A collective's place: the epoch it runs in, its number there, and this rank's part.
+#[derive(Clone, Copy)]
+struct Slot {
+    epoch: u64,
+    seq: u64,
+    rank: Rank,
+    world: u32,
+}
+
 /// Arguments of one collective, untyped (the Python layer and eccl-bench use this form).
 #[derive(Clone, Copy, Debug)]
 pub struct CollArgs {
@@ -169,15 +178,12 @@ impl Communicator {
         output: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<OpInfo> {
-        if let Some(e) = self.evicted_error() {
-            return Err(e);
-        }
-        let c = self.cur.as_mut().ok_or_else(|| {
-            Error::InvalidArgument("no world yet: call update_topology() first".into())
-        })?;
-        let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
-        let seq = c.seq;
-        c.seq += 1;
+        let Slot {
+            epoch,
+            seq,
+            rank,
+            world,
+        } = self.next_slot()?;
         let elem = dtype.size();
         // The call's own descriptor (abort notices, errors): its frames are named by
         // each pair's blocks instead (the executor's `pair_descs`).
@@ -234,21 +240,52 @@ impl Communicator {
         };
         let bufs = Bufs::new(input, output, &mut [], elem);
         match executor::run(&op, &mut c.links, &sched, &bufs).await {
-            Ok(()) => {
-                if c.done == seq {
-                    c.done = seq + 1;
-                }
-                Ok(OpInfo {
+            Ok(()) => Ok(self.succeeded(
+                Slot {
                     epoch,
                     seq,
                     rank,
-                    world_size: world,
-                    members: c.members.clone(),
-                    algo: Algo::Direct,
-                    peer: None,
-                })
-            }
+                    world,
+                },
+                Algo::Direct,
+            )),
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
+        }
+    }
+
+    /// The next collective's place in the current epoch (its sequence number taken), or
+    /// why there is none: this peer was evicted, or it has no world yet.
+    fn next_slot(&mut self) -> Result<Slot> {
+        if let Some(e) = self.evicted_error() {
+            return Err(e);
+        }
+        let c = self.cur.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("no world yet: call update_topology() first".into())
+        })?;
+        let slot = Slot {
+            epoch: c.world.epoch,
+            seq: c.seq,
+            rank: c.rank,
+            world: c.size(),
+        };
+        c.seq += 1;
+        Ok(slot)
+    }
+
+    /// A collective in `slot` that succeeded: counted done, and what it reports.
+    fn succeeded(&mut self, slot: Slot, algo: Algo) -> OpInfo {
+        let c = self.cur.as_mut().expect("world present");
+        if c.done == slot.seq {
+            c.done = slot.seq + 1;
+        }
+        OpInfo {
+            epoch: slot.epoch,
+            seq: slot.seq,
+            rank: slot.rank,
+            world_size: slot.world,
+            members: c.members.clone(),
+            algo,
+            peer: None,
         }
     }
 
@@ -260,17 +297,10 @@ impl Communicator {
         async move {
         let forced = self.cfg.algo;
         let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.frame_bytes);
-        if let Some(e) = self.evicted_error() {
-            return Err(e);
-        }
-        let c = self.cur.as_mut().ok_or_else(|| {
-            Error::InvalidArgument("no world yet: call update_topology() first".into())
-        })?;
-        let (epoch, rank, world) = (c.world.epoch, c.rank, c.size());
-        let seq = c.seq;
-        c.seq += 1;
+        let Slot { epoch, seq, rank, world } = self.next_slot()?;
         let elem = args.dtype.size();
         let bytes = args.count.saturating_mul(elem);
+        let c = self.cur.as_ref().expect("a world: next_slot found one");
         let tuned = c.world.tuned_algo(args.kind, bytes as u64);
         let choice = choose_algo_in(args.kind, bytes, world, forced, tuned);
         let desc = Descriptor {
@@ -390,21 +420,7 @@ impl Communicator {
         }
         .await;
         match result {
-            Ok(()) => {
-                let c = self.cur.as_mut().expect("world present");
-                if c.done == seq {
-                    c.done = seq + 1;
-                }
-                Ok(OpInfo {
-                    epoch,
-                    seq,
-                    rank,
-                    world_size: world,
-                    members: c.members.clone(),
-                    algo: choice.algo,
-                    peer: None,
-                })
-            }
+            Ok(()) => Ok(self.succeeded(Slot { epoch, seq, rank, world }, choice.algo)),
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
         }
     }
