@@ -420,7 +420,9 @@ class Communicator:
         `all_reduce`, on the root).
         """
     def all_gather(self, output: Any, input: Any, *, async_op: bool = False) -> OpInfo | Work:
-        """`output` holds world_size blocks of `input`'s size; block r is rank r's input."""
+        """`output` holds world_size blocks of `input`'s size; block r is rank r's input. `output` may be a list of
+        world_size buffers, one per block, written where they are (torch's list form); any side of an out-of-place
+        call may be a list, read as its buffers back to back."""
     def all_gather_shared(self, output: Any, input: Any | None = None, *, async_op: bool = False) -> bool | Work:
         """all_gather reading the other ranks' memory directly where every rank's source lies in eccl's shared
         memory (a tensor from the torch backend's `allocate_tensor`), over the links otherwise; `input=None`: this
@@ -434,7 +436,8 @@ class Communicator:
     def reduce_scatter(
         self, output: Any, input: Any, op: Any | None = None, *, async_op: bool = False
     ) -> OpInfo | Work:
-        """`input` holds world_size blocks of `output`'s size; rank r gets block r reduced."""
+        """`input` holds world_size blocks of `output`'s size; rank r gets block r reduced. `input` may be a list
+        of world_size buffers, one per block, read where they are."""
     def all_to_all(
         self,
         output: Any,
@@ -453,11 +456,13 @@ class Communicator:
     def gather(
         self, output: Any | None, input: Any, root: int = 0, *, async_op: bool = False
     ) -> OpInfo | Work:
-        """On `root`, `output` holds world_size blocks; elsewhere pass `output=None`."""
+        """On `root`, `output` holds world_size blocks (or is a list of world_size buffers, one per block);
+        elsewhere pass `output=None`."""
     def scatter(
         self, output: Any, input: Any | None, root: int = 0, *, async_op: bool = False
     ) -> OpInfo | Work:
-        """On `root`, `input` holds world_size blocks; elsewhere pass `input=None`."""
+        """On `root`, `input` holds world_size blocks (or is a list of world_size buffers, one per block);
+        elsewhere pass `input=None`."""
     def barrier(self, *, async_op: bool = False) -> OpInfo | Work:
         """Waits until every member has reached it (a collective with no data)."""
     def send(self, tensor: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> OpInfo | Work:

@@ -15,6 +15,7 @@ staged through host memory).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import os
@@ -159,6 +160,38 @@ def _adjacent(blocks: list, *avoid: Any) -> Any:
     return flat
 
 
+def _apart(writes: list, reads: list) -> bool:
+    """Whether no tensor of `writes` overlaps another one of them or one of `reads`
+    (contiguous tensors; reads may overlap each other)."""
+    def span(t: "torch.Tensor") -> tuple:
+        return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+    spans = sorted(span(t) for t in writes if t.numel())
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return False
+    starts = [a for a, _ in spans]
+    for t in reads:
+        if t is None or not t.numel():
+            continue
+        lo, hi = span(t)
+        k = bisect.bisect_left(starts, hi)   # the written spans that start before `t` ends
+        if k and spans[k - 1][1] > lo:
+            return False
+    return True
+
+
+def _separate(blocks: list, dtype: Any, reads: Any = (), written: bool = True) -> Optional[list]:
+    """`blocks` as a list that the native call takes as it is, one buffer per block,
+    read or (`written`) written where each tensor lies, as gloo does: contiguous CPU
+    tensors of `dtype`; written ones apart from each other and from every tensor of
+    `reads` (the call's other side). Else None, and the caller copies them through one
+    buffer."""
+    if not blocks or not all(b.is_cpu and b.is_contiguous() and b.dtype == dtype for b in blocks):
+        return None
+    if written and not _apart(blocks, list(reads)):
+        return None
+    return list(blocks)
+
+
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     # CUDA tensors reach the calls as host copies (`eccl.torch_cuda`); other devices
     # are refused.
@@ -300,7 +333,8 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return self._calls.submit(ws, tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        # One flat buffer per input, split into the caller's list afterwards.
+        # The caller's tensors written where they are (one tensor cut in blocks, or
+        # separate ones); else one flat buffer per input, split into the list afterwards.
         works, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors):
             inp = _cpu(inp).contiguous()
@@ -310,6 +344,12 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 return self._refuse("all_gather", "output", refusal,
                                     lambda: self.comm.all_gather(wrong, inp, async_op=True))
             flat = _adjacent(list(outs), inp)
+            if flat is None:
+                # Separate tensors: written where they are. An input that is one of them
+                # (`all_gather(ts, ts[rank])`) is read from a copy of its own.
+                if not _apart([o for o in outs if o.is_contiguous()], [inp]):
+                    inp = inp.clone()
+                flat = _separate(list(outs), inp.dtype, [inp])
             if flat is None:
                 flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
                 copies.append((outs, flat))
@@ -354,9 +394,16 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 return self._refuse("reduce_scatter", "input", refusal,
                                     lambda: self.comm.reduce_scatter(out, wrong, op, async_op=True))
             flat = _adjacent(ins, out)
-            flat = (_premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(),
-                                   factor, True) if flat is None
-                    else _premultiplied(flat, factor, False))
+            if flat is not None:
+                flat = _premultiplied(flat, factor, False)
+            elif factor is None:
+                # Separate tensors, read where they are (PREMUL_SUM scales a copy).
+                flat = _separate(ins, out.dtype, written=False)
+                if flat is not None and not (out.is_contiguous() and _apart([out], flat)):
+                    flat = None
+            if flat is None:
+                flat = _premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(),
+                                      factor, True)
             works.append(self.comm.reduce_scatter(out, flat, op, async_op=True))
         return self._calls.submit(works, output_tensors)
 
@@ -399,6 +446,11 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 return self._refuse("gather", "the root's output", refusal,
                                     lambda: self.comm.gather(wrong, inp, root, async_op=True))
             in_place = _adjacent(outs, inp)
+            if in_place is None:
+                # Separate tensors, written where they are (see allgather).
+                if not _apart([o for o in outs if o.is_contiguous()], [inp]):
+                    inp = inp.clone()
+                in_place = _separate(outs, inp.dtype, [inp])
             flat = in_place if in_place is not None else torch.empty(
                 (len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             w = self.comm.gather(flat, inp, root, async_op=True)
@@ -423,6 +475,11 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                                     lambda: self.comm.scatter(out, wrong, root, async_op=True))
             flat = _adjacent(blocks, out)
             if flat is None:
+                # Separate tensors, read where they are.
+                flat = _separate(blocks, out.dtype, written=False)
+                if flat is not None and not (out.is_contiguous() and _apart([out], flat)):
+                    flat = None
+            if flat is None:
                 flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
         w = self.comm.scatter(out, flat, root, async_op=True)
         return self._calls.submit([w], output_tensors)
@@ -440,17 +497,24 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         sizes = {t.numel() for t in outs + ins}
         refusal = a2a_refusal(outs, ins, self.size())
         if len(sizes) == 1 and refusal is None:
-            flat_in = _adjacent(ins)
-            if flat_in is None:
-                flat_in = torch.stack([_cpu(t) for t in input_tensors]).contiguous()
-            in_place = _adjacent(outs, flat_in)
-            flat_out = in_place if in_place is not None else torch.empty_like(flat_in)
-            w = self.comm.all_to_all(flat_out, flat_in, async_op=True)
+            ins = [_cpu(t) for t in ins]
+            dtype = ins[0].dtype
+            # What is sent: the blocks where they lie (in one tensor, or separate ones).
+            one = _adjacent(ins)
+            src = [one] if one is not None else _separate(ins, dtype, written=False)
+            if src is None or not _apart([o for o in outs if o.is_contiguous()], src):
+                # (In place, the same tensors both sides: what is sent is a copy.)
+                src = [torch.cat([t.reshape(-1) for t in ins])]
+            # Where it lands: the blocks where they lie, else one buffer copied out.
+            one = _adjacent(outs, *src)
+            dst = [one] if one is not None else _separate(outs, dtype, src)
+            flat_out = dst if dst is not None else torch.empty(sum(t.numel() for t in ins), dtype=dtype)
+            w = self.comm.all_to_all(flat_out, src, async_op=True)
 
             def scatter_back() -> None:
                 for o, f in zip(output_tensors, flat_out.view(len(outs), -1)):
                     o.copy_(f.view_as(o))
-            return self._calls.submit([w], output_tensors, None if in_place is not None else scatter_back)
+            return self._calls.submit([w], output_tensors, None if dst is not None else scatter_back)
         flat = (_adjacent(outs, *ins), _adjacent(ins)) if refusal is None else None
         return self._alltoall_uneven(outs, ins, refusal, flat)
 
@@ -525,21 +589,26 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         # padded (before, every block went padded to the call's widest).
         send = [b.numel() for b in ins]
         recv = [o.numel() for o in outs]
+        dtype = ins[0].dtype
         out, flat_in = flat if flat is not None else (None, None)
         out = out if out is not None and out.is_contiguous() else None
-        if flat_in is None or not flat_in.is_contiguous() or (out is not None and _overlaps(out, flat_in)):
+        # What is sent: the blocks where they lie (one tensor, or separate ones).
+        src = ([flat_in] if flat_in is not None and flat_in.is_contiguous()
+               else _separate([_cpu(b) for b in ins], dtype, written=False))
+        if src is None or not _apart([out] if out is not None else [o for o in outs if o.is_contiguous()], src):
             # (A copy: in place, torch's all_to_all_single(t, t), reads what it sent.)
-            flat_in = torch.cat([b.reshape(-1) for b in ins])
-        # The blocks land in the output itself where it is one tensor (all_to_all_single,
-        # or the list form's blocks where they lie back to back), else in one of their own.
-        flat_out = out if out is not None else torch.empty(sum(recv), dtype=flat_in.dtype)
-        w = self.comm.all_to_all(flat_out, flat_in, send_counts=send, recv_counts=recv,
+            src = [torch.cat([b.reshape(-1) for b in ins])]
+        # The blocks land where they are: in the output where it is one tensor
+        # (all_to_all_single), or in the list's tensors; else in one buffer of their own.
+        dst = [out] if out is not None else _separate(outs, dtype, src)
+        flat_out = dst if dst is not None else torch.empty(sum(recv), dtype=dtype)
+        w = self.comm.all_to_all(flat_out, src, send_counts=send, recv_counts=recv,
                                  async_op=True)
 
         def copy_back() -> None:
             for o, f in zip(outs, flat_out.split(recv)):
                 o.copy_(f.view(o.shape))
-        return self._calls.submit([w], outs, None if out is not None else copy_back)
+        return self._calls.submit([w], outs, None if dst is not None else copy_back)
 
     def barrier(self, opts=None):
         return self._calls.submit([self.comm.barrier(async_op=True)], None)

@@ -27,19 +27,22 @@ pub(crate) enum Call {
         ordered: bool,
         timeout: std::time::Duration,
     },
-    /// Out of place; a rank of a rooted collective passes `None` for a buffer it does
-    /// not use (gather's output, scatter's input off the root).
+    /// Out of place. Each side is a list of buffers read as one, back to back (torch's
+    /// list forms: one per rank); most calls pass one buffer a side, and a rank of a
+    /// rooted collective none for the side it does not use (gather's output, scatter's
+    /// input off the root).
     Collective {
         kind: CollectiveKind,
         op: ReduceOp,
         root: Rank,
-        input: Option<HostBuffer>,
-        output: Option<WritableBuffer>,
+        input: Vec<HostBuffer>,
+        output: Vec<WritableBuffer>,
     },
     /// All_to_all with blocks of any sizes (elements per rank, in rank order).
     AllToAllV {
-        input: HostBuffer,
-        output: WritableBuffer,
+        /// Each a buffer, or a list of buffers read as one (see `Collective`).
+        input: Vec<HostBuffer>,
+        output: Vec<WritableBuffer>,
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
     },
@@ -135,7 +138,9 @@ impl Call {
             Call::Collective { input, output, .. } => {
                 (input.iter().collect(), output.iter().collect())
             }
-            Call::AllToAllV { input, output, .. } => (vec![input], vec![output]),
+            Call::AllToAllV { input, output, .. } => {
+                (input.iter().collect(), output.iter().collect())
+            }
             Call::SharedAllGather { input, output } => (input.iter().collect(), vec![output]),
             Call::SharedReduceScatter { input, output, .. } => (vec![input], vec![output]),
             Call::InPlace { buf, .. } | Call::Recv { buf, .. } | Call::Quantized { buf, .. } => {
@@ -394,25 +399,33 @@ async fn run(
             output,
         } => {
             let dtype = input
-                .as_ref()
+                .first()
                 .map(|b| b.dtype())
-                .or(output.as_ref().map(|b| b.read().dtype()))
+                .or(output.first().map(|b| b.read().dtype()))
                 .unwrap_or(DType::U8);
             let args = CollArgs::for_buffers(
                 *kind,
                 dtype,
                 *op,
                 *root,
-                input.as_ref().map(|b| b.count()),
-                output.as_ref().map(|b| b.read().count()),
+                (!input.is_empty()).then(|| input.iter().map(|b| b.count()).sum()),
+                (!output.is_empty()).then(|| output.iter().map(|b| b.read().count()).sum()),
                 world,
             );
-            let inp = input.as_ref().map_or(&[][..], |b| b.bytes());
-            let out = match output.as_mut() {
-                Some(b) => b.bytes_mut(),
-                None => &mut [],
-            };
-            comm.collective(args, inp, out).await.map(Done::Op)
+            if input.len() <= 1 && output.len() <= 1 {
+                let inp = input.first().map_or(&[][..], |b| b.bytes());
+                let out = match output.first_mut() {
+                    Some(b) => b.bytes_mut(),
+                    None => &mut [],
+                };
+                return comm.collective(args, inp, out).await.map(Done::Op);
+            }
+            // Lists of blocks (torch's list forms), read and written where they are.
+            let ins: Vec<&[u8]> = input.iter().map(|b| b.bytes()).collect();
+            let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| b.bytes_mut()).collect();
+            comm.collective_lists(args, &ins, &mut outs)
+                .await
+                .map(Done::Op)
         }
         Call::AllToAllV {
             input,
@@ -420,16 +433,16 @@ async fn run(
             send_counts,
             recv_counts,
         } => {
-            let dtype = input.dtype();
-            comm.all_to_all_v(
-                dtype,
-                input.bytes(),
-                send_counts,
-                output.bytes_mut(),
-                recv_counts,
-            )
-            .await
-            .map(Done::Op)
+            let dtype = input
+                .first()
+                .map(|b| b.dtype())
+                .or(output.first().map(|b| b.read().dtype()))
+                .unwrap_or(DType::U8);
+            let ins: Vec<&[u8]> = input.iter().map(|b| b.bytes()).collect();
+            let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| b.bytes_mut()).collect();
+            comm.all_to_all_v_lists(dtype, &ins, send_counts, &mut outs, recv_counts)
+                .await
+                .map(Done::Op)
         }
         Call::SharedAllGather { output, input } => {
             let dtype = input

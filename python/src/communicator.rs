@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use eccl::{CollectiveKind, Config, DType, Rank, ReduceOp, Secret, SyncStrategy};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
 use tokio::sync::mpsc;
 
@@ -49,6 +49,43 @@ fn same_dtype(input: &HostBuffer, output: &WritableBuffer) -> PyResult<()> {
         return Err(invalid(format!("input is {i} but output is {o}")));
     }
     Ok(())
+}
+
+/// Refuses a call whose buffers differ in dtype.
+fn one_dtype(input: &[HostBuffer], output: &[WritableBuffer]) -> PyResult<()> {
+    let mut dtypes = input
+        .iter()
+        .map(|b| b.dtype())
+        .chain(output.iter().map(|b| b.read().dtype()));
+    if let Some(first) = dtypes.next() {
+        if let Some(other) = dtypes.find(|d| *d != first) {
+            return Err(invalid(format!(
+                "the call's buffers differ in dtype: {first} and {other}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One side of an out-of-place call: a buffer, or a list (or tuple) of buffers that the
+/// call reads as one, back to back (torch's list forms: one per rank).
+fn buffers<T>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    extract: impl Fn(&Bound<'_, PyAny>, &str) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
+    let items = if let Ok(l) = obj.cast::<PyList>() {
+        l.iter().collect::<Vec<_>>()
+    } else if let Ok(t) = obj.cast::<PyTuple>() {
+        t.iter().collect()
+    } else {
+        return Ok(vec![extract(obj, what)?]);
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(k, b)| extract(b, &format!("{what}[{k}]")))
+        .collect()
 }
 
 #[pyclass(module = "eccl", frozen)]
@@ -188,13 +225,15 @@ impl Communicator {
         root: u32,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let input = input.map(|i| HostBuffer::extract(i, "input")).transpose()?;
-        let output = output
-            .map(|o| WritableBuffer::extract(o, "output"))
-            .transpose()?;
-        if let (Some(i), Some(o)) = (&input, &output) {
-            same_dtype(i, o)?;
-        }
+        let input = match input {
+            Some(i) => buffers(i, "input", HostBuffer::extract)?,
+            None => vec![],
+        };
+        let output = match output {
+            Some(o) => buffers(o, "output", WritableBuffer::extract)?,
+            None => vec![],
+        };
+        one_dtype(&input, &output)?;
         let call = Call::Collective {
             kind,
             op,
@@ -732,6 +771,9 @@ impl Communicator {
     }
 
     /// `output` holds world_size blocks of `input`'s size; block r is rank r's input.
+    /// `output` may be a list of world_size buffers, one per block, written where they
+    /// are (torch's list form); any side of an out-of-place call may be a list, read as
+    /// its buffers back to back.
     #[pyo3(signature = (output, input, *, async_op=false))]
     fn all_gather(
         &self,
@@ -798,6 +840,7 @@ impl Communicator {
     }
 
     /// `input` holds world_size blocks of `output`'s size; rank r gets block r reduced.
+    /// `input` may be a list of world_size buffers, one per block, read where they are.
     #[pyo3(signature = (output, input, op=None, *, async_op=false))]
     fn reduce_scatter(
         &self,
@@ -838,9 +881,9 @@ impl Communicator {
         match (send_counts, recv_counts) {
             (None, None) => {}
             (Some(send_counts), Some(recv_counts)) => {
-                let input = HostBuffer::extract(input, "input")?;
-                let output = WritableBuffer::extract(output, "output")?;
-                same_dtype(&input, &output)?;
+                let input = buffers(input, "input", HostBuffer::extract)?;
+                let output = buffers(output, "output", WritableBuffer::extract)?;
+                one_dtype(&input, &output)?;
                 let call = Call::AllToAllV {
                     input,
                     output,
@@ -866,7 +909,8 @@ impl Communicator {
         )
     }
 
-    /// On `root`, `output` holds world_size blocks; elsewhere pass `output=None`.
+    /// On `root`, `output` holds world_size blocks (or is a list of world_size
+    /// buffers, one per block); elsewhere pass `output=None`.
     #[pyo3(signature = (output, input, root=0, *, async_op=false))]
     fn gather(
         &self,
@@ -887,7 +931,8 @@ impl Communicator {
         )
     }
 
-    /// On `root`, `input` holds world_size blocks; elsewhere pass `input=None`.
+    /// On `root`, `input` holds world_size blocks (or is a list of world_size buffers,
+    /// one per block); elsewhere pass `input=None`.
     #[pyo3(signature = (output, input, root=0, *, async_op=false))]
     fn scatter(
         &self,

@@ -88,6 +88,26 @@ def test_every_collective_on_numpy_and_torch():
         sc = np.empty(1, dtype=np.float32)
         comm.scatter(sc, np.arange(n, dtype=np.float32) * 2 if rank == 0 else None, root=0)
         out["scatter"] = sc.tolist()
+        # the list forms: one buffer per rank, read and written where they lie
+        lst = [np.full(2, -1.0, dtype=np.float32) for _ in range(n)]
+        comm.all_gather(lst, np.full(2, rank, dtype=np.float32))
+        out["ag_list"] = [b.tolist() for b in lst]
+        rs = np.empty(2, dtype=np.float32)
+        comm.reduce_scatter(rs, [np.arange(2, dtype=np.float32) + 2 * q for q in range(n)])
+        out["rs_list"] = rs.tolist()
+        lst = [torch.empty(1, dtype=torch.int64) for _ in range(n)]
+        comm.all_to_all(lst, tuple(torch.full((1,), 10 * rank + q) for q in range(n)))
+        out["a2a_list"] = [int(b) for b in lst]
+        lst = [torch.empty(s + rank + 1) for s in range(n)]
+        comm.all_to_all(lst, [torch.full((k,), 100.0 * rank + t) for t, k in enumerate(sends)],
+                        send_counts=sends, recv_counts=recvs)
+        out["a2av_list"] = [b.tolist() for b in lst]
+        ga = [np.empty(1, dtype=np.float32) for _ in range(n)] if rank == 0 else None
+        comm.gather(ga, np.full(1, rank, dtype=np.float32), root=0)
+        out["gather_list"] = [b.tolist() for b in ga] if ga is not None else None
+        sc = np.empty(1, dtype=np.float32)
+        comm.scatter(sc, [np.full(1, 2.0 * q, dtype=np.float32) for q in range(n)] if rank == 0 else None, root=0)
+        out["scatter_list"] = sc.tolist()
         comm.barrier()
         # send / recv around the ring, async
         s = np.full(3, rank, dtype=np.float32); r = np.empty(3, dtype=np.float32)
@@ -117,6 +137,12 @@ def test_every_collective_on_numpy_and_torch():
         assert r["a2av"] == [100.0 * s + rank for s in range(n) for _ in range(s + rank + 1)]
         assert r["gather"] == ([0.0, 1.0, 2.0] if rank == 0 else None)
         assert r["scatter"] == [2.0 * rank]
+        assert r["ag_list"] == [[float(q)] * 2 for q in range(n)]
+        assert r["rs_list"] == r["rs"]
+        assert r["a2a_list"] == r["a2a"]
+        assert r["a2av_list"] == [[100.0 * s + rank] * (s + rank + 1) for s in range(n)]
+        assert r["gather_list"] == ([[0.0], [1.0], [2.0]] if rank == 0 else None)
+        assert r["scatter_list"] == r["scatter"]
         assert r["ring"] == [float((rank - 1) % n)] * 3
         assert r["async"] == float(n) and r["done"]
 
@@ -219,6 +245,20 @@ def test_bad_input_raises_typed_errors():
             comm.all_reduce(np.ones(4, dtype=np.int32), "avg")
         with pytest.raises(eccl.InvalidArgumentError, match="expected"):
             comm.all_gather(np.empty(3, dtype=np.float32), np.ones(2, dtype=np.float32))
+        # lists: one dtype, no written buffer twice or overlapping what is read, buffers only
+        f32 = np.ones(2, dtype=np.float32)
+        with pytest.raises(eccl.InvalidArgumentError, match="differ in dtype: f32 and f64"):
+            comm.all_gather([np.empty(2, dtype=np.float64)], f32)
+        same = np.empty(2, dtype=np.float32)
+        with pytest.raises(eccl.InvalidArgumentError, match="overlap"):
+            comm.all_to_all([same, same], [f32, f32])
+        with pytest.raises(eccl.InvalidArgumentError, match="overlap"):
+            comm.all_gather([f32], f32)
+        with pytest.raises(eccl.InvalidArgumentError, match=r"output\[1\] must be"):
+            comm.all_gather([same, 1.0], f32)
+        with pytest.raises(eccl.InvalidArgumentError, match="expected"):
+            comm.all_gather([same, same.copy()], f32)
+        comm.update_topology()
         with pytest.raises(eccl.InvalidArgumentError, match="both send_counts and recv_counts"):
             comm.all_to_all(np.empty(2, dtype=np.float32), np.ones(2, dtype=np.float32), send_counts=[2])
         with pytest.raises(eccl.InvalidArgumentError, match="one count per rank"):

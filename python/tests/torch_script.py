@@ -81,6 +81,18 @@ def collectives(r, n):
     c = [torch.empty(2) for _ in range(n)]
     dist.all_to_all(c, list(a.chunk(n)))
     out["all_to_all_views_in"] = [x.tolist() for x in c]
+    # Separate tensors (eccl writes and reads them where they are): the input one of the
+    # outputs, the same tensors both sides, and empty blocks.
+    lst = [torch.full((3,), -1.0) for _ in range(n)]
+    lst[r].fill_(4.0 * r)
+    dist.all_gather(lst, lst[r])
+    out["all_gather_own"] = [x.tolist() for x in lst]
+    lst = [torch.full((2,), 10.0 * r + i) for i in range(n)]
+    dist.all_to_all(lst, lst)
+    out["all_to_all_same_list"] = [x.tolist() for x in lst]
+    lst = [torch.empty(0) for _ in range(n)]
+    dist.all_gather(lst, torch.empty(0))
+    out["all_gather_empty"] = [x.numel() for x in lst]
     dist.barrier()
     peer = (r + 1) % n
     src = (r - 1) % n

@@ -133,8 +133,42 @@ pub struct Bufs {
     scratch: *mut u8,
     scratch_len: usize,
     elem: usize,
+    /// The input or output given as blocks that lie anywhere ([`Bufs::from_blocks`]).
+    input_blocks: Option<Blocks>,
+    output_blocks: Option<Blocks>,
     /// The output as it was, to put back on drop (see [`Bufs::keeping`]).
     backup: Option<Backup>,
+}
+
+/// A buffer given as a list of blocks (torch's list forms: one tensor per rank), read
+/// as if they lay back to back: block `k` holds the buffer's bytes
+/// `starts[k]..starts[k + 1]`.
+struct Blocks {
+    ptrs: Vec<*mut u8>,
+    /// `ptrs.len() + 1` offsets, from 0 to the buffer's length.
+    starts: Vec<usize>,
+}
+
+impl Blocks {
+    fn new(ptrs: Vec<*mut u8>, lens: impl Iterator<Item = usize>) -> Blocks {
+        let mut starts = vec![0];
+        for n in lens {
+            starts.push(starts.last().copied().unwrap_or(0) + n);
+        }
+        Blocks { ptrs, starts }
+    }
+
+    fn len(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// Where bytes `s..s + n` (`n > 0`, within the buffer) lie, if one block holds them all.
+    fn find(&self, s: usize, n: usize) -> Option<*mut u8> {
+        // The last block that starts at or before `s` (empty blocks before it skipped).
+        let k = self.starts.partition_point(|&x| x <= s).checked_sub(1)?;
+        let end = *self.starts.get(k + 1)?;
+        (s + n <= end).then(|| self.ptrs[k].wrapping_add(s - self.starts[k]))
+    }
 }
 
 // SAFETY: a `Bufs` is made from borrows that outlive it (`Bufs::new` takes them and
@@ -154,22 +188,70 @@ impl Bufs {
             scratch: scratch.as_mut_ptr(),
             scratch_len: scratch.len(),
             elem,
+            input_blocks: None,
+            output_blocks: None,
             backup: None,
         }
     }
 
+    /// Like [`Bufs::new`], with the input and the output each given as a list of
+    /// blocks, read as if they lay back to back in list order (a list of one is a whole
+    /// buffer; of none, an empty one). The blocks may lie anywhere and differ in length;
+    /// every region of the schedule must lie within one block ([`Bufs::check_fits`]),
+    /// as the schedules of the list forms do when each rank's block is one buffer.
+    pub fn from_blocks(
+        input: &[&[u8]],
+        output: &mut [&mut [u8]],
+        scratch: &mut [u8],
+        elem: usize,
+    ) -> Bufs {
+        let inb = Blocks::new(
+            input.iter().map(|b| b.as_ptr() as *mut u8).collect(),
+            input.iter().map(|b| b.len()),
+        );
+        let outb = Blocks::new(
+            output.iter_mut().map(|b| b.as_mut_ptr()).collect(),
+            output.iter().map(|b| b.len()),
+        );
+        let mut bufs = Bufs::new(&[], &mut [], scratch, elem);
+        (bufs.input_len, bufs.output_len) = (inb.len(), outb.len());
+        (bufs.input_blocks, bufs.output_blocks) = (Some(inb), Some(outb));
+        bufs
+    }
+
+    /// Whether every region of `sched` lies within its buffer and, where that buffer is
+    /// a list of blocks, within one of them: the error names the first that does not.
+    pub fn check_fits(&self, sched: &crate::Schedule) -> Result<()> {
+        for p in sched.steps.iter().flat_map(|s| &s.prims) {
+            for r in p.reads().chain(p.writes()) {
+                self.span(&r)?;
+            }
+        }
+        Ok(())
+    }
+
     fn span(&self, r: &Region) -> Result<(*mut u8, usize)> {
-        let (base, len) = match r.buf {
-            Buf::Input => (self.input as *mut u8, self.input_len),
-            Buf::Output => (self.output, self.output_len),
-            Buf::Scratch => (self.scratch, self.scratch_len),
+        let (base, len, blocks) = match r.buf {
+            Buf::Input => (
+                self.input as *mut u8,
+                self.input_len,
+                self.input_blocks.as_ref(),
+            ),
+            Buf::Output => (self.output, self.output_len, self.output_blocks.as_ref()),
+            Buf::Scratch => (self.scratch, self.scratch_len, None),
         };
         let start = r.offset.checked_mul(self.elem);
         let bytes = r.len.checked_mul(self.elem);
         match (start, bytes) {
-            (Some(s), Some(b)) if s.checked_add(b).is_some_and(|e| e <= len) => {
-                Ok((base.wrapping_add(s), b))
-            }
+            (Some(s), Some(b)) if s.checked_add(b).is_some_and(|e| e <= len) => match blocks {
+                None => Ok((base.wrapping_add(s), b)),
+                Some(_) if b == 0 => Ok((base, 0)),
+                Some(bl) => bl.find(s, b).map(|p| (p, b)).ok_or_else(|| {
+                    BuildError::InvalidArgument(format!(
+                        "schedule region {r:?} crosses from one block of its list into the next"
+                    ))
+                }),
+            },
             _ => Err(BuildError::InvalidArgument(format!(
                 "schedule region {r:?} is outside its buffer of {len} bytes"
             ))),
@@ -409,6 +491,97 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The list forms (all_gather's and gather's output, reduce_scatter's and scatter's
+    /// input, both of all_to_all's) given as one separate buffer per rank: which of
+    /// their schedules keep every region within one rank's block, and, for those, every
+    /// step borrowed and used as the executor does (under Miri, across allocations).
+    /// Every algorithm that the tuner picks for these kinds must fit: the peer falls back
+    /// to a packed copy for the others (all_to_all's relaying ring).
+    #[test]
+    fn list_forms_borrow_their_blocks_in_place() {
+        let (worlds, counts): (u32, &[u64]) = if cfg!(miri) {
+            (4, &[3])
+        } else {
+            (8, &[0, 1, 5, 17])
+        };
+        let mut fitted = 0;
+        each_schedule(worlds, counts, &[ReduceOp::Sum], |desc, rank, world| {
+            use crate::CollectiveKind::*;
+            let (in_list, out_list) = match desc.kind {
+                AllGather | Gather => (false, true),
+                ReduceScatter | Scatter => (true, false),
+                AllToAll => (true, true),
+                _ => return,
+            };
+            let Ok(s) = build(desc, rank, world) else {
+                return;
+            };
+            let elem = desc.dtype.size();
+            let blocks = |list: bool, len: usize| -> Vec<Vec<u8>> {
+                let (n, each) = if list && len > 0 {
+                    (world as usize, len / world as usize)
+                } else {
+                    (1, len)
+                };
+                (0..n).map(|k| vec![k as u8; each * elem]).collect()
+            };
+            let input = blocks(in_list, s.input_len);
+            let mut output = blocks(out_list, s.output_len);
+            let mut scratch = vec![0u8; s.scratch_len * elem];
+            let ins: Vec<&[u8]> = input.iter().map(|b| &b[..]).collect();
+            let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| &mut b[..]).collect();
+            let bufs = Bufs::from_blocks(&ins, &mut outs, &mut scratch, elem);
+            let fits = bufs.check_fits(&s);
+            let picked =
+                crate::choose_algo(desc.kind, desc.count as usize * elem, world, None).algo;
+            if desc.algo == picked || desc.kind != AllToAll {
+                if let Err(e) = &fits {
+                    panic!("{desc} rank {rank}/{world}: {e}");
+                }
+            }
+            if fits.is_ok() {
+                exercise_bufs(&s, desc, world, &bufs);
+                fitted += 1;
+            }
+        });
+        assert!(fitted > 50, "only {fitted} schedules");
+    }
+
+    #[test]
+    fn a_region_across_two_blocks_is_refused() {
+        let (a, b) = ([1u8; 8], [2u8; 8]);
+        let mut out = [0u8; 4];
+        let bufs = Bufs::from_blocks(&[&a, &b], &mut [&mut out], &mut [], 4);
+        let send = |offset, len| Prim::Send {
+            peer: 1,
+            src: Region::input(offset, len),
+        };
+        // SAFETY: each borrow is dropped before the next.
+        unsafe {
+            match bufs.borrow(&send(2, 2)).unwrap() {
+                Mem::Read(d) => assert_eq!(d, &[2u8; 8]),
+                _ => unreachable!(),
+            }
+            match bufs.borrow(&send(1, 1)).unwrap() {
+                Mem::Read(d) => assert_eq!(d, &[1u8; 4]),
+                _ => unreachable!(),
+            }
+            assert!(bufs.borrow(&send(1, 2)).is_err(), "across blocks");
+            assert!(bufs.borrow(&send(3, 2)).is_err(), "past the end");
+            assert!(bufs.borrow(&send(4, 0)).is_ok(), "empty at the end");
+        }
+        // Empty blocks between others are skipped.
+        let (e, c) = ([0u8; 0], [3u8; 4]);
+        let bufs = Bufs::from_blocks(&[&a, &e, &c], &mut [], &mut [], 4);
+        // SAFETY: as above.
+        unsafe {
+            match bufs.borrow(&send(2, 1)).unwrap() {
+                Mem::Read(d) => assert_eq!(d, &[3u8; 4]),
+                _ => unreachable!(),
             }
         }
     }

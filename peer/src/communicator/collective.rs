@@ -49,9 +49,11 @@ pub enum OnAbort {
     Undefined,
 }
 
-/// A call's buffers: apart, or one buffer in place.
+/// A call's buffers: apart, lists of blocks read as one buffer each, or one buffer in
+/// place.
 enum Io<'a> {
     Apart(&'a [u8], &'a mut [u8]),
+    Lists(Vec<&'a [u8]>, Vec<&'a mut [u8]>),
     InPlace {
         buf: &'a mut [u8],
         on_abort: OnAbort,
@@ -136,6 +138,25 @@ impl Communicator {
         self.run_collective(args, Io::Apart(input, output)).await
     }
 
+    /// [`Communicator::collective`] with the input and the output each given as a list
+    /// of buffers, read as if they lay back to back in list order: torch's list forms
+    /// (`all_gather` into one tensor per rank, `scatter` from one per rank, ...), as gloo
+    /// takes them. Where each rank's block is one buffer of the list, the schedule reads
+    /// and writes the buffers where they are; a list cut otherwise (or a schedule that
+    /// moves several ranks' blocks in one message) goes through one packed copy. A list
+    /// of one buffer is that buffer; an empty list, an empty buffer (a rank that does not
+    /// use that side of a rooted collective).
+    pub async fn collective_lists(
+        &mut self,
+        args: CollArgs,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+    ) -> Result<OpInfo> {
+        let outs = outputs.iter_mut().map(|b| &mut **b).collect();
+        self.run_collective(args, Io::Lists(inputs.to_vec(), outs))
+            .await
+    }
+
     /// Runs a collective in place on `buf`; a failed call leaves `buf` as it was (G2,
     /// [`OnAbort::Unchanged`]); see [`Communicator::collective_inplace_with`] for the
     /// trade without the saved copy.
@@ -178,6 +199,23 @@ impl Communicator {
         output: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<OpInfo> {
+        self.all_to_all_v_lists(dtype, &[input], send_counts, &mut [output], recv_counts)
+            .await
+    }
+
+    /// [`Communicator::all_to_all_v`] with the input and the output each given as a
+    /// list of buffers read as one, back to back (torch's list form: one tensor per
+    /// rank, each of its block's size, read and written where it is).
+    pub async fn all_to_all_v_lists(
+        &mut self,
+        dtype: DType,
+        inputs: &[&[u8]],
+        send_counts: &[usize],
+        outputs: &mut [&mut [u8]],
+        recv_counts: &[usize],
+    ) -> Result<OpInfo> {
+        let in_bytes: usize = inputs.iter().map(|b| b.len()).sum();
+        let out_bytes: usize = outputs.iter().map(|b| b.len()).sum();
         let Slot {
             epoch,
             seq,
@@ -206,11 +244,9 @@ impl Communicator {
                 let (i, o) = (s.input_len * elem, s.output_len * elem);
                 s.validate()
                     .map_err(|e| Error::InvalidArgument(format!("internal schedule error: {e}")))?;
-                if input.len() != i || output.len() != o {
+                if in_bytes != i || out_bytes != o {
                     return Err(Error::InvalidArgument(format!(
-                        "all_to_all with split sizes: the counts call for {i} bytes of input and {o} of output ({dtype}), the buffers hold {} and {}",
-                        input.len(),
-                        output.len()
+                        "all_to_all with split sizes: the counts call for {i} bytes of input and {o} of output ({dtype}), the buffers hold {in_bytes} and {out_bytes}"
                     )));
                 }
                 Ok(s)
@@ -238,8 +274,7 @@ impl Communicator {
             suspect: &self.suspect,
             uneven: true,
         };
-        let bufs = Bufs::new(input, output, &mut [], elem);
-        match executor::run(&op, &mut c.links, &sched, &bufs).await {
+        match run_on_lists(&op, &mut c.links, &sched, inputs, outputs, &mut [], elem).await {
             Ok(()) => Ok(self.succeeded(
                 Slot {
                     epoch,
@@ -318,6 +353,10 @@ impl Communicator {
         // A call that is wrong on its own says so, even if the epoch is already broken.
         let (in_bytes, out_bytes) = match &io {
             Io::Apart(i, o) => (i.len(), o.len()),
+            Io::Lists(i, o) => (
+                i.iter().map(|b| b.len()).sum(),
+                o.iter().map(|b| b.len()).sum(),
+            ),
             // One buffer serves as whichever of the two this rank uses.
             Io::InPlace { buf, .. } => {
                 let (i, o) = buffer_lens(args.kind, args.count, world, rank.0, args.root.0);
@@ -373,6 +412,13 @@ impl Communicator {
                 Io::Apart(input, output) => {
                     let bufs = Bufs::new(&input[..in_len * elem], &mut output[..out_len * elem], scratch, elem);
                     executor::run(&op, &mut c.links, sched, &bufs).await
+                }
+                Io::Lists(inputs, outputs) => {
+                    // A side this rank does not use (a rooted call's) is left out, as
+                    // `Apart` cuts it to nothing.
+                    let ins: &[&[u8]] = if in_len == 0 { &[] } else { inputs };
+                    let outs: &mut [&mut [u8]] = if out_len == 0 { &mut [] } else { outputs };
+                    run_on_lists(&op, &mut c.links, sched, ins, outs, scratch, elem).await
                 }
                 Io::InPlace { buf, on_abort: OnAbort::Undefined } if direct.is_some() => {
                     // The rewritten schedule reads no input: the buffer is its output.
@@ -514,6 +560,43 @@ impl Communicator {
 
 /// Checks a call's arguments against this rank's part; returns the element counts of
 /// input and output the schedule uses.
+/// Runs `sched` on buffers given as lists of blocks ([`Bufs::from_blocks`]): where each
+/// message of the schedule lies within one block, the blocks are read and written where
+/// they are; otherwise each side goes through one packed copy (the output's copied out
+/// only if the call succeeded).
+async fn run_on_lists(
+    op: &Running<'_>,
+    links: &mut [Option<crate::links::PeerLink>],
+    sched: &Schedule,
+    ins: &[&[u8]],
+    outs: &mut [&mut [u8]],
+    scratch: &mut [u8],
+    elem: usize,
+) -> Result<()> {
+    let bufs = Bufs::from_blocks(ins, outs, scratch, elem);
+    let why = match bufs.check_fits(sched) {
+        Ok(()) => return executor::run(op, links, sched, &bufs).await,
+        Err(why) => why,
+    };
+    drop(bufs);
+    tracing::debug!(target: "eccl::coll", "{}: the lists go through a packed copy ({why})", op.desc);
+    let mut input = AlignedBuf::with_len(ins.iter().map(|b| b.len()).sum());
+    let mut at = 0;
+    for b in ins {
+        input.as_bytes_mut()[at..at + b.len()].copy_from_slice(b);
+        at += b.len();
+    }
+    let mut output = AlignedBuf::with_len(outs.iter().map(|b| b.len()).sum());
+    let bufs = Bufs::new(input.as_bytes(), output.as_bytes_mut(), scratch, elem);
+    executor::run(op, links, sched, &bufs).await?;
+    let mut at = 0;
+    for b in outs.iter_mut() {
+        b.copy_from_slice(&output.as_bytes()[at..at + b.len()]);
+        at += b.len();
+    }
+    Ok(())
+}
+
 fn validate(
     a: &CollArgs,
     world: u32,

@@ -12,6 +12,7 @@ mod cli;
 mod device;
 mod elastic;
 mod failover;
+mod lists;
 mod master_cluster;
 mod p2p;
 mod quantized;
