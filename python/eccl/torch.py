@@ -347,7 +347,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             if flat is None:
                 # Separate tensors: written where they are. An input that is one of them
                 # (`all_gather(ts, ts[rank])`) is read from a copy of its own.
-                if not _apart([o for o in outs if o.is_contiguous()], [inp]):
+                if any(_overlaps(o, inp) for o in outs if o.is_contiguous()):
                     inp = inp.clone()
                 flat = _separate(list(outs), inp.dtype, [inp])
             if flat is None:
@@ -448,7 +448,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             in_place = _adjacent(outs, inp)
             if in_place is None:
                 # Separate tensors, written where they are (see allgather).
-                if not _apart([o for o in outs if o.is_contiguous()], [inp]):
+                if any(_overlaps(o, inp) for o in outs if o.is_contiguous()):
                     inp = inp.clone()
                 in_place = _separate(outs, inp.dtype, [inp])
             flat = in_place if in_place is not None else torch.empty(

@@ -81,6 +81,13 @@ fn buffers<T>(
     } else {
         return Ok(vec![extract(obj, what)?]);
     };
+    if items.is_empty() {
+        // (An empty list would leave the call without a dtype where no other buffer
+        // names one: an empty buffer says "no elements" and what they are.)
+        return Err(invalid(format!(
+            "{what} is an empty list: pass a buffer (an empty one for no elements)"
+        )));
+    }
     items
         .iter()
         .enumerate()

@@ -71,9 +71,16 @@ def main():
         kept = inp.clone()
         out = torch.empty(2)
         dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(0.25))
+        # The list form from separate tensors (scaled in a copy, the tensors kept).
+        ins = [torch.arange(2.0) * (rank + 1) + 2 * q for q in range(n)]
+        kept_list = [i.clone() for i in ins]
+        out_list = torch.empty(2)
+        dist.reduce_scatter(out_list, ins, op=dist._make_nccl_premul_sum(0.25))
+        extra["premul_reduce_scatter_list"] = out_list.tolist()
+        extra["premul_list_kept"] = all(torch.equal(a, b) for a, b in zip(ins, kept_list))
         r = torch.full((3,), float(rank + 1))
         dist.reduce(r, dst=0, op=dist._make_nccl_premul_sum(torch.tensor([2.0])))
-        extra = {"premul_all_reduce": t.tolist(), "premul_reduce_scatter": out.tolist(),
+        extra |= {"premul_all_reduce": t.tolist(), "premul_reduce_scatter": out.tolist(),
                  "premul_input_kept": bool(torch.equal(inp, kept)),
                  "premul_reduce": r.tolist()}
         try:

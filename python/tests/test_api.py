@@ -95,6 +95,9 @@ def test_every_collective_on_numpy_and_torch():
         rs = np.empty(2, dtype=np.float32)
         comm.reduce_scatter(rs, [np.arange(2, dtype=np.float32) + 2 * q for q in range(n)])
         out["rs_list"] = rs.tolist()
+        one = np.full(2, rank + 1.0, dtype=np.float32)
+        comm.reduce_scatter(rs, [one] * n)    # what is only read may repeat
+        out["rs_same"] = rs.tolist()
         lst = [torch.empty(1, dtype=torch.int64) for _ in range(n)]
         comm.all_to_all(lst, tuple(torch.full((1,), 10 * rank + q) for q in range(n)))
         out["a2a_list"] = [int(b) for b in lst]
@@ -139,6 +142,7 @@ def test_every_collective_on_numpy_and_torch():
         assert r["scatter"] == [2.0 * rank]
         assert r["ag_list"] == [[float(q)] * 2 for q in range(n)]
         assert r["rs_list"] == r["rs"]
+        assert r["rs_same"] == [float(sum(range(1, n + 1)))] * 2
         assert r["a2a_list"] == r["a2a"]
         assert r["a2av_list"] == [[100.0 * s + rank] * (s + rank + 1) for s in range(n)]
         assert r["gather_list"] == ([[0.0], [1.0], [2.0]] if rank == 0 else None)
@@ -254,6 +258,8 @@ def test_bad_input_raises_typed_errors():
             comm.all_to_all([same, same], [f32, f32])
         with pytest.raises(eccl.InvalidArgumentError, match="overlap"):
             comm.all_gather([f32], f32)
+        with pytest.raises(eccl.InvalidArgumentError, match="input is an empty list"):
+            comm.all_to_all(np.empty(0, dtype=np.float32), [], send_counts=[0], recv_counts=[0])
         with pytest.raises(eccl.InvalidArgumentError, match=r"output\[1\] must be"):
             comm.all_gather([same, 1.0], f32)
         with pytest.raises(eccl.InvalidArgumentError, match="expected"):

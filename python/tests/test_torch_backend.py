@@ -116,6 +116,8 @@ def test_uneven_all_to_all_of_blocks_larger_than_a_link_buffers(n):
     for r, got in enumerate(res):
         in_place = [r * n + i + 100.0 * s for s in range(n) for i in range(n)]
         assert got["in_place"] == in_place and got["in_place_even"] == in_place, (r, got)
+        assert got["uneven_lists"] == [[100.0 * s + r] * ((s + 2 * r) % 3) for s in range(n)], (r, got)
+        assert got["uneven_same_list"] == [[100.0 * s + r] * (s + r + 1) for s in range(n)], (r, got)
 
 
 def check_big_uneven(res, n):
@@ -520,6 +522,9 @@ def test_premul_sum_and_fsdp2_with_a_gradient_divide_factor():
         whole = [float(k) * 0.25 * sum(range(1, n + 1)) for k in range(2 * n)]
         assert ours[r]["premul_reduce_scatter"] == whole[2 * r:2 * r + 2]
         assert ours[r]["premul_input_kept"] is True
+        tri = sum(range(1, n + 1))
+        assert ours[r]["premul_reduce_scatter_list"] == [0.25 * (k * tri + 2 * r * n) for k in range(2)]
+        assert ours[r]["premul_list_kept"] is True
         # reduce: the root has the scaled sum, every other rank its tensor as it was.
         want = [2.0 * sum(range(1, n + 1))] * 3 if r == 0 else [float(r + 1)] * 3
         assert ours[r]["premul_reduce"] == want, (r, ours[r]["premul_reduce"])

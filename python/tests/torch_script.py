@@ -93,6 +93,10 @@ def collectives(r, n):
     lst = [torch.empty(0) for _ in range(n)]
     dist.all_gather(lst, torch.empty(0))
     out["all_gather_empty"] = [x.numel() for x in lst]
+    g = [torch.full((2,), -1.0) for _ in range(n)]
+    g[r].fill_(3.0 * r)
+    dist.gather(g[r], g if r == 0 else None, dst=0)
+    out["gather_own"] = [x.tolist() for x in g] if r == 0 else None
     dist.barrier()
     peer = (r + 1) % n
     src = (r - 1) % n
@@ -265,6 +269,15 @@ def big_uneven(r, n):
         t = torch.arange(float(n * n)) + 100 * r
         dist.all_to_all_single(t, t)
         out["in_place_even"] = t.tolist()
+        # The list form on separate tensors, some empty (gloo refuses uneven lists);
+        # then in place, the same tensors both sides (rank s sends t s + t + 1).
+        size = lambda s, t: (s + 2 * t) % 3    # noqa: E731
+        lst = [torch.full((size(s, r),), -1.0) for s in range(n)]
+        dist.all_to_all(lst, [torch.full((size(r, t),), 100.0 * r + t) for t in range(n)])
+        out["uneven_lists"] = [x.tolist() for x in lst]
+        lst = [torch.full((r + t + 1,), 100.0 * r + t) for t in range(n)]
+        dist.all_to_all(lst, lst)
+        out["uneven_same_list"] = [x.tolist() for x in lst]
     # Each rank sends the next 24 MiB before receiving from the one before (torch's
     # batch_isend_irecv): more than a link holds, so each send must keep what arrives
     # while it waits for room.

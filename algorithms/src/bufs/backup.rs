@@ -193,6 +193,9 @@ impl Bufs {
     /// Puts back every saved byte of the output.
     fn restore(&mut self) {
         let Some(b) = self.backup.take() else { return };
+        // (Only `keeping` sets a backup, on a whole output: never on a list of blocks,
+        // where `self.output` is not the memory.)
+        debug_assert!(self.output_blocks.is_none());
         let saved = b.saved.into_inner().unwrap_or_else(|e| e.into_inner());
         for (s, e) in saved {
             // SAFETY: `&mut self`: no slice of the buffers is alive; the backup and the

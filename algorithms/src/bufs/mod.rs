@@ -381,7 +381,7 @@ impl Bufs {
 
 #[cfg(test)]
 mod tests {
-    use crate::{available_algos, build, CollectiveKind, Descriptor};
+    use crate::{available_algos, build, Algo, CollectiveKind, Descriptor};
 
     use super::*;
 
@@ -496,11 +496,12 @@ mod tests {
     }
 
     /// The list forms (all_gather's and gather's output, reduce_scatter's and scatter's
-    /// input, both of all_to_all's) given as one separate buffer per rank: which of
-    /// their schedules keep every region within one rank's block, and, for those, every
-    /// step borrowed and used as the executor does (under Miri, across allocations).
-    /// Every algorithm that the tuner picks for these kinds must fit: the peer falls back
-    /// to a packed copy for the others (all_to_all's relaying ring).
+    /// input, both of all_to_all's) given as one separate buffer per rank: every
+    /// schedule the tuner may pick, in rank order and around a solved ring (whose blocks
+    /// are renumbered), keeps every region within one rank's block, and every step is
+    /// borrowed and used as the executor does (under Miri, across allocations). The
+    /// peer falls back to a packed copy for the others (all_to_all's relaying ring,
+    /// which is only ever forced).
     #[test]
     fn list_forms_borrow_their_blocks_in_place() {
         let (worlds, counts): (u32, &[u64]) = if cfg!(miri) {
@@ -511,44 +512,59 @@ mod tests {
         let mut fitted = 0;
         each_schedule(worlds, counts, &[ReduceOp::Sum], |desc, rank, world| {
             use crate::CollectiveKind::*;
-            let (in_list, out_list) = match desc.kind {
+            let sides = match desc.kind {
                 AllGather | Gather => (false, true),
                 ReduceScatter | Scatter => (true, false),
                 AllToAll => (true, true),
                 _ => return,
             };
-            let Ok(s) = build(desc, rank, world) else {
-                return;
-            };
-            let elem = desc.dtype.size();
-            let blocks = |list: bool, len: usize| -> Vec<Vec<u8>> {
-                let (n, each) = if list && len > 0 {
-                    (world as usize, len / world as usize)
-                } else {
-                    (1, len)
-                };
-                (0..n).map(|k| vec![k as u8; each * elem]).collect()
-            };
-            let input = blocks(in_list, s.input_len);
-            let mut output = blocks(out_list, s.output_len);
-            let mut scratch = vec![0u8; s.scratch_len * elem];
-            let ins: Vec<&[u8]> = input.iter().map(|b| &b[..]).collect();
-            let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| &mut b[..]).collect();
-            let bufs = Bufs::from_blocks(&ins, &mut outs, &mut scratch, elem);
-            let fits = bufs.check_fits(&s);
-            let picked =
-                crate::choose_algo(desc.kind, desc.count as usize * elem, world, None).algo;
-            if desc.algo == picked || desc.kind != AllToAll {
-                if let Err(e) = &fits {
-                    panic!("{desc} rank {rank}/{world}: {e}");
+            let ring: Vec<u32> = (0..world)
+                .rev()
+                .cycle()
+                .skip(1)
+                .take(world as usize)
+                .collect();
+            for ring in [None, Some(&ring[..])] {
+                if let Ok(s) = crate::build_in_ring(desc, rank, world, ring) {
+                    fitted += list_form(&s, desc, rank, world, sides) as usize;
                 }
             }
-            if fits.is_ok() {
-                exercise_bufs(&s, desc, world, &bufs);
-                fitted += 1;
-            }
         });
-        assert!(fitted > 50, "only {fitted} schedules");
+        assert!(fitted > 100, "only {fitted} schedules");
+    }
+
+    /// One schedule of [`list_forms_borrow_their_blocks_in_place`]: whether it fitted.
+    fn list_form(
+        s: &crate::Schedule,
+        desc: &Descriptor,
+        rank: u32,
+        world: u32,
+        sides: (bool, bool),
+    ) -> bool {
+        let elem = desc.dtype.size();
+        let blocks = |list: bool, len: usize| -> Vec<Vec<u8>> {
+            let (n, each) = if list && len > 0 {
+                (world as usize, len / world as usize)
+            } else {
+                (1, len)
+            };
+            (0..n).map(|k| vec![k as u8; each * elem]).collect()
+        };
+        let input = blocks(sides.0, s.input_len);
+        let mut output = blocks(sides.1, s.output_len);
+        let mut scratch = vec![0u8; s.scratch_len * elem];
+        let ins: Vec<&[u8]> = input.iter().map(|b| &b[..]).collect();
+        let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| &mut b[..]).collect();
+        let bufs = Bufs::from_blocks(&ins, &mut outs, &mut scratch, elem);
+        let fits = bufs.check_fits(s);
+        let pickable = desc.kind != CollectiveKind::AllToAll || desc.algo == Algo::Direct;
+        if let (true, Err(e)) = (pickable, &fits) {
+            panic!("{desc} rank {rank}/{world}: {e}");
+        }
+        if fits.is_ok() {
+            exercise_bufs(s, desc, world, &bufs);
+        }
+        fits.is_ok()
     }
 
     #[test]

@@ -558,8 +558,6 @@ impl Communicator {
     }
 }
 
-/// Checks a call's arguments against this rank's part; returns the element counts of
-/// input and output the schedule uses.
 /// Runs `sched` on buffers given as lists of blocks ([`Bufs::from_blocks`]): where each
 /// message of the schedule lies within one block, the blocks are read and written where
 /// they are; otherwise each side goes through one packed copy (the output's copied out
@@ -597,6 +595,8 @@ async fn run_on_lists(
     Ok(())
 }
 
+/// Checks a call's arguments against this rank's part; returns the element counts of
+/// input and output the schedule uses.
 fn validate(
     a: &CollArgs,
     world: u32,

@@ -39,6 +39,35 @@ impl Communicator {
         .await
     }
 
+    /// Any collective, out of place, with each side a list of typed slices read as one,
+    /// back to back ([`Communicator::collective_lists`]): `all_gather` into one slice per
+    /// rank, `scatter` from one per rank, and so on, each read or written where it lies.
+    pub async fn typed_lists<T: Element>(
+        &mut self,
+        kind: CollectiveKind,
+        op: ReduceOp,
+        root: Rank,
+        inputs: &[&[T]],
+        outputs: &mut [&mut [T]],
+    ) -> Result<OpInfo> {
+        let world = self.world_size();
+        let args = CollArgs::for_buffers(
+            kind,
+            T::DTYPE,
+            op,
+            root,
+            (!inputs.is_empty()).then(|| inputs.iter().map(|b| b.len()).sum()),
+            (!outputs.is_empty()).then(|| outputs.iter().map(|b| b.len()).sum()),
+            world,
+        );
+        let ins: Vec<&[u8]> = inputs.iter().map(|b| bytemuck::cast_slice(b)).collect();
+        let mut outs: Vec<&mut [u8]> = outputs
+            .iter_mut()
+            .map(|b| bytemuck::cast_slice_mut(b))
+            .collect();
+        self.collective_lists(args, &ins, &mut outs).await
+    }
+
     /// All_reduce, broadcast or reduce in place on a typed slice; it changes only if the
     /// call succeeds.
     pub async fn typed_inplace<T: Element>(
