@@ -494,29 +494,9 @@ class ProcessGroupEccl(FaultTolerance, _Base):
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         outs, ins = list(output_tensors), list(input_tensors)
-        sizes = {t.numel() for t in outs + ins}
         refusal = a2a_refusal(outs, ins, self.size())
-        if len(sizes) == 1 and refusal is None:
-            ins = [_cpu(t) for t in ins]
-            dtype = ins[0].dtype
-            # What is sent: the blocks where they lie (in one tensor, or separate ones).
-            one = _adjacent(ins)
-            src = [one] if one is not None else _separate(ins, dtype, written=False)
-            if src is None or not _apart([o for o in outs if o.is_contiguous()], src):
-                # (In place, the same tensors both sides: what is sent is a copy.)
-                src = [torch.cat([t.reshape(-1) for t in ins])]
-            # Where it lands: the blocks where they lie, else one buffer copied out.
-            one = _adjacent(outs, *src)
-            dst = [one] if one is not None else _separate(outs, dtype, src)
-            flat_out = dst if dst is not None else torch.empty(sum(t.numel() for t in ins), dtype=dtype)
-            w = self.comm.all_to_all(flat_out, src, async_op=True)
-
-            def scatter_back() -> None:
-                for o, f in zip(output_tensors, flat_out.view(len(outs), -1)):
-                    o.copy_(f.view_as(o))
-            return self._calls.submit([w], output_tensors, None if dst is not None else scatter_back)
         flat = (_adjacent(outs, *ins), _adjacent(ins)) if refusal is None else None
-        return self._alltoall_uneven(outs, ins, refusal, flat)
+        return self._alltoall_v(outs, ins, refusal, flat)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
@@ -524,69 +504,46 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         _cpu(input, "input")
         out_rows = split_rows(output, output_split_sizes, n)
         in_rows = split_rows(input, input_split_sizes, n)
-        if (not output_split_sizes and not input_split_sizes and out_rows is not None
-                and in_rows is not None and output.dtype == input.dtype
-                and output.numel() == input.numel()):
-            # Equal blocks: eccl's all_to_all checks every rank's size against the others'.
-            # In place (the same tensor, or overlapping ones) it reads a copy of its input.
-            input = input.contiguous()
-            if output.is_contiguous() and _overlaps(output, input):
-                input = input.clone()
-            w = self.comm.all_to_all(output, input, async_op=True)
-            return self._calls.submit([w], output)
         if out_rows is None:
-            return self._alltoall_uneven([], [], split_refusal("output", output, output_split_sizes, n))
+            return self._alltoall_v([], [], split_refusal("output", output, output_split_sizes, n))
         if in_rows is None:
-            return self._alltoall_uneven([], [], split_refusal("input", input, input_split_sizes, n))
+            return self._alltoall_v([], [], split_refusal("input", input, input_split_sizes, n))
+        if output.dtype == input.dtype and output.is_contiguous() and input.is_contiguous():
+            # The common case, one contiguous tensor each way: the call as it is, its
+            # counts from the rows (in place, it reads a copy of its input).
+            per_out = output.numel() // output.shape[0] if output.shape[0] else 0
+            per_in = input.numel() // input.shape[0] if input.shape[0] else 0
+            if _overlaps(output, input):
+                input = input.clone()
+            w = self.comm.all_to_all(output, input, send_counts=[k * per_in for k in in_rows],
+                                     recv_counts=[k * per_out for k in out_rows], async_op=True)
+            return self._calls.submit([w], output)
         outs, ins = list(output.split(out_rows)), list(input.split(in_rows))
-        return self._alltoall_uneven(outs, ins, a2a_refusal(outs, ins, n), (output, input))
+        return self._alltoall_v(outs, ins, a2a_refusal(outs, ins, n), (output, input))
 
-    def _alltoall_uneven(self, outs, ins, refusal=None, flat=None):
-        """Blocks of different sizes. Every rank's block sizes go first (one small
-        all_gather, so sizes that disagree are the same `MismatchError` on every rank
-        before anything moves), then one all_to_all with split sizes, which moves each
-        pair's blocks as they are and which the collective engine paces. (Pairwise sends
-        of whole blocks from every rank at once waited for each other for good once a
-        block outgrew what a link buffers: 16 MiB over shared memory.) `flat`: the
+    def _alltoall_v(self, outs, ins, refusal=None, flat=None):
+        """Every all_to_all, equal blocks or not, list form or one tensor, is one eccl
+        all_to_all with split sizes: each pair moves its own two blocks as they are,
+        nothing padded, paced by the collective engine, and checks them: a pair whose
+        ends disagree on a block's size or dtype fails at both ends with a
+        `MismatchError` naming both sizes, the other ranks with the error the pair
+        announces (or an `AbortedError` where their own link broke first), and nothing
+        hangs. Every rank takes this same call whatever its own blocks, so a rank whose
+        blocks happen to be equal and one whose blocks differ never take different calls
+        (torch's splits may be omitted on one rank and given on another). `flat`: the
         (output, input) tensors that `outs` and `ins` split (either may be None), used
-        in place where they are contiguous and apart. A rank whose own call is wrong
-        (`refusal`: split sizes that do not cover its tensor, another number of blocks
-        than ranks, dtypes that differ) still takes part in the sizes' all_gather with a
-        row that says so: every rank fails with a `MismatchError` naming it, where a
-        local error on that rank alone would leave the others waiting for it."""
+        in place where they are contiguous and apart; separate tensors are passed as
+        they are. A rank whose own call is wrong (`refusal`: split sizes that do not
+        cover its tensor, another number of blocks than ranks, dtypes that differ)
+        joins with a count list that no call accepts: it raises a `MismatchError` saying
+        what is wrong, and every other rank one naming it, where a local error on that
+        rank alone would leave the others waiting for it."""
         n = self.size()
-        if refusal is None:
-            row = [t.numel() for t in ins] + [t.numel() for t in outs]
-        else:
-            row = [-1] * (2 * n)
-        table = torch.empty((n, 2 * n), dtype=torch.int64)
         if refusal is not None:
-            # (The others may have taken another call, the list form of equal blocks
-            # straight to eccl's all_to_all: this rank's own fault says more.)
-            join_and_raise(self._recovery, lambda: self.comm.all_gather(
-                table, torch.tensor(row, dtype=torch.int64), async_op=True),
+            none = torch.empty(0)
+            join_and_raise(self._recovery, lambda: self.comm.all_to_all(
+                none, none, send_counts=[0] * (n + 1), recv_counts=[0] * (n + 1), async_op=True),
                 eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}"))
-        try:
-            self.comm.all_gather(table, torch.tensor(row, dtype=torch.int64))
-        except eccl.EcclError as e:
-            self._recovery.failed(e, "collective")    # as a failed Work would
-            raise
-        for s in range(n):
-            if int(table[s, 0]) < 0:
-                raise eccl.MismatchError(
-                    f"all_to_all: rank {s}'s call is wrong (its split sizes or blocks do not fit "
-                    "its tensors, or its dtypes differ; its own error says which)")
-        for s in range(n):
-            for t in range(n):
-                sent, expected = int(table[s, t]), int(table[t, n + s])
-                if sent != expected:
-                    raise eccl.MismatchError(
-                        f"all_to_all: rank {s} sends {sent} elements to rank {t}, which "
-                        f"expects {expected} from it")
-        if n == 0 or int(table[:, :n].max()) == 0:
-            return self._calls.submit([], outs)
-        # eccl's all_to_all with split sizes: every pair moves its own blocks, nothing
-        # padded (before, every block went padded to the call's widest).
         send = [b.numel() for b in ins]
         recv = [o.numel() for o in outs]
         dtype = ins[0].dtype

@@ -130,7 +130,18 @@ def check_big_uneven(res, n):
         want = [[block(s, r), 100.0 * s + r, 100.0 * s + r] for s in range(n)]
         assert got["single"] == want and got["list"] == want and got["list_views"] == want, (r, got)
         assert got["ring"] == [float((r - 1) % n)] * 2, (r, got["ring"])
-        assert got["mismatch"] is True, (r, got["mismatch"])
+        assert got["mixed_splits"] == [100.0 * s + 2 * r + i for s in range(n) for i in range(2)], (r, got)
+        sizes = [2 if 0 in (s, r) else s + r + 1 for s in range(n)]
+        assert got["mixed_lists"] == [[100.0 * s + r] * k for s, k in enumerate(sizes)], (r, got)
+        # Rank 0 and the last rank disagree on a block: both ends name both sizes (each
+        # from its own view, or the other end's, whichever came first); the others hear
+        # it from them (or find their link to a failed rank broken).
+        m = got["mismatch"]
+        if r in (0, n - 1):
+            assert m.startswith("MismatchError") and "all_to_all split sizes differ" in m \
+                and "expects 3" in m, (r, m)
+        else:
+            assert m.startswith(("MismatchError", "AbortedError")), (r, m)
         # The last rank's wrong splits / blocks: every rank fails, the culprit saying what.
         for key, what in (("wrong_splits", "input_split_sizes"), ("wrong_blocks", "blocks")):
             assert "MismatchError" in got[key], (r, key, got[key])
