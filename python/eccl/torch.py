@@ -15,6 +15,7 @@ staged through host memory).
 
 from __future__ import annotations
 
+import array
 import bisect
 import functools
 import logging
@@ -504,6 +505,19 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         _cpu(input, "input")
         out_rows = split_rows(output, output_split_sizes, n)
         in_rows = split_rows(input, input_split_sizes, n)
+        if (not output_split_sizes and not input_split_sizes and out_rows is not None
+                and in_rows is not None and output.dtype == input.dtype
+                and output.numel() == input.numel()):
+            # No split sizes: eccl's even all_to_all, whose frames carry the block size,
+            # so a rank whose size differs fails every rank that exchanges with it, with
+            # no round of sizes first. (Every rank must then pass no split sizes: one that
+            # passes them, equal or not, takes the sizes' round, and the two fail with a
+            # MismatchError.) In place it reads a copy of its input.
+            input = input.contiguous()
+            if output.is_contiguous() and _overlaps(output, input):
+                input = input.clone()
+            w = self.comm.all_to_all(output, input, async_op=True)
+            return self._calls.submit([w], output)
         if out_rows is None:
             return self._alltoall_v([], [], split_refusal("output", output, output_split_sizes, n))
         if in_rows is None:
@@ -513,39 +527,72 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             # counts from the rows (in place, it reads a copy of its input).
             per_out = output.numel() // output.shape[0] if output.shape[0] else 0
             per_in = input.numel() // input.shape[0] if input.shape[0] else 0
+            send, recv = [k * per_in for k in in_rows], [k * per_out for k in out_rows]
+            if not self._sizes_agree(send, recv):
+                return self._calls.submit([], output)
             if _overlaps(output, input):
                 input = input.clone()
-            w = self.comm.all_to_all(output, input, send_counts=[k * per_in for k in in_rows],
-                                     recv_counts=[k * per_out for k in out_rows], async_op=True)
+            w = self.comm.all_to_all(output, input, send_counts=send, recv_counts=recv, async_op=True)
             return self._calls.submit([w], output)
         outs, ins = list(output.split(out_rows)), list(input.split(in_rows))
         return self._alltoall_v(outs, ins, a2a_refusal(outs, ins, n), (output, input))
 
+    def _sizes_agree(self, send: list, recv: list, refusal: Optional[str] = None) -> bool:
+        """Every rank's block sizes, in one small all_gather before anything moves, so
+        that sizes that disagree are the same `MismatchError` on every rank (the
+        all_to_all's pairs check their own two blocks, but a rank outside a pair that
+        disagrees would finish its call and fail only its next one). A rank whose own
+        call is wrong (`refusal`) takes part with a row that says so, and raises saying
+        what: every rank fails with a `MismatchError` naming it, where a local error on
+        that rank alone would leave the others waiting. Returns whether anything moves."""
+        n = self.size()
+        # Plain buffers and lists: each torch op here cost microseconds a call.
+        row = array.array("q", send + recv if refusal is None else [-1] * (2 * n))
+        table = array.array("q", bytes(8 * 2 * n * n))
+        if refusal is not None:
+            # (Every form of all_to_all makes this round first, so the others are in it.)
+            join_and_raise(self._recovery, lambda: self.comm.all_gather(table, row, async_op=True),
+                           eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}"))
+        try:
+            self.comm.all_gather(table, row)
+        except eccl.EcclError as e:
+            self._recovery.failed(e, "collective")    # as a failed Work would
+            raise
+        flat = table.tolist()
+        rows = [flat[2 * n * s:2 * n * (s + 1)] for s in range(n)]
+        sent = [tuple(r[:n]) for r in rows]                 # sent[s][t]: s sends t
+        expected = list(zip(*[r[n:] for r in rows]))        # expected[s][t]: t expects from s
+        if sent == expected and min(flat) >= 0:
+            return any(map(any, sent))
+        for s in range(n):
+            if rows[s][0] < 0:
+                raise eccl.MismatchError(
+                    f"all_to_all: rank {s}'s call is wrong (its split sizes or blocks do not fit "
+                    "its tensors, or its dtypes differ; its own error says which)")
+        for s in range(n):
+            for t in range(n):
+                if rows[s][t] != rows[t][n + s]:
+                    raise eccl.MismatchError(
+                        f"all_to_all: rank {s} sends {rows[s][t]} elements to rank {t}, which "
+                        f"expects {rows[t][n + s]} from it")
+        raise AssertionError("unreachable: the sizes differ somewhere")
+
     def _alltoall_v(self, outs, ins, refusal=None, flat=None):
-        """Every all_to_all, equal blocks or not, list form or one tensor, is one eccl
-        all_to_all with split sizes: each pair moves its own two blocks as they are,
-        nothing padded, paced by the collective engine, and checks them: a pair whose
-        ends disagree on a block's size or dtype fails at both ends with a
-        `MismatchError` naming both sizes, the other ranks with the error the pair
-        announces (or an `AbortedError` where their own link broke first), and nothing
-        hangs. Every rank takes this same call whatever its own blocks, so a rank whose
-        blocks happen to be equal and one whose blocks differ never take different calls
-        (torch's splits may be omitted on one rank and given on another). `flat`: the
-        (output, input) tensors that `outs` and `ins` split (either may be None), used
+        """The list form of all_to_all, and all_to_all_single with split sizes: the
+        sizes' round (`_sizes_agree`), then one eccl all_to_all with split sizes: each
+        pair moves its own two blocks as they are, nothing padded, paced by the
+        collective engine. Every rank takes these same two calls whatever its own
+        blocks, so a rank whose blocks happen to be equal (all empty, say) and one whose
+        blocks differ never take different calls. `flat`:
+        the (output, input) tensors that `outs` and `ins` split (either may be None), used
         in place where they are contiguous and apart; separate tensors are passed as
         they are. A rank whose own call is wrong (`refusal`: split sizes that do not
         cover its tensor, another number of blocks than ranks, dtypes that differ)
-        joins with a count list that no call accepts: it raises a `MismatchError` saying
-        what is wrong, and every other rank one naming it, where a local error on that
-        rank alone would leave the others waiting for it."""
-        n = self.size()
-        if refusal is not None:
-            none = torch.empty(0)
-            join_and_raise(self._recovery, lambda: self.comm.all_to_all(
-                none, none, send_counts=[0] * (n + 1), recv_counts=[0] * (n + 1), async_op=True),
-                eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}"))
+        raises in the sizes' round, as every other rank does."""
         send = [b.numel() for b in ins]
         recv = [o.numel() for o in outs]
+        if not self._sizes_agree(send, recv, refusal):
+            return self._calls.submit([], outs)
         dtype = ins[0].dtype
         out, flat_in = flat if flat is not None else (None, None)
         out = out if out is not None and out.is_contiguous() else None

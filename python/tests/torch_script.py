@@ -278,13 +278,8 @@ def big_uneven(r, n):
         lst = [torch.full((r + t + 1,), 100.0 * r + t) for t in range(n)]
         dist.all_to_all(lst, lst)
         out["uneven_same_list"] = [x.tolist() for x in lst]
-    # One call, whatever each rank's own blocks look like: rank 0 passes no split sizes
-    # (equal blocks) where the others pass them; in the list form rank 0's blocks are all
-    # of one size where the others' differ.
-    o = torch.empty(2 * n)
-    splits = None if r == 0 else [2] * n
-    dist.all_to_all_single(o, torch.arange(2.0 * n) + 100 * r, splits, splits)
-    out["mixed_splits"] = o.tolist()
+    # One call, whatever each rank's own blocks look like: in the list form rank 0's
+    # blocks are all of one size where the others' differ.
     size = lambda s, t: 2 if 0 in (s, t) else s + t + 1    # noqa: E731
     lst = [torch.empty(size(s, r)) for s in range(n)]
     dist.all_to_all(lst, [torch.full((size(r, t),), 100.0 * r + t) for t in range(n)])
