@@ -65,8 +65,8 @@ STAGED = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather"
 SENDS_ONLY = ("send",)
 # The staged calls that hand their host copies straight to eccl: the copies to host are
 # waited for on the communicator's task, and this thread goes on. The others read or
-# write the host copies in Python before queuing anything (torch.stack, torch.cat, a
-# rank's own block of an uneven all_to_all), so they wait for the copies here.
+# write the host copies in Python before queuing anything (torch.stack, torch.cat of
+# blocks that cannot be passed as they are), so they wait for the copies here.
 HANDS_OVER = frozenset({
     "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
     "_allgather_base", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
