@@ -16,7 +16,6 @@ staged through host memory).
 from __future__ import annotations
 
 import array
-import bisect
 import functools
 import logging
 import os
@@ -31,6 +30,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl import torch_window
+from eccl.torch_blocks import adjacent, apart, overlaps, read_blocks, separate, written_blocks
 from eccl.torch_checks import a2a_refusal, blocks_refusal, join_and_raise, split_refusal, split_rows
 from eccl.torch_cuda import all_reduce_ipc, copy_back, cuda_calls
 from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
@@ -129,68 +129,6 @@ def _input_of(output: "torch.Tensor", input: "torch.Tensor", rank: int) -> "torc
         return _cpu(input).clone()
     return _cpu(input).contiguous()
 
-
-
-def _overlaps(a: "torch.Tensor", b: "torch.Tensor") -> bool:
-    """Whether the memory of `a` and `b` (contiguous tensors) overlaps."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    return (a.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
-            and b.data_ptr() < a.data_ptr() + a.numel() * a.element_size())
-
-
-def _adjacent(blocks: list, *avoid: Any) -> Any:
-    """One flat view of `blocks` where they already lie back to back in one tensor's
-    memory, in order (`list(t.split(k))`, `t.chunk(n)`: the list forms' blocks as callers
-    often cut them), contiguous CPU tensors of one dtype, and clear of every tensor in
-    `avoid` (the call's other side); else None, and the caller copies them into a buffer
-    of their own. The list forms then read or write the caller's blocks in place, as
-    gloo does, instead of through a copy of the whole call."""
-    if not blocks:
-        return None
-    b0 = blocks[0]
-    at = b0.data_ptr()
-    for b in blocks:
-        if not (b.is_cpu and b.is_contiguous() and b.dtype == b0.dtype and b.data_ptr() == at
-                and b.untyped_storage().data_ptr() == b0.untyped_storage().data_ptr()):
-            return None
-        at += b.numel() * b.element_size()
-    flat = b0.as_strided((sum(b.numel() for b in blocks),), (1,), b0.storage_offset())
-    if any(t is not None and _overlaps(flat, t) for t in avoid):
-        return None
-    return flat
-
-
-def _apart(writes: list, reads: list) -> bool:
-    """Whether no tensor of `writes` overlaps another one of them or one of `reads`
-    (contiguous tensors; reads may overlap each other)."""
-    def span(t: "torch.Tensor") -> tuple:
-        return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-    spans = sorted(span(t) for t in writes if t.numel())
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-        return False
-    starts = [a for a, _ in spans]
-    for t in reads:
-        if t is None or not t.numel():
-            continue
-        lo, hi = span(t)
-        k = bisect.bisect_left(starts, hi)   # the written spans that start before `t` ends
-        if k and spans[k - 1][1] > lo:
-            return False
-    return True
-
-
-def _separate(blocks: list, dtype: Any, reads: Any = (), written: bool = True) -> Optional[list]:
-    """`blocks` as a list that the native call takes as it is, one buffer per block,
-    read or (`written`) written where each tensor lies, as gloo does: contiguous CPU
-    tensors of `dtype`; written ones apart from each other and from every tensor of
-    `reads` (the call's other side). Else None, and the caller copies them through one
-    buffer."""
-    if not blocks or not all(b.is_cpu and b.is_contiguous() and b.dtype == dtype for b in blocks):
-        return None
-    if written and not _apart(blocks, list(reads)):
-        return None
-    return list(blocks)
 
 
 def _cpu(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
@@ -344,13 +282,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
                 return self._refuse("all_gather", "output", refusal,
                                     lambda: self.comm.all_gather(wrong, inp, async_op=True))
-            flat = _adjacent(list(outs), inp)
-            if flat is None:
-                # Separate tensors: written where they are. An input that is one of them
-                # (`all_gather(ts, ts[rank])`) is read from a copy of its own.
-                if any(_overlaps(o, inp) for o in outs if o.is_contiguous()):
-                    inp = inp.clone()
-                flat = _separate(list(outs), inp.dtype, [inp])
+            flat, inp = written_blocks(list(outs), inp)
             if flat is None:
                 flat = torch.empty((len(outs),) + tuple(inp.shape), dtype=inp.dtype)
                 copies.append((outs, flat))
@@ -394,17 +326,10 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("reduce_scatter", "input", refusal,
                                     lambda: self.comm.reduce_scatter(out, wrong, op, async_op=True))
-            flat = _adjacent(ins, out)
-            if flat is not None:
-                flat = _premultiplied(flat, factor, False)
-            elif factor is None:
-                # Separate tensors, read where they are (PREMUL_SUM scales a copy).
-                flat = _separate(ins, out.dtype, written=False)
-                if flat is not None and not (out.is_contiguous() and _apart([out], flat)):
-                    flat = None
-            if flat is None:
-                flat = _premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(),
-                                      factor, True)
+            # (Separate tensors only without PREMUL_SUM, which scales a copy.)
+            flat = read_blocks(ins, out, as_list=factor is None)
+            flat = (_premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(), factor, True)
+                    if flat is None else _premultiplied(flat, factor, False))
             works.append(self.comm.reduce_scatter(out, flat, op, async_op=True))
         return self._calls.submit(works, output_tensors)
 
@@ -446,12 +371,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(inp.numel() * self.size() + 1, dtype=inp.dtype)
                 return self._refuse("gather", "the root's output", refusal,
                                     lambda: self.comm.gather(wrong, inp, root, async_op=True))
-            in_place = _adjacent(outs, inp)
-            if in_place is None:
-                # Separate tensors, written where they are (see allgather).
-                if any(_overlaps(o, inp) for o in outs if o.is_contiguous()):
-                    inp = inp.clone()
-                in_place = _separate(outs, inp.dtype, [inp])
+            in_place, inp = written_blocks(outs, inp)
             flat = in_place if in_place is not None else torch.empty(
                 (len(outs),) + tuple(inp.shape), dtype=inp.dtype)
             w = self.comm.gather(flat, inp, root, async_op=True)
@@ -474,12 +394,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("scatter", "the root's input", refusal,
                                     lambda: self.comm.scatter(out, wrong, root, async_op=True))
-            flat = _adjacent(blocks, out)
-            if flat is None:
-                # Separate tensors, read where they are.
-                flat = _separate(blocks, out.dtype, written=False)
-                if flat is not None and not (out.is_contiguous() and _apart([out], flat)):
-                    flat = None
+            flat = read_blocks(blocks, out)
             if flat is None:
                 flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
         w = self.comm.scatter(out, flat, root, async_op=True)
@@ -496,7 +411,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         outs, ins = list(output_tensors), list(input_tensors)
         refusal = a2a_refusal(outs, ins, self.size())
-        flat = (_adjacent(outs, *ins), _adjacent(ins)) if refusal is None else None
+        flat = (adjacent(outs, *ins), adjacent(ins)) if refusal is None else None
         return self._alltoall_v(outs, ins, refusal, flat)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -514,7 +429,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             # passes them, equal or not, takes the sizes' round, and the two fail with a
             # MismatchError.) In place it reads a copy of its input.
             input = input.contiguous()
-            if output.is_contiguous() and _overlaps(output, input):
+            if output.is_contiguous() and overlaps(output, input):
                 input = input.clone()
             w = self.comm.all_to_all(output, input, async_op=True)
             return self._calls.submit([w], output)
@@ -530,7 +445,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             send, recv = [k * per_in for k in in_rows], [k * per_out for k in out_rows]
             if not self._sizes_agree(send, recv):
                 return self._calls.submit([], output)
-            if _overlaps(output, input):
+            if overlaps(output, input):
                 input = input.clone()
             w = self.comm.all_to_all(output, input, send_counts=send, recv_counts=recv, async_op=True)
             return self._calls.submit([w], output)
@@ -598,13 +513,13 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         out = out if out is not None and out.is_contiguous() else None
         # What is sent: the blocks where they lie (one tensor, or separate ones).
         src = ([flat_in] if flat_in is not None and flat_in.is_contiguous()
-               else _separate([_cpu(b) for b in ins], dtype, written=False))
-        if src is None or not _apart([out] if out is not None else [o for o in outs if o.is_contiguous()], src):
+               else separate([_cpu(b) for b in ins], dtype, written=False))
+        if src is None or not apart([out] if out is not None else [o for o in outs if o.is_contiguous()], src):
             # (A copy: in place, torch's all_to_all_single(t, t), reads what it sent.)
             src = [torch.cat([b.reshape(-1) for b in ins])]
         # The blocks land where they are: in the output where it is one tensor
         # (all_to_all_single), or in the list's tensors; else in one buffer of their own.
-        dst = [out] if out is not None else _separate(outs, dtype, src)
+        dst = [out] if out is not None else separate(outs, dtype, src)
         flat_out = dst if dst is not None else torch.empty(sum(recv), dtype=dtype)
         w = self.comm.all_to_all(flat_out, src, send_counts=send, recv_counts=recv,
                                  async_op=True)

@@ -153,6 +153,26 @@ impl Call {
     }
 }
 
+/// The dtype of a call's buffers (its first one's: they were checked to agree).
+fn dtype_of(input: &[HostBuffer], output: &[WritableBuffer]) -> DType {
+    input
+        .first()
+        .map(|b| b.dtype())
+        .or(output.first().map(|b| b.read().dtype()))
+        .unwrap_or(DType::U8)
+}
+
+/// A call's buffers as the byte slices the library takes.
+fn slices<'a>(
+    input: &'a [HostBuffer],
+    output: &'a mut [WritableBuffer],
+) -> (Vec<&'a [u8]>, Vec<&'a mut [u8]>) {
+    (
+        input.iter().map(|b| b.bytes()).collect(),
+        output.iter_mut().map(|b| b.bytes_mut()).collect(),
+    )
+}
+
 /// A call waiting in the communicator's queue, with what finishes its Python `Work`.
 pub(crate) struct Queued {
     pub id: u64,
@@ -398,31 +418,16 @@ async fn run(
             input,
             output,
         } => {
-            let dtype = input
-                .first()
-                .map(|b| b.dtype())
-                .or(output.first().map(|b| b.read().dtype()))
-                .unwrap_or(DType::U8);
             let args = CollArgs::for_buffers(
                 *kind,
-                dtype,
+                dtype_of(input, output),
                 *op,
                 *root,
                 (!input.is_empty()).then(|| input.iter().map(|b| b.count()).sum()),
                 (!output.is_empty()).then(|| output.iter().map(|b| b.read().count()).sum()),
                 world,
             );
-            if input.len() <= 1 && output.len() <= 1 {
-                let inp = input.first().map_or(&[][..], |b| b.bytes());
-                let out = match output.first_mut() {
-                    Some(b) => b.bytes_mut(),
-                    None => &mut [],
-                };
-                return comm.collective(args, inp, out).await.map(Done::Op);
-            }
-            // Lists of blocks (torch's list forms), read and written where they are.
-            let ins: Vec<&[u8]> = input.iter().map(|b| b.bytes()).collect();
-            let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| b.bytes_mut()).collect();
+            let (ins, mut outs) = slices(input, output);
             comm.collective_lists(args, &ins, &mut outs)
                 .await
                 .map(Done::Op)
@@ -433,13 +438,8 @@ async fn run(
             send_counts,
             recv_counts,
         } => {
-            let dtype = input
-                .first()
-                .map(|b| b.dtype())
-                .or(output.first().map(|b| b.read().dtype()))
-                .unwrap_or(DType::U8);
-            let ins: Vec<&[u8]> = input.iter().map(|b| b.bytes()).collect();
-            let mut outs: Vec<&mut [u8]> = output.iter_mut().map(|b| b.bytes_mut()).collect();
+            let dtype = dtype_of(input, output);
+            let (ins, mut outs) = slices(input, output);
             comm.all_to_all_v_lists(dtype, &ins, send_counts, &mut outs, recv_counts)
                 .await
                 .map(Done::Op)

@@ -43,14 +43,6 @@ fn reduce_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
     })
 }
 
-fn same_dtype(input: &HostBuffer, output: &WritableBuffer) -> PyResult<()> {
-    let (i, o) = (input.dtype(), output.read().dtype());
-    if i != o {
-        return Err(invalid(format!("input is {i} but output is {o}")));
-    }
-    Ok(())
-}
-
 /// Refuses a call whose buffers differ in dtype.
 fn one_dtype(input: &[HostBuffer], output: &[WritableBuffer]) -> PyResult<()> {
     let mut dtypes = input
@@ -816,9 +808,7 @@ impl Communicator {
     ) -> PyResult<Py<PyAny>> {
         let output = WritableBuffer::extract(output, "output")?;
         let input = input.map(|i| HostBuffer::extract(i, "input")).transpose()?;
-        if let Some(i) = &input {
-            same_dtype(i, &output)?;
-        }
+        one_dtype(input.as_slice(), std::slice::from_ref(&output))?;
         self.submit(py, Call::SharedAllGather { output, input }, async_op)
     }
 
@@ -837,7 +827,7 @@ impl Communicator {
     ) -> PyResult<Py<PyAny>> {
         let output = WritableBuffer::extract(output, "output")?;
         let input = HostBuffer::extract(input, "input")?;
-        same_dtype(&input, &output)?;
+        one_dtype(std::slice::from_ref(&input), std::slice::from_ref(&output))?;
         let op = reduce_op(op)?;
         self.submit(
             py,

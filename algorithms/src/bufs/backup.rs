@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::{Bufs, Result};
+use super::{Bufs, Result, Side};
 use crate::{Buf, BuildError, Region};
 
 /// A copy of the output as it was when the call started, made piece by piece just before
@@ -193,16 +193,16 @@ impl Bufs {
     /// Puts back every saved byte of the output.
     fn restore(&mut self) {
         let Some(b) = self.backup.take() else { return };
-        // (Only `keeping` sets a backup, on a whole output: never on a list of blocks,
-        // where `self.output` is not the memory.)
-        debug_assert!(self.output_blocks.is_none());
+        let Side::Whole { ptr: output, .. } = self.output else {
+            unreachable!("only `keeping` sets a backup, and on a whole output")
+        };
         let saved = b.saved.into_inner().unwrap_or_else(|e| e.into_inner());
         for (s, e) in saved {
             // SAFETY: `&mut self`: no slice of the buffers is alive; the backup and the
             // output are live allocations (borrowed for the `Kept`'s life) of at least
             // `b.len` bytes, `s..e` lies within it (checked when saved), and they are
             // different allocations.
-            unsafe { std::ptr::copy_nonoverlapping(b.ptr.add(s), self.output.add(s), e - s) };
+            unsafe { std::ptr::copy_nonoverlapping(b.ptr.add(s), output.add(s), e - s) };
         }
     }
 }

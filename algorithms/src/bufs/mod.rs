@@ -126,48 +126,74 @@ impl Reduce<'_> {
 /// The caller's buffers as raw parts, so that the primitives of one step can borrow
 /// disjoint regions of them at the same time.
 pub struct Bufs {
-    input: *const u8,
-    input_len: usize,
-    output: *mut u8,
-    output_len: usize,
-    scratch: *mut u8,
-    scratch_len: usize,
+    input: Side,
+    output: Side,
+    scratch: Side,
     elem: usize,
-    /// The input or output given as blocks that lie anywhere ([`Bufs::from_blocks`]).
-    input_blocks: Option<Blocks>,
-    output_blocks: Option<Blocks>,
     /// The output as it was, to put back on drop (see [`Bufs::keeping`]).
     backup: Option<Backup>,
 }
 
-/// A buffer given as a list of blocks (torch's list forms: one tensor per rank), read
-/// as if they lay back to back: block `k` holds the buffer's bytes
-/// `starts[k]..starts[k + 1]`.
-struct Blocks {
-    ptrs: Vec<*mut u8>,
-    /// `ptrs.len() + 1` offsets, from 0 to the buffer's length.
-    starts: Vec<usize>,
+/// One of the call's buffers: one piece of memory, or a list of blocks that lie
+/// anywhere (torch's list forms: one tensor per rank, [`Bufs::from_blocks`]), read as if
+/// they lay back to back: block `k` holds the buffer's bytes `starts[k]..starts[k + 1]`.
+enum Side {
+    Whole {
+        ptr: *mut u8,
+        len: usize,
+    },
+    Blocks {
+        ptrs: Vec<*mut u8>,
+        /// `ptrs.len() + 1` offsets, from 0 to the buffer's length.
+        starts: Vec<usize>,
+    },
 }
 
-impl Blocks {
-    fn new(ptrs: Vec<*mut u8>, lens: impl Iterator<Item = usize>) -> Blocks {
-        let mut starts = vec![0];
-        for n in lens {
-            starts.push(starts.last().copied().unwrap_or(0) + n);
+/// A buffer only read, as raw parts.
+fn read(b: &[u8]) -> (*mut u8, usize) {
+    (b.as_ptr() as *mut u8, b.len())
+}
+
+/// A buffer also written, as raw parts.
+fn written(b: &mut [u8]) -> (*mut u8, usize) {
+    (b.as_mut_ptr(), b.len())
+}
+
+impl Side {
+    /// Memory given as (address, length): a read-only buffer's address comes from
+    /// `as_ptr` (and is never written through: `get_mut` refuses the input), a written
+    /// one's from `as_mut_ptr`, so that writes go through a pointer that may write.
+    fn whole((ptr, len): (*mut u8, usize)) -> Side {
+        Side::Whole { ptr, len }
+    }
+
+    fn blocks(blocks: impl Iterator<Item = (*mut u8, usize)>) -> Side {
+        let (mut ptrs, mut starts) = (Vec::new(), vec![0]);
+        for (ptr, len) in blocks {
+            ptrs.push(ptr);
+            starts.push(starts[starts.len() - 1] + len);
         }
-        Blocks { ptrs, starts }
+        Side::Blocks { ptrs, starts }
     }
 
     fn len(&self) -> usize {
-        self.starts.last().copied().unwrap_or(0)
+        match self {
+            Side::Whole { len, .. } => *len,
+            Side::Blocks { starts, .. } => starts[starts.len() - 1],
+        }
     }
 
-    /// Where bytes `s..s + n` (`n > 0`, within the buffer) lie, if one block holds them all.
-    fn find(&self, s: usize, n: usize) -> Option<*mut u8> {
-        // The last block that starts at or before `s` (empty blocks before it skipped).
-        let k = self.starts.partition_point(|&x| x <= s).checked_sub(1)?;
-        let end = *self.starts.get(k + 1)?;
-        (s + n <= end).then(|| self.ptrs[k].wrapping_add(s - self.starts[k]))
+    /// Where bytes `s..s + n` (`n > 0`, within the buffer) lie, if one piece holds them all.
+    fn at(&self, s: usize, n: usize) -> Option<*mut u8> {
+        match self {
+            Side::Whole { ptr, .. } => Some(ptr.wrapping_add(s)),
+            Side::Blocks { ptrs, starts } => {
+                // The last block that starts at or before `s` (empty blocks before it skipped).
+                let k = starts.partition_point(|&x| x <= s).checked_sub(1)?;
+                let end = *starts.get(k + 1)?;
+                (s + n <= end).then(|| ptrs[k].wrapping_add(s - starts[k]))
+            }
+        }
     }
 }
 
@@ -181,15 +207,10 @@ unsafe impl Sync for Bufs {}
 impl Bufs {
     pub fn new(input: &[u8], output: &mut [u8], scratch: &mut [u8], elem: usize) -> Bufs {
         Bufs {
-            input: input.as_ptr(),
-            input_len: input.len(),
-            output: output.as_mut_ptr(),
-            output_len: output.len(),
-            scratch: scratch.as_mut_ptr(),
-            scratch_len: scratch.len(),
+            input: Side::whole(read(input)),
+            output: Side::whole(written(output)),
+            scratch: Side::whole(written(scratch)),
             elem,
-            input_blocks: None,
-            output_blocks: None,
             backup: None,
         }
     }
@@ -205,18 +226,13 @@ impl Bufs {
         scratch: &mut [u8],
         elem: usize,
     ) -> Bufs {
-        let inb = Blocks::new(
-            input.iter().map(|b| b.as_ptr() as *mut u8).collect(),
-            input.iter().map(|b| b.len()),
-        );
-        let outb = Blocks::new(
-            output.iter_mut().map(|b| b.as_mut_ptr()).collect(),
-            output.iter().map(|b| b.len()),
-        );
-        let mut bufs = Bufs::new(&[], &mut [], scratch, elem);
-        (bufs.input_len, bufs.output_len) = (inb.len(), outb.len());
-        (bufs.input_blocks, bufs.output_blocks) = (Some(inb), Some(outb));
-        bufs
+        Bufs {
+            input: Side::blocks(input.iter().map(|b| read(b))),
+            output: Side::blocks(output.iter_mut().map(|b| written(b))),
+            scratch: Side::whole(written(scratch)),
+            elem,
+            backup: None,
+        }
     }
 
     /// Whether every region of `sched` lies within its buffer and, where that buffer is
@@ -231,27 +247,24 @@ impl Bufs {
     }
 
     fn span(&self, r: &Region) -> Result<(*mut u8, usize)> {
-        let (base, len, blocks) = match r.buf {
-            Buf::Input => (
-                self.input as *mut u8,
-                self.input_len,
-                self.input_blocks.as_ref(),
-            ),
-            Buf::Output => (self.output, self.output_len, self.output_blocks.as_ref()),
-            Buf::Scratch => (self.scratch, self.scratch_len, None),
+        let side = match r.buf {
+            Buf::Input => &self.input,
+            Buf::Output => &self.output,
+            Buf::Scratch => &self.scratch,
         };
+        let len = side.len();
         let start = r.offset.checked_mul(self.elem);
         let bytes = r.len.checked_mul(self.elem);
         match (start, bytes) {
-            (Some(s), Some(b)) if s.checked_add(b).is_some_and(|e| e <= len) => match blocks {
-                None => Ok((base.wrapping_add(s), b)),
-                Some(_) if b == 0 => Ok((base, 0)),
-                Some(bl) => bl.find(s, b).map(|p| (p, b)).ok_or_else(|| {
+            // (An empty region is never read or written: `get` hands out `&[]`.)
+            (Some(s), Some(0)) if s <= len => Ok((std::ptr::null_mut(), 0)),
+            (Some(s), Some(b)) if s.checked_add(b).is_some_and(|e| e <= len) => {
+                side.at(s, b).map(|p| (p, b)).ok_or_else(|| {
                     BuildError::InvalidArgument(format!(
                         "schedule region {r:?} crosses from one block of its list into the next"
                     ))
-                }),
-            },
+                })
+            }
             _ => Err(BuildError::InvalidArgument(format!(
                 "schedule region {r:?} is outside its buffer of {len} bytes"
             ))),

@@ -152,6 +152,14 @@ impl Communicator {
         inputs: &[&[u8]],
         outputs: &mut [&mut [u8]],
     ) -> Result<OpInfo> {
+        if inputs.len() <= 1 && outputs.len() <= 1 {
+            let input = inputs.first().copied().unwrap_or_default();
+            let output = match outputs.first_mut() {
+                Some(b) => &mut **b,
+                None => &mut [],
+            };
+            return self.run_collective(args, Io::Apart(input, output)).await;
+        }
         let outs = outputs.iter_mut().map(|b| &mut **b).collect();
         self.run_collective(args, Io::Lists(inputs.to_vec(), outs))
             .await
@@ -216,7 +224,7 @@ impl Communicator {
     ) -> Result<OpInfo> {
         let in_bytes: usize = inputs.iter().map(|b| b.len()).sum();
         let out_bytes: usize = outputs.iter().map(|b| b.len()).sum();
-        let Slot {
+        let slot @ Slot {
             epoch,
             seq,
             rank,
@@ -275,15 +283,7 @@ impl Communicator {
             uneven: true,
         };
         match run_on_lists(&op, &mut c.links, &sched, inputs, outputs, &mut [], elem).await {
-            Ok(()) => Ok(self.succeeded(
-                Slot {
-                    epoch,
-                    seq,
-                    rank,
-                    world,
-                },
-                Algo::Direct,
-            )),
+            Ok(()) => Ok(self.succeeded(slot, Algo::Direct)),
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
         }
     }
@@ -332,7 +332,7 @@ impl Communicator {
         async move {
         let forced = self.cfg.algo;
         let (timeout, frame_bytes) = (self.cfg.timeout, self.cfg.frame_bytes);
-        let Slot { epoch, seq, rank, world } = self.next_slot()?;
+        let slot @ Slot { epoch, seq, rank, world } = self.next_slot()?;
         let elem = args.dtype.size();
         let bytes = args.count.saturating_mul(elem);
         let c = self.cur.as_ref().expect("a world: next_slot found one");
@@ -466,7 +466,7 @@ impl Communicator {
         }
         .await;
         match result {
-            Ok(()) => Ok(self.succeeded(Slot { epoch, seq, rank, world }, choice.algo)),
+            Ok(()) => Ok(self.succeeded(slot, choice.algo)),
             Err(e) => Err(self.fail(epoch, seq, desc, e).await),
         }
     }
@@ -490,13 +490,8 @@ impl Communicator {
                 b.len()
             )));
         }
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let mut input = AlignedBuf::with_len(total);
-        let mut offset = 0;
-        for b in bufs.iter() {
-            input.as_bytes_mut()[offset..offset + b.len()].copy_from_slice(b);
-            offset += b.len();
-        }
+        let input = packed(bufs.iter().map(|b| &**b));
+        let total = input.as_bytes().len();
         let mut output = AlignedBuf::with_len(total);
         let args = CollArgs {
             kind: CollectiveKind::AllReduce,
@@ -508,12 +503,7 @@ impl Communicator {
         let info = self
             .collective(args, input.as_bytes(), output.as_bytes_mut())
             .await?;
-        let mut offset = 0;
-        for b in bufs.iter_mut() {
-            let n = b.len();
-            b.copy_from_slice(&output.as_bytes()[offset..offset + n]);
-            offset += n;
-        }
+        unpack(output.as_bytes(), bufs);
         Ok(info)
     }
 
@@ -578,21 +568,33 @@ async fn run_on_lists(
     };
     drop(bufs);
     tracing::debug!(target: "eccl::coll", "{}: the lists go through a packed copy ({why})", op.desc);
-    let mut input = AlignedBuf::with_len(ins.iter().map(|b| b.len()).sum());
-    let mut at = 0;
-    for b in ins {
-        input.as_bytes_mut()[at..at + b.len()].copy_from_slice(b);
-        at += b.len();
-    }
+    let input = packed(ins.iter().copied());
     let mut output = AlignedBuf::with_len(outs.iter().map(|b| b.len()).sum());
     let bufs = Bufs::new(input.as_bytes(), output.as_bytes_mut(), scratch, elem);
     executor::run(op, links, sched, &bufs).await?;
+    unpack(output.as_bytes(), outs);
+    Ok(())
+}
+
+/// `bufs` back to back in one buffer of their own.
+fn packed<'a>(bufs: impl Iterator<Item = &'a [u8]> + Clone) -> AlignedBuf {
+    let mut out = AlignedBuf::with_len(bufs.clone().map(<[u8]>::len).sum());
     let mut at = 0;
-    for b in outs.iter_mut() {
-        b.copy_from_slice(&output.as_bytes()[at..at + b.len()]);
+    for b in bufs {
+        out.as_bytes_mut()[at..at + b.len()].copy_from_slice(b);
         at += b.len();
     }
-    Ok(())
+    out
+}
+
+/// `from`, cut into `into`'s buffers in order (the inverse of [`packed`]).
+fn unpack(from: &[u8], into: &mut [&mut [u8]]) {
+    let mut at = 0;
+    for b in into.iter_mut() {
+        let n = b.len();
+        b.copy_from_slice(&from[at..at + n]);
+        at += n;
+    }
 }
 
 /// Checks a call's arguments against this rank's part; returns the element counts of
