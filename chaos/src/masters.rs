@@ -39,17 +39,38 @@ pub struct MasterSet {
     procs: Vec<MasterProc>,
 }
 
-/// A port free on `host` and not in `taken` (which it joins): a port released by one bind
-/// to port 0 can come back from the next, and two masters given the same one fail with
-/// "address already in use".
+/// A port free on `host` and not in `taken` (which it joins), for a master started later
+/// and restarted on the same port after each kill.
+///
+/// Taken below the kernel's ephemeral range, where neither a bind to port 0 nor a peer's
+/// outgoing connection gets its port: a port from a bind to port 0 can go to a peer's
+/// connection while its master is down, and the restart then fails with "address already
+/// in use". The walk starts at a point of this process's own (its PID).
 fn free_port(host: &str, taken: &mut Vec<u16>) -> anyhow::Result<u16> {
-    loop {
-        let port = TcpListener::bind((host, 0))?.local_addr()?.port();
-        if !taken.contains(&port) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (ephemeral_low.saturating_sub(16384).max(1024), ephemeral_low);
+    if high <= low + 1024 {
+        // Nearly every port is ephemeral here: the kernel's choice is all there is.
+        loop {
+            let port = TcpListener::bind((host, 0))?.local_addr()?.port();
+            if !taken.contains(&port) {
+                taken.push(port);
+                return Ok(port);
+            }
+        }
+    }
+    let start = std::process::id().wrapping_mul(2_654_435_761) % (high - low);
+    for n in 0..high - low {
+        let port = (low + (start + n) % (high - low)) as u16;
+        if !taken.contains(&port) && TcpListener::bind((host, port)).is_ok() {
             taken.push(port);
             return Ok(port);
         }
     }
+    anyhow::bail!("no free port on {host} in {low}..{high}")
 }
 
 impl MasterSet {

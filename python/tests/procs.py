@@ -14,29 +14,54 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional
 
-_HANDED_OUT: Set[int] = set()
 # Set by conftest.py where two pytest processes run at once (.ci/test.sh: `-m beside`
-# and `-m "not beside"`): each takes only ports of its own class, `(port >> 1) & 1`
-# (bind to port 0 hands out mostly even ports, so the parity alone would starve one),
-# so a port one process probed and released is never handed to the other.
+# and `-m "not beside"`): each takes only ports of its own parity, so a port one process
+# probed is never handed to the other.
 PORT_CLASS: Optional[int] = None
+_NEXT = 0
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, never one this process was given before: a
-    port released by one bind to port 0 can come back from the next, and two masters
-    once got the same raft port that way ("address already in use")."""
-    while True:
+    """A loopback port nothing listens on now, for a process started later (a master, a
+    torchrun store, one restarted on its old port).
+
+    Taken below the kernel's ephemeral range, where neither a bind to port 0 nor an
+    outgoing connection gets its port, so it stays free until the process binds it (a
+    port from a bind to port 0 once went to another connection in between: "address
+    already in use"). This process walks the range from a start of its own (its PID)
+    and never hands out a port twice."""
+    global _NEXT
+    high = _ephemeral_low()
+    low = max(1024, high - 16384)
+    if high <= low + 1024:
+        # Nearly every port is ephemeral here: the kernel's choice is all there is.
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if PORT_CLASS is not None and (port >> 1) & 1 != PORT_CLASS:
+            return int(s.getsockname()[1])
+    span = high - low
+    start = (os.getpid() * 2654435761) % span
+    while _NEXT < span:
+        port = low + (start + _NEXT) % span
+        _NEXT += 1
+        if PORT_CLASS is not None and port & 1 != PORT_CLASS:
             continue
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {low}..{high}")
 
 
 def descendants(pid: int) -> List[int]:

@@ -6,6 +6,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub const SECRET: &str = "e2e-test-secret-0123456789abcdef";
@@ -62,6 +63,41 @@ pub fn master_bin() -> PathBuf {
     p
 }
 
+/// A loopback port nothing listens on now, for a process started later (a master whose
+/// address the others must know first, or a restarted one that must get its port back).
+///
+/// Taken below the kernel's ephemeral range, where neither a bind to port 0 nor an
+/// outgoing connection gets its port: a port probed there stays free until the master
+/// binds it, also while it is down between a kill and a restart. (A port from a bind to
+/// port 0 once went to another test's connection in between, and the master exited with
+/// "address already in use".) Each process walks the range from its own start (its PID)
+/// and never hands out a port twice.
+pub fn free_port() -> u16 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (ephemeral_low.saturating_sub(16384).max(1024), ephemeral_low);
+    if high <= low + 1024 {
+        // Nearly every port is ephemeral here: the kernel's choice is all there is.
+        return std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+    }
+    let start = std::process::id().wrapping_mul(2_654_435_761) % (high - low);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        assert!(n < high - low, "no free loopback port in {low}..{high}");
+        let port = (low + (start + n) % (high - low)) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
 /// A child process killed and reaped on drop.
 pub struct Proc(pub Child);
 
@@ -79,17 +115,25 @@ pub struct Master {
 
 /// Reads the client address an `eccl-master` child prints on its first line.
 pub fn master_addr(child: &mut Child) -> String {
-    let line = BufReader::new(child.stdout.take().unwrap())
+    read_master_addr(child).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The client address an `eccl-master` child prints on its first line, or why there is
+/// none (it exited first: its status says how).
+pub fn read_master_addr(child: &mut Child) -> Result<String, String> {
+    let line = BufReader::new(child.stdout.take().expect("the master's stdout is piped"))
         .lines()
-        .next()
-        .unwrap()
-        .unwrap();
+        .next();
+    let Some(Ok(line)) = line else {
+        let status = child.wait();
+        return Err(format!(
+            "eccl-master ended before it printed its address ({status:?})"
+        ));
+    };
     line.strip_prefix("eccl-master listening on ")
-        .unwrap_or_else(|| panic!("eccl-master said {line:?}"))
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(str::to_string)
+        .ok_or_else(|| format!("eccl-master said {line:?}"))
 }
 
 pub fn start_master(extra: &[&str]) -> Master {

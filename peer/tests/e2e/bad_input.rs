@@ -235,11 +235,7 @@ async fn invalid_arguments_are_typed_errors_and_never_hang() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_master_and_wrong_secret() {
     // Nothing listens on this port.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::common::free_port();
     let mut c = peer_cfg(&format!("127.0.0.1:{port}"));
     c.connect_timeout = Duration::from_millis(800);
     let t = Instant::now();

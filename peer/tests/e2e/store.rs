@@ -140,11 +140,7 @@ async fn a_wrong_secret_or_no_master_fails_clearly_and_in_time() {
         matches!(e, Error::MasterUnavailable { .. }) && e.to_string().contains("auth"),
         "{e}"
     );
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::common::free_port();
     let t0 = Instant::now();
     let e = StoreClient::open(
         &format!("127.0.0.1:{port}"),

@@ -4,7 +4,6 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -12,7 +11,7 @@ use std::time::{Duration, Instant};
 use eccl::Communicator;
 use futures::future::join_all;
 
-use crate::common::{master_addr, master_bin, peer_cfg, Proc, SECRET};
+use crate::common::{free_port, master_bin, peer_cfg, read_master_addr, Proc, SECRET};
 
 pub struct Cluster {
     pub dir: PathBuf,
@@ -23,14 +22,6 @@ pub struct Cluster {
     spec: String,
     procs: Vec<Option<Proc>>,
     stopped: Vec<bool>,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 impl Cluster {
@@ -65,9 +56,7 @@ impl Cluster {
     }
 
     fn allocate(&mut self) -> usize {
-        // A port released by one free_port() may come back from the next: each is kept
-        // only if no master of this cluster has it (a duplicate once made the second
-        // master fail with "address already in use").
+        // free_port() never hands out a port twice; the check stays as the cheap proof.
         let mut ports: Vec<u16> = Vec::new();
         while ports.len() < 2 {
             let port = free_port();
@@ -129,7 +118,16 @@ impl Cluster {
             .stderr(log)
             .spawn()
             .expect("start eccl-master");
-        master_addr(&mut child);
+        if let Err(e) = read_master_addr(&mut child) {
+            let log = std::fs::read_to_string(self.log(i)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "master {}: {e}; the end of its log:\n{}",
+                i + 1,
+                tail.join("\n")
+            );
+        }
         self.procs[i] = Some(Proc(child));
         self.stopped[i] = false;
     }
