@@ -15,10 +15,13 @@ all_to_alls 2-6 times slower than the rest.
 
 import argparse
 import json
-import socket
+import os
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, torch, torch.distributed as dist
@@ -91,12 +94,6 @@ OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_sc
        "all_to_all_single", "all_gather", "all_gather_views", "reduce_scatter", "reduce_scatter_views",
        "all_to_all", "all_to_all_views", "gather", "gather_views", "scatter", "scatter_views",
        "send_recv_ring", "all_gather_object", "broadcast_object_list", "barrier"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(worker, backend, n, args, env=None):

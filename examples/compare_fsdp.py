@@ -11,17 +11,13 @@ step per backend and round, and checks that both backends end with the same loss
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 
 def worker(backends, width, layers, steps):

@@ -20,11 +20,13 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH = ROOT / "target" / "release" / "eccl-bench"
@@ -42,12 +44,6 @@ def sizes(lo, hi, f):
         out.append(s)
         s *= f
     return out
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gloo_worker(rank, world, port, sizes, iters, warmup, out_path):

@@ -10,7 +10,6 @@ with the best and worst of each and the ratio of the medians.
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,16 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parent.parent / "python" / "tests" / "contract_script.py"
 SCENARIOS = ["basic", "all_reduce", "send_recv", "shrink_last", "shrink_middle",
              "scale_down_up", "single_to_all", "identity", "late_join", "merge_split",
              "after_abort", "reused_uuid"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def once(backend, scenario):

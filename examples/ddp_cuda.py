@@ -16,18 +16,14 @@ every backend ended with gloo's parameters (bit for bit) and each one's median s
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 
 def rank_main(a) -> None:

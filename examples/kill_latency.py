@@ -18,12 +18,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 
 def rank_main(backend: str, stamp: str, sig: str, reconf: bool) -> None:
@@ -69,12 +71,6 @@ def rank_main(backend: str, stamp: str, sig: str, reconf: bool) -> None:
     if r == 0:  # the store lives here: the others read their last keys first
         store.wait([f"done/{q}" for q in range(n - 1)])
     os._exit(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trial(backend: str, stamp: str, sig: str, n: int, reconf: bool):

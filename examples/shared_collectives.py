@@ -8,11 +8,13 @@ alternating, on N local ranks. Prints the median time of each per size.
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 
 def worker(sizes, iters):
@@ -69,9 +71,7 @@ def main():
     ap.add_argument("--sizes", nargs="+", default=["1M", "16M", "64M"])
     ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sizes = ",".join(str(parse(x)) for x in a.sizes)
     env = {k: v for k, v in os.environ.items() if k != "ECCL_MASTER"}
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", sizes, str(a.iters)],

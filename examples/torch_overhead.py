@@ -20,11 +20,13 @@ an unpinned job runs in).
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "tests"))
+from procs import free_port  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, torch, torch.distributed as dist
@@ -115,12 +117,6 @@ dist.destroy_process_group()
 def parse_size(s: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(n: int, sizes, iters, rounds: int, device: str = "cpu", pin: bool = False):

@@ -4,7 +4,6 @@
 //! orchestrator's channel; every master process is stopped when the set is dropped.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::Sender;
@@ -40,37 +39,20 @@ pub struct MasterSet {
 }
 
 /// A port free on `host` and not in `taken` (which it joins), for a master started later
-/// and restarted on the same port after each kill.
-///
-/// Taken below the kernel's ephemeral range, where neither a bind to port 0 nor a peer's
-/// outgoing connection gets its port: a port from a bind to port 0 can go to a peer's
-/// connection while its master is down, and the restart then fails with "address already
-/// in use". The walk starts at a point of this process's own (its PID).
+/// and restarted on the same port after each kill: below the ephemeral range, where no
+/// peer's connection can take it while its master is down (see
+/// [`eccl::port_to_listen_later`]).
 fn free_port(host: &str, taken: &mut Vec<u16>) -> anyhow::Result<u16> {
-    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
-        .unwrap_or(32768);
-    let (low, high) = (ephemeral_low.saturating_sub(16384).max(1024), ephemeral_low);
-    if high <= low + 1024 {
-        // Nearly every port is ephemeral here: the kernel's choice is all there is.
-        loop {
-            let port = TcpListener::bind((host, 0))?.local_addr()?.port();
-            if !taken.contains(&port) {
-                taken.push(port);
-                return Ok(port);
-            }
-        }
-    }
-    let start = std::process::id().wrapping_mul(2_654_435_761) % (high - low);
-    for n in 0..high - low {
-        let port = (low + (start + n) % (high - low)) as u16;
-        if !taken.contains(&port) && TcpListener::bind((host, port)).is_ok() {
-            taken.push(port);
-            return Ok(port);
-        }
-    }
-    anyhow::bail!("no free port on {host} in {low}..{high}")
+    use std::net::ToSocketAddrs;
+    let ip = (host, 0)
+        .to_socket_addrs()
+        .with_context(|| format!("cannot resolve {host}"))?
+        .next()
+        .with_context(|| format!("{host} has no address"))?
+        .ip();
+    let port = eccl::port_to_listen_later(ip, taken)?;
+    taken.push(port);
+    Ok(port)
 }
 
 impl MasterSet {

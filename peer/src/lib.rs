@@ -14,6 +14,7 @@ mod executor;
 mod fault;
 mod links;
 pub use eccl_transport::limits;
+pub use eccl_transport::listen::port_to_listen_later;
 pub use eccl_transport::logging;
 pub use eccl_transport::spin::{spin_until, spin_until_within};
 mod master_client;

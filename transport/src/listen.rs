@@ -24,6 +24,47 @@ use crate::{handshake, quic, tls, TransportError};
 
 pub use crate::admission::MAX_PENDING;
 
+/// A TCP port free on `host` now and not in `skip`, for a listener that starts later: a
+/// master whose address others must be told before it runs, or one restarted at its old
+/// address (eccl-chaos's master set, the tests' clusters).
+///
+/// It lies below the kernel's ephemeral range (`ip_local_port_range`), where neither a
+/// bind to port 0 nor an outgoing connection gets its port, so it stays free until the
+/// listener binds it, also while that listener is down between a kill and a restart. (A
+/// port found by a bind to port 0 can go to some connection in between, and the listener
+/// then fails with "address already in use".) Each process walks the range from a start
+/// of its own (its PID) and hands out each port once; where nearly every port is
+/// ephemeral, the kernel's choice (a bind to port 0) is all there is.
+pub fn port_to_listen_later(host: IpAddr, skip: &[u16]) -> std::io::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (ephemeral_low.saturating_sub(16384).max(1024), ephemeral_low);
+    if high > low + 1024 {
+        let span = high - low;
+        let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+        loop {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            if n >= span {
+                break;
+            }
+            let port = (low + (start + n) % span) as u16;
+            if !skip.contains(&port) && std::net::TcpListener::bind((host, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    loop {
+        let port = std::net::TcpListener::bind((host, 0))?.local_addr()?.port();
+        if !skip.contains(&port) {
+            return Ok(port);
+        }
+    }
+}
+
 /// An authenticated, introduced data connection, not yet part of a link.
 pub struct Accepted {
     pub hello: LinkHello,
@@ -327,5 +368,34 @@ async fn accept_quic(
                     conn: Conn::Quic(link),
                 })
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::port_to_listen_later;
+
+    #[test]
+    fn ports_to_listen_later_are_free_distinct_and_outside_the_ephemeral_range() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok())
+            .unwrap_or(32768);
+        let lo = [127, 0, 0, 1].into();
+        // One port held by a listener must be skipped as busy, one named in `skip` too.
+        let held =
+            std::net::TcpListener::bind(("127.0.0.1", port_to_listen_later(lo, &[]).unwrap()))
+                .unwrap();
+        let skipped = port_to_listen_later(lo, &[]).unwrap();
+        let mut seen = vec![held.local_addr().unwrap().port(), skipped];
+        for _ in 0..50 {
+            let p = port_to_listen_later(lo, &[skipped]).unwrap();
+            assert!(!seen.contains(&p), "port {p} handed out twice");
+            if low > 2048 {
+                assert!(p < low, "port {p} is in the ephemeral range from {low}");
+            }
+            std::net::TcpListener::bind(("127.0.0.1", p)).expect("the port is free");
+            seen.push(p);
+        }
     }
 }

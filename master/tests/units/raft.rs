@@ -140,6 +140,14 @@ async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, Mast
     Node { reg, listener }
 }
 
+/// A loopback listener for a master that dies and comes back at the same address: below
+/// the ephemeral range, so that no connection of this binary's tests takes its port
+/// while it is down.
+async fn listen_below_ephemeral() -> TcpListener {
+    let port = eccl_transport::listen::port_to_listen_later([127, 0, 0, 1].into(), &[]).unwrap();
+    TcpListener::bind(("127.0.0.1", port)).await.unwrap()
+}
+
 async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !f() {
@@ -168,7 +176,7 @@ async fn three_masters_replicate_redirect_and_fail_over() {
     let mut listeners = Vec::new();
     let mut members = BTreeMap::new();
     for id in 1..=3u64 {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let l = listen_below_ephemeral().await;
         members.insert(id, node_at(id, &l));
         listeners.push((id, l));
     }

@@ -6,7 +6,6 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub const SECRET: &str = "e2e-test-secret-0123456789abcdef";
@@ -64,38 +63,10 @@ pub fn master_bin() -> PathBuf {
 }
 
 /// A loopback port nothing listens on now, for a process started later (a master whose
-/// address the others must know first, or a restarted one that must get its port back).
-///
-/// Taken below the kernel's ephemeral range, where neither a bind to port 0 nor an
-/// outgoing connection gets its port: a port probed there stays free until the master
-/// binds it, also while it is down between a kill and a restart. (A port from a bind to
-/// port 0 once went to another test's connection in between, and the master exited with
-/// "address already in use".) Each process walks the range from its own start (its PID)
-/// and never hands out a port twice.
+/// address the others must know first, or a restarted one that must get its port back):
+/// below the ephemeral range, see [`eccl::port_to_listen_later`].
 pub fn free_port() -> u16 {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
-        .unwrap_or(32768);
-    let (low, high) = (ephemeral_low.saturating_sub(16384).max(1024), ephemeral_low);
-    if high <= low + 1024 {
-        // Nearly every port is ephemeral here: the kernel's choice is all there is.
-        return std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-    }
-    let start = std::process::id().wrapping_mul(2_654_435_761) % (high - low);
-    loop {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        assert!(n < high - low, "no free loopback port in {low}..{high}");
-        let port = (low + (start + n) % (high - low)) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
+    eccl::port_to_listen_later([127, 0, 0, 1].into(), &[]).expect("a free loopback port")
 }
 
 /// A child process killed and reaped on drop.
