@@ -30,7 +30,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl import torch_window
-from eccl.torch_blocks import adjacent, apart, overlaps, read_blocks, separate, written_blocks
+from eccl.torch_blocks import adjacent, apart, landing, overlaps, read_blocks, separate, written_blocks
 from eccl.torch_checks import a2a_refusal, blocks_refusal, join_and_raise, split_refusal, split_rows
 from eccl.torch_cuda import all_reduce_ipc, copy_back, cuda_calls
 from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
@@ -74,6 +74,17 @@ def _op_name(opts: Any) -> "eccl.ReduceOp":
         if op == k:
             return v
     raise eccl.InvalidArgumentError(f"reduce op {op} is not supported by eccl")
+
+
+def _run_all(steps: list) -> Any:
+    """One copy-out step that runs each of `steps`; None where there is none."""
+    if not steps:
+        return None
+
+    def run() -> None:
+        for step in steps:
+            step()
+    return run
 
 
 def _op_and_factor(opts: Any) -> "tuple[eccl.ReduceOp, Any]":
@@ -304,7 +315,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         # where every rank's source lies in eccl's shared memory (`allocate_tensor`:
         # FSDP2's buffers after set_allocate_memory_from_process_group_for_comm), in
         # place included; the sizes are the same on every rank, so is the choice.
-        ws = []
+        ws, copies = [], []
         for o, i in zip(outputs, inputs):
             o = _cpu(o)
             if o.numel() * o.element_size() >= SHARED_FROM and o.is_contiguous():
@@ -312,26 +323,34 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                 ws.append(self.comm.all_gather_shared(
                     o, None if own else _cpu(i).contiguous(), async_op=True))
             else:
-                ws.append(self.comm.all_gather(o, _input_of(o, i, self.rank()), async_op=True))
-        return self._calls.submit(ws, outputs)
+                # (A non-contiguous output is gathered into a buffer of its own.)
+                target, copy = landing(o)
+                ws.append(self.comm.all_gather(target, _input_of(o, i, self.rank()), async_op=True))
+                if copy is not None:
+                    copies.append(copy)
+        return self._calls.submit(ws, outputs, _run_all(copies))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op, factor = _op_and_factor(opts)
-        works = []
+        works, copies = [], []
         for out, ins in zip(output_tensors, input_tensors):
             out = _cpu(out)
             ins = [_cpu(i) for i in ins]
+            # A non-contiguous output, or one that is also an input, gets a buffer.
+            target, copy = landing(out, ins)
             refusal = blocks_refusal(ins, out, self.size())
             if refusal is not None:
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("reduce_scatter", "input", refusal,
-                                    lambda: self.comm.reduce_scatter(out, wrong, op, async_op=True))
+                                    lambda: self.comm.reduce_scatter(target, wrong, op, async_op=True))
             # (Separate tensors only without PREMUL_SUM, which scales a copy.)
-            flat = read_blocks(ins, out, as_list=factor is None)
+            flat = read_blocks(ins, target, as_list=factor is None)
             flat = (_premultiplied(torch.stack([i.reshape(out.shape) for i in ins]).contiguous(), factor, True)
                     if flat is None else _premultiplied(flat, factor, False))
-            works.append(self.comm.reduce_scatter(out, flat, op, async_op=True))
-        return self._calls.submit(works, output_tensors)
+            works.append(self.comm.reduce_scatter(target, flat, op, async_op=True))
+            if copy is not None:
+                copies.append(copy)
+        return self._calls.submit(works, output_tensors, _run_all(copies))
 
     def _reduce_scatter_base(self, output, input, opts=None):
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -345,7 +364,9 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             # offset. The result goes to a buffer of its own and into the output once the
             # call has succeeded (a failed call leaves both as they were); any other
             # overlap is refused.
-            target = torch.empty_like(o) if _own_slot(i, o, self.rank()) else o
+            # (So does a non-contiguous output.)
+            target = (torch.empty(o.shape, dtype=o.dtype)
+                      if _own_slot(i, o, self.rank()) or not o.is_contiguous() else o)
             i = _premultiplied(i, factor, False)
             if i.numel() * i.element_size() >= SHARED_FROM and target.is_contiguous():
                 # Read straight from every rank's input where all lie in eccl's shared
@@ -387,18 +408,19 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         root = opts.rootRank
         out = _cpu(output_tensors[0])
         flat = None
+        blocks = [_cpu(i) for i in input_tensors[0]] if self.rank() == root else []
+        target, copy = landing(out, blocks)
         if self.rank() == root:
-            blocks = [_cpu(i) for i in input_tensors[0]]
             refusal = blocks_refusal(blocks, out, self.size())
             if refusal is not None:
                 wrong = torch.empty(out.numel() * self.size() + 1, dtype=out.dtype)
                 return self._refuse("scatter", "the root's input", refusal,
-                                    lambda: self.comm.scatter(out, wrong, root, async_op=True))
-            flat = read_blocks(blocks, out)
+                                    lambda: self.comm.scatter(target, wrong, root, async_op=True))
+            flat = read_blocks(blocks, target)
             if flat is None:
                 flat = torch.stack([b.reshape(out.shape) for b in blocks]).contiguous()
-        w = self.comm.scatter(out, flat, root, async_op=True)
-        return self._calls.submit([w], output_tensors)
+        w = self.comm.scatter(target, flat, root, async_op=True)
+        return self._calls.submit([w], output_tensors, copy)
 
     def _refuse(self, name, which, refusal, call):
         """A call whose blocks do not fit this rank's tensor (`refusal` says how): `call`
@@ -427,12 +449,13 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             # so a rank whose size differs fails every rank that exchanges with it, with
             # no round of sizes first. (Every rank must then pass no split sizes: one that
             # passes them, equal or not, takes the sizes' round, and the two fail with a
-            # MismatchError.) In place it reads a copy of its input.
+            # MismatchError.) In place it receives into a buffer of its own, copied
+            # out once the call has succeeded (it reads what it sends, and G2: a failed
+            # call leaves the tensor as it was).
             input = input.contiguous()
-            if output.is_contiguous() and overlaps(output, input):
-                input = input.clone()
-            w = self.comm.all_to_all(output, input, async_op=True)
-            return self._calls.submit([w], output)
+            if output.is_contiguous() and not overlaps(output, input):
+                return self._calls.submit([self.comm.all_to_all(output, input, async_op=True)], output)
+            return self._into_copy(output, lambda o: self.comm.all_to_all(o, input, async_op=True))
         if out_rows is None:
             return self._alltoall_v([], [], split_refusal("output", output, output_split_sizes, n))
         if in_rows is None:
@@ -445,12 +468,21 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             send, recv = [k * per_in for k in in_rows], [k * per_out for k in out_rows]
             if not self._sizes_agree(send, recv):
                 return self._calls.submit([], output)
+
+            def call(o):
+                return self.comm.all_to_all(o, input, send_counts=send, recv_counts=recv, async_op=True)
             if overlaps(output, input):
-                input = input.clone()
-            w = self.comm.all_to_all(output, input, send_counts=send, recv_counts=recv, async_op=True)
-            return self._calls.submit([w], output)
+                return self._into_copy(output, call)   # in place: as the even call above
+            return self._calls.submit([call(output)], output)
         outs, ins = list(output.split(out_rows)), list(input.split(in_rows))
-        return self._alltoall_v(outs, ins, a2a_refusal(outs, ins, n), (output, input))
+        return self._alltoall_v(outs, ins, a2a_refusal(outs, ins, n), (output, input), [output])
+
+    def _into_copy(self, output, call):
+        """`call` (an eccl call given where to write) into a buffer of `output`'s size,
+        copied into `output` once the call has succeeded: for a call whose output is its
+        input, which must read what it sends and, failing, leave it as it was (G2)."""
+        buf = torch.empty(output.numel(), dtype=output.dtype)
+        return self._calls.submit([call(buf)], output, lambda: output.copy_(buf.view(output.shape)))
 
     def _sizes_agree(self, send: list, recv: list, refusal: Optional[str] = None) -> bool:
         """Every rank's block sizes, in one small all_gather before anything moves, so
@@ -465,7 +497,9 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         row = array.array("q", send + recv if refusal is None else [-1] * (2 * n))
         table = array.array("q", bytes(8 * 2 * n * n))
         if refusal is not None:
-            # (Every form of all_to_all makes this round first, so the others are in it.)
+            # (Every form of all_to_all with split sizes, and every list form, makes this
+            # round first, so the others are in it; an all_to_all_single without split
+            # sizes does not, and meets this rank's round as a MismatchError.)
             join_and_raise(self._recovery, lambda: self.comm.all_gather(table, row, async_op=True),
                            eccl.MismatchError(f"all_to_all: this rank ({self.rank()}) cannot take part: {refusal}"))
         try:
@@ -492,7 +526,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
                         f"expects {rows[t][n + s]} from it")
         raise AssertionError("unreachable: the sizes differ somewhere")
 
-    def _alltoall_v(self, outs, ins, refusal=None, flat=None):
+    def _alltoall_v(self, outs, ins, refusal=None, flat=None, result=None):
         """The list form of all_to_all, and all_to_all_single with split sizes: the
         sizes' round (`_sizes_agree`), then one eccl all_to_all with split sizes: each
         pair moves its own two blocks as they are, nothing padded, paced by the
@@ -503,23 +537,33 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         in place where they are contiguous and apart; separate tensors are passed as
         they are. A rank whose own call is wrong (`refusal`: split sizes that do not
         cover its tensor, another number of blocks than ranks, dtypes that differ)
-        raises in the sizes' round, as every other rank does."""
+        raises in the sizes' round, as every other rank does. `result`: what the
+        Work's future holds (all_to_all_single's: its output), else `outs`."""
+        result = outs if result is None else result
         send = [b.numel() for b in ins]
         recv = [o.numel() for o in outs]
         if not self._sizes_agree(send, recv, refusal):
-            return self._calls.submit([], outs)
+            return self._calls.submit([], result)
         dtype = ins[0].dtype
         out, flat_in = flat if flat is not None else (None, None)
         out = out if out is not None and out.is_contiguous() else None
         # What is sent: the blocks where they lie (one tensor, or separate ones).
         src = ([flat_in] if flat_in is not None and flat_in.is_contiguous()
                else separate([_cpu(b) for b in ins], dtype, written=False))
-        if src is None or not apart([out] if out is not None else [o for o in outs if o.is_contiguous()], src):
-            # (A copy: in place, torch's all_to_all_single(t, t), reads what it sent.)
+        writes = [out] if out is not None else [o for o in outs if o.is_contiguous()]
+        # In place: the output may be the input (for blocks that are not contiguous, any
+        # output in an input's storage counts).
+        in_place = (not apart(writes, src) if src is not None else
+                    bool({o.untyped_storage().data_ptr() for o in outs}
+                         & {b.untyped_storage().data_ptr() for b in ins}))
+        if src is None:
             src = [torch.cat([b.reshape(-1) for b in ins])]
         # The blocks land where they are: in the output where it is one tensor
-        # (all_to_all_single), or in the list's tensors; else in one buffer of their own.
-        dst = [out] if out is not None else separate(outs, dtype, src)
+        # (all_to_all_single), or in the list's tensors; else in one buffer of their own,
+        # copied out once the call has succeeded. In place (`all_to_all(ts, ts)`), that
+        # one copy both lets the call read what it sends and keeps G2: a failed call
+        # leaves its tensors as they were.
+        dst = None if in_place else [out] if out is not None else separate(outs, dtype, src)
         flat_out = dst if dst is not None else torch.empty(sum(recv), dtype=dtype)
         w = self.comm.all_to_all(flat_out, src, send_counts=send, recv_counts=recv,
                                  async_op=True)
@@ -527,7 +571,7 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         def copy_back() -> None:
             for o, f in zip(outs, flat_out.split(recv)):
                 o.copy_(f.view(o.shape))
-        return self._calls.submit([w], outs, None if dst is not None else copy_back)
+        return self._calls.submit([w], result, None if dst is not None else copy_back)
 
     def barrier(self, opts=None):
         return self._calls.submit([self.comm.barrier(async_op=True)], None)

@@ -97,3 +97,19 @@ def read_blocks(blocks: list, out: "torch.Tensor", as_list: bool = True) -> Any:
         return flat
     listed = separate(blocks, out.dtype, written=False)
     return listed if listed is not None and out.is_contiguous() and apart([out], listed) else None
+
+
+def landing(out: "torch.Tensor", reads: Any = ()) -> tuple:
+    """Where a call writes its one output `out`: the tensor itself where it is contiguous
+    and clear of every tensor of `reads` (what the call reads), else a contiguous buffer
+    of its own. Returns (where, copy): `copy` (None for the tensor itself) puts the
+    buffer into `out` and is run once the call has succeeded. So a non-contiguous output
+    is written as gloo writes it, where the native call would refuse it on this rank
+    alone (and the others would wait for it), and an output that is also what the call
+    reads (`reduce_scatter(ts[r], ts)`) is left as it was if the call fails (G2)."""
+    storages = {r.untyped_storage().data_ptr() for r in reads if r.numel() and not r.is_contiguous()}
+    if (out.is_contiguous() and apart([out], [r for r in reads if r.is_contiguous()])
+            and (not out.numel() or out.untyped_storage().data_ptr() not in storages)):
+        return out, None
+    buf = torch.empty(out.shape, dtype=out.dtype)
+    return buf, lambda: out.copy_(buf)

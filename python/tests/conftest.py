@@ -86,6 +86,7 @@ BESIDE_TESTS = {
     "test_store_bench",
     "test_diloco_survives_a_death_in_the_outer_step_and_admits_a_newcomer",  # 13 s, 10
     "test_a_diloco_newcomer_fetches_again_from_the_member_left_when_one_dies",
+    "test_an_in_place_all_to_all_that_fails_leaves_its_tensor_as_it_was",  # a lease
 }
 
 

@@ -159,6 +159,35 @@ def check_big_uneven(res, n):
         assert got["after"] == float(n), (r, got["after"])
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_outputs_that_are_not_contiguous_are_written_where_they_lie(n):
+    """Every single-output collective into every second element of a tensor, on every
+    rank (before, eccl's native call refused such an output); reduce_scatter into the
+    rank's own input block; the split all_to_all_single's future holds its output."""
+    for r, got in enumerate(run_world(n, ["eccl", "strided"])):
+        assert got["reduce_scatter"] == [float(n * r + n * (n - 1) // 2)] * 2, (r, got)
+        own = [[float(10 * i + r)] * 2 for i in range(n)]
+        own[r] = [float(sum(10 * r + s for s in range(n)))] * 2
+        assert got["reduce_scatter_own"] == own, (r, got)
+        assert got["scatter"] == [5.0 + r] * 2, (r, got)
+        assert got["all_to_all_single"] == [float(r + 10 * s) for s in range(n)], (r, got)
+        assert got["all_to_all_single_splits"] == got["all_to_all_single"], (r, got)
+        assert got["future"] == [1, True], (r, got)
+        assert got["all_gather_into_tensor"] == [float(s) for s in range(n) for _ in range(2)], (r, got)
+        assert got["reduce_scatter_tensor"] == [float(sum(2 * r + j + s for s in range(n))) for j in range(2)], \
+            (r, got)
+
+
+@pytest.mark.parametrize("form", ["all_to_all_single", "all_to_all_single_splits", "all_to_all_list"])
+def test_an_in_place_all_to_all_that_fails_leaves_its_tensor_as_it_was(form):
+    """G2 for torch's in-place all_to_alls: rank 2 of three dies while ranks 0 and 1 are
+    in the call and have exchanged their blocks with each other; the call fails on both
+    and their tensors hold what they held (the blocks land in a buffer of the call's own,
+    copied out only on success)."""
+    res = run_world_losing_last(3, ["eccl", form], HERE / "in_place_loss_script.py")
+    assert res == [{"failed": "AbortedError", "kept": True}] * 2, res
+
+
 def test_backend_covers_every_dtype_and_op_of_the_rust_lists():
     """eccl.DType and eccl.ReduceOp come from the Rust tables; every pair that the op is
     defined for goes through dist.all_reduce with the closed-form result."""

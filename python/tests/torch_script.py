@@ -337,6 +337,40 @@ def big_uneven(r, n):
     return out
 
 
+def strided(r, n):
+    """Outputs that are not contiguous (every second element of a tensor twice as long),
+    written where they lie; and the split all_to_all_single's future, which holds the
+    output. (gloo writes such outputs wrongly: the test checks formulas.)"""
+    def every_second(k):
+        return torch.full((2 * k,), -1.0)[::2]
+    out = {}
+    o = every_second(2)
+    dist.reduce_scatter(o, [torch.full((2,), float(i + r)) for i in range(n)])
+    out["reduce_scatter"] = o.tolist()
+    ts = [torch.full((2,), float(10 * i + r)) for i in range(n)]
+    dist.reduce_scatter(ts[r], ts)         # the output is this rank's own input block
+    out["reduce_scatter_own"] = [t.tolist() for t in ts]
+    o = every_second(2)
+    dist.scatter(o, [torch.full((2,), 5.0 + i) for i in range(n)] if r == 0 else None, src=0)
+    out["scatter"] = o.tolist()
+    o = every_second(n)
+    dist.all_to_all_single(o, torch.arange(float(n)) + 10 * r)
+    out["all_to_all_single"] = o.tolist()
+    o = every_second(n)
+    fut = dist.all_to_all_single(o, torch.arange(float(n)) + 10 * r, [1] * n, [1] * n,
+                                 async_op=True).get_future()
+    got = fut.wait()
+    out["all_to_all_single_splits"] = o.tolist()
+    out["future"] = [len(got), got[0].data_ptr() == o.data_ptr()]
+    o = every_second(2 * n)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(r)))
+    out["all_gather_into_tensor"] = o.tolist()
+    o = every_second(2)
+    dist.reduce_scatter_tensor(o, torch.arange(2.0 * n) + r)
+    out["reduce_scatter_tensor"] = o.tolist()
+    return out
+
+
 def main():
     backend, what = sys.argv[1], sys.argv[2]
     if os.environ.get("ECCL_TEST_DEVICE") == "cuda":
@@ -362,7 +396,7 @@ def main():
             pg = pg._get_backend(torch.device("cpu"))  # torch 2.12+: the group wraps it
         topology = pg.optimize_topology()
     res = {"collectives": collectives, "coverage": coverage, "mixed": mixed,
-           "big_uneven": big_uneven, "p2p_mismatch": p2p_mismatch}.get(
+           "big_uneven": big_uneven, "p2p_mismatch": p2p_mismatch, "strided": strided}.get(
         what, lambda r, n: ddp(r, n, 10))(r, n)
     if backend == "eccl" and os.environ.get("TEST_OPTIMIZE_TOPOLOGY"):
         res["_topology"] = {"ring": topology["ring"], "rank": dist.get_rank()}
