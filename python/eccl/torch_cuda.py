@@ -66,11 +66,12 @@ SENDS_ONLY = ("send",)
 # The staged calls that hand their host copies straight to eccl: the copies to host are
 # waited for on the communicator's task, and this thread goes on. The others read or
 # write the host copies in Python before queuing anything (torch.stack, torch.cat of
-# blocks that cannot be passed as they are), so they wait for the copies here.
+# blocks that cannot be passed as they are; all_gather's and gather's copy of an input
+# that is one of their outputs), so they wait for the copies here.
 HANDS_OVER = frozenset({
-    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce",
     "_allgather_base", "allgather_into_tensor_coalesced", "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced", "gather", "send", "recv", "recv_anysource"})
+    "reduce_scatter_tensor_coalesced", "send", "recv", "recv_anysource"})
 
 _said: set = set()
 
