@@ -222,8 +222,8 @@ impl Communicator {
         outputs: &mut [&mut [u8]],
         recv_counts: &[usize],
     ) -> Result<OpInfo> {
-        let in_bytes: usize = inputs.iter().map(|b| b.len()).sum();
-        let out_bytes: usize = outputs.iter().map(|b| b.len()).sum();
+        let in_bytes = list_bytes("input", inputs.iter().map(|b| b.len()))?;
+        let out_bytes = list_bytes("output", outputs.iter().map(|b| b.len()))?;
         let slot @ Slot {
             epoch,
             seq,
@@ -354,8 +354,8 @@ impl Communicator {
         let (in_bytes, out_bytes) = match &io {
             Io::Apart(i, o) => (i.len(), o.len()),
             Io::Lists(i, o) => (
-                i.iter().map(|b| b.len()).sum(),
-                o.iter().map(|b| b.len()).sum(),
+                list_bytes("input", i.iter().map(|b| b.len()))?,
+                list_bytes("output", o.iter().map(|b| b.len()))?,
             ),
             // One buffer serves as whichever of the two this rank uses.
             Io::InPlace { buf, .. } => {
@@ -644,4 +644,14 @@ fn validate(
     check("input", in_bytes / elem, need_in)?;
     check("output", out_bytes / elem, need_out)?;
     Ok((need_in, need_out))
+}
+
+/// The bytes of a list of buffers, or why it has none: an input list may name one buffer
+/// many times, and a sum past `usize` would otherwise wrap and pass the size checks.
+fn list_bytes(side: &str, mut lens: impl Iterator<Item = usize>) -> Result<usize> {
+    lens.try_fold(0usize, usize::checked_add).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "the {side} list's buffers add up to more bytes than memory has"
+        ))
+    })
 }
