@@ -582,7 +582,8 @@ impl Device for CudaDevice {
 
     unsafe fn free(&self, ptr: DevPtr) {
         if self.current().is_ok() {
-            let _ = result::stream::synchronize(self.stream);
+            // Every stream, the copy lanes too: no queued copy may still use `ptr`.
+            let _ = self.synchronize();
             let _ = result::free_sync(ptr);
         }
     }
@@ -722,6 +723,25 @@ impl Device for CudaDevice {
         unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
             .result()
             .map_err(drv("cuMemGetAddressRange"))?;
+        // Only cuMemAlloc memory may be exported (not torch's expandable segments, made
+        // with cuMemCreate, nor a cudaMallocAsync pool), and cuIpcGetMemHandle is not
+        // documented to refuse the others: ask first, as NCCL does. A driver that cannot
+        // answer leaves it to cuIpcGetMemHandle.
+        let mut capable: u32 = 0;
+        // SAFETY: `capable` outlives the call and holds the attribute's value (a boolean
+        // the driver writes as an int).
+        let asked = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut capable as *mut u32).cast::<c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                ptr,
+            )
+        };
+        if asked == sys::CUresult::CUDA_SUCCESS && capable == 0 {
+            return Err(DeviceError::Invalid(
+                "the memory is not from cuMemAlloc: CUDA IPC cannot export it".into(),
+            ));
+        }
         let mut h = MaybeUninit::<sys::CUipcMemHandle>::uninit();
         // SAFETY: `base` is the start of a live allocation (the driver just said so).
         unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }

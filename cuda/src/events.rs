@@ -108,14 +108,23 @@ impl RecordedEvent {
     /// its core for the first 200 µs (a stream that is nearly done), then in naps of 50
     /// µs, so that a wait through a long backward pass keeps no core spinning.
     pub fn wait(&self) -> Result<()> {
+        self.wait_unless(|| false).map(|_| ())
+    }
+
+    /// [`Self::wait`], given up once `stop()` says so (asked about once a millisecond
+    /// after the first 200 µs): `Ok(true)` when the work is done, `Ok(false)` when given
+    /// up. A stream that never drains (a kernel waiting on something that never comes)
+    /// then holds the waiting thread only until, say, the call's epoch is aborted.
+    pub fn wait_unless(&self, mut stop: impl FnMut() -> bool) -> Result<bool> {
         // SAFETY: the pool's context is retained for the life of the process; this runs
         // on eccl's threads, whose current context nothing else relies on.
         unsafe { result::ctx::set_current(self.pool.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
         let start = std::time::Instant::now();
+        let mut naps = 0u32;
         loop {
             // SAFETY: `ev` is a live event of that context, owned by this value.
             match unsafe { sys::cuEventQuery(self.ev as sys::CUevent) } {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_SUCCESS => return Ok(true),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 e => {
                     return Err(DeviceError::Driver {
@@ -127,6 +136,10 @@ impl RecordedEvent {
             if start.elapsed() < std::time::Duration::from_micros(200) {
                 std::thread::yield_now();
             } else {
+                naps += 1;
+                if naps.is_multiple_of(20) && stop() {
+                    return Ok(false);
+                }
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
         }

@@ -329,21 +329,30 @@ impl Devices {
 /// memory that may not hold what the caller wrote, so the epoch is aborted here and the
 /// other ranks told: this rank's later calls and the others' copies of them fail
 /// (`Aborted`, which recovery handles as any failed collective) instead of taking
-/// unready data.
+/// unready data. A stream that does not drain is waited for until the epoch breaks
+/// (the other ranks' calls time out waiting for this one, and abort it): the call then
+/// fails with the epoch's error, and nothing reads the tensors.
 async fn await_device(comm: &mut eccl::Communicator, event: &eccl_cuda::RecordedEvent) -> Outcome {
-    if let Err(e) = tokio::task::block_in_place(|| event.wait()) {
-        let cause = format!(
-            "waiting for the tensors' stream on cuda:{} failed: {e}",
-            event.ordinal()
-        );
-        comm.abort_handle().abort(&cause);
-        comm.announce_abort().await;
-        return Err(eccl::Error::Aborted {
+    let abort = comm.abort_handle();
+    match tokio::task::block_in_place(|| event.wait_unless(|| abort.broken().is_some())) {
+        Ok(true) => Ok(Done::Left),
+        Ok(false) => Err(abort.broken().unwrap_or_else(|| eccl::Error::Aborted {
             epoch: comm.epoch(),
-            cause,
-        });
+            cause: "the epoch broke while the call waited for its tensors' stream".into(),
+        })),
+        Err(e) => {
+            let cause = format!(
+                "waiting for the tensors' stream on cuda:{} failed: {e}",
+                event.ordinal()
+            );
+            abort.abort(&cause);
+            comm.announce_abort().await;
+            Err(eccl::Error::Aborted {
+                epoch: comm.epoch(),
+                cause,
+            })
+        }
     }
-    Ok(Done::Left)
 }
 
 /// One device collective (`eccl::device::run`: over CUDA IPC, or through host memory
