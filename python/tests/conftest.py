@@ -99,7 +99,7 @@ def pytest_configure(config):
     if marks in ("beside", "not beside"):
         import procs
         procs.PORT_CLASS = 1 if marks == "beside" else 0
-        os.environ["ECCL_TEST_PORT_CLASS"] = str(procs.PORT_CLASS)
+        os.environ["TEST_PORT_CLASS"] = str(procs.PORT_CLASS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional
 # Set by conftest.py where two pytest processes run at once (.ci/test.sh: `-m beside`
 # and `-m "not beside"`): each takes only ports of its own parity, so a port one process
 # probed is never handed to the other; the examples they run inherit it through
-# ECCL_TEST_PORT_CLASS.
-PORT_CLASS: Optional[int] = (int(os.environ["ECCL_TEST_PORT_CLASS"]) & 1
-                             if os.environ.get("ECCL_TEST_PORT_CLASS", "").isdigit() else None)
+# TEST_PORT_CLASS.
+PORT_CLASS: Optional[int] = (int(os.environ["TEST_PORT_CLASS"]) & 1
+                             if os.environ.get("TEST_PORT_CLASS", "").isdigit() else None)
 _NEXT = 0
 
 
