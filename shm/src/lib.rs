@@ -233,10 +233,12 @@ impl Mapping {
 
     /// Writes a frame header into the descriptor of `slot`.
     ///
-    /// The caller is the ring's sender and owns the slot (its `busy` is 0).
-    pub fn write_header(&self, ring: usize, slot: usize, header: &[u8; 64]) {
-        // SAFETY: the descriptor's first 64 bytes are inside the mapping; the sender
-        // owns them while `busy` is 0, so the receiver does not read them meanwhile.
+    /// # Safety
+    /// The caller is the ring's sender and owns the slot (its `busy` is 0): the receiver
+    /// reads a descriptor only once its frame is published, so the write races nothing.
+    unsafe fn write_header(&self, ring: usize, slot: usize, header: &[u8; 64]) {
+        // SAFETY: the descriptor's first 64 bytes are inside the mapping; the caller's
+        // promise keeps the receiver from reading them meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.desc(ring, slot), 64) }
     }
 
@@ -272,7 +274,10 @@ impl Mapping {
     /// Whether the sender of `ring` may write frame number `next` (its slot is free).
     pub fn slot_free(&self, ring: usize, next: u64) -> bool {
         let index = (next % NSLOTS as u64) as usize;
-        self.busy(ring, index).load(Ordering::Acquire) == 0
+        // SeqCst (an Acquire too): the sender's re-check after raising `writer_waiting`
+        // must not be ordered before that store, or it and the receiver's `release`
+        // could each miss the other's write and the sender sleep through a free slot.
+        self.busy(ring, index).load(Ordering::SeqCst) == 0
     }
 
     /// Publishes frame number `next` of `ring` if its slot is free: copies `data` into the
@@ -300,7 +305,8 @@ impl Mapping {
         // (see `slot`) until it publishes it below.
         let dst = unsafe { self.slot(ring, index) };
         dst[..data.len()].copy_from_slice(data);
-        self.write_header(ring, index, header);
+        // SAFETY: as for the slot: this sender owns the descriptor until it publishes.
+        unsafe { self.write_header(ring, index, header) };
         busy.store(1, Ordering::Relaxed);
         // Release (SeqCst, paired with the receiver's `reader_waiting` check): the slot
         // and header writes above happen before the receiver sees the new head.

@@ -81,8 +81,12 @@ struct Liveness {
 
 impl Liveness {
     fn down(&self, error: TransportError, closed: bool) {
+        self.down_with(Arc::new(error), closed)
+    }
+
+    fn down_with(&self, error: Arc<TransportError>, closed: bool) {
         if let Ok(mut e) = self.error.lock() {
-            e.get_or_insert_with(|| Arc::new(error));
+            e.get_or_insert(error);
         }
         self.state
             .store(if closed { 1 } else { 2 }, Ordering::SeqCst);
@@ -211,6 +215,7 @@ impl ShmTx {
             });
         }
         let (ring, next) = (self.ring, self.next);
+        // (`slot_free` loads SeqCst: see the receiver's `ready` in `ShmRx::wait`.)
         let free = || map.slot_free(ring, next);
         if !free() {
             let deadline = tokio::time::Instant::now() + timeout;
@@ -338,13 +343,11 @@ impl Drop for Slot {
 impl ShmRx {
     fn failed(&mut self, e: TransportError) -> LinkEvent {
         self.done = true;
-        self.shared.live.down(
-            TransportError::Closed {
-                peer: self.shared.peer.clone(),
-            },
-            false,
-        );
-        LinkEvent::Failed(Arc::new(e))
+        // The link's error is what went wrong (the sender half reports it too), not a
+        // clean close.
+        let e = Arc::new(e);
+        self.shared.live.down_with(e.clone(), false);
+        LinkEvent::Failed(e)
     }
 
     /// The next published frame, if there is one.
@@ -410,7 +413,11 @@ impl ShmRx {
             }
             let map = &self.shared.map;
             let (ring, next) = (self.ring, self.next);
-            let ready = || map.head(ring).load(Ordering::Acquire) > next;
+            // SeqCst, as the flag's store before it in `wait_for` and the sender's
+            // head store and flag load: with an Acquire load here the two sides could
+            // each miss the other's write (the sender sees no waiter, this side no
+            // frame) and this side would sleep through the frame.
+            let ready = || map.head(ring).load(Ordering::SeqCst) > next;
             let flag = map.reader_waiting(ring);
             let _ = wait_for(ready, flag, &self.data, &self.shared.live, None).await;
         }
@@ -424,6 +431,11 @@ impl ShmRx {
             return Some(ev);
         }
         let e = self.shared.live.error()?;
+        // A frame published just before the link went down is taken first (as `wait`
+        // does): the peer's last frames come before its close.
+        if let Some(ev) = self.take() {
+            return Some(ev);
+        }
         self.done = true;
         Some(LinkEvent::Failed(e))
     }
