@@ -33,17 +33,21 @@ struct Checked {
 }
 
 /// A checked chunk's bytes: copied out already (to be written into the caller's tensor
-/// once every chunk has arrived), or still in the link's buffer (written straight into
-/// the tensor).
+/// once every chunk has arrived), still in the link's buffer (a buffer of this process
+/// only: written straight into the tensor), or copied out of a buffer its sender can
+/// still write and written straight into the tensor.
 enum Arrived {
     Staged(Vec<u8>),
     Lent(Payload),
+    /// Checked in a copy of its own (the link lent bytes its sender can still write),
+    /// written straight into the tensor.
+    Copied(Vec<u8>),
 }
 
 impl Arrived {
     fn len(&self) -> usize {
         match self {
-            Arrived::Staged(b) => b.len(),
+            Arrived::Staged(b) | Arrived::Copied(b) => b.len(),
             Arrived::Lent(p) => p.len(),
         }
     }
@@ -190,11 +194,14 @@ impl Communicator {
                                 Arrived::Staged(b) => {
                                     fetched.insert(done.key, b);
                                 }
-                                Arrived::Lent(p) => {
+                                Arrived::Lent(_) | Arrived::Copied(_) => {
                                     let data = &mut tensors[to_local[&done.key.0]].data;
                                     let rg = chunk_range(data.len() as u64, done.key.1)
                                         .expect("checked against the target's length");
-                                    data[rg].copy_from_slice(p.as_bytes());
+                                    data[rg].copy_from_slice(match &b {
+                                        Arrived::Lent(p) => p.as_bytes(),
+                                        Arrived::Copied(v) | Arrived::Staged(v) => v,
+                                    });
                                 }
                             }
                         }
@@ -247,13 +254,26 @@ impl Communicator {
                     // buffer goes back to the link when the copy is done.
                     checks.push(tokio::task::spawn_blocking(move || {
                         let _permit = permit;
-                        let bytes = payload.as_bytes();
-                        let good = want_len == Some(bytes.len())
-                            && want_hash.as_ref() == Some(blake3::hash(bytes).as_bytes());
-                        let bytes = match (good, in_place) {
-                            (false, _) => None,
-                            (true, true) => Some(Arrived::Lent(payload)),
-                            (true, false) => Some(Arrived::Staged(bytes.to_vec())),
+                        let fits = want_len == Some(payload.len());
+                        let matches =
+                            |b: &[u8]| want_hash.as_ref() == Some(blake3::hash(b).as_bytes());
+                        let bytes = match (fits, in_place, &payload) {
+                            (false, _, _) => None,
+                            // Lent bytes lie where the sender can still write them (a
+                            // shared-memory slot): they are copied before they are
+                            // checked, so what is checked is what is kept.
+                            (true, _, Payload::Lent(_)) | (true, false, _) => {
+                                let copy = payload.as_bytes().to_vec();
+                                drop(payload);
+                                matches(&copy).then_some(if in_place {
+                                    Arrived::Copied(copy)
+                                } else {
+                                    Arrived::Staged(copy)
+                                })
+                            }
+                            (true, true, _) => {
+                                matches(payload.as_bytes()).then_some(Arrived::Lent(payload))
+                            }
                         };
                         Checked {
                             key,
