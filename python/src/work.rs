@@ -118,87 +118,175 @@ impl Completion {
 
 type Callbacks = Vec<(Py<PyAny>, bool)>;
 
-/// The process's callback thread: open (with the pid that started it, its queue and its
-/// handle), or closed at interpreter exit (by [`close_callbacks`]).
-enum CallbackThread {
-    Open(
-        u32,
-        std::sync::mpsc::Sender<Callbacks>,
-        std::thread::JoinHandle<()>,
-    ),
-    Closed(u32),
+/// The process's callback threads: a queue of finished calls' callbacks, run in the
+/// order the calls finished by one thread at a time, and a second thread standing by.
+/// The standby takes the next callbacks only once they have waited [`STALLED`] behind a
+/// callback that is still running: a callback that waits for another eccl-backed future
+/// (torch's PowerSGD hook waits for an all_reduce's future inside its `then` callback)
+/// would otherwise wait for callbacks queued behind itself, for good. Whoever takes
+/// callbacks while every thread is busy starts another standby (up to
+/// [`MAX_CALLBACK_THREADS`]); threads beyond two end after [`IDLE_END`] without work.
+struct Callers {
+    /// The process that started them (a forked child starts its own).
+    pid: u32,
+    queue: std::collections::VecDeque<(Instant, Callbacks)>,
+    threads: usize,
+    busy: usize,
+    /// Set at interpreter exit ([`close_callbacks`]): what is queued still runs, nothing
+    /// more is taken.
+    closed: bool,
 }
 
-static THREAD: Mutex<Option<CallbackThread>> = Mutex::new(None);
+static CALLERS: Mutex<Option<Callers>> = Mutex::new(None);
+static CALLERS_CV: Condvar = Condvar::new();
+
+/// How long callbacks wait behind a running one before the standby thread runs them.
+const STALLED: Duration = Duration::from_millis(5);
+const MAX_CALLBACK_THREADS: usize = 64;
+const IDLE_END: Duration = Duration::from_secs(5);
 
 /// How long interpreter exit waits for callbacks already handed over to run.
 const CALLBACKS_AT_EXIT: Duration = Duration::from_secs(10);
 
-/// Hands a finished call's callbacks to the process's callback thread, which runs them
-/// in the order calls finish. Never on the communicator's task: a callback waits for the
-/// GIL and may run for a while (torch's future chains), and a runtime worker held there
-/// stops timers and I/O for every task of the process (four DDP ranks on two cores lost
-/// their leases so: the heartbeat's timer did not fire for a second). Once the
-/// interpreter is exiting ([`close_callbacks`] ran) callbacks are dropped unrun: a thread
-/// that takes the GIL while the interpreter finalizes is ended under it, and the process
-/// aborts ("PyGILState_Release: thread state must be current").
-fn run_callbacks(callbacks: Callbacks) {
-    let pid = std::process::id();
-    let mut slot = THREAD.lock().unwrap_or_else(|e| e.into_inner());
-    match &*slot {
-        Some(CallbackThread::Closed(p)) if *p == pid => return,
-        Some(CallbackThread::Open(p, _, _)) if *p == pid => {}
-        _ => {
-            // (Again in a forked child: the parent's thread is not there.)
-            let (tx, rx) = std::sync::mpsc::channel::<Callbacks>();
-            let spawned = std::thread::Builder::new()
-                .name("eccl-callbacks".into())
-                .spawn(move || {
-                    while let Ok(cbs) = rx.recv() {
-                        call_now(cbs);
-                    }
-                });
-            match spawned {
-                Ok(handle) => *slot = Some(CallbackThread::Open(pid, tx, handle)),
-                Err(_) => {
-                    drop(slot);
-                    call_now(callbacks);
+fn callers() -> std::sync::MutexGuard<'static, Option<Callers>> {
+    CALLERS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts one more callback thread; false if the system would not.
+fn start_caller(c: &mut Callers) -> bool {
+    let ok = std::thread::Builder::new()
+        .name("eccl-callbacks".into())
+        .spawn(caller)
+        .is_ok();
+    if ok {
+        c.threads += 1;
+    }
+    ok
+}
+
+/// A callback thread's loop (see [`Callers`]).
+fn caller() {
+    let mut g = callers();
+    let mut idle_since = Instant::now();
+    loop {
+        let Some(c) = g.as_mut() else { return };
+        if c.pid != std::process::id() {
+            return;
+        }
+        let take = c
+            .queue
+            .front()
+            .map(|(at, _)| c.busy == 0 || at.elapsed() >= STALLED);
+        match take {
+            Some(true) => {
+                let (_, cbs) = c.queue.pop_front().expect("a front");
+                c.busy += 1;
+                if c.busy == c.threads && c.threads < MAX_CALLBACK_THREADS && !c.closed {
+                    // Keep one thread standing by while this one runs.
+                    start_caller(c);
+                }
+                drop(g);
+                call_now(cbs);
+                g = callers();
+                if let Some(c) = g.as_mut() {
+                    c.busy -= 1;
+                }
+                CALLERS_CV.notify_all();
+                idle_since = Instant::now();
+            }
+            Some(false) => {
+                // Callbacks wait behind a running one: look again when they would stall.
+                let left =
+                    STALLED.saturating_sub(c.queue.front().map_or(STALLED, |(at, _)| at.elapsed()));
+                g = CALLERS_CV
+                    .wait_timeout(g, left.max(Duration::from_micros(100)))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            None => {
+                if c.closed || (c.threads > 2 && idle_since.elapsed() >= IDLE_END) {
+                    c.threads -= 1;
+                    CALLERS_CV.notify_all();
                     return;
                 }
+                g = CALLERS_CV
+                    .wait_timeout(g, IDLE_END)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
             }
         }
     }
-    let Some(CallbackThread::Open(_, tx, _)) = &*slot else {
-        unreachable!("opened above")
-    };
-    if let Err(std::sync::mpsc::SendError(cbs)) = tx.send(callbacks) {
-        drop(slot);
-        call_now(cbs);
+}
+
+/// Hands a finished call's callbacks to the process's callback threads (see
+/// [`Callers`]). Never on the communicator's task: a callback waits for the GIL and may
+/// run for a while (torch's future chains), and a runtime worker held there stops timers
+/// and I/O for every task of the process (four DDP ranks on two cores lost their leases
+/// so: the heartbeat's timer did not fire for a second). Once the interpreter is exiting
+/// ([`close_callbacks`] ran) callbacks are dropped unrun: a thread that takes the GIL
+/// while the interpreter finalizes is ended under it, and the process aborts
+/// ("PyGILState_Release: thread state must be current").
+fn run_callbacks(callbacks: Callbacks) {
+    let pid = std::process::id();
+    let mut g = callers();
+    if g.as_ref().is_none_or(|c| c.pid != pid) {
+        // (Again in a forked child: the parent's threads are not there.)
+        *g = Some(Callers {
+            pid,
+            queue: Default::default(),
+            threads: 0,
+            busy: 0,
+            closed: false,
+        });
     }
+    let c = g.as_mut().expect("made above");
+    if c.closed {
+        return;
+    }
+    if c.threads == 0 && !start_caller(c) {
+        drop(g);
+        call_now(callbacks);
+        return;
+    }
+    c.queue.push_back((Instant::now(), callbacks));
+    drop(g);
+    CALLERS_CV.notify_all();
 }
 
 /// At interpreter exit (from `_shutdown`, before the interpreter finalizes): closes the
-/// callback thread's queue and waits, with the GIL released, for the callbacks already
+/// callback threads' queue and waits, with the GIL released, for the callbacks already
 /// handed over to run (at most [`CALLBACKS_AT_EXIT`]); later ones are dropped unrun.
 pub(crate) fn close_callbacks(py: Python<'_>) {
     let pid = std::process::id();
-    let open = {
-        let mut slot = THREAD.lock().unwrap_or_else(|e| e.into_inner());
-        match slot.replace(CallbackThread::Closed(pid)) {
-            Some(CallbackThread::Open(p, tx, handle)) if p == pid => Some((tx, handle)),
-            _ => None,
+    {
+        let mut g = callers();
+        match g.as_mut() {
+            Some(c) if c.pid == pid => c.closed = true,
+            _ => {
+                *g = Some(Callers {
+                    pid,
+                    queue: Default::default(),
+                    threads: 0,
+                    busy: 0,
+                    closed: true,
+                });
+                return;
+            }
         }
-    };
-    let Some((tx, handle)) = open else { return };
-    // The thread ends once it has run what is queued.
-    drop(tx);
+    }
+    CALLERS_CV.notify_all();
     py.detach(|| {
         let deadline = Instant::now() + CALLBACKS_AT_EXIT;
-        while !handle.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        if handle.is_finished() {
-            let _ = handle.join();
+        let mut g = callers();
+        while g
+            .as_ref()
+            .is_some_and(|c| c.threads > 0 && (c.busy > 0 || !c.queue.is_empty()))
+            && Instant::now() < deadline
+        {
+            g = CALLERS_CV
+                .wait_timeout(g, Duration::from_millis(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     });
 }

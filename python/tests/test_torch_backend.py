@@ -227,6 +227,10 @@ def test_ddp_ends_with_gloos_parameters():
             assert ph == pytest.approx(p, rel=1e-6, abs=1e-7)
         for ph, p in zip(res[0]["fp16_hook"], res[0]["params"]):
             assert ph == pytest.approx(p, rel=1e-2, abs=1e-3)
+        assert res[0]["powersgd_hook"] == res[1]["powersgd_hook"]
+    # PowerSGD (a low-rank approximation: not DDP's parameters) as on gloo.
+    for pe, pg in zip(e[0]["powersgd_hook"], g[0]["powersgd_hook"]):
+        assert pe == pytest.approx(pg, rel=1e-4, abs=1e-5)
 
 
 BAD = textwrap.dedent("""

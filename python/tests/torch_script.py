@@ -118,12 +118,12 @@ def collectives(r, n):
     return out
 
 
-def ddp(r, n, steps, hook=None):
+def ddp(r, n, steps, hook=None, state=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     ddp_model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     if hook is not None:
-        ddp_model.register_comm_hook(None, hook)
+        ddp_model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
     g = torch.Generator(device="cpu").manual_seed(100 + r)
     losses = []
@@ -143,6 +143,12 @@ def ddp(r, n, steps, hook=None):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
         res["allreduce_hook"] = ddp(r, n, steps, hooks.allreduce_hook)["params"]
         res["fp16_hook"] = ddp(r, n, steps, hooks.fp16_compress_hook)["params"]
+        # PowerSGD waits for an all_reduce's future inside the `then` callback of another
+        # (a callback on eccl's callback thread that waits for callbacks queued behind it).
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, random_seed=0)
+        res["powersgd_hook"] = ddp(r, n, steps, psgd.powerSGD_hook, state)["params"]
     return res
 
 
