@@ -44,6 +44,10 @@ class State(enum.Enum):
     ABORTED = "aborted"
     UNFORMED = "unformed"
     REVOKED = "revoked"
+    # The next epoch formed with another rank or size than the group's: every call is
+    # refused until a reconfigure adopts the new world (a call that went on would run
+    # with the old size: DDP would average over ranks that are gone).
+    CHANGED = "changed"
 
 
 class Fault(enum.Enum):
@@ -109,6 +113,8 @@ class Recovery:
         # formed after an abort). A call remembers the one it was made in: its failure,
         # reported after the group moved on, says nothing about the world it is in now.
         self.generation = 0
+        # Why calls are refused in State.CHANGED.
+        self._changed = ""
         # `failed` runs on the thread that completes the calls, the rest on the caller's.
         self._lock = threading.Lock()
 
@@ -131,20 +137,25 @@ class Recovery:
                     f"the group's epoch was revoked ({self._revoked_by}): form the next "
                     "world with dist._reconfigure(uuid, handles) (or shrink the group) "
                     "before the next call")
+            if state is State.CHANGED:
+                raise eccl.AbortedError(self._changed)
             if state is State.FORMED:
                 return
         # Raises if the next epoch cannot be formed now: the next call tries again.
         w = self.comm.update_topology()
         with self._lock:
-            self.state = State.FORMED
             self.generation += 1
             self.fault = Fault.SUCCESS
-        if w.rank != self.rank or w.world_size != self.size:
+            if w.rank == self.rank and w.world_size == self.size:
+                self.state = State.FORMED
+                return
             fix = ("call dist._reconfigure with the members' handles" if self.reconfigurable
                    else "re-create it, or use eccl.torch.ElasticDDP")
-            raise eccl.AbortedError(
+            self._changed = (
                 f"the group's world changed from {self.size} ranks to {w.world_size} (this "
                 f"process was rank {self.rank}, now {w.rank}): {fix}")
+            self.state = State.CHANGED
+        raise eccl.AbortedError(self._changed)
 
     def failed(self, error: BaseException, kind: str,
                generation: Optional[int] = None) -> None:

@@ -92,11 +92,24 @@ def test_a_failed_recovery_is_tried_again_and_a_changed_world_is_refused():
     comm.next_world = World(0, 2)
     with pytest.raises(eccl.AbortedError, match="from 3 ranks to 2.*re-create it"):
         r.before_call()
+    # Every later call too (it would run with 3 ranks' size on a world of 2), without
+    # forming yet another epoch.
+    updates = comm.updates
+    for _ in range(2):
+        with pytest.raises(eccl.AbortedError, match="from 3 ranks to 2"):
+            r.before_call()
+    assert comm.updates == updates and r.state is State.CHANGED
     reconf = Recovery(Comm(), 1, 3, reconfigurable=True)
     reconf.aborted()
     reconf.comm.next_world = World(0, 2)
     with pytest.raises(eccl.AbortedError, match="dist._reconfigure"):
         reconf.before_call()
+    with pytest.raises(eccl.AbortedError, match="dist._reconfigure"):
+        reconf.before_call()
+    reconf.comm.rank, reconf.comm.world_size = 0, 2
+    reconf.adopt()                 # a reconfigure took the new world
+    reconf.before_call()
+    assert (reconf.rank, reconf.size, reconf.state) == (0, 2, State.FORMED)
 
 
 def test_an_unformed_group_refuses_calls_until_a_reconfigure_adopts_a_world():
