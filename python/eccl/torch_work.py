@@ -87,10 +87,14 @@ class TorchWork(dist._Work):
             try:
                 if infos is None:
                     infos = []
+                    running = False
                     for w in self._works:
                         if not w.is_completed():
-                            return        # not done yet and nothing failed so far
+                            running = True   # a later call may have failed already
+                            continue
                         infos.append(w.wait())  # at once, or raises the call's error
+                    if running:
+                        return        # not done yet and nothing failed so far
                 for info in infos:
                     peer = getattr(info, "peer", None)
                     if peer is not None:
@@ -109,8 +113,13 @@ class TorchWork(dist._Work):
             if done is not None:
                 done.set_result(None)
         elif on_task:
-            threading.Thread(target=self._fail, args=(error,), name="eccl-failure",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._fail, args=(error,), name="eccl-failure",
+                                 daemon=True).start()
+            except RuntimeError:
+                # No thread to be had (the interpreter is exiting, or at its limit): the
+                # failure is finished here, so that no wait() waits for it in vain.
+                self._fail(error)
         else:
             self._fail(error)
 
