@@ -190,8 +190,10 @@ fn caller() {
                 g = callers();
                 if let Some(c) = g.as_mut() {
                     c.busy -= 1;
+                    if c.closed {
+                        CALLERS_CV.notify_all(); // close_callbacks waits for the queue
+                    }
                 }
-                CALLERS_CV.notify_all();
                 idle_since = Instant::now();
             }
             Some(false) => {
@@ -250,7 +252,8 @@ fn run_callbacks(callbacks: Callbacks) {
     }
     c.queue.push_back((Instant::now(), callbacks));
     drop(g);
-    CALLERS_CV.notify_all();
+    // One waiting thread: the one that runs callbacks, or the standby while it is busy.
+    CALLERS_CV.notify_one();
 }
 
 /// At interpreter exit (from `_shutdown`, before the interpreter finalizes): closes the
