@@ -474,6 +474,50 @@ def test_done_callbacks_run_once_where_the_call_finishes():
     assert len(r["unraisable"]) == 1 and "a failing callback" in r["unraisable"][0], r
 
 
+def test_a_callback_that_waits_for_a_later_calls_callback_is_not_stuck_behind_itself():
+    """A done-callback that waits (not through eccl.Work.wait, which it may not call) for
+    something a later call's callback does: torch's PowerSGD hook waits for an
+    all_reduce's future inside another future's callback. Callbacks run in order on one
+    thread, and a second stands by for callbacks that wait behind a running one, so the
+    later callback runs within milliseconds rather than after the first gives up."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    master = eccl.Master()
+    try:
+        def member(r):
+            c = eccl.Communicator(master.addr, master.secret, rank_hint=r, min_world=2)
+            c.update_topology()
+            return c
+        with ThreadPoolExecutor(2) as ex:
+            comms = list(ex.map(member, range(2)))
+        r0, r1 = sorted(comms, key=lambda c: c.rank)
+        a, b = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        first = r0.recv(a, 1, tag=1, async_op=True)
+        second = r0.recv(b, 1, tag=2, async_op=True)
+        later_ran = threading.Event()
+        seen = []
+
+        def waits_for_the_later_one():
+            t = time.monotonic()
+            seen.append((later_ran.wait(10), time.monotonic() - t))
+        first.add_done_callback(waits_for_the_later_one)
+        second.add_done_callback(later_ran.set)
+        r1.send(np.full(4, 1, np.float32), 0, tag=1)
+        r1.send(np.full(4, 2, np.float32), 0, tag=2)
+        second.wait()
+        deadline = time.monotonic() + 15
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen and seen[0][0] and seen[0][1] < 2.0, seen
+        assert a.tolist() == [1.0] * 4 and b.tolist() == [2.0] * 4
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda c: c.leave(), comms))
+    finally:
+        master.shutdown()
+
+
 def test_exit_with_work_in_flight_neither_crashes_nor_hangs():
     master = eccl.Master()
     script = textwrap.dedent(f"""
