@@ -111,6 +111,10 @@ struct Shared {
     wake_reader: OwnedFd,
     wake_writer: OwnedFd,
     watcher: tokio::task::JoinHandle<()>,
+    /// The slots of the receiving ring this process holds (taken, not yet released): a
+    /// frame the peer publishes into one of them breaks the protocol, and taking it
+    /// would hand out a second mutable view of memory a `Slot` still lends.
+    held: [std::sync::atomic::AtomicBool; segment::NSLOTS],
 }
 
 impl Drop for Shared {
@@ -325,7 +329,9 @@ impl Loan for Slot {
     }
 
     fn as_bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_bytes`; `&mut self` keeps this the only view.
+        // SAFETY: as in `as_bytes`; `&mut self` keeps this the only view of this `Slot`,
+        // and `held` keeps any other `Slot` off this index while this one lives (a peer
+        // that publishes into a held slot fails the link instead).
         unsafe { &mut self.shared.map.slot(self.ring, self.index)[..self.len] }
     }
 }
@@ -333,6 +339,8 @@ impl Loan for Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let map = &self.shared.map;
+        // Not held any more before the sender may publish into it again.
+        self.shared.held[self.index].store(false, Ordering::Release);
         map.release(self.ring, self.index);
         if map.writer_waiting(self.ring).load(Ordering::SeqCst) != 0 {
             fds::signal(&self.shared.wake_writer);
@@ -382,6 +390,15 @@ impl ShmRx {
                 return Some(self.failed(TransportError::Header { peer, source }));
             }
         };
+        if self.shared.held[index].swap(true, Ordering::AcqRel) {
+            let peer = self.shared.peer.clone();
+            return Some(self.failed(TransportError::Io {
+                peer,
+                source: std::io::Error::other(
+                    "the peer published a frame into a slot this process still holds",
+                ),
+            }));
+        }
         self.next += 1;
         let slot = Slot {
             shared: self.shared.clone(),
@@ -570,6 +587,7 @@ fn build(
         wake_reader,
         wake_writer,
         watcher,
+        held: Default::default(),
     });
     let tx = ShmTx {
         shared: shared.clone(),
