@@ -60,13 +60,18 @@ class TorchWork(dist._Work):
         self._fut: Optional[Future] = None
         if not works:
             self._finish(on_task=False)
+        # A control call (a reconfigure) is finished by the task also when it succeeds:
+        # its copy-out step adopts the new world, which must not wait for someone to
+        # wait on the Work.
+        control = kind == "control"
         for w in works:
-            w.add_done_callback(self._on_error, errors_only=True)
+            w.add_done_callback(self._on_error, errors_only=not control)
 
     # -- finishing ----------------------------------------------------------------
 
     def _on_error(self) -> None:
-        """An eccl call behind this Work failed (on eccl's callback thread)."""
+        """An eccl call behind this Work failed, or (a control call) finished (on eccl's
+        callback thread)."""
         self._finish(on_task=True)
 
     def _on_done(self) -> None:

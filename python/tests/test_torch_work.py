@@ -164,3 +164,23 @@ def test_in_flight_follows_the_last_call():
     assert not calls.in_flight()
     w = calls.submit([], "x", after=None)
     assert w.is_completed() and w.get_future().value() == "x"
+
+
+def test_a_control_call_is_finished_by_the_task_also_when_nobody_waits():
+    """A reconfigure's Work adopts the new world in its copy-out step: the task runs it
+    when the call succeeds, whether or not anyone waits on the Work or its future."""
+    adopted = []
+    call = Call()
+    work = TorchWork([call], None, lambda: adopted.append(True), kind="control")
+    assert adopted == [] and not work.is_completed()
+    call.finish()
+    assert adopted == [True] and work.is_completed()
+    work.wait()                       # finished once: the step does not run again
+    assert adopted == [True]
+    # A collective's Work is left to its waiter (or its future) when it succeeds.
+    ran, call = [], Call()
+    work = TorchWork([call], None, lambda: ran.append(True))
+    call.finish()
+    assert ran == []
+    work.wait()
+    assert ran == [True]
