@@ -21,6 +21,7 @@ callbacks that thread (busy running the hook) could never run.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
 
@@ -157,11 +158,15 @@ class TorchWork(dist._Work):
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if not self._finished:
-            secs = timeout.total_seconds() if timeout else None
+            # One deadline for the whole wait, however many calls it waits for.
+            end = time.monotonic() + timeout.total_seconds() if timeout else None
+
+            def left() -> Optional[float]:
+                return None if end is None else max(0.0, end - time.monotonic())
             infos: Optional[List[Any]] = []
             for w in self._works:
                 try:
-                    infos.append(w.wait(secs))  # the GIL is released meanwhile
+                    infos.append(w.wait(left()))  # the GIL is released meanwhile
                 except eccl.EcclError:
                     if not w.is_completed():
                         raise eccl.EcclTimeoutError(
@@ -170,7 +175,7 @@ class TorchWork(dist._Work):
                     break
             self._finish(on_task=False, infos=infos)
             failing = self._failing
-            if failing is not None and not failing.wait(secs):
+            if failing is not None and not failing.wait(left()):
                 raise eccl.EcclTimeoutError(f"the collective did not finish within {timeout}")
             if failing is None and not self._finished:
                 # A call that timed out here and succeeded an instant later, with calls

@@ -184,3 +184,21 @@ def test_a_control_call_is_finished_by_the_task_also_when_nobody_waits():
     assert ran == []
     work.wait()
     assert ran == [True]
+
+
+def test_a_wait_with_a_timeout_keeps_one_deadline_for_all_its_calls():
+    """wait(timeout) on a Work of two calls gives up at the timeout, not at the first
+    call's time plus a full timeout for the second."""
+    import time
+    from datetime import timedelta
+
+    first, second = Call(), Call()
+    work = TorchWork([first, second])
+    threading.Timer(0.3, first.finish).start()
+    t = time.monotonic()
+    with pytest.raises(eccl.EcclTimeoutError):
+        work.wait(timedelta(seconds=0.5))
+    took = time.monotonic() - t
+    assert 0.45 < took < 0.75, took
+    second.finish()
+    assert work.wait()
