@@ -30,7 +30,7 @@ from torch.overrides import has_torch_function
 
 import eccl
 from eccl import torch_window
-from eccl.torch_blocks import adjacent, apart, landing, overlaps, read_blocks, separate, written_blocks
+from eccl.torch_blocks import adjacent, clear_of, landing, read_blocks, separate, written_blocks
 from eccl.torch_checks import a2a_refusal, blocks_refusal, join_and_raise, split_refusal, split_rows
 from eccl.torch_cuda import all_reduce_ipc, copy_back, cuda_calls
 from eccl.torch_fault import EcclGroup, FaultTolerance, ReconfigurableGroup
@@ -453,36 +453,25 @@ class ProcessGroupEccl(FaultTolerance, _Base):
             # out once the call has succeeded (it reads what it sends, and G2: a failed
             # call leaves the tensor as it was).
             input = input.contiguous()
-            if output.is_contiguous() and not overlaps(output, input):
-                return self._calls.submit([self.comm.all_to_all(output, input, async_op=True)], output)
-            return self._into_copy(output, lambda o: self.comm.all_to_all(o, input, async_op=True))
+            target, copy = landing(output, [input])
+            return self._calls.submit([self.comm.all_to_all(target, input, async_op=True)], output, copy)
         if out_rows is None:
             return self._alltoall_v([], [], split_refusal("output", output, output_split_sizes, n))
         if in_rows is None:
             return self._alltoall_v([], [], split_refusal("input", input, input_split_sizes, n))
         if output.dtype == input.dtype and output.is_contiguous() and input.is_contiguous():
             # The common case, one contiguous tensor each way: the call as it is, its
-            # counts from the rows (in place, it reads a copy of its input).
+            # counts from the rows (in place, as the even call above).
             per_out = output.numel() // output.shape[0] if output.shape[0] else 0
             per_in = input.numel() // input.shape[0] if input.shape[0] else 0
             send, recv = [k * per_in for k in in_rows], [k * per_out for k in out_rows]
             if not self._sizes_agree(send, recv):
                 return self._calls.submit([], output)
-
-            def call(o):
-                return self.comm.all_to_all(o, input, send_counts=send, recv_counts=recv, async_op=True)
-            if overlaps(output, input):
-                return self._into_copy(output, call)   # in place: as the even call above
-            return self._calls.submit([call(output)], output)
+            target, copy = landing(output, [input])
+            w = self.comm.all_to_all(target, input, send_counts=send, recv_counts=recv, async_op=True)
+            return self._calls.submit([w], output, copy)
         outs, ins = list(output.split(out_rows)), list(input.split(in_rows))
         return self._alltoall_v(outs, ins, a2a_refusal(outs, ins, n), (output, input), [output])
-
-    def _into_copy(self, output, call):
-        """`call` (an eccl call given where to write) into a buffer of `output`'s size,
-        copied into `output` once the call has succeeded: for a call whose output is its
-        input, which must read what it sends and, failing, leave it as it was (G2)."""
-        buf = torch.empty(output.numel(), dtype=output.dtype)
-        return self._calls.submit([call(buf)], output, lambda: output.copy_(buf.view(output.shape)))
 
     def _sizes_agree(self, send: list, recv: list, refusal: Optional[str] = None) -> bool:
         """Every rank's block sizes, in one small all_gather before anything moves, so
@@ -551,11 +540,8 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         src = ([flat_in] if flat_in is not None and flat_in.is_contiguous()
                else separate([_cpu(b) for b in ins], dtype, written=False))
         writes = [out] if out is not None else [o for o in outs if o.is_contiguous()]
-        # In place: the output may be the input (for blocks that are not contiguous, any
-        # output in an input's storage counts).
-        in_place = (not apart(writes, src) if src is not None else
-                    bool({o.untyped_storage().data_ptr() for o in outs}
-                         & {b.untyped_storage().data_ptr() for b in ins}))
+        # In place: the output may be the input.
+        in_place = not clear_of(writes, src if src is not None else ins)
         if src is None:
             src = [torch.cat([b.reshape(-1) for b in ins])]
         # The blocks land where they are: in the output where it is one tensor

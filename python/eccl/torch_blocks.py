@@ -62,6 +62,14 @@ def apart(writes: list, reads: list) -> bool:
     return True
 
 
+def clear_of(writes: list, reads: Any) -> bool:
+    """`apart`, with `reads` that may not be contiguous: such a read counts as touching
+    every written tensor in its storage."""
+    storages = {r.untyped_storage().data_ptr() for r in reads if r.numel() and not r.is_contiguous()}
+    return (apart(writes, [r for r in reads if r.is_contiguous()])
+            and not any(w.numel() and w.untyped_storage().data_ptr() in storages for w in writes))
+
+
 def separate(blocks: list, dtype: Any, reads: Any = (), written: bool = True) -> Optional[list]:
     """`blocks` as a list that the native call takes as it is, one buffer per block,
     read or (`written`) written where each tensor lies, as gloo does: contiguous CPU
@@ -107,9 +115,7 @@ def landing(out: "torch.Tensor", reads: Any = ()) -> tuple:
     is written as gloo writes it, where the native call would refuse it on this rank
     alone (and the others would wait for it), and an output that is also what the call
     reads (`reduce_scatter(ts[r], ts)`) is left as it was if the call fails (G2)."""
-    storages = {r.untyped_storage().data_ptr() for r in reads if r.numel() and not r.is_contiguous()}
-    if (out.is_contiguous() and apart([out], [r for r in reads if r.is_contiguous()])
-            and (not out.numel() or out.untyped_storage().data_ptr() not in storages)):
+    if out.is_contiguous() and clear_of([out], reads):
         return out, None
     buf = torch.empty(out.shape, dtype=out.dtype)
     return buf, lambda: out.copy_(buf)
