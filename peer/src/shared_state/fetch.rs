@@ -33,22 +33,19 @@ struct Checked {
 }
 
 /// A checked chunk's bytes: copied out already (to be written into the caller's tensor
-/// once every chunk has arrived), still in the link's buffer (a buffer of this process
-/// only: written straight into the tensor), or copied out of a buffer its sender can
-/// still write and written straight into the tensor.
+/// once every chunk has arrived), or in a buffer of this process only (the link's own,
+/// or a copy of bytes the link lent where their sender can still write them), written
+/// straight into the tensor.
 enum Arrived {
     Staged(Vec<u8>),
-    Lent(Payload),
-    /// Checked in a copy of its own (the link lent bytes its sender can still write),
-    /// written straight into the tensor.
-    Copied(Vec<u8>),
+    Direct(Payload),
 }
 
 impl Arrived {
-    fn len(&self) -> usize {
+    fn bytes(&self) -> &[u8] {
         match self {
-            Arrived::Staged(b) | Arrived::Copied(b) => b.len(),
-            Arrived::Lent(p) => p.len(),
+            Arrived::Staged(b) => b,
+            Arrived::Direct(p) => p.as_bytes(),
         }
     }
 }
@@ -186,7 +183,7 @@ impl Communicator {
                     let si = srcs.iter().position(|s| s.rank == done.rank);
                     match done.bytes {
                         Some(b) => {
-                            received += b.len() as u64;
+                            received += b.bytes().len() as u64;
                             if let Some(si) = si {
                                 srcs[si].used = true;
                             }
@@ -194,14 +191,11 @@ impl Communicator {
                                 Arrived::Staged(b) => {
                                     fetched.insert(done.key, b);
                                 }
-                                Arrived::Lent(_) | Arrived::Copied(_) => {
+                                Arrived::Direct(p) => {
                                     let data = &mut tensors[to_local[&done.key.0]].data;
                                     let rg = chunk_range(data.len() as u64, done.key.1)
                                         .expect("checked against the target's length");
-                                    data[rg].copy_from_slice(match &b {
-                                        Arrived::Lent(p) => p.as_bytes(),
-                                        Arrived::Copied(v) | Arrived::Staged(v) => v,
-                                    });
+                                    data[rg].copy_from_slice(p.as_bytes());
                                 }
                             }
                         }
@@ -254,27 +248,20 @@ impl Communicator {
                     // buffer goes back to the link when the copy is done.
                     checks.push(tokio::task::spawn_blocking(move || {
                         let _permit = permit;
-                        let fits = want_len == Some(payload.len());
-                        let matches =
-                            |b: &[u8]| want_hash.as_ref() == Some(blake3::hash(b).as_bytes());
-                        let bytes = match (fits, in_place, &payload) {
-                            (false, _, _) => None,
-                            // Lent bytes lie where the sender can still write them (a
-                            // shared-memory slot): they are copied before they are
-                            // checked, so what is checked is what is kept.
-                            (true, _, Payload::Lent(_)) | (true, false, _) => {
-                                let copy = payload.as_bytes().to_vec();
-                                drop(payload);
-                                matches(&copy).then_some(if in_place {
-                                    Arrived::Copied(copy)
-                                } else {
-                                    Arrived::Staged(copy)
-                                })
-                            }
-                            (true, true, _) => {
-                                matches(payload.as_bytes()).then_some(Arrived::Lent(payload))
-                            }
+                        // What is checked is what is kept: bytes a link lends where
+                        // they lie (a shared-memory slot) can still be written by their
+                        // sender, so they are detached into memory of this process first.
+                        let arrived = if !in_place {
+                            Arrived::Staged(payload.as_bytes().to_vec())
+                        } else if matches!(payload, Payload::Lent(_)) {
+                            Arrived::Direct(payload.detach())
+                        } else {
+                            Arrived::Direct(payload)
                         };
+                        let b = arrived.bytes();
+                        let good = want_len == Some(b.len())
+                            && want_hash.as_ref() == Some(blake3::hash(b).as_bytes());
+                        let bytes = good.then_some(arrived);
                         Checked {
                             key,
                             rank: r,
