@@ -38,11 +38,10 @@ pub struct MasterSet {
     procs: Vec<MasterProc>,
 }
 
-/// A port free on `host` and not in `taken` (which it joins), for a master started later
-/// and restarted on the same port after each kill: below the ephemeral range, where no
-/// peer's connection can take it while its master is down (see
-/// [`eccl::port_to_listen_later`]).
-fn free_port(host: &str, taken: &mut Vec<u16>) -> anyhow::Result<u16> {
+/// A port free on `host`, for a master started later and restarted on the same port after
+/// each kill: below the ephemeral range, where no peer's connection can take it while its
+/// master is down (see [`eccl::port_to_listen_later`]).
+fn free_port(host: &str) -> anyhow::Result<u16> {
     use std::net::ToSocketAddrs;
     let ip = (host, 0)
         .to_socket_addrs()
@@ -50,9 +49,7 @@ fn free_port(host: &str, taken: &mut Vec<u16>) -> anyhow::Result<u16> {
         .next()
         .with_context(|| format!("{host} has no address"))?
         .ip();
-    let port = eccl::port_to_listen_later(ip, taken)?;
-    taken.push(port);
-    Ok(port)
+    Ok(eccl::port_to_listen_later(ip)?)
 }
 
 impl MasterSet {
@@ -88,14 +85,10 @@ impl MasterSet {
         };
         if n > 1 {
             let mut entries = Vec::new();
-            let mut taken = Vec::new();
             for i in 0..n {
                 // Peers reach the client address (on a lab's bridge, with --faults
                 // partition); the raft listener stays on loopback.
-                let (c, r) = (
-                    free_port(host, &mut taken)?,
-                    free_port("127.0.0.1", &mut taken)?,
-                );
+                let (c, r) = (free_port(host)?, free_port("127.0.0.1")?);
                 entries.push(format!("{}={host}:{c}/127.0.0.1:{r}", i + 1));
                 set.procs.push(MasterProc {
                     client: format!("{host}:{c}"),

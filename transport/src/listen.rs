@@ -24,9 +24,9 @@ use crate::{handshake, quic, tls, TransportError};
 
 pub use crate::admission::MAX_PENDING;
 
-/// A TCP port free on `host` now and not in `skip`, for a listener that starts later: a
-/// master whose address others must be told before it runs, or one restarted at its old
-/// address (eccl-chaos's master set, the tests' clusters).
+/// A TCP port free on `host` now, for a listener that starts later: a master whose
+/// address others must be told before it runs, or one restarted at its old address
+/// (eccl-chaos's master set, the tests' clusters).
 ///
 /// It lies below the kernel's ephemeral range (`ip_local_port_range`), where neither a
 /// bind to port 0 nor an outgoing connection gets its port, so it stays free until the
@@ -34,10 +34,12 @@ pub use crate::admission::MAX_PENDING;
 /// port found by a bind to port 0 can go to some connection in between, and the listener
 /// then fails with "address already in use".) Each process walks the range from a start
 /// of its own (its PID) and hands out each port once; where nearly every port is
-/// ephemeral, the kernel's choice (a bind to port 0) is all there is.
-pub fn port_to_listen_later(host: IpAddr, skip: &[u16]) -> std::io::Result<u16> {
+/// ephemeral, the kernel's choice (a bind to port 0) is all there is, still never a port
+/// handed out before.
+pub fn port_to_listen_later(host: IpAddr) -> std::io::Result<u16> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
@@ -52,14 +54,16 @@ pub fn port_to_listen_later(host: IpAddr, skip: &[u16]) -> std::io::Result<u16> 
                 break;
             }
             let port = (low + (start + n) % span) as u16;
-            if !skip.contains(&port) && std::net::TcpListener::bind((host, port)).is_ok() {
+            if std::net::TcpListener::bind((host, port)).is_ok() {
                 return Ok(port);
             }
         }
     }
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         let port = std::net::TcpListener::bind((host, 0))?.local_addr()?.port();
-        if !skip.contains(&port) {
+        if !given.contains(&port) {
+            given.push(port);
             return Ok(port);
         }
     }
@@ -382,14 +386,12 @@ mod tests {
             .and_then(|s| s.split_whitespace().next()?.parse().ok())
             .unwrap_or(32768);
         let lo = [127, 0, 0, 1].into();
-        // One port held by a listener must be skipped as busy, one named in `skip` too.
+        // A port held by a listener must be skipped as busy.
         let held =
-            std::net::TcpListener::bind(("127.0.0.1", port_to_listen_later(lo, &[]).unwrap()))
-                .unwrap();
-        let skipped = port_to_listen_later(lo, &[]).unwrap();
-        let mut seen = vec![held.local_addr().unwrap().port(), skipped];
+            std::net::TcpListener::bind(("127.0.0.1", port_to_listen_later(lo).unwrap())).unwrap();
+        let mut seen = vec![held.local_addr().unwrap().port()];
         for _ in 0..50 {
-            let p = port_to_listen_later(lo, &[skipped]).unwrap();
+            let p = port_to_listen_later(lo).unwrap();
             assert!(!seen.contains(&p), "port {p} handed out twice");
             if low > 2048 {
                 assert!(p < low, "port {p} is in the ephemeral range from {low}");

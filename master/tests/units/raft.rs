@@ -144,7 +144,7 @@ async fn start_node(id: u64, listener: TcpListener, members: &BTreeMap<u64, Mast
 /// the ephemeral range, so that no connection of this binary's tests takes its port
 /// while it is down.
 async fn listen_below_ephemeral() -> TcpListener {
-    let port = eccl_transport::listen::port_to_listen_later([127, 0, 0, 1].into(), &[]).unwrap();
+    let port = eccl_transport::listen::port_to_listen_later([127, 0, 0, 1].into()).unwrap();
     TcpListener::bind(("127.0.0.1", port)).await.unwrap()
 }
 

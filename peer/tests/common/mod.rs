@@ -66,7 +66,7 @@ pub fn master_bin() -> PathBuf {
 /// address the others must know first, or a restarted one that must get its port back):
 /// below the ephemeral range, see [`eccl::port_to_listen_later`].
 pub fn free_port() -> u16 {
-    eccl::port_to_listen_later([127, 0, 0, 1].into(), &[]).expect("a free loopback port")
+    eccl::port_to_listen_later([127, 0, 0, 1].into()).expect("a free loopback port")
 }
 
 /// A child process killed and reaped on drop.

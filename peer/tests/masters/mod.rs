@@ -56,18 +56,8 @@ impl Cluster {
     }
 
     fn allocate(&mut self) -> usize {
-        // free_port() never hands out a port twice; the check stays as the cheap proof.
-        let mut ports: Vec<u16> = Vec::new();
-        while ports.len() < 2 {
-            let port = free_port();
-            let addr = format!("127.0.0.1:{port}");
-            if !ports.contains(&port)
-                && !self.clients.contains(&addr)
-                && !self.rafts.contains(&addr)
-            {
-                ports.push(port);
-            }
-        }
+        // free_port() never hands out a port twice.
+        let ports = [free_port(), free_port()];
         self.clients.push(format!("127.0.0.1:{}", ports[0]));
         self.rafts.push(format!("127.0.0.1:{}", ports[1]));
         self.procs.push(None);
