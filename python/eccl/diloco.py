@@ -12,7 +12,7 @@ from typing import List, Optional
 import torch
 
 import eccl
-from eccl.elastic import COMPRESSION, QUANTIZED, init_optimizer_state, next_world
+from eccl.elastic import COMPRESSION, QUANTIZED, init_optimizer_state, next_world, retryable
 
 log = logging.getLogger("eccl.torch")
 
@@ -92,7 +92,9 @@ class DiLoCo:
             comm.update_topology()
         try:
             members_in_outer = self._admitted()
-        except eccl.AbortedError:
+        except eccl.EcclError as e:
+            if not retryable(e):
+                raise
             # A fault during the first sync (the member serving it died): the next
             # world, and the sync again over it, as the members do.
             members_in_outer = next_world(comm, self._admitted, max_retries)
@@ -242,7 +244,9 @@ class DiLoCo:
             self.comm.update_topology()
             try:
                 self._admitted()
-            except eccl.AbortedError:
+            except eccl.EcclError as e:
+                if not retryable(e):
+                    raise
                 next_world(self.comm, self._admitted, self.max_retries)
 
     def _pseudo_gradient(self, zero: bool) -> torch.Tensor:
@@ -257,18 +261,33 @@ class DiLoCo:
         return flat
 
     def _outer_step(self, zero: bool = False) -> None:
+        last: Optional[BaseException] = None
         for _ in range(self.max_retries):
             try:
                 # A sync served in the background ends first: it may have set the
                 # shared state the pseudo-gradient is taken against.
                 self._settle()
+                if self._contributors == 0:
+                    # Every rank that trained for this step left during it: there is no
+                    # pseudo-gradient to average, and a step on zeros would still move
+                    # the model (the outer optimizer's momentum). Every rank sees the
+                    # same roster: all skip the step and train on from the shared model.
+                    log.warning("eccl: no rank that trained for outer step %d is left: "
+                                "the step is skipped", self.outer_steps + 1)
+                    self._reset_local()
+                    self._contributes = True
+                    self._contributors = self.comm.world_size
+                    return
                 flat = self._pseudo_gradient(zero)
                 info = self.comm.all_reduce(flat, "sum", quantize=self._quantize)
-            except eccl.AbortedError:
+            except eccl.EcclError as e:
+                if not retryable(e):
+                    raise
+                last = e
                 next_world(self.comm, lambda: self._admitted(in_outer=True), self.max_retries)
                 continue
             self.members = info.members
-            contributors = max(1, self._contributors)
+            contributors = self._contributors
             with torch.no_grad():
                 for s, p, part in zip(self._shared, self._params, flat.split(self._sizes)):
                     p.copy_(s)
@@ -282,4 +301,4 @@ class DiLoCo:
             self._contributes = True
             self._contributors = len(info.members)
             return
-        raise eccl.AbortedError(f"the outer step failed {self.max_retries} times")
+        raise eccl.AbortedError(f"the outer step failed {self.max_retries} times: {last}") from last

@@ -13,7 +13,7 @@ import eccl
 
 log = logging.getLogger("eccl.torch")
 
-__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world"]
+__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world", "retryable"]
 
 T = TypeVar("T")
 
@@ -25,6 +25,10 @@ COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8"
 QUANTIZED = {"int8", "fp8"}
 #: What `quantize=` takes.
 QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+# A step's tally, summed over the ranks when a newcomer healed during it: gradients
+# contributed, members whose state the sync replaced, ranks whose part of the sync failed.
+_TALLY_CONTRIBUTED, _TALLY_POISONED, _TALLY_FAILED = 0, 1, 2
 
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -47,17 +51,29 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
                         st["max_exp_avg_sq"] = torch.zeros_like(p)
 
 
+def retryable(e: BaseException) -> bool:
+    """Whether a failure is one that the next world can cure (an abort, a revoke, a
+    timeout: the error's `retryable`), not one that every retry would meet again (bad
+    arguments, ranks that disagree) or that ends this rank (evicted: a new Communicator
+    registers again)."""
+    return isinstance(e, eccl.EcclError) and bool(getattr(e, "retryable", False))
+
+
 def next_world(comm: eccl.Communicator, resync: Callable[[], T], max_retries: int) -> T:
     """After a failed collective: moves `comm` to the next world and runs `resync` (the
     state sync every member runs after a change of world) over it, again while either
-    is aborted by a further fault; returns what `resync` returned."""
+    fails with a retryable error (a further fault); returns what `resync` returned. An
+    error that is not retryable is raised at once."""
+    last: Optional[BaseException] = None
     for _ in range(max_retries):
         try:
             comm.update_topology()
             return resync()
-        except eccl.AbortedError:
-            continue
-    raise eccl.AbortedError(f"no stable world after {max_retries} attempts")
+        except eccl.EcclError as e:
+            if not retryable(e):
+                raise
+            last = e
+    raise eccl.AbortedError(f"no stable world after {max_retries} attempts: {last}") from last
 
 
 def bucket_layout(module: torch.nn.Module, bucket_cap_mb: float) -> List[List[str]]:
@@ -225,7 +241,9 @@ class ElasticDDP:
             comm.update_topology()
         try:
             self._admit()
-        except eccl.AbortedError:
+        except eccl.EcclError as e:
+            if not retryable(e):
+                raise
             # A fault during the first sync (a member serving it died): the next world,
             # and the sync again over it, as the members do after a failed step. That
             # world may admit newcomers, for whom this is their admission: every rank
@@ -330,7 +348,7 @@ class ElasticDDP:
             if n.startswith("buffer.") and n in info.updated \
                     and h.tensors[n].data_ptr() != t.data_ptr():
                 t.data.copy_(h.tensors[n])
-        tally = torch.tensor([0 if self._no_grads else 1, int(poisoned)], dtype=torch.int64)
+        tally = torch.tensor([0 if self._no_grads else 1, int(poisoned), 0], dtype=torch.int64)
         if poisoned:
             self._no_grads = True
         return tally
@@ -348,13 +366,23 @@ class ElasticDDP:
         if self._joined_now:
             self._joined_now = False
             return False
-        self._settle()
+        try:
+            self._settle()
+        except eccl.EcclError as e:
+            if not retryable(e):
+                raise
+            # The background sync of a newcomer admitted at the last boundary failed
+            # (a fault in the world it ran on): the next world, and the sync over it.
+            next_world(self.comm, self._admit, self.max_retries)
+            return True
         if not self.comm.are_peers_pending():
             return False
-        self.comm.update_topology()
         try:
+            self.comm.update_topology()
             self._admit()
-        except eccl.AbortedError:
+        except eccl.EcclError as e:
+            if not retryable(e):
+                raise
             # A fault during the admission's sync (the newcomer, or a member, died): the
             # next world, and the sync again over it.
             next_world(self.comm, self._admit, self.max_retries)
@@ -433,18 +461,28 @@ class ElasticDDP:
             try:
                 tally = self._end_healing()
             except eccl.EcclError as e:
-                tally = None
+                tally = torch.zeros(3, dtype=torch.int64)
                 if self._failed is None:
                     self._failed = e
-            if tally is not None and self._failed is None:
-                try:
-                    self.comm.all_reduce(tally, "sum")
-                    contributors = int(tally[0])
-                    if int(tally[1]):
+            # Every rank takes part in the tally, also one whose reduction or part of
+            # the sync failed, with its failure counted: the others may have finished
+            # theirs and wait in it, and every rank must drop the step (a rank that
+            # skipped the tally went on to its next collective, which met the others').
+            tally[_TALLY_FAILED] = int(self._failed is not None)
+            try:
+                self.comm.all_reduce(tally, "sum")
+                if self._failed is None:
+                    contributors = int(tally[_TALLY_CONTRIBUTED])
+                    if int(tally[_TALLY_POISONED]):
                         self._failed = eccl.AbortedError(
                             "a member's state was replaced while it served a newcomer: "
                             "the step is taken again")
-                except eccl.EcclError as e:
+                    elif int(tally[_TALLY_FAILED]):
+                        self._failed = eccl.AbortedError(
+                            f"{int(tally[_TALLY_FAILED])} rank(s) failed this step's "
+                            "reduction or the newcomer's state sync: the step is taken again")
+            except eccl.EcclError as e:
+                if self._failed is None:
                     self._failed = e
         if self._failed is None and members is not None:
             self.members = members
@@ -470,6 +508,11 @@ class ElasticDDP:
             loss = self._forward_backward(compute_loss)
         for _ in range(self.max_retries):
             self._finish()
+            if self._failed is not None and not retryable(self._failed):
+                # Bad arguments, ranks that disagree, an eviction: the next world would
+                # not cure it. Raised at once, with no optimizer step taken.
+                failed, self._failed = self._failed, None
+                raise failed
             if self._failed is None:
                 self.optimizer.step()
                 self.revision += 1
@@ -495,7 +538,7 @@ class ElasticDDP:
                 self._no_grads = False
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._forward_backward(compute_loss)
-        raise eccl.AbortedError(f"step failed {self.max_retries} times: {failed}")
+        raise eccl.AbortedError(f"step failed {self.max_retries} times: {failed}") from failed
 
     def _forward_backward(self, compute_loss) -> torch.Tensor:
         self._in_step = True

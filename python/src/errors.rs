@@ -59,6 +59,11 @@ pub(crate) fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
                     None => eccl_error.clone(),
                 };
                 let t = make_class(py, *k, &base, &builtins)?;
+                // On the class as well as on each instance: an error raised by Python
+                // code (`eccl.AbortedError("...")`, as ElasticDDP raises after its
+                // retries) says whether it is retryable as the library's own do.
+                t.bind(py).setattr("retryable", k.is_retryable())?;
+                t.bind(py).setattr("hint", k.hint())?;
                 made.push((*k, t.clone_ref(py)));
                 Ok(t)
             })

@@ -7,7 +7,9 @@ saves the final parameters to OUT.
 
 With `--join-at K` the members wait at step K's boundary for a newcomer (started with
 `--newcomer` once a member prints `WAITING`), which heals in the background during step
-K and computes nothing in it.
+K and computes nothing in it. `--heal-fails-once` (a newcomer's) makes its part of that
+background sync report a (retryable) failure once, after the transfer itself ended: a
+local failure the members do not see.
 """
 
 import argparse
@@ -43,6 +45,7 @@ def main() -> None:
     p.add_argument("--compression", default=None)
     p.add_argument("--join-at", type=int, default=None)
     p.add_argument("--newcomer", action="store_true")
+    p.add_argument("--heal-fails-once", action="store_true")
     a = p.parse_args()
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
@@ -71,6 +74,19 @@ def main() -> None:
         job = eccl.torch.ElasticDDP(m, opt, comm, bucket_cap_mb=0.01,
                                     compression=a.compression)
         assert len(job.layout) > 1, job.layout
+        if a.heal_fails_once:
+            assert job._healing is not None and job._healing.behind
+            real = job._healing.work
+
+            class FailsOnce:
+                def wait(self):
+                    real.wait()
+                    raise eccl.EcclTimeoutError("injected: this rank's part of the sync failed")
+
+                def is_completed(self):
+                    return real.is_completed()
+
+            job._healing.work = FailsOnce()
         if not a.newcomer:
             assert comm.rank == int(os.environ["ECCL_RANK"]), (comm.rank, os.environ["ECCL_RANK"])
         while job.revision < a.steps:

@@ -74,16 +74,22 @@ def test_elastic_ddp_overlap_gives_gloo_ddps_parameters(tmp_path, accumulate):
     assert same(el[0], gloo[0]), max(float((x - y).abs().max()) for x, y in zip(el[0], gloo[0]))
 
 
-def test_a_newcomer_healing_in_the_background_leaves_the_members_step_exact(tmp_path):
+@pytest.mark.parametrize("fault", [None, "--heal-fails-once"])
+def test_a_newcomer_healing_in_the_background_leaves_the_members_step_exact(tmp_path, fault):
     """Two members take step 3 while a newcomer admitted at its boundary fetches the state
     in the background and contributes zero gradients: the step (averaged over the two
     that contributed) is bit for bit the step of two members alone, and the newcomer ends
-    with the same parameters."""
+    with the same parameters. With `--heal-fails-once` the newcomer's part of the sync
+    fails where the members' succeeded: every rank drops the step (the failure is
+    counted in the step's tally, which every rank joins) and takes it again, with the
+    same result. A collective's timeout far beyond the test's: a rank that skipped the
+    tally left the others waiting in it until then (33 s at the default 30 s)."""
     (tmp_path / "alone").mkdir()
     alone = parity("elastic", 2, tmp_path / "alone", ["--steps", "4"])
     script = str(HERE / "elastic_parity.py")
     master = eccl.Master()
-    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret, ECCL_WORLD="2")
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret, ECCL_WORLD="2",
+               ECCL_TIMEOUT_MS="600000")
     outs = [tmp_path / f"m{r}.pt" for r in range(3)]
     procs = [spawn([sys.executable, script, "elastic", str(outs[r]), "--steps", "4",
                     "--join-at", "3"], env=dict(env, ECCL_RANK=str(r)), stdout=subprocess.PIPE,
@@ -93,7 +99,7 @@ def test_a_newcomer_healing_in_the_background_leaves_the_members_step_exact(tmp_
         line = read_until(procs[0], "WAITING", 60)
         assert "WAITING" in line, "the members did not reach step 3"
         procs.append(spawn([sys.executable, script, "elastic", str(outs[2]), "--steps", "4",
-                            "--newcomer"], env=env, stdout=subprocess.PIPE,
+                            "--newcomer", *([fault] if fault else [])], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True))
         res = [p.communicate(timeout=120)[0] for p in procs]
     finally:
@@ -130,6 +136,34 @@ def test_compressed_gradients_are_identical_on_every_rank(tmp_path):
     assert not same(q8[0], full[0])
     apart8 = max(float((e - f).abs().max()) for e, f in zip(q8[0], full[0]))
     assert apart8 < 0.05 * moved, (apart8, moved)
+
+
+def last_error(out: str) -> str:
+    """The last line of a traceback's exception in a process's output."""
+    lines = [ln for ln in out.splitlines() if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    return lines[-1] if lines else ""
+
+
+def test_an_error_the_next_world_cannot_cure_is_raised_at_once(tmp_path):
+    """One rank sends its gradients in bf16, the other in f32: the first reduction fails
+    with `MismatchError` on both (not retryable: the next world would meet it again), and
+    ElasticDDP raises it there, instead of moving through 16 worlds and raising "step
+    failed 16 times"."""
+    script = str(HERE / "elastic_parity.py")
+    master = eccl.Master()
+    env = dict(os.environ, ECCL_MASTER=master.addr, ECCL_SECRET=master.secret, ECCL_WORLD="2")
+    procs = [spawn([sys.executable, script, "elastic", str(tmp_path / f"el{r}.pt"),
+                    *(["--compression", "bf16"] if r else [])], env=dict(env, ECCL_RANK=str(r)),
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                   start_new_session=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        stop_sessions(procs)
+        master.shutdown()
+    for p, out in zip(procs, outs):
+        assert p.returncode != 0 and "RESULT" not in out, out[-3000:]
+        assert last_error(out).startswith("eccl.MismatchError"), out[-3000:]
 
 
 FINAL = re.compile(r"FINAL peer (\d+) outer (\d+) first_loss ([0-9.]+) loss ([0-9.]+) params (\w+)")
@@ -327,3 +361,149 @@ def test_state_lost_only_where_no_rank_holds_a_whole_state(newest, caplog):
         job = eccl.torch.ElasticDDP(model, opt, comm)
     assert job.revision == 3 and comm.synced == [0]
     assert "goes on from revision 3" in caplog.text
+
+
+def test_a_step_boundary_whose_background_sync_failed_moves_to_the_next_world():
+    """A second step boundary before the healing step (a loop that calls it twice) meets
+    the background sync's failure (a fault in its world): the next world and the sync
+    over it, not the raw `AbortedError` out of `step_boundary()`."""
+    import types
+
+    from eccl.elastic import _Healing
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = _ScriptedComm([[3, -3, 3], [3, -3, 3]])
+    comm.newest = 3
+    updates = []
+    comm.update_topology = lambda: updates.append(1)
+    job = eccl.torch.ElasticDDP(model, opt, comm)
+
+    def fails():
+        raise eccl.AbortedError("a member died while it served")
+
+    job._healing = _Healing(types.SimpleNamespace(wait=fails), {}, False, {})
+    assert job.step_boundary() is True
+    assert len(updates) == 1 and comm.synced == [0, 3] and job._healing is None
+
+
+class _Comm:
+    """A communicator double for the retry logic: `update_topology` raises the scripted
+    errors in turn, then succeeds."""
+
+    def __init__(self, errors):
+        self.errors = list(errors)
+        self.updates = 0
+
+    def update_topology(self):
+        self.updates += 1
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+def test_next_world_retries_what_is_retryable_and_raises_the_rest():
+    """A timeout or an abort while the next world forms is retried; an eviction or bad
+    arguments are raised at once (the next world cannot cure them); so are errors raised
+    by Python code, which carry their kind's `retryable` on the class."""
+    from eccl.elastic import next_world, retryable
+
+    comm = _Comm([eccl.EcclTimeoutError("slow master"), eccl.AbortedError("a member died")])
+    assert next_world(comm, lambda: 7, 16) == 7 and comm.updates == 3
+    for e in (eccl.EvictedError("gone"), eccl.InvalidArgumentError("bad"),
+              eccl.MismatchError("differ")):
+        comm = _Comm([e])
+        with pytest.raises(type(e)):
+            next_world(comm, lambda: 7, 16)
+        assert comm.updates == 1
+    comm = _Comm([eccl.AbortedError("again")] * 3)
+    with pytest.raises(eccl.AbortedError, match="no stable world after 3 attempts: again"):
+        next_world(comm, lambda: 7, 3)
+    assert [retryable(c("x")) for c in eccl.ERRORS] == \
+        [c.__name__ in ("AbortedError", "RevokedError", "EcclTimeoutError") for c in eccl.ERRORS]
+    assert not retryable(RuntimeError("not eccl's"))
+
+
+class _DiLoCoComm:
+    """A communicator double for DiLoCo's outer-step logic: a newcomer admitted while its
+    one member retries an outer step. The first all_gather answers the scripted roster
+    (the member inside the outer step at revision 1, the newcomer behind), the first sync
+    delivers `state`; then the first outer all_reduce fails with `error` (the member
+    died), the world shrinks to the newcomer alone, and later all_gathers answer its own
+    row."""
+
+    def __init__(self, state, error):
+        self.rank, self.world_size = None, 2
+        self.state, self.error = state, error
+        self.reduced = 0
+
+    def update_topology(self):
+        if self.rank is None:
+            self.rank = 1
+        else:
+            self.rank, self.world_size = 0, 1
+
+    def are_peers_pending(self):
+        return False
+
+    def all_gather(self, roster, mine):
+        if self.world_size == 2:
+            roster[0] = torch.tensor([0, 1, 1, 1, 1])
+            roster[1] = mine
+        else:
+            roster[0] = mine
+
+    def sync_shared_state(self, revision, tensors, unchanged=None, async_op=False):
+        import types
+        for n, t in tensors.items():
+            if n in self.state and revision < 1:
+                t.copy_(self.state[n])
+        info = types.SimpleNamespace(revision=1, updated=list(tensors))
+        return types.SimpleNamespace(wait=lambda: info, is_completed=lambda: True)
+
+    def recv(self, t, src, async_op=False):
+        import types
+        return types.SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+
+    def all_reduce(self, t, op, quantize=None):
+        import types
+        self.reduced += 1
+        if self.reduced == 1:
+            raise self.error
+        return types.SimpleNamespace(members=(0,))
+
+
+def _diloco_newcomer(error):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    # The job's outer state at revision 1: a model and a non-zero momentum.
+    state = {"shared.0": torch.full((2, 2), 0.5), "shared.1": torch.full((2,), -0.5),
+             "outer.0.momentum_buffer": torch.full((2, 2), 0.25),
+             "outer.1.momentum_buffer": torch.full((2,), 0.25)}
+    comm = _DiLoCoComm(state, error)
+    return model, state, comm, lambda: eccl.torch.DiLoCo(model, inner, outer, comm,
+                                                         sync_every=4)
+
+
+def test_diloco_skips_an_outer_step_nobody_left_trained_for(caplog):
+    """The only member dies in the outer step that a newcomer joined with nothing to add:
+    the retry has no pseudo-gradient to average. The step is skipped (it used to be taken
+    on zeros, and the outer momentum moved the shared model), the newcomer holds the
+    state as received and trains on from it."""
+    model, state, comm, start = _diloco_newcomer(eccl.AbortedError("the member died"))
+    with caplog.at_level("WARNING", logger="eccl.torch"):
+        job = start()
+    assert comm.world_size == 1 and comm.reduced == 1, "the retry reduced nothing"
+    assert "the step is skipped" in caplog.text
+    assert job.outer_steps == 1
+    assert torch.equal(model.weight.detach(), state["shared.0"])
+    assert torch.equal(model.bias.detach(), state["shared.1"])
+
+
+def test_diloco_raises_what_the_next_world_cannot_cure():
+    """A mismatch in the outer all_reduce is raised, not retried over a next world."""
+    _, _, comm, start = _diloco_newcomer(eccl.MismatchError("ranks differ"))
+    with pytest.raises(eccl.MismatchError):
+        start()
+    assert comm.world_size == 2 and comm.reduced == 1
