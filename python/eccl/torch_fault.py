@@ -76,6 +76,8 @@ def reconfigure(backend: Any, opts: Any) -> Any:
     if not 0 <= uuid < 1 << 64:
         raise eccl.InvalidArgumentError(f"reconfigure: uuid {uuid} is not in 0..2**64")
     timeout = opts.timeout or backend._timeout
+    # An earlier reconfigure still running is not a call to abandon: this one follows it.
+    backend._recovery.await_forming()
     if backend._calls.in_flight():
         backend._recovery.aborted()
         comm.abort(f"reconfigure {uuid} on rank {backend.rank()} while calls were in flight")
@@ -85,7 +87,10 @@ def reconfigure(backend: Any, opts: Any) -> Any:
     def adopt() -> None:
         backend._recovery.adopt()
         backend._options.global_ranks_in_group = list(range(comm.world_size))
-    return backend._calls.submit([w], None, adopt, kind="control")
+    work = backend._calls.submit([w], None, adopt, kind="control")
+    if not work.is_completed():
+        backend._recovery.forming = work
+    return work
 
 
 class FaultTolerance:
@@ -94,9 +99,11 @@ class FaultTolerance:
     `_recovery` (`eccl.torch_recovery.Recovery`, which holds the state they change)."""
 
     def rank(self) -> int:
+        self._recovery.await_forming()
         return self._recovery.rank
 
     def size(self) -> int:
+        self._recovery.await_forming()
         return self._recovery.size
 
     def abort(self) -> None:

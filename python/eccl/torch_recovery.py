@@ -7,11 +7,15 @@ States of a backend's `Recovery`:
 - FORMED: calls go to the communicator as they are.
 - ABORTED: an earlier call failed in a way that aborted the epoch on every rank (see
   `ABORTING`), or `abort()` was called here: the next call first forms the next epoch
-  (`update_topology()`; every rank does the same at its next call). The same ranks go
+  (`update_topology()`; every rank does the same at its next call; of several threads
+  calling at once, one forms it and the others wait for it). The same ranks go
   on; a world that lost or gained a member is not torch's fixed group any more, and the
   call says so (a reconfigurable group is then reconfigured with the members' handles).
 - UNFORMED: a group made with `enable_reconfigure=True` before its first
   `dist._reconfigure`: calls are refused until one forms a world (`adopt`).
+
+In any state, a reconfigure nobody has waited for yet (`forming`) is waited for before
+the next call, as gloo's is done when it returns.
 - REVOKED: `revoke()` here, or a call failed with `eccl.RevokedError` (another rank
   revoked the epoch): calls are refused with `RevokedError` until a reconfigure forms
   the next world (`adopt`); nothing forms one on its own.
@@ -115,17 +119,44 @@ class Recovery:
         self.generation = 0
         # Why calls are refused in State.CHANGED.
         self._changed = ""
+        # A reconfigure's torch Work that has not finished yet: the next call, and
+        # rank()/size(), wait for it (its world is the one they are about).
+        self.forming: Any = None
         # `failed` runs on the thread that completes the calls, the rest on the caller's.
         self._lock = threading.Lock()
+        # Held by the one thread that forms the next epoch after an abort: another that
+        # finds the group aborted meanwhile waits for it rather than form one more.
+        self._form_lock = threading.Lock()
+
+    def await_forming(self) -> None:
+        """Waits for a reconfigure nobody waited for yet, so that what follows sees the
+        world it formed (gloo's reconfigure is done when it returns; eccl's runs in the
+        communicator's queue). Its failure is its own Work's to report: the group then
+        stays in the world it had."""
+        w = self.forming
+        if w is None:
+            return
+        try:
+            w.wait()
+        except Exception:  # noqa: BLE001 - reported by the reconfigure's Work
+            pass
+        with self._lock:
+            if self.forming is w:
+                self.forming = None
 
     def before_call(self) -> None:
         """Before every call: refuse it in a group with no world yet; after an aborted
         epoch, form the next one."""
-        if self.state is State.FORMED:
+        if self.state is State.FORMED and self.forming is None:
             # The common case, without the lock: a failure that flips the state just
             # after this read fails this call, and the next one forms the next epoch
             # (as when it lands just after the call started).
             return
+        self.await_forming()
+        with self._form_lock:
+            self._form_next()
+
+    def _form_next(self) -> None:
         with self._lock:
             state = self.state
             if state is State.UNFORMED:

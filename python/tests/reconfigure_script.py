@@ -153,9 +153,12 @@ def main():
             store.set("grow", "1")
         store.set(f"handles/3/{r}", dist._get_reconfigure_handle())
         handles = [store.get(f"handles/3/{q}").decode() for q in range(n)]
-        dist._reconfigure(uuid=3, handles=handles).wait()
+        # Not waited for before the next calls: gloo's reconfigure is done when it
+        # returns; eccl's next call (and rank/size) waits for it.
+        grow = dist._reconfigure(uuid=3, handles=handles)
         out["grown"] = {"rank": dist.get_rank(), "size": dist.get_world_size(),
                         "sum": all_reduce_ranks()}
+        grow.wait()
     if backend == "eccl":
         out["hooks"] = len(hooks)
     print("RESULT " + json.dumps(out), flush=True)

@@ -112,6 +112,67 @@ def test_a_failed_recovery_is_tried_again_and_a_changed_world_is_refused():
     assert (reconf.rank, reconf.size, reconf.state) == (0, 2, State.FORMED)
 
 
+def test_two_threads_that_find_the_group_aborted_form_one_epoch():
+    """Two threads call at once after an abort: one forms the next epoch, the other waits
+    for it and goes on in it. (Both used to vote; the second vote, alone in its round,
+    waited for the other ranks until the join timeout.)"""
+    import threading
+    import time
+
+    comm = Comm()
+    slow = comm.update_topology
+
+    def update_topology():
+        time.sleep(0.2)      # a round at the master: the other thread arrives meanwhile
+        return slow()
+    comm.update_topology = update_topology
+    r = Recovery(comm, 1, 3)
+    r.aborted()
+    start = threading.Barrier(2)
+    errors = []
+
+    def call():
+        start.wait()
+        try:
+            r.before_call()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and comm.updates == 1 and r.state is State.FORMED
+
+
+def test_a_call_right_after_an_unwaited_reconfigure_sees_its_world():
+    """`dist._reconfigure(...)` returns a Work; a call made before anyone waited on it
+    (and rank()/size(), through `await_forming`) waits for it first, as gloo's, which is
+    done when it returns: the call is checked against the new world's rank and size, not
+    the old one's. A reconfigure that fails leaves the group where it was."""
+    comm = Comm(rank=0, size=2)
+    r = Recovery(comm, 0, 0, unformed=True, reconfigurable=True)
+
+    class Forming:
+        def __init__(self, fails):
+            self.fails, self.waited = fails, 0
+
+        def wait(self):
+            self.waited += 1
+            if self.fails:
+                raise eccl.AbortedError("a member of the new world died")
+            r.adopt()
+    r.forming = w = Forming(fails=False)
+    r.before_call()
+    assert (r.rank, r.size, r.state, w.waited, r.forming) == (0, 2, State.FORMED, 1, None)
+    r.before_call()
+    assert w.waited == 1 and comm.updates == 0
+    comm.rank, comm.world_size = 1, 3
+    r.forming = w = Forming(fails=True)
+    r.before_call()
+    assert (r.rank, r.size, r.state, w.waited, r.forming) == (0, 2, State.FORMED, 1, None)
+
+
 def test_an_unformed_group_refuses_calls_until_a_reconfigure_adopts_a_world():
     comm = Comm(rank=0, size=2)
     r = Recovery(comm, 0, 0, unformed=True, reconfigurable=True)
