@@ -14,11 +14,12 @@ import pytest
 TIMEOUT = 60
 
 
-def _run_ranks(n, body, extra_env=None, rank_env=None, may_fail=()):
+def _run_ranks(n, body, extra_env=None, rank_env=None, may_fail=(), master_args=None):
     """Runs `body(comm, rank, n)` (source text of a function) in n processes against one
-    embedded master; returns their results. `rank_env`: extra environment by rank;
-    ranks in `may_fail` may exit with an error (their result is None)."""
-    master = eccl.Master()
+    embedded master (made with `master_args`); returns their results. `rank_env`: extra
+    environment by rank; ranks in `may_fail` may exit with an error (their result is
+    None)."""
+    master = eccl.Master(**(master_args or {}))
     script = textwrap.dedent(f"""
         import sys, json, numpy as np, eccl
         rank = int(sys.argv[1]); n = int(sys.argv[2])
@@ -225,6 +226,54 @@ def test_a_send_just_before_exit_is_delivered(transport):
     res = _run_ranks(2, body, {"ECCL_TRANSPORT": transport})
     assert res[1]["intact"]
     assert [r["transport"] for r in res] == [transport, transport]
+
+
+def test_a_killed_shm_peer_whose_child_holds_its_socket_is_found_at_once(tmp_path):
+    """Rank 2 forks a child (as a DataLoader forks its workers: the child holds copies of
+    every socket) and is SIGKILLed while the others wait for it in an all_reduce over
+    shared memory. Its sockets do not end (the child holds them), so the link watches
+    the process itself (its pidfd): the survivors fail at once with AbortedError, not at
+    the lease (10 s here; they used to)."""
+    body = """
+    def main(comm, rank, n):
+        import os, signal, time
+        x = np.ones(4, dtype=np.float32)
+        if rank == 2:
+            child = os.fork()
+            if child == 0:
+                os.close(1)         # the test reads the rank's output to its end
+                os.close(2)
+                time.sleep(120)
+                os._exit(0)
+            with open(os.path.join(os.environ["TEST_DIR"], "child"), "w") as f:
+                f.write(str(child))
+        comm.all_reduce(x)          # every rank is past the fork
+        if rank == 2:
+            time.sleep(0.5)         # the others wait for it in the next all_reduce
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(x)
+            return {"error": None, "transport": comm.transport}
+        except eccl.EcclError as e:
+            return {"error": type(e).__name__, "s": time.monotonic() - t0,
+                    "transport": comm.transport}
+    """
+    try:
+        res = _run_ranks(3, body, {"ECCL_TRANSPORT": "shm", "TEST_DIR": str(tmp_path)},
+                         may_fail=(2,), master_args={"lease_ms": 10000})
+    finally:
+        child = tmp_path / "child"
+        if child.exists():
+            try:
+                os.kill(int(child.read_text()), 9)
+            except ProcessLookupError:
+                pass
+    assert res[2] is None
+    for r in res[:2]:
+        assert r["transport"] == "shm" and r["error"] == "AbortedError", r
+        # The rank died 0.5 s into the call; the lease would have taken 10 s more.
+        assert r["s"] < 4.0, r
 
 
 def test_bad_input_raises_typed_errors():

@@ -13,14 +13,17 @@
 //!   atomics, so no wake-up is lost).
 //! - **Liveness.** A segment does not close when its owner dies, so the unix socket
 //!   stays open as the link's liveness channel: a dead peer's socket reaches EOF, which
-//!   fails the link after the frames it published are read. It also carries `Abort` and
-//!   `Close` frames, seen at once by a watcher task whatever the executor waits on; a
-//!   stopped peer is the master's to catch (its lease), like on every transport.
+//!   fails the link after the frames it published are read. The socket also carries
+//!   `Abort` and `Close` frames, seen at once by a watcher task whatever the executor
+//!   waits on. A peer process that forked (a DataLoader's workers) left copies of the
+//!   socket in its children, so the socket may outlive it: the pidfd of the process the
+//!   kernel names as the socket's other end ends the link too. A stopped peer is the
+//!   master's to catch (its lease), like on every transport.
 
 mod fds;
 use eccl_shm as segment;
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -503,42 +506,120 @@ impl RecvHalf for ShmRx {
 }
 
 /// Reads the unix socket until it ends: `Abort` frames go to the observer at once, a
-/// `Close` or the end of the socket takes the link down.
+/// `Close` or the end of the socket takes the link down. `exit` (the peer process's
+/// pidfd) ends it too: a process that forked (a DataLoader's workers) leaves copies of
+/// the socket in its children, so its death does not end the socket; what it wrote
+/// before it died is still read first.
 async fn watch(
     mut r: OwnedReadHalf,
     live: Arc<Liveness>,
     observer: Arc<dyn LinkObserver>,
     peer: String,
+    exit: Option<(u32, AsyncFd<OwnedFd>)>,
 ) {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; FRAME_HEADER_LEN + MAX_CONTROL_REASON];
+    // The peer's process ended: what the socket holds now is all it will ever hold.
+    let mut ended = false;
     loop {
-        let mut hb = [0u8; FRAME_HEADER_LEN];
-        if let Err(e) = r.read_exact(&mut hb).await {
-            let e = TransportError::io(&peer, e);
-            let closed = matches!(e, TransportError::Closed { .. });
-            if !closed {
-                observer.on_failure(&peer, &e);
+        while buf.len() >= FRAME_HEADER_LEN {
+            let head: &[u8; FRAME_HEADER_LEN] = buf[..FRAME_HEADER_LEN]
+                .try_into()
+                .expect("the length was checked");
+            let h = match FrameHeader::decode(head) {
+                Ok(h)
+                    if matches!(h.kind, FrameKind::Abort | FrameKind::Close)
+                        && h.len as usize <= MAX_CONTROL_REASON =>
+                {
+                    h
+                }
+                _ => {
+                    let e = TransportError::Io {
+                        peer: peer.clone(),
+                        source: std::io::Error::other("a bad frame on the shm control socket"),
+                    };
+                    observer.on_failure(&peer, &e);
+                    return live.down(e, false);
+                }
+            };
+            let used = FRAME_HEADER_LEN + h.len as usize;
+            if buf.len() < used {
+                break;
             }
-            return live.down(e, closed);
-        }
-        let h = match FrameHeader::decode(&hb) {
-            Ok(h) if matches!(h.kind, FrameKind::Abort | FrameKind::Close) && h.len <= 4096 => h,
-            _ => {
-                let e = TransportError::Io {
-                    peer: peer.clone(),
-                    source: std::io::Error::other("a bad frame on the shm control socket"),
-                };
-                observer.on_failure(&peer, &e);
-                return live.down(e, false);
+            if h.kind == FrameKind::Close {
+                return live.down(TransportError::Closed { peer }, true);
             }
-        };
-        let mut reason = vec![0u8; h.len as usize];
-        if let Err(e) = r.read_exact(&mut reason).await {
-            return live.down(TransportError::io(&peer, e), false);
+            let reason = String::from_utf8_lossy(&buf[FRAME_HEADER_LEN..used]).into_owned();
+            buf.drain(..used);
+            observer.on_abort(&peer, &h, &reason);
         }
-        if h.kind == FrameKind::Close {
+        if ended {
+            // As the end of the socket would have: the frames it published before it
+            // died are still read from the ring.
+            if let Some((pid, _)) = &exit {
+                tracing::info!(target: "eccl::link", "shm link to {peer}: its process {pid} ended while another process (one it forked) still holds the link's socket: the link is down");
+            }
             return live.down(TransportError::Closed { peer }, true);
         }
-        observer.on_abort(&peer, &h, &String::from_utf8_lossy(&reason));
+        tokio::select! {
+            biased;
+            n = r.read(&mut chunk) => match n {
+                // The end of the socket: a partial frame is lost with its writer.
+                Ok(0) => return live.down(TransportError::Closed { peer }, true),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                Err(e) => {
+                    let e = TransportError::io(&peer, e);
+                    let closed = matches!(e, TransportError::Closed { .. });
+                    if !closed {
+                        observer.on_failure(&peer, &e);
+                    }
+                    return live.down(e, closed);
+                }
+            },
+            () = process_ended(&exit) => {
+                // Whatever it wrote before it died is in the socket's buffer now.
+                while let Ok(n) = r.try_read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                ended = true;
+            }
+        }
+    }
+}
+
+/// The longest reason an `Abort` or `Close` frame on the control socket may carry.
+const MAX_CONTROL_REASON: usize = 4096;
+
+/// A descriptor that becomes readable when process `pid` ends (`pidfd_open(2)`, Linux
+/// 5.3), or `None` where there is none to be had: an older kernel, a process this one
+/// cannot see (another pid namespace gives pid 0), or one already gone (the socket's
+/// end then says so).
+fn process_exit(pid: u32) -> Option<(u32, AsyncFd<OwnedFd>)> {
+    let raw = i32::try_from(pid).ok().filter(|p| *p > 0)?;
+    // SAFETY: pidfd_open takes a pid and flags by value and returns a new descriptor or
+    // -1; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
+    if fd < 0 {
+        tracing::debug!(target: "eccl::link", "no pidfd for process {pid}: {}", std::io::Error::last_os_error());
+        return None;
+    }
+    // SAFETY: `fd` was just returned by pidfd_open: an open descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    readable(fd).ok().map(|fd| (pid, fd))
+}
+
+/// Waits until the process behind `exit` ends (never, without one).
+async fn process_ended(exit: &Option<(u32, AsyncFd<OwnedFd>)>) {
+    match exit {
+        Some((_, fd)) => {
+            // A pidfd reads as readable once its process has ended, for good: the
+            // readiness is not cleared (the caller stops watching).
+            let _ = fd.readable().await;
+        }
+        None => std::future::pending().await,
     }
 }
 
@@ -573,13 +654,20 @@ fn build(
     let wait_data = take(&mut data, other);
     let wait_space = take(&mut space, ring);
     let wake_writer = take(&mut space, other);
+    // The process at the other end of the socket (the kernel's record of who made it:
+    // copies held by its children do not change it).
+    let exit = stream
+        .peer_cred()
+        .ok()
+        .and_then(|c| c.pid())
+        .and_then(|pid| process_exit(pid as u32));
     let (r, w) = stream.into_split();
     let live = Arc::new(Liveness {
         state: AtomicU8::new(0),
         error: Mutex::new(None),
         notify: Notify::new(),
     });
-    let watcher = tokio::spawn(watch(r, live.clone(), observer, peer.clone()));
+    let watcher = tokio::spawn(watch(r, live.clone(), observer, peer.clone(), exit));
     let shared = Arc::new(Shared {
         map,
         peer,
