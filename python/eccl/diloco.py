@@ -12,7 +12,7 @@ from typing import List, Optional
 import torch
 
 import eccl
-from eccl.elastic import COMPRESSION, QUANTIZED, init_optimizer_state, next_world, retryable
+from eccl.elastic import COMPRESSION, QUANTIZED, give_up, init_optimizer_state, next_world, retryable
 
 log = logging.getLogger("eccl.torch")
 
@@ -94,7 +94,7 @@ class DiLoCo:
             members_in_outer = self._admitted()
         except eccl.EcclError as e:
             if not retryable(e):
-                raise
+                give_up(comm, e)
             # A fault during the first sync (the member serving it died): the next
             # world, and the sync again over it, as the members do.
             members_in_outer = next_world(comm, self._admitted, max_retries)
@@ -246,7 +246,7 @@ class DiLoCo:
                 self._admitted()
             except eccl.EcclError as e:
                 if not retryable(e):
-                    raise
+                    give_up(self.comm, e)
                 next_world(self.comm, self._admitted, self.max_retries)
 
     def _pseudo_gradient(self, zero: bool) -> torch.Tensor:
@@ -266,7 +266,15 @@ class DiLoCo:
             try:
                 # A sync served in the background ends first: it may have set the
                 # shared state the pseudo-gradient is taken against.
-                self._settle()
+                try:
+                    self._settle()
+                except eccl.EcclError as e:
+                    if retryable(e):
+                        # Perhaps this member's transfer alone failed: the others would
+                        # wait for it in the all_reduce. The epoch is aborted so that
+                        # they meet the failure there at once and retry with this one.
+                        self.comm.abort(f"a transfer this member served failed: {e}")
+                    raise
                 if self._contributors == 0:
                     # Every rank that trained for this step left during it: there is no
                     # pseudo-gradient to average, and a step on zeros would still move
@@ -282,7 +290,7 @@ class DiLoCo:
                 info = self.comm.all_reduce(flat, "sum", quantize=self._quantize)
             except eccl.EcclError as e:
                 if not retryable(e):
-                    raise
+                    give_up(self.comm, e)
                 last = e
                 next_world(self.comm, lambda: self._admitted(in_outer=True), self.max_retries)
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator, List, Optional, TypeVar
+from typing import Callable, Iterator, List, NoReturn, Optional, TypeVar
 
 import torch
 
@@ -13,7 +13,8 @@ import eccl
 
 log = logging.getLogger("eccl.torch")
 
-__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world", "retryable"]
+__all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world", "retryable",
+           "give_up"]
 
 T = TypeVar("T")
 
@@ -62,18 +63,35 @@ def retryable(e: BaseException) -> bool:
 def next_world(comm: eccl.Communicator, resync: Callable[[], T], max_retries: int) -> T:
     """After a failed collective: moves `comm` to the next world and runs `resync` (the
     state sync every member runs after a change of world) over it, again while either
-    fails with a retryable error (a further fault); returns what `resync` returned. An
-    error that is not retryable is raised at once."""
+    is aborted by a further fault or `resync` fails with another retryable error (a
+    timeout); returns what `resync` returned. Anything else is raised at once, among it
+    `update_topology()`'s own timeout: it already waited the whole join timeout for the
+    other members (5 minutes by default), and 16 more would not bring them."""
     last: Optional[BaseException] = None
     for _ in range(max_retries):
         try:
             comm.update_topology()
+        except eccl.AbortedError as e:
+            last = e
+            continue
+        try:
             return resync()
         except eccl.EcclError as e:
             if not retryable(e):
                 raise
             last = e
     raise eccl.AbortedError(f"no stable world after {max_retries} attempts: {last}") from last
+
+
+def give_up(comm: eccl.Communicator, error: BaseException) -> NoReturn:
+    """Raises `error`, one the next world cannot cure, after this rank leaves the job:
+    the other ranks' next world then forms without it (a process that goes on after the
+    exception would keep renewing its lease, and they would wait for it in their vote
+    until the join timeout). Where every rank met it (ranks that called different
+    collectives), every rank leaves and raises it."""
+    with contextlib.suppress(Exception):
+        comm.leave()
+    raise error
 
 
 def bucket_layout(module: torch.nn.Module, bucket_cap_mb: float) -> List[List[str]]:
@@ -243,7 +261,7 @@ class ElasticDDP:
             self._admit()
         except eccl.EcclError as e:
             if not retryable(e):
-                raise
+                give_up(comm, e)
             # A fault during the first sync (a member serving it died): the next world,
             # and the sync again over it, as the members do after a failed step. That
             # world may admit newcomers, for whom this is their admission: every rank
@@ -370,9 +388,13 @@ class ElasticDDP:
             self._settle()
         except eccl.EcclError as e:
             if not retryable(e):
-                raise
-            # The background sync of a newcomer admitted at the last boundary failed
-            # (a fault in the world it ran on): the next world, and the sync over it.
+                give_up(self.comm, e)
+            # The background sync of a newcomer admitted at the last boundary failed. A
+            # fault in its world failed it on every rank; a failure of this rank's part
+            # alone did not, and the others would go on to their next call and wait for
+            # this rank in it: the epoch is aborted, so that they meet the failure
+            # there at once and move to the next world with this one.
+            self.comm.abort(f"the background state sync failed on this rank: {e}")
             next_world(self.comm, self._admit, self.max_retries)
             return True
         if not self.comm.are_peers_pending():
@@ -382,7 +404,7 @@ class ElasticDDP:
             self._admit()
         except eccl.EcclError as e:
             if not retryable(e):
-                raise
+                give_up(self.comm, e)
             # A fault during the admission's sync (the newcomer, or a member, died): the
             # next world, and the sync again over it.
             next_world(self.comm, self._admit, self.max_retries)
@@ -393,7 +415,12 @@ class ElasticDDP:
         whether this rank's state was replaced (its gradients are then stale)."""
         with contextlib.suppress(eccl.EcclError):
             self._settle()      # a failed background sync: the next world replaces it
-        return next_world(self.comm, self._admit, self.max_retries)
+        try:
+            return next_world(self.comm, self._admit, self.max_retries)
+        except eccl.EcclError as e:
+            if retryable(e):
+                raise
+            give_up(self.comm, e)
 
     # -- gradients ------------------------------------------------------------------
 
@@ -510,9 +537,11 @@ class ElasticDDP:
             self._finish()
             if self._failed is not None and not retryable(self._failed):
                 # Bad arguments, ranks that disagree, an eviction: the next world would
-                # not cure it. Raised at once, with no optimizer step taken.
+                # not cure it. Raised at once, with no optimizer step taken (the others
+                # counted it in the tally, if there was one, and take the step again
+                # without this rank).
                 failed, self._failed = self._failed, None
-                raise failed
+                give_up(self.comm, failed)
             if self._failed is None:
                 self.optimizer.step()
                 self.revision += 1

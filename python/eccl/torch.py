@@ -233,7 +233,8 @@ class ProcessGroupEccl(FaultTolerance, _Base):
         return BACKEND
 
     def __repr__(self) -> str:
-        return f"ProcessGroupEccl(rank={self.rank()}, size={self.size()}, epoch={self.comm.epoch})"
+        r = self._recovery
+        return f"ProcessGroupEccl(rank={r.rank}, size={r.size}, epoch={self.comm.epoch})"
 
     # Each method returns a Work whose future completes with what torch expects.
 

@@ -113,7 +113,9 @@ class FaultTolerance:
         if self._closed:
             return
         self._recovery.aborted()
-        self.comm.abort(f"ProcessGroup.abort() on rank {self.rank()}")
+        # The rank as it stands, not after a reconfigure still running (`rank()` would
+        # wait for it): an abort must not wait for anything.
+        self.comm.abort(f"ProcessGroup.abort() on rank {self._recovery.rank}")
 
     def revoke(self) -> None:
         """Revokes the group's epoch (NCCL's `ncclCommRevoke`): every call in flight or
@@ -126,7 +128,7 @@ class FaultTolerance:
         and its handle stay, so the reconfigure that follows reuses them."""
         if self._closed:
             return
-        reason = f"revoke() on rank {self.rank()}"
+        reason = f"revoke() on rank {self._recovery.rank}"
         self._recovery.revoked(reason)
         self.comm.revoke(reason)
 

@@ -13,12 +13,13 @@ States of a backend's `Recovery`:
   call says so (a reconfigurable group is then reconfigured with the members' handles).
 - UNFORMED: a group made with `enable_reconfigure=True` before its first
   `dist._reconfigure`: calls are refused until one forms a world (`adopt`).
-
-In any state, a reconfigure nobody has waited for yet (`forming`) is waited for before
-the next call, as gloo's is done when it returns.
 - REVOKED: `revoke()` here, or a call failed with `eccl.RevokedError` (another rank
   revoked the epoch): calls are refused with `RevokedError` until a reconfigure forms
   the next world (`adopt`); nothing forms one on its own.
+
+In any state, a reconfigure nobody has waited for yet (`forming`) is waited for before
+the next call (and by `rank()`/`size()`), as gloo's is done when it returns; `abort()`
+and `revoke()` never wait for it.
 
 `get_error()` answers torch's `ErrorType` from the first failure in the current world:
 SUCCESS while there is none, TIMEOUT for a timeout, REMOTE_ERROR when another rank's

@@ -375,16 +375,20 @@ def test_a_step_boundary_whose_background_sync_failed_moves_to_the_next_world():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     comm = _ScriptedComm([[3, -3, 3], [3, -3, 3]])
     comm.newest = 3
-    updates = []
+    updates, aborts = [], []
     comm.update_topology = lambda: updates.append(1)
+    comm.abort = aborts.append
     job = eccl.torch.ElasticDDP(model, opt, comm)
 
     def fails():
-        raise eccl.AbortedError("a member died while it served")
+        raise eccl.AbortedError("this rank's part of it failed")
 
     job._healing = _Healing(types.SimpleNamespace(wait=fails), {}, False, {})
     assert job.step_boundary() is True
     assert len(updates) == 1 and comm.synced == [0, 3] and job._healing is None
+    # The others may have finished their part and gone on: the epoch is aborted so that
+    # their next call fails at once instead of waiting for this rank in it.
+    assert len(aborts) == 1 and "failed on this rank" in aborts[0]
 
 
 class _Comm:
@@ -402,15 +406,25 @@ class _Comm:
 
 
 def test_next_world_retries_what_is_retryable_and_raises_the_rest():
-    """A timeout or an abort while the next world forms is retried; an eviction or bad
-    arguments are raised at once (the next world cannot cure them); so are errors raised
-    by Python code, which carry their kind's `retryable` on the class."""
+    """An abort while the next world forms, or a timeout or an abort of the sync over
+    it, is retried; an eviction or bad arguments are raised at once (the next world
+    cannot cure them), and so is `update_topology()`'s own timeout (it waited the whole
+    join timeout for the others already); errors raised by Python code carry their
+    kind's `retryable` on the class."""
     from eccl.elastic import next_world, retryable
 
-    comm = _Comm([eccl.EcclTimeoutError("slow master"), eccl.AbortedError("a member died")])
+    comm = _Comm([eccl.RevokedError("revoked"), eccl.AbortedError("a member died")])
     assert next_world(comm, lambda: 7, 16) == 7 and comm.updates == 3
+    syncs = [eccl.EcclTimeoutError("a slow member"), eccl.AbortedError("it died")]
+
+    def resync():
+        if syncs:
+            raise syncs.pop(0)
+        return 8
+    comm = _Comm([])
+    assert next_world(comm, resync, 16) == 8 and comm.updates == 3
     for e in (eccl.EvictedError("gone"), eccl.InvalidArgumentError("bad"),
-              eccl.MismatchError("differ")):
+              eccl.MismatchError("differ"), eccl.EcclTimeoutError("join timeout")):
         comm = _Comm([e])
         with pytest.raises(type(e)):
             next_world(comm, lambda: 7, 16)
@@ -435,6 +449,10 @@ class _DiLoCoComm:
         self.rank, self.world_size = None, 2
         self.state, self.error = state, error
         self.reduced = 0
+        self.left = False
+
+    def leave(self):
+        self.left = True
 
     def update_topology(self):
         if self.rank is None:
@@ -502,8 +520,9 @@ def test_diloco_skips_an_outer_step_nobody_left_trained_for(caplog):
 
 
 def test_diloco_raises_what_the_next_world_cannot_cure():
-    """A mismatch in the outer all_reduce is raised, not retried over a next world."""
+    """A mismatch in the outer all_reduce is raised, not retried over a next world; the
+    rank leaves the job first, so that nobody waits for it in a next world."""
     _, _, comm, start = _diloco_newcomer(eccl.MismatchError("ranks differ"))
     with pytest.raises(eccl.MismatchError):
         start()
-    assert comm.world_size == 2 and comm.reduced == 1
+    assert comm.world_size == 2 and comm.reduced == 1 and comm.left

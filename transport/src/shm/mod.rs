@@ -557,7 +557,7 @@ async fn watch(
             // As the end of the socket would have: the frames it published before it
             // died are still read from the ring.
             if let Some((pid, _)) = &exit {
-                tracing::info!(target: "eccl::link", "shm link to {peer}: its process {pid} ended while another process (one it forked) still holds the link's socket: the link is down");
+                tracing::info!(target: "eccl::link", "shm link to {peer}: its process {pid} ended: the link is down (a process it forked may still hold the link's socket)");
             }
             return live.down(TransportError::Closed { peer }, true);
         }
@@ -577,8 +577,11 @@ async fn watch(
                 }
             },
             () = process_ended(&exit) => {
-                // Whatever it wrote before it died is in the socket's buffer now.
-                while let Ok(n) = r.try_read(&mut chunk) {
+                // Whatever it wrote before it died is in the socket's buffer now. Asked
+                // of the kernel itself: tokio's `try_read` answers from the readiness it
+                // last saw, which the read above may have cleared.
+                let fd = r.as_ref().as_raw_fd();
+                while let Ok(n) = nix::sys::socket::recv(fd, &mut chunk, nix::sys::socket::MsgFlags::MSG_DONTWAIT) {
                     if n == 0 {
                         break;
                     }
@@ -593,12 +596,40 @@ async fn watch(
 /// The longest reason an `Abort` or `Close` frame on the control socket may carry.
 const MAX_CONTROL_REASON: usize = 4096;
 
-/// A descriptor that becomes readable when process `pid` ends (`pidfd_open(2)`, Linux
-/// 5.3), or `None` where there is none to be had: an older kernel, a process this one
-/// cannot see (another pid namespace gives pid 0), or one already gone (the socket's
-/// end then says so).
+/// A descriptor that becomes readable when the process at the other end of `stream`
+/// ends: its pidfd as the socket records it (`SO_PEERPIDFD`, Linux 6.5: that very
+/// process, whatever pid numbers are reused since), else one opened by its pid
+/// (`pidfd_open(2)`, Linux 5.3), else `None`: an older kernel, a process this one cannot
+/// see (another pid namespace gives pid 0), or one already gone (the socket's end then
+/// says so).
+fn peer_exit(stream: &UnixStream) -> Option<(u32, AsyncFd<OwnedFd>)> {
+    let pid = stream.peer_cred().ok()?.pid()?;
+    let pid = u32::try_from(pid).ok().filter(|p| *p > 0)?;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes (one c_int) into `fd`, which lives
+    // across the call; the socket is open (borrowed from `stream`).
+    let got = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if got == 0 && fd >= 0 {
+        // SAFETY: `fd` was just returned by the kernel: an open descriptor nobody else
+        // owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        return readable(fd).ok().map(|fd| (pid, fd));
+    }
+    process_exit(pid)
+}
+
+/// A pidfd of process `pid`, opened by its number (see [`peer_exit`]).
 fn process_exit(pid: u32) -> Option<(u32, AsyncFd<OwnedFd>)> {
-    let raw = i32::try_from(pid).ok().filter(|p| *p > 0)?;
+    let raw = i32::try_from(pid).ok()?;
     // SAFETY: pidfd_open takes a pid and flags by value and returns a new descriptor or
     // -1; no memory is passed.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
@@ -656,11 +687,7 @@ fn build(
     let wake_writer = take(&mut space, other);
     // The process at the other end of the socket (the kernel's record of who made it:
     // copies held by its children do not change it).
-    let exit = stream
-        .peer_cred()
-        .ok()
-        .and_then(|c| c.pid())
-        .and_then(|pid| process_exit(pid as u32));
+    let exit = peer_exit(&stream);
     let (r, w) = stream.into_split();
     let live = Arc::new(Liveness {
         state: AtomicU8::new(0),
