@@ -794,3 +794,79 @@ pub async fn accept_link(
         .map_err(|e| TransportError::io(&peer, e))?;
     build(stream, map, fds, 1, peer, observer).map_err(|e| TransportError::io("shm", e))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
+
+    struct Quiet;
+    impl LinkObserver for Quiet {
+        fn on_abort(&self, _: &str, _: &FrameHeader, _: &str) {}
+        fn on_failure(&self, _: &str, _: &TransportError) {}
+    }
+
+    fn header(len: u32) -> [u8; FRAME_HEADER_LEN] {
+        FrameHeader {
+            kind: FrameKind::Data,
+            epoch: 1,
+            seq: 0,
+            index: 0,
+            len,
+            desc: Descriptor {
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                algo: Algo::Ring,
+                root: 0,
+                count: 2,
+            },
+            offset: 0,
+            tag: 0,
+        }
+        .encode()
+    }
+
+    /// A peer that breaks the ring's protocol (it clears the `busy` flag of a slot this
+    /// side still holds, and publishes into it) fails the link: the receiver would
+    /// otherwise hand out a second mutable view of memory a `Slot` still lends.
+    #[tokio::test]
+    async fn a_frame_published_into_a_slot_still_held_fails_the_link() {
+        let geo = Geometry::new(slot_bytes(4096)).expect("a valid slot size");
+        let fds = fds::LinkFds::create(geo).expect("memfd and eventfds");
+        // The misbehaving peer's own mapping of the segment, as a sender of ring 0.
+        let peer = Mapping::map(&fds.segment, geo).expect("map");
+        let map = Mapping::map(&fds.segment, geo).expect("map");
+        let (ours, _theirs) = UnixStream::pair().expect("socketpair");
+        let (_tx, mut rx) = build(ours, map, fds, 1, "peer".into(), Arc::new(Quiet)).expect("link");
+        let h = header(8);
+        // SAFETY: the test is ring 0's only sender, counts its frames, and 8 bytes fit.
+        let publish = |n: u64| unsafe { peer.try_publish(0, n, &h, &[n as u8; 8]) };
+        assert!(publish(0));
+        let held = match rx.try_next() {
+            Some(LinkEvent::Frame(f)) => f,
+            _ => panic!("frame 0 was not received"),
+        };
+        for n in 1..NSLOTS as u64 {
+            assert!(publish(n));
+            // Received and dropped at once: its slot goes back to the sender.
+            assert!(
+                matches!(rx.try_next(), Some(LinkEvent::Frame(_))),
+                "frame {n}"
+            );
+        }
+        // A sender that keeps the protocol waits: slot 0 is still held.
+        assert!(!publish(NSLOTS as u64));
+        // This one clears the flag itself and publishes into the held slot.
+        peer.busy(0, 0).store(0, Ordering::SeqCst);
+        assert!(publish(NSLOTS as u64));
+        match rx.try_next() {
+            Some(LinkEvent::Failed(e)) => {
+                assert!(e.to_string().contains("still holds"), "{e}")
+            }
+            _ => panic!("the frame published into a held slot was received"),
+        }
+        assert!(rx.try_next().is_none(), "nothing after the failure");
+        drop(held);
+    }
+}
