@@ -181,10 +181,11 @@ impl Coordinator {
                     // process, a frozen VM): its peers' silence is its own. Every lease
                     // starts again rather than running out for the master's pause; if
                     // it was deposed meanwhile, the next tick sees it.
-                    tracing::warn!(target: "eccl::master", "this master stalled for {} ms; every peer's lease starts again", stalled.as_millis());
+                    tracing::warn!(target: "eccl::master", "this master stalled for {} ms; every peer's and store session's lease starts again", stalled.as_millis());
                     for t in c.leases().values_mut() {
                         *t = Instant::now();
                     }
+                    c.restart_session_leases();
                     continue;
                 }
                 if !c.raft.is_leader() {

@@ -461,6 +461,15 @@ impl Coordinator {
             .collect()
     }
 
+    /// This master did not run for a while (see the lease checker): every store
+    /// session's lease starts again, as every peer's does, rather than run out for the
+    /// master's own pause.
+    pub(super) fn restart_session_leases(&self) {
+        for t in self.store.leases().values_mut() {
+            *t = Instant::now();
+        }
+    }
+
     /// This master stopped leading: waits re-check (and redirect), leases are the next
     /// leader's.
     pub(super) fn store_step_down(&self) {

@@ -168,19 +168,42 @@ async fn only_the_close_of_a_peers_current_connection_evicts_it() {
 #[tokio::test]
 async fn a_leader_that_stalled_evicts_no_one_for_its_own_pause() {
     use eccl_master::registry::PeerState;
+    use eccl_protocol::{StoreReply, StoreRequest};
     let (coord, _epoch, a, _b) = leader_with_two_members().await;
     let checker = coord.spawn_lease_checker();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (conn, _rx) = mpsc::channel(16);
     coord.attach(a, &[0; 32], conn).await.unwrap();
+    // A store session (a torchrun agent's) whose keep-alives the stall holds up too.
+    let (tx, mut rx) = mpsc::channel(16);
+    let mut session = None;
+    let open = StoreRequest::Open {
+        scope: "job".into(),
+    };
+    coord
+        .store_request(&mut session, None, open, ReplyTo { conn: tx, id: 1 })
+        .await;
+    assert!(
+        matches!(
+            answer(&mut rx).await.1,
+            MasterReply::Store(StoreReply::Session { .. })
+        ),
+        "no session"
+    );
+    let id = session.expect("a session");
     // The test's runtime has one thread: blocking it stops the lease checker too, as a
     // SIGSTOP stops the master's process.
     std::thread::sleep(Timing::default().lease * 2);
     tokio::time::sleep(Duration::from_millis(250)).await;
     let state = coord.raft.read(|r| r.peer(a).map(|p| p.state.clone()));
+    let open_now = coord.raft.read(|r| r.store().session(id).is_some());
     checker.abort();
     assert!(
         !matches!(state, Some(PeerState::Gone { .. })),
         "evicted for the master's own pause: {state:?}"
+    );
+    assert!(
+        open_now,
+        "the store session ended for the master's own pause"
     );
 }
