@@ -9,7 +9,10 @@ through raft before they return; reads come from the leader's memory. The store 
 the raft leader, so a master that dies changes nothing visible but a short delay.
 
 Keys live in a scope (torchrun's `--rdzv-id`): a scope is removed when its last client
-closes or dies, so a finished job leaves nothing behind. Keys are at most 4 KiB, values at
+closes or dies, so a finished job leaves nothing behind. A worker that torchrun started
+gets a scope of its own round by default (`<rdzv-id>/workers/<MASTER_ADDR>:<MASTER_PORT>`),
+apart from the agents' rendezvous, which lives in `<rdzv-id>` for the whole job: a
+restarted round's workers read nothing the last round's wrote. Keys are at most 4 KiB, values at
 most 1 MiB; past a bound the call raises `eccl.InvalidArgumentError`
 and the store is unchanged.
 """
@@ -28,6 +31,8 @@ import eccl
 from . import _eccl
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: The longest scope name the masters take (`eccl_protocol::StoreLimits::MAX_SCOPE_NAME`).
+MAX_SCOPE_NAME = 256
 
 
 def _b(x) -> bytes:
@@ -47,11 +52,30 @@ def _seconds(timeout: Optional[timedelta], default: timedelta) -> float:
     return max(t.total_seconds(), 0.0)
 
 
+def default_scope() -> str:
+    """The scope an `EcclStore` made without one uses. In a worker that torchrun started
+    (it has `TORCHELASTIC_RESTART_COUNT`), one per rendezvous round: the round's rank-0
+    address, which every worker of the round shares and the next round's agents pick
+    afresh (eccl's rendezvous publishes one per round). The agents' own scope, the run
+    id, lives as long as any agent does, so keys a worker wrote there would still be
+    read by the workers of a restart (stale addresses, counters already counted up)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run:
+        return "default"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        round_ = "".join(c if c.isascii() and (c.isalnum() or c in "-_.:") else "_"
+                         for c in f"{addr}:{port}")
+        return f"{run}/workers/{round_}"[:MAX_SCOPE_NAME]
+    return run
+
+
 class EcclStore(dist.Store):
     """A `torch.distributed.Store` backed by eccl's masters.
 
     `masters`: comma-separated client addresses (default `ECCL_MASTER`); `scope`: the
-    namespace of this job's keys (default `TORCHELASTIC_RUN_ID` or "default"); `secret`:
+    namespace of this job's keys (default: in a worker of torchrun, one per rendezvous
+    round, see the module; else `TORCHELASTIC_RUN_ID` or "default"); `secret`:
     the job secret (default `ECCL_SECRET`/`ECCL_SECRET_FILE`); `timeout`: how long `get`
     and `wait` wait for keys, and how long to look for a leader.
     """
@@ -68,7 +92,7 @@ class EcclStore(dist.Store):
         masters = masters or os.environ.get("ECCL_MASTER")
         if not masters:
             raise ValueError("EcclStore needs masters= or ECCL_MASTER (host:port,...)")
-        scope = scope or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        scope = scope or default_scope()
         self.set_timeout(timeout)
         self._secret = secret
         self._client = _client or _eccl.StoreClient(
@@ -184,3 +208,7 @@ def register() -> None:
         dist.register_rendezvous_handler("eccl", _eccl_rendezvous_handler)
     except RuntimeError:
         pass  # registered already
+
+
+# `import eccl.store` is enough for `init_method="eccl://..."`.
+register()

@@ -167,6 +167,42 @@ def test_a_wrong_secret_or_no_master_is_a_connection_error(master, monkeypatch):
     assert time.time() - t0 < 10
 
 
+def test_a_restarted_workers_store_holds_nothing_of_the_round_before(tmp_path, master):
+    """Under torchrun with eccl's rendezvous, `EcclStore()` in a worker is the store of
+    its rendezvous round: the worker of attempt 0 sets a key and fails, torchrun
+    restarts it, and attempt 1 does not find the key (it used to: workers shared the
+    agents' scope, which lives as long as the job). Also: `import eccl.store` alone
+    registers `eccl://`."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys\n"
+        "import eccl.store\n"
+        "s = eccl.store.EcclStore()\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "print(f'ATTEMPT {attempt} SCOPE {s.scope} SEEN {s.check([\"left\"])}', flush=True)\n"
+        "s.set('left', 'by attempt %d' % attempt)\n"
+        "sys.exit(1 if attempt == 0 else 0)\n")
+    env = dict(os.environ, ECCL_SECRET=master.secret, PYTHONUNBUFFERED="1")
+    for k in ("ECCL_MASTER", "ECCL_SECRET_FILE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        env.pop(k, None)
+    p = procs.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                   "--nproc-per-node=1", "--rdzv-backend=eccl", f"--rdzv-endpoint={master.addr}",
+                   "--rdzv-id=job", "--max-restarts=1", "--monitor-interval=0.1", str(worker)],
+                  capture_output=True, text=True, timeout=180, env=env)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = sorted(ln.split("]:", 1)[-1].strip() for ln in out.splitlines() if "ATTEMPT" in ln)
+    assert [ln.split()[:2] for ln in lines] == [["ATTEMPT", "0"], ["ATTEMPT", "1"]], out[-3000:]
+    assert all(ln.endswith("SEEN False") for ln in lines), lines
+    assert all(" SCOPE job/workers/" in ln for ln in lines), lines
+    # The init method, registered by `import eccl.store` (a process without eccl.torch).
+    code = ("import sys, eccl.store, torch.distributed as dist\n"
+            "assert 'eccl.torch' not in sys.modules\n"
+            "assert 'eccl' in dist.rendezvous.__globals__['_rendezvous_handlers']\n")
+    r = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def elastic(tmp_path, *args):
     out = tmp_path / "r.json"
     p = procs.run([sys.executable, str(ROOT / "examples" / "elastic_torchrun.py"),
