@@ -48,8 +48,11 @@ class ProcessGroupEcclFT(ProcessGroupWrapper):
         from eccl.torch import _connect
 
         backend = _connect(store, rank, world_size, self._timeout, default_group=False)
-        ranks = self._global_ranks or list(range(world_size))
-        backend._named(f"torchft_eccl_quorum_{self._quorum_id}", ranks)
+        # torchft 0.2 keeps the quorum's global ranks and id on the group; later torchft
+        # (whose `configure` takes a replica id instead) may not.
+        ranks = getattr(self, "_global_ranks", None) or list(range(world_size))
+        quorum = getattr(self, "_quorum_id", None)
+        backend._named(f"torchft_eccl_quorum_{quorum if quorum is not None else 'x'}", ranks)
         pg = BaseProcessGroup(store, rank, world_size)
         custom = BaseProcessGroup.BackendType.CUSTOM
         pg._set_default_backend(custom)
