@@ -87,7 +87,9 @@ impl StoreClient {
                 seq: AtomicU64::new(1),
                 timeout,
             });
-            let period = Duration::from_millis((lease_ms / 4).max(10));
+            // A quarter of the lease, and at most a second: the keep-alive's answer (or
+            // its absence) is also how a hung leader is found, as for a peer.
+            let period = Duration::from_millis((lease_ms / 4).clamp(10, 1000));
             let weak = Arc::downgrade(&inner);
             let keepalive = tokio::spawn(async move {
                 loop {

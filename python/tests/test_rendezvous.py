@@ -203,6 +203,36 @@ def test_a_restarted_workers_store_holds_nothing_of_the_round_before(tmp_path, m
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_a_store_client_stopped_for_a_second_keeps_its_session(master):
+    """A store client (a torchrun agent) SIGSTOPped for 2 s, longer than the peers'
+    lease (0.8 s): its session, its ephemeral key and the scope stay, and its next call
+    works. (Store sessions had the peers' lease: the agent's every later call failed
+    with EvictedError, and torchrun on that node exited.)"""
+    code = (
+        "import sys\n"
+        "from datetime import timedelta\n"
+        "from eccl.store import EcclStore\n"
+        "s = EcclStore(sys.argv[1], 'agents', sys.argv[2], timedelta(seconds=10))\n"
+        "s.set_ephemeral('agent/1', 'alive')\n"
+        "print('READY', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "s.set('after', 'the stop')\n"
+        "print('ALIVE', s.check(['agent/1']), flush=True)\n")
+    p = spawn([sys.executable, "-c", code, master.addr, master.secret], stdin=subprocess.PIPE,
+              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+              start_new_session=True)
+    try:
+        assert procs.read_until(p, "READY", 60).startswith("READY")
+        p.send_signal(19)         # SIGSTOP
+        procs.wait_stopped(p.pid)
+        time.sleep(2.0)
+        p.send_signal(18)         # SIGCONT
+        out, _ = p.communicate("go\n", timeout=60)
+    finally:
+        procs.stop_sessions([p])
+    assert p.returncode == 0 and "ALIVE True" in out, out[-2000:]
+
+
 def elastic(tmp_path, *args):
     out = tmp_path / "r.json"
     p = procs.run([sys.executable, str(ROOT / "examples" / "elastic_torchrun.py"),

@@ -29,6 +29,20 @@ pub struct Timing {
     pub heartbeat: Duration,
 }
 
+/// The shortest lease a store session gets. A client that dies ends its session at
+/// once (its connection drops): the lease only catches a client that hangs or is cut
+/// off, and a torchrun agent stopped for a second (a loaded host, a debugger) must not
+/// lose its rendezvous for good (torch's own c10d rendezvous rides out 15 s).
+pub const STORE_LEASE_FLOOR: Duration = Duration::from_secs(10);
+
+impl Timing {
+    /// A store session's lease: the peers' lease, or [`STORE_LEASE_FLOOR`] where that is
+    /// longer.
+    pub fn store_lease(&self) -> Duration {
+        self.lease.max(STORE_LEASE_FLOOR)
+    }
+}
+
 impl Default for Timing {
     fn default() -> Self {
         Timing {

@@ -160,7 +160,7 @@ impl Coordinator {
                         reply.send(MasterReply::Store(StoreReply::Session {
                             session: id,
                             token,
-                            lease_ms: self.timing.lease.as_millis() as u64,
+                            lease_ms: self.timing.store_lease().as_millis() as u64,
                         }));
                     }
                     Ok(other) => {
@@ -456,7 +456,7 @@ impl Coordinator {
         }
         leases
             .iter()
-            .filter(|(_, t)| t.elapsed() > self.timing.lease)
+            .filter(|(_, t)| t.elapsed() > self.timing.store_lease())
             .map(|(s, _)| *s)
             .collect()
     }
