@@ -253,7 +253,10 @@ impl StoreClient {
             timeout_ms: timeout.as_millis() as u64,
         };
         // The master answers the timeout itself; the margin covers finding a leader.
-        match self.ask(req, timeout + self.inner.timeout).await {
+        match self
+            .ask(req, timeout.saturating_add(self.inner.timeout))
+            .await
+        {
             Ok(_) => Ok(()),
             Err(Error::Timeout { what, .. }) => Err(Error::Timeout {
                 what,
@@ -263,14 +266,27 @@ impl StoreClient {
         }
     }
 
-    /// Waits for `keys` (at most `timeout`), then returns their values.
+    /// Waits for `keys` (at most `timeout`), then returns their values. A key deleted
+    /// between the wait and the read is waited for again, within the same `timeout`.
     pub async fn wait_get(&self, keys: Vec<Vec<u8>>, timeout: Duration) -> Result<Values> {
-        let now = self.get(keys.clone()).await?;
-        if now.iter().all(Option::is_some) {
-            return Ok(now);
+        let end = tokio::time::Instant::now().checked_add(timeout);
+        loop {
+            let now = self.get(keys.clone()).await?;
+            if now.iter().all(Option::is_some) {
+                return Ok(now);
+            }
+            let left = match end {
+                Some(end) => end.saturating_duration_since(tokio::time::Instant::now()),
+                None => timeout,
+            };
+            self.wait(keys.clone(), left).await.map_err(|e| match e {
+                Error::Timeout { what, .. } => Error::Timeout {
+                    what,
+                    ms: timeout.as_millis() as u64,
+                },
+                e => e,
+            })?;
         }
-        self.wait(keys.clone(), timeout).await?;
-        self.get(keys).await
     }
 
     pub async fn num_keys(&self) -> Result<u64> {

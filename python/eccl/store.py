@@ -47,9 +47,16 @@ def _b(x) -> bytes:
     raise TypeError(f"a store key or value must be str or bytes, not {type(x).__name__}")
 
 
+#: What a wait of `Store.kNoTimeout` (0) waits: the longest wait the masters take.
+NO_TIMEOUT_S = 24 * 3600.0
+
+
 def _seconds(timeout: Optional[timedelta], default: timedelta) -> float:
+    """A wait's `timeout` in seconds; torch's `kNoTimeout` (0, as `TCPStore` takes it)
+    waits as long as the masters let a wait last (`NO_TIMEOUT_S`)."""
     t = default if timeout is None else timeout
-    return max(t.total_seconds(), 0.0)
+    s = t.total_seconds()
+    return NO_TIMEOUT_S if s == 0 else min(max(s, 0.0), NO_TIMEOUT_S)
 
 
 def default_scope() -> str:

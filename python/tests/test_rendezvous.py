@@ -86,6 +86,24 @@ def test_the_store_behaves_as_torchs_stores(master):
     assert not store(master, "other").check(["key0"])
 
 
+def test_a_wait_of_no_timeout_waits_as_tcpstores_does(master):
+    """`Store.kNoTimeout` (a timeout of 0, as torch's callers pass it) means no timeout,
+    as `TCPStore` takes it: the wait returns when the key comes, not at once with
+    `DistStoreError` (it used to)."""
+    import threading
+
+    s, t = store(master), store(master)
+    later = threading.Timer(0.5, lambda: t.set("late", "1"))
+    later.start()
+    try:
+        t0 = time.monotonic()
+        s.wait(["late"], timedelta(0))
+        assert time.monotonic() - t0 >= 0.4
+    finally:
+        later.cancel()
+    assert s.get("late") == b"1"
+
+
 def test_oversized_values_and_bad_keys_are_refused_and_the_store_stays(master):
     s = store(master)
     s.set("k", "v")
