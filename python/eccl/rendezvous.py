@@ -150,7 +150,14 @@ def create_backend(params: RendezvousParameters) -> tuple[EcclRendezvousBackend,
     secret_file = params.get("secret_file")
     if secret_file:
         secret = eccl._eccl.read_secret_file(secret_file)
-    timeout = timedelta(seconds=float(params.get("timeout", 30)))
+    # torch's c10d backend takes its store's timeout from `read_timeout`; `timeout` is
+    # the rendezvous's own join timeout, which torchrun always sets (900 s by default):
+    # a master that cannot be reached is reported within `read_timeout`, and a store
+    # call waits at most that long.
+    read_timeout = float(params.get("read_timeout", 30))
+    if read_timeout <= 0:
+        raise ValueError(f"--rdzv-conf read_timeout must be positive, not {read_timeout}")
+    timeout = timedelta(seconds=read_timeout)
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint must name the eccl master(s): host:port[,host:port...]")
     try:

@@ -181,7 +181,9 @@ def test_a_wrong_secret_or_no_master_is_a_connection_error(master, monkeypatch):
     monkeypatch.setenv("ECCL_SECRET", master.secret)
     t0 = time.time()
     with pytest.raises(RendezvousConnectionError, match="no eccl master"):
-        eccl.rendezvous.create_backend(params(f"127.0.0.1:{free_port()}", timeout=1))
+        # torchrun's own `timeout` (the join timeout, 900 s) does not bound the connection.
+        eccl.rendezvous.create_backend(params(f"127.0.0.1:{free_port()}", read_timeout=1,
+                                              timeout=900))
     assert time.time() - t0 < 10
 
 
