@@ -88,10 +88,10 @@ pub fn main(args: MasterArgs) -> anyhow::Result<()> {
     let mut opts = MasterOptions::new(args.listen, secret);
     opts.node_id = args.node_id;
     opts.data_dir = args.data_dir;
-    opts.timing = Timing {
-        lease: Duration::from_millis(args.lease_ms),
-        heartbeat: Duration::from_millis(args.heartbeat_ms),
-    };
+    opts.timing = Timing::new(
+        Duration::from_millis(args.lease_ms),
+        Duration::from_millis(args.heartbeat_ms),
+    );
     if let Some(spec) = &args.masters {
         let members = eccl_master::parse_masters(spec).map_err(anyhow::Error::msg)?;
         let me = members

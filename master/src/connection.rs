@@ -26,15 +26,6 @@ use crate::registry::Command;
 /// unbounded number of tasks. Store keep-alives and heartbeats are never bounded.
 const MAX_TASKS_PER_CONN: usize = 64;
 
-/// How long an authenticated connection may say nothing before the master closes it.
-/// Every real client speaks far more often (peers heartbeat every lease / 4, store
-/// clients keep their session alive as often, the CLI asks once and leaves), so only a
-/// connection that holds a slot for nothing is closed: without this, a job member could
-/// keep any number of them open.
-pub fn idle_timeout(lease: std::time::Duration) -> std::time::Duration {
-    (lease * 10).max(std::time::Duration::from_secs(2))
-}
-
 /// Serves one authenticated connection until it closes, is idle for too long, or fails;
 /// then removes the peer it registered (if any) and ends its store session (if any).
 /// `job`: the store job whose secret the connection proved (`None`: the job these
@@ -48,7 +39,7 @@ pub async fn serve(
     let ControlConn { mut rx, tx, .. } = conn;
     let (out, writer) = spawn_writer(tx, remote);
     let mut c = Connection {
-        idle: idle_timeout(coord.timing.lease),
+        idle: coord.timing.idle_timeout(),
         coord,
         remote,
         job,

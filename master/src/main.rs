@@ -251,10 +251,10 @@ fn run(mut args: Args) -> anyhow::Result<()> {
     } else if args.raft_listen.is_some() || args.cluster_secret_file.is_some() || args.join {
         anyhow::bail!("--raft-listen, --cluster-secret-file and --join go with --masters");
     }
-    opts.timing = Timing {
-        lease: Duration::from_millis(args.lease_ms),
-        heartbeat: Duration::from_millis(args.heartbeat_ms),
-    };
+    opts.timing = Timing::new(
+        Duration::from_millis(args.lease_ms),
+        Duration::from_millis(args.heartbeat_ms),
+    );
     opts.raft_timing = RaftTiming::default();
     opts.data_dir = args.data_dir.clone();
     if opts.data_dir.is_none() {

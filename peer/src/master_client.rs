@@ -612,7 +612,10 @@ impl MasterClient {
     /// fail-overs meanwhile (see the module's notes).
     pub async fn request(&self, body: PeerRequest, timeout: Duration) -> Result<MasterReply> {
         let is_vote = matches!(body, PeerRequest::UpdateTopology { .. });
-        let until = Instant::now() + timeout;
+        // A timeout too long for the clock is a day: no request waits longer.
+        let until = Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(24 * 3600));
         loop {
             // Looking for a leader is bounded by the deadline and by the call's timeout.
             let find_until = until.min(Instant::now() + self.deadline);

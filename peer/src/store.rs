@@ -248,6 +248,10 @@ impl StoreClient {
 
     /// Returns once all of `keys` exist; `Error::Timeout` after `timeout`.
     pub async fn wait(&self, keys: Vec<Vec<u8>>, timeout: Duration) -> Result<()> {
+        // The masters end a wait at this length whatever is asked.
+        let timeout = timeout.min(Duration::from_millis(
+            eccl_protocol::StoreLimits::MAX_WAIT_MS,
+        ));
         let req = StoreRequest::Wait {
             keys,
             timeout_ms: timeout.as_millis() as u64,
@@ -269,6 +273,9 @@ impl StoreClient {
     /// Waits for `keys` (at most `timeout`), then returns their values. A key deleted
     /// between the wait and the read is waited for again, within the same `timeout`.
     pub async fn wait_get(&self, keys: Vec<Vec<u8>>, timeout: Duration) -> Result<Values> {
+        let timeout = timeout.min(Duration::from_millis(
+            eccl_protocol::StoreLimits::MAX_WAIT_MS,
+        ));
         let end = tokio::time::Instant::now().checked_add(timeout);
         loop {
             let now = self.get(keys.clone()).await?;

@@ -19,13 +19,14 @@ one, and holds an ephemeral key that names it while it lives):
   waiting out the 30-second last call for nodes that cannot come.
 
 Credentials: `ECCL_SECRET` / `ECCL_SECRET_FILE`, or `--rdzv-conf secret_file=PATH`.
-Other `--rdzv-conf` keys: `timeout` (seconds to find a master leader, default 30) and
-torch's own (`join_timeout`, `last_call_timeout`, `close_timeout`, `keep_alive_interval`,
-...).
+Other `--rdzv-conf` keys: `read_timeout` (seconds to find a master leader, and the most
+any store call waits; default 30) and torch's own (`join_timeout`, `last_call_timeout`,
+`close_timeout`, `keep_alive_interval`, ...).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -150,13 +151,14 @@ def create_backend(params: RendezvousParameters) -> tuple[EcclRendezvousBackend,
     secret_file = params.get("secret_file")
     if secret_file:
         secret = eccl._eccl.read_secret_file(secret_file)
-    # torch's c10d backend takes its store's timeout from `read_timeout`; `timeout` is
-    # the rendezvous's own join timeout, which torchrun always sets (900 s by default):
-    # a master that cannot be reached is reported within `read_timeout`, and a store
-    # call waits at most that long.
+    # torch's c10d backend takes its store's timeout from `read_timeout`. `timeout`,
+    # which torchrun always sets (900 s by default) for its static and etcd backends,
+    # is not this one's: a master that cannot be reached is reported within
+    # `read_timeout`, and a store call waits at most that long.
     read_timeout = float(params.get("read_timeout", 30))
-    if read_timeout <= 0:
-        raise ValueError(f"--rdzv-conf read_timeout must be positive, not {read_timeout}")
+    if not (math.isfinite(read_timeout) and read_timeout > 0):
+        raise ValueError(f"--rdzv-conf read_timeout must be a positive number of seconds, "
+                         f"not {params.get('read_timeout')!r}")
     timeout = timedelta(seconds=read_timeout)
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint must name the eccl master(s): host:port[,host:port...]")

@@ -102,8 +102,11 @@ class EcclStore(dist.Store):
         scope = scope or default_scope()
         self.set_timeout(timeout)
         self._secret = secret
+        # Finding a leader and every call but a wait: at most a minute (also for a store
+        # whose waits have no timeout, kNoTimeout).
+        t = timeout.total_seconds()
         self._client = _client or _eccl.StoreClient(
-            masters, scope, secret, timeout_s=min(max(timeout.total_seconds(), 1.0), 60.0)
+            masters, scope, secret, timeout_s=60.0 if t == 0 else min(max(t, 1.0), 60.0)
         )
 
     # -- what eccl adds ---------------------------------------------------------------

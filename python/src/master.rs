@@ -50,10 +50,10 @@ impl Master {
         let secret = secret.unwrap_or_else(eccl_master::secret::generate);
         let s = Secret::new(secret.clone()).map_err(|e| invalid(format!("secret: {e}")))?;
         let mut opts = eccl_master::MasterOptions::new(listen, s);
-        opts.timing = eccl_master::Timing {
-            lease: Duration::from_millis(lease_ms),
-            heartbeat: Duration::from_millis(heartbeat_ms),
-        };
+        opts.timing = eccl_master::Timing::new(
+            Duration::from_millis(lease_ms),
+            Duration::from_millis(heartbeat_ms),
+        );
         opts.node_id = node_id;
         opts.data_dir = data_dir;
         match (masters, cluster_secret) {

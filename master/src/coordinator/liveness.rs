@@ -27,6 +27,9 @@ pub struct Timing {
     pub lease: Duration,
     /// How often peers should renew it.
     pub heartbeat: Duration,
+    /// The shortest lease a store session gets ([`STORE_LEASE_FLOOR`] unless a test
+    /// says otherwise).
+    pub store_lease_floor: Duration,
 }
 
 /// The shortest lease a store session gets. A client that dies ends its session at
@@ -36,19 +39,38 @@ pub struct Timing {
 pub const STORE_LEASE_FLOOR: Duration = Duration::from_secs(10);
 
 impl Timing {
-    /// A store session's lease: the peers' lease, or [`STORE_LEASE_FLOOR`] where that is
-    /// longer.
+    /// Peers' leases of `lease`, renewed every `heartbeat`; store sessions' of
+    /// [`Timing::store_lease`].
+    pub fn new(lease: Duration, heartbeat: Duration) -> Timing {
+        Timing {
+            lease,
+            heartbeat,
+            store_lease_floor: STORE_LEASE_FLOOR,
+        }
+    }
+
+    /// A store session's lease: the peers' lease, or the floor where that is longer.
     pub fn store_lease(&self) -> Duration {
-        self.lease.max(STORE_LEASE_FLOOR)
+        self.lease.max(self.store_lease_floor)
+    }
+
+    /// How long an authenticated connection may say nothing before the master closes
+    /// it. Every real client speaks far more often (peers heartbeat every lease / 4,
+    /// store clients keep their session alive every second at most, the CLI asks once
+    /// and leaves), so only a connection that holds a slot for nothing is closed:
+    /// without this, a job member could keep any number of them open. Longer than a
+    /// store session's lease: a client stopped for less keeps its session (closing its
+    /// connection would end it).
+    pub fn idle_timeout(&self) -> Duration {
+        (self.lease * 10)
+            .max(self.store_lease() + Duration::from_secs(2))
+            .max(Duration::from_secs(2))
     }
 }
 
 impl Default for Timing {
     fn default() -> Self {
-        Timing {
-            lease: Duration::from_millis(800),
-            heartbeat: Duration::from_millis(200),
-        }
+        Timing::new(Duration::from_millis(800), Duration::from_millis(200))
     }
 }
 

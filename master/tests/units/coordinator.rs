@@ -16,6 +16,10 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 async fn leader_with_two_members() -> (Arc<Coordinator>, u64, PeerId, PeerId) {
+    leader_with_two_members_timed(Timing::default()).await
+}
+
+async fn leader_with_two_members_timed(timing: Timing) -> (Arc<Coordinator>, u64, PeerId, PeerId) {
     let node = MasterNode::new("127.0.0.1:1", "");
     let secret = Secret::new(b"coordinator-test-secret-0123".to_vec()).unwrap();
     let raft = RaftRegistry::start(
@@ -52,12 +56,7 @@ async fn leader_with_two_members() -> (Arc<Coordinator>, u64, PeerId, PeerId) {
     };
     raft.propose(commit).await.unwrap();
     let epoch = raft.read(|r| r.epoch());
-    (
-        Coordinator::new(raft, Timing::default()),
-        epoch,
-        ids[0],
-        ids[1],
-    )
+    (Coordinator::new(raft, timing), epoch, ids[0], ids[1])
 }
 
 fn report(peer: PeerId, round: u64, revision: u64, h: u8) -> Report {
@@ -169,7 +168,13 @@ async fn only_the_close_of_a_peers_current_connection_evicts_it() {
 async fn a_leader_that_stalled_evicts_no_one_for_its_own_pause() {
     use eccl_master::registry::PeerState;
     use eccl_protocol::{StoreReply, StoreRequest};
-    let (coord, _epoch, a, _b) = leader_with_two_members().await;
+    // Store sessions with the peers' lease (no floor), so that the stall outlasts theirs
+    // as well.
+    let timing = Timing {
+        store_lease_floor: Duration::ZERO,
+        ..Timing::default()
+    };
+    let (coord, _epoch, a, _b) = leader_with_two_members_timed(timing).await;
     let checker = coord.spawn_lease_checker();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (conn, _rx) = mpsc::channel(16);
@@ -206,4 +211,24 @@ async fn a_leader_that_stalled_evicts_no_one_for_its_own_pause() {
         open_now,
         "the store session ended for the master's own pause"
     );
+}
+
+/// A silent connection is closed only after a store session on it would have lapsed:
+/// closing it ends the session, so an idle timeout under the session's lease would cut
+/// it short (8 s against 10 s with the default lease, before).
+#[test]
+fn a_silent_connection_outlives_its_store_sessions_lease() {
+    for lease_ms in [50, 200, 800, 2000, 30_000] {
+        let t = Timing::new(
+            Duration::from_millis(lease_ms),
+            Duration::from_millis(lease_ms / 4),
+        );
+        assert!(
+            t.idle_timeout() >= t.store_lease() + Duration::from_secs(1),
+            "lease {lease_ms} ms: idle {:?}, store lease {:?}",
+            t.idle_timeout(),
+            t.store_lease()
+        );
+        assert!(t.idle_timeout() >= t.lease * 10, "lease {lease_ms} ms");
+    }
 }
