@@ -51,7 +51,7 @@ pub async fn serve(
     // One idle timer for the connection's life, moved on only when it fires (a timer
     // armed and dropped around every message cost the master's heartbeat work a few
     // per cent: at thousands of peers it is the work a master does most).
-    let idle = c.idle;
+    let mut idle = c.idle;
     let timer = tokio::time::sleep(idle);
     tokio::pin!(timer);
     let mut last = tokio::time::Instant::now();
@@ -77,7 +77,13 @@ pub async fn serve(
         match next {
             Some(Ok(req)) => {
                 last = tokio::time::Instant::now();
-                c.dispatch(req).await
+                c.dispatch(req).await;
+                // A store session on this connection keeps it longer (its lease).
+                idle = if c.store_session.is_some() {
+                    c.coord.timing.store_idle_timeout()
+                } else {
+                    c.idle
+                };
             }
             Some(Err(e)) => break Err(e),
             None => {

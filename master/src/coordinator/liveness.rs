@@ -58,13 +58,17 @@ impl Timing {
     /// it. Every real client speaks far more often (peers heartbeat every lease / 4,
     /// store clients keep their session alive every second at most, the CLI asks once
     /// and leaves), so only a connection that holds a slot for nothing is closed:
-    /// without this, a job member could keep any number of them open. Longer than a
-    /// store session's lease: a client stopped for less keeps its session (closing its
-    /// connection would end it).
+    /// without this, a job member could keep any number of them open.
     pub fn idle_timeout(&self) -> Duration {
-        (self.lease * 10)
+        (self.lease * 10).max(Duration::from_secs(2))
+    }
+
+    /// The same for a connection that holds a store session: longer than the session's
+    /// lease, so that a client stopped for less keeps its session (closing the
+    /// connection would end it).
+    pub fn store_idle_timeout(&self) -> Duration {
+        self.idle_timeout()
             .max(self.store_lease() + Duration::from_secs(2))
-            .max(Duration::from_secs(2))
     }
 }
 
