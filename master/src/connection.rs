@@ -39,7 +39,6 @@ pub async fn serve(
     let ControlConn { mut rx, tx, .. } = conn;
     let (out, writer) = spawn_writer(tx, remote);
     let mut c = Connection {
-        idle: coord.timing.idle_timeout(),
         coord,
         remote,
         job,
@@ -51,7 +50,7 @@ pub async fn serve(
     // One idle timer for the connection's life, moved on only when it fires (a timer
     // armed and dropped around every message cost the master's heartbeat work a few
     // per cent: at thousands of peers it is the work a master does most).
-    let mut idle = c.idle;
+    let mut idle = c.idle();
     let timer = tokio::time::sleep(idle);
     tokio::pin!(timer);
     let mut last = tokio::time::Instant::now();
@@ -79,11 +78,7 @@ pub async fn serve(
                 last = tokio::time::Instant::now();
                 c.dispatch(req).await;
                 // A store session on this connection keeps it longer (its lease).
-                idle = if c.store_session.is_some() {
-                    c.coord.timing.store_idle_timeout()
-                } else {
-                    c.idle
-                };
+                idle = c.idle();
             }
             Some(Err(e)) => break Err(e),
             None => {
@@ -152,7 +147,6 @@ struct Connection {
     out: Outbox,
     /// Requests of this connection running on tasks of their own, bounded.
     tasks: Arc<Semaphore>,
-    idle: std::time::Duration,
     /// The peer this connection registered (or attached) as.
     me: Option<PeerId>,
     /// The store session this connection speaks for, if it is a store client.
@@ -160,6 +154,16 @@ struct Connection {
 }
 
 impl Connection {
+    /// How long this connection may say nothing: longer once it holds a store session
+    /// (its lease).
+    fn idle(&self) -> std::time::Duration {
+        if self.store_session.is_some() {
+            self.coord.timing.store_idle_timeout()
+        } else {
+            self.coord.timing.idle_timeout()
+        }
+    }
+
     /// Answers `req`, or starts the task that will: first what any master answers, then
     /// what only the leader does, then what the connection's credential allows.
     async fn dispatch(&mut self, req: Request) {

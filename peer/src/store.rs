@@ -276,16 +276,14 @@ impl StoreClient {
         let timeout = timeout.min(Duration::from_millis(
             eccl_protocol::StoreLimits::MAX_WAIT_MS,
         ));
-        let end = tokio::time::Instant::now().checked_add(timeout);
+        // At most a day from now: within the clock's range.
+        let end = tokio::time::Instant::now() + timeout;
         loop {
             let now = self.get(keys.clone()).await?;
             if now.iter().all(Option::is_some) {
                 return Ok(now);
             }
-            let left = match end {
-                Some(end) => end.saturating_duration_since(tokio::time::Instant::now()),
-                None => timeout,
-            };
+            let left = end.saturating_duration_since(tokio::time::Instant::now());
             self.wait(keys.clone(), left).await.map_err(|e| match e {
                 Error::Timeout { what, .. } => Error::Timeout {
                     what,

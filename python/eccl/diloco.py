@@ -12,7 +12,15 @@ from typing import List, Optional
 import torch
 
 import eccl
-from eccl.elastic import COMPRESSION, QUANTIZED, give_up, init_optimizer_state, next_world, retryable
+from eccl.elastic import (
+    COMPRESSION,
+    QUANTIZED,
+    give_up,
+    init_optimizer_state,
+    next_world,
+    retryable,
+    sync_or_next_world,
+)
 
 log = logging.getLogger("eccl.torch")
 
@@ -90,14 +98,9 @@ class DiLoCo:
         self._contributes = not self._needs_inner
         if self._needs_inner:
             comm.update_topology()
-        try:
-            members_in_outer = self._admitted()
-        except eccl.EcclError as e:
-            if not retryable(e):
-                give_up(comm, e)
-            # A fault during the first sync (the member serving it died): the next
-            # world, and the sync again over it, as the members do.
-            members_in_outer = next_world(comm, self._admitted, max_retries)
+        # A fault during the first sync (the member serving it died): the next world, and
+        # the sync again over it, as the members do.
+        members_in_outer = sync_or_next_world(comm, self._admitted, max_retries)
         if members_in_outer:
             # The members are retrying an outer step: take part with nothing to add, and
             # in the step boundary that follows it there (every member asks the master
@@ -242,12 +245,7 @@ class DiLoCo:
     def _boundary(self) -> None:
         if self.comm.are_peers_pending():
             self.comm.update_topology()
-            try:
-                self._admitted()
-            except eccl.EcclError as e:
-                if not retryable(e):
-                    give_up(self.comm, e)
-                next_world(self.comm, self._admitted, self.max_retries)
+            sync_or_next_world(self.comm, self._admitted, self.max_retries)
 
     def _pseudo_gradient(self, zero: bool) -> torch.Tensor:
         flat = torch.empty(sum(self._sizes), dtype=self._wire)

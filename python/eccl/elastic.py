@@ -14,7 +14,7 @@ import eccl
 log = logging.getLogger("eccl.torch")
 
 __all__ = ["ElasticDDP", "init_optimizer_state", "bucket_layout", "next_world", "retryable",
-           "give_up"]
+           "give_up", "sync_or_next_world"]
 
 T = TypeVar("T")
 
@@ -64,9 +64,10 @@ def next_world(comm: eccl.Communicator, resync: Callable[[], T], max_retries: in
     """After a failed collective: moves `comm` to the next world and runs `resync` (the
     state sync every member runs after a change of world) over it, again while either
     is aborted by a further fault or `resync` fails with another retryable error (a
-    timeout); returns what `resync` returned. Anything else is raised at once, among it
-    `update_topology()`'s own timeout: it already waited the whole join timeout for the
-    other members (5 minutes by default), and 16 more would not bring them."""
+    timeout); returns what `resync` returned. `update_topology()`'s own timeout is
+    raised at once: it already waited the whole join timeout for the other members (5
+    minutes by default), and 16 more would not bring them. An error the next world
+    cannot cure is given up on (`give_up`)."""
     last: Optional[BaseException] = None
     for _ in range(max_retries):
         try:
@@ -74,13 +75,31 @@ def next_world(comm: eccl.Communicator, resync: Callable[[], T], max_retries: in
         except eccl.AbortedError as e:
             last = e
             continue
+        except eccl.EcclError as e:
+            if retryable(e):
+                raise
+            give_up(comm, e)
         try:
             return resync()
         except eccl.EcclError as e:
             if not retryable(e):
-                raise
+                give_up(comm, e)
             last = e
     raise eccl.AbortedError(f"no stable world after {max_retries} attempts: {last}") from last
+
+
+def sync_or_next_world(comm: eccl.Communicator, sync: Callable[[], T], max_retries: int,
+                       resync: Optional[Callable[[], T]] = None) -> T:
+    """Runs `sync` (what every rank runs after a change of world); if a further fault
+    fails it (a member or newcomer died), moves to the next world and runs `resync`
+    (default: `sync`) over it (`next_world`). An error the next world cannot cure is
+    given up on (`give_up`)."""
+    try:
+        return sync()
+    except eccl.EcclError as e:
+        if not retryable(e):
+            give_up(comm, e)
+    return next_world(comm, resync or sync, max_retries)
 
 
 def give_up(comm: eccl.Communicator, error: BaseException) -> NoReturn:
@@ -257,17 +276,15 @@ class ElasticDDP:
         self._joined_now = comm.rank is None
         if self._joined_now:
             comm.update_topology()
-        try:
-            self._admit()
-        except eccl.EcclError as e:
-            if not retryable(e):
-                give_up(comm, e)
+
+        def again() -> bool:
             # A fault during the first sync (a member serving it died): the next world,
             # and the sync again over it, as the members do after a failed step. That
             # world may admit newcomers, for whom this is their admission: every rank
             # that came here skips its first step boundary as they do.
-            next_world(comm, self._admit, max_retries)
             self._joined_now = True
+            return self._admit()
+        sync_or_next_world(comm, self._admit, max_retries, again)
 
     # -- state ----------------------------------------------------------------------
 
@@ -399,15 +416,13 @@ class ElasticDDP:
             return True
         if not self.comm.are_peers_pending():
             return False
-        try:
+
+        def admit() -> bool:
             self.comm.update_topology()
-            self._admit()
-        except eccl.EcclError as e:
-            if not retryable(e):
-                give_up(self.comm, e)
-            # A fault during the admission's sync (the newcomer, or a member, died): the
-            # next world, and the sync again over it.
-            next_world(self.comm, self._admit, self.max_retries)
+            return self._admit()
+        # A fault during the admission's sync (the newcomer, or a member, died): the next
+        # world, and the sync again over it.
+        sync_or_next_world(self.comm, admit, self.max_retries, self._admit)
         return True
 
     def recover(self) -> bool:
@@ -415,12 +430,7 @@ class ElasticDDP:
         whether this rank's state was replaced (its gradients are then stale)."""
         with contextlib.suppress(eccl.EcclError):
             self._settle()      # a failed background sync: the next world replaces it
-        try:
-            return next_world(self.comm, self._admit, self.max_retries)
-        except eccl.EcclError as e:
-            if retryable(e):
-                raise
-            give_up(self.comm, e)
+        return next_world(self.comm, self._admit, self.max_retries)
 
     # -- gradients ------------------------------------------------------------------
 

@@ -60,26 +60,12 @@ impl<'a> Frames<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use eccl_protocol::frame::FrameKind;
-    use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
 
     fn header() -> FrameHeader {
         FrameHeader {
-            kind: FrameKind::Data,
-            epoch: 1,
             seq: 2,
             index: 3,
-            len: 0,
-            desc: Descriptor {
-                kind: CollectiveKind::AllReduce,
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-                algo: Algo::Ring,
-                root: 0,
-                count: 0,
-            },
-            offset: 0,
-            tag: 0,
+            ..crate::link::test_util::data_header(0)
         }
     }
 

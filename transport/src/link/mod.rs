@@ -391,3 +391,46 @@ impl LinkRx {
         self.ended
     }
 }
+
+/// What the transport's unit tests share: a data frame's header and an observer that
+/// records what it is told.
+#[cfg(test)]
+pub(crate) mod test_util {
+    use super::{LinkObserver, TransportError};
+    use eccl_protocol::frame::{FrameHeader, FrameKind};
+    use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
+    use std::sync::Mutex;
+
+    /// The header of a data frame of `len` bytes (epoch 1, an all_reduce of 4 f32).
+    pub fn data_header(len: u32) -> FrameHeader {
+        FrameHeader {
+            kind: FrameKind::Data,
+            epoch: 1,
+            seq: 0,
+            index: 0,
+            len,
+            desc: Descriptor {
+                kind: CollectiveKind::AllReduce,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                algo: Algo::Ring,
+                root: 0,
+                count: 4,
+            },
+            offset: 0,
+            tag: 0,
+        }
+    }
+
+    /// Records the aborts and failures a link reports.
+    #[derive(Default)]
+    pub struct Seen(pub Mutex<Vec<String>>);
+    impl LinkObserver for Seen {
+        fn on_abort(&self, _: &str, _: &FrameHeader, reason: &str) {
+            self.0.lock().unwrap().push(format!("abort {reason}"));
+        }
+        fn on_failure(&self, _: &str, e: &TransportError) {
+            self.0.lock().unwrap().push(format!("failure {e}"));
+        }
+    }
+}

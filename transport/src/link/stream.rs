@@ -419,39 +419,7 @@ async fn read_loop(mut r: BoxRead, ctx: ReaderCtx) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
-    use std::sync::Mutex;
-
-    #[derive(Default)]
-    struct Seen(Mutex<Vec<String>>);
-    impl LinkObserver for Seen {
-        fn on_abort(&self, _: &str, _: &FrameHeader, reason: &str) {
-            self.0.lock().unwrap().push(format!("abort {reason}"));
-        }
-        fn on_failure(&self, _: &str, e: &TransportError) {
-            self.0.lock().unwrap().push(format!("failure {e}"));
-        }
-    }
-
-    fn header(len: u32) -> FrameHeader {
-        FrameHeader {
-            kind: FrameKind::Data,
-            epoch: 1,
-            seq: 0,
-            index: 0,
-            len,
-            desc: Descriptor {
-                kind: CollectiveKind::AllReduce,
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-                algo: Algo::Ring,
-                root: 0,
-                count: 4,
-            },
-            offset: 0,
-            tag: 0,
-        }
-    }
+    use crate::link::test_util::{data_header as header, Seen};
 
     async fn pair() -> (LinkTx, LinkRx, tokio::io::DuplexStream, Arc<Seen>) {
         let (a, b) = tokio::io::duplex(1 << 20);

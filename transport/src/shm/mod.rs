@@ -798,34 +798,7 @@ pub async fn accept_link(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use eccl_protocol::{Algo, CollectiveKind, DType, Descriptor, ReduceOp};
-
-    struct Quiet;
-    impl LinkObserver for Quiet {
-        fn on_abort(&self, _: &str, _: &FrameHeader, _: &str) {}
-        fn on_failure(&self, _: &str, _: &TransportError) {}
-    }
-
-    fn header(len: u32) -> [u8; FRAME_HEADER_LEN] {
-        FrameHeader {
-            kind: FrameKind::Data,
-            epoch: 1,
-            seq: 0,
-            index: 0,
-            len,
-            desc: Descriptor {
-                kind: CollectiveKind::AllReduce,
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-                algo: Algo::Ring,
-                root: 0,
-                count: 2,
-            },
-            offset: 0,
-            tag: 0,
-        }
-        .encode()
-    }
+    use crate::link::test_util::{data_header, Seen};
 
     /// A peer that breaks the ring's protocol (it clears the `busy` flag of a slot this
     /// side still holds, and publishes into it) fails the link: the receiver would
@@ -838,8 +811,9 @@ mod tests {
         let peer = Mapping::map(&fds.segment, geo).expect("map");
         let map = Mapping::map(&fds.segment, geo).expect("map");
         let (ours, _theirs) = UnixStream::pair().expect("socketpair");
-        let (_tx, mut rx) = build(ours, map, fds, 1, "peer".into(), Arc::new(Quiet)).expect("link");
-        let h = header(8);
+        let (_tx, mut rx) =
+            build(ours, map, fds, 1, "peer".into(), Arc::new(Seen::default())).expect("link");
+        let h = data_header(8).encode();
         // SAFETY: the test is ring 0's only sender, counts its frames, and 8 bytes fit.
         let publish = |n: u64| unsafe { peer.try_publish(0, n, &h, &[n as u8; 8]) };
         assert!(publish(0));
